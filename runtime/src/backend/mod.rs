@@ -1,0 +1,198 @@
+//! Matmul backends. The op is `C[M×N] = A[M×K] · Wᵀ`: `W` is a GGUF weight with `ne0 = K` and
+//! `ne1 = N` in any supported type, `A` and `C` are row-major f32.
+//!
+//! Field lesson (`context/experiment-2026-10-11.txt`): a backend failure must be an error, never an
+//! untouched output buffer. [`run_checked`] poisons `C` before every run and turns poison left
+//! behind into an error, whatever the backend returned.
+
+use crate::ledger::Arrival;
+use crate::quant::GgmlType;
+use std::fmt;
+
+/// A weight as a backend sees it: a view into the model mapping, never a copy.
+#[derive(Clone, Copy, Debug)]
+pub struct Weight<'w> {
+    pub name: &'w str,
+    pub ty: GgmlType,
+    /// Inner dimension (ggml `ne0`).
+    pub k: usize,
+    /// Output features (ggml `ne1`).
+    pub n: usize,
+    pub data: &'w [u8],
+}
+
+/// The shape of one matmul call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MatmulOp {
+    pub m: usize,
+    pub k: usize,
+    pub n: usize,
+    pub ty: GgmlType,
+}
+
+impl MatmulOp {
+    pub fn for_weight(w: &Weight<'_>, m: usize) -> MatmulOp {
+        MatmulOp {
+            m,
+            k: w.k,
+            n: w.n,
+            ty: w.ty,
+        }
+    }
+}
+
+/// Why a backend declines an op. Every decline names its reason; the scheduler records them.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+#[serde(tag = "reason")]
+pub enum Decline {
+    KNotAligned { k: usize, need: usize },
+    NNotAligned { n: usize, need: usize },
+    SmallM { m: usize, min: usize },
+    WeightType { ty: String },
+    NoDevice { why: String },
+    DriverTooOld { found: String, need: String },
+    RuntimeAbi { why: String },
+}
+
+impl Decline {
+    /// The reason's name without its numbers, for coverage tables.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Decline::KNotAligned { .. } => "KNotAligned",
+            Decline::NNotAligned { .. } => "NNotAligned",
+            Decline::SmallM { .. } => "SmallM",
+            Decline::WeightType { .. } => "WeightType",
+            Decline::NoDevice { .. } => "NoDevice",
+            Decline::DriverTooOld { .. } => "DriverTooOld",
+            Decline::RuntimeAbi { .. } => "RuntimeAbi",
+        }
+    }
+}
+
+impl fmt::Display for Decline {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Decline::KNotAligned { k, need } => write!(f, "KNotAligned{{k: {k}, need: {need}}}"),
+            Decline::NNotAligned { n, need } => write!(f, "NNotAligned{{n: {n}, need: {need}}}"),
+            Decline::SmallM { m, min } => write!(f, "SmallM{{m: {m}, min: {min}}}"),
+            Decline::WeightType { ty } => write!(f, "WeightType({ty})"),
+            Decline::NoDevice { why } => write!(f, "NoDevice({why})"),
+            Decline::DriverTooOld { found, need } => {
+                write!(f, "DriverTooOld{{found: {found}, need: {need}}}")
+            }
+            Decline::RuntimeAbi { why } => write!(f, "RuntimeAbi({why})"),
+        }
+    }
+}
+
+/// What `probe()` found: versions and features, as evidence for the self-check report.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct Capabilities {
+    /// `key: value` facts (library version, driver version, cores, CPU kernel chosen, ...).
+    pub facts: Vec<(String, String)>,
+    /// True when the backend runs on a stand-in rather than the real hardware/library.
+    pub simulated: bool,
+}
+
+/// A weight made ready for one backend. The CPU borrows the mapping; the NPU converts into its
+/// native layout. Either way the arrival is recorded in the ownership ledger.
+pub trait PreparedWeight: Send + Sync {
+    fn arrival(&self) -> Arrival;
+    fn as_any(&self) -> &dyn std::any::Any;
+}
+
+pub trait Backend: Send + Sync {
+    fn name(&self) -> &'static str;
+    /// Capabilities, or why the backend is absent on this machine.
+    fn probe(&self) -> Result<Capabilities, Decline>;
+    /// Yes, or a named reason.
+    fn supports(&self, op: &MatmulOp) -> Result<(), Decline>;
+    /// Make `w` ready for [`Backend::run`].
+    fn prepare<'w>(&self, w: &Weight<'w>) -> anyhow::Result<Box<dyn PreparedWeight + 'w>>;
+    /// Compute `c = a · wᵀ` for `m` rows of `a`. Call it through [`run_checked`].
+    fn run(
+        &self,
+        w: &Weight<'_>,
+        prepared: &dyn PreparedWeight,
+        a: &[f32],
+        m: usize,
+        c: &mut [f32],
+    ) -> anyhow::Result<()>;
+}
+
+/// The bit pattern written into C before every run: a quiet NaN with a payload no arithmetic
+/// produces, so "left untouched" is told apart from "computed a NaN".
+pub const POISON_BITS: u32 = 0x7FC0_4B4E;
+
+pub fn poison(c: &mut [f32]) {
+    c.fill(f32::from_bits(POISON_BITS));
+}
+
+/// Where poison was left behind, if anywhere: (first index, how many).
+pub fn find_poison(c: &[f32]) -> Option<(usize, usize)> {
+    let first = c.iter().position(|v| v.to_bits() == POISON_BITS)?;
+    let count = c.iter().filter(|v| v.to_bits() == POISON_BITS).count();
+    Some((first, count))
+}
+
+/// Run an op with the output poisoned first; an error from the backend, or poison left behind
+/// after an `Ok`, both come back as errors that name the backend and the weight.
+pub fn run_checked(
+    backend: &dyn Backend,
+    w: &Weight<'_>,
+    prepared: &dyn PreparedWeight,
+    a: &[f32],
+    m: usize,
+    c: &mut [f32],
+) -> anyhow::Result<()> {
+    use anyhow::{bail, Context};
+    if a.len() != m * w.k {
+        bail!(
+            "{}: activations for {} have {} values, expected M×K = {}×{}",
+            backend.name(),
+            w.name,
+            a.len(),
+            m,
+            w.k
+        );
+    }
+    if c.len() != m * w.n {
+        bail!(
+            "{}: output for {} has {} values, expected M×N = {}×{}",
+            backend.name(),
+            w.name,
+            c.len(),
+            m,
+            w.n
+        );
+    }
+    poison(c);
+    backend
+        .run(w, prepared, a, m, c)
+        .with_context(|| format!("{} matmul on {} (M={m})", backend.name(), w.name))?;
+    if let Some((first, count)) = find_poison(c) {
+        bail!(
+            "{} matmul on {} (M={m}) returned success but left {count} of {} outputs untouched \
+             (first at index {first})",
+            backend.name(),
+            w.name,
+            c.len()
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn poison_is_not_a_computed_nan() {
+        let computed = [f32::NAN, -f32::NAN, f32::INFINITY * 0.0];
+        assert_eq!(find_poison(&computed), None);
+        let mut c = [1.0f32; 4];
+        poison(&mut c);
+        c[0] = 2.0;
+        assert_eq!(find_poison(&c), Some((1, 3)));
+    }
+}

@@ -1,0 +1,23 @@
+//! kiln's on-board runtime. See `ARCHITECTURE.md` at the repository root for the map.
+
+pub mod backend;
+pub mod ledger;
+pub mod quant;
+
+#[cfg(test)]
+mod arch_tests {
+    /// `cargo xtask test` sets `KILN_EXPECT_ARCH=aarch64` for the qemu-user stages, so a run that
+    /// silently happened on the host cannot pass as an aarch64 run.
+    #[test]
+    fn runs_on_the_architecture_the_harness_expects() {
+        if let Ok(want) = std::env::var("KILN_EXPECT_ARCH") {
+            assert_eq!(std::env::consts::ARCH, want);
+            let compiled_for = if cfg!(target_arch = "aarch64") {
+                "aarch64"
+            } else {
+                "not aarch64"
+            };
+            assert_eq!(compiled_for, want);
+        }
+    }
+}

@@ -1,0 +1,318 @@
+//! The host prerequisites and their one resolver. Every command calls [`ensure`] with the tools it
+//! needs before it runs: a missing tool is installed when this process can (root on an apt-based
+//! distro) and the exact command is printed; otherwise we stop with one line naming the command.
+
+use anyhow::{bail, Context, Result};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use xshell::cmd;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Only report; install nothing.
+    #[arg(long)]
+    pub check: bool,
+}
+
+/// A host tool, how to see it and which Debian packages provide it.
+pub struct Tool {
+    pub name: &'static str,
+    pub why: &'static str,
+    /// The version line if the tool is present.
+    pub probe: fn() -> Option<String>,
+    pub apt: &'static [&'static str],
+}
+
+pub const AARCH64: &str = "aarch64-unknown-linux-gnu";
+pub const SYSROOT: &str = "/usr/aarch64-linux-gnu";
+
+/// First line of `prog args…` stdout (or stderr) if it runs and exits 0.
+pub fn version_of(prog: &str, args: &[&str]) -> Option<String> {
+    let out = Command::new(prog).args(args).output().ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    let text = if out.stdout.is_empty() {
+        out.stderr
+    } else {
+        out.stdout
+    };
+    let s = String::from_utf8_lossy(&text);
+    Some(s.lines().next().unwrap_or("").trim().to_string())
+}
+
+fn file_exists(p: &str) -> Option<String> {
+    Path::new(p).exists().then(|| p.to_string())
+}
+
+pub const CROSS_GCC: Tool = Tool {
+    name: "aarch64-linux-gnu-gcc",
+    why: "links the aarch64 runtime",
+    probe: || version_of("aarch64-linux-gnu-gcc", &["--version"]),
+    apt: &["gcc-aarch64-linux-gnu", "libc6-dev-arm64-cross"],
+};
+
+pub const AARCH64_SYSROOT: Tool = Tool {
+    name: "aarch64 glibc sysroot",
+    why: "lets qemu-user run the dynamically linked runtime (-L /usr/aarch64-linux-gnu)",
+    probe: || file_exists("/usr/aarch64-linux-gnu/lib/ld-linux-aarch64.so.1"),
+    apt: &["libc6-arm64-cross"],
+};
+
+pub const QEMU_USER: Tool = Tool {
+    name: "qemu-aarch64-static",
+    why: "runs the runtime's tests as aarch64 code",
+    probe: || version_of("qemu-aarch64-static", &["--version"]),
+    apt: &["qemu-user-static"],
+};
+
+pub const PYTHON_VENV: Tool = Tool {
+    name: "python3 -m venv",
+    why: "installs llama.cpp's gguf-py, the independent GGUF reference",
+    probe: || {
+        version_of(
+            "python3",
+            &[
+                "-c",
+                "import venv, ensurepip; import sys; print(sys.version.split()[0])",
+            ],
+        )
+    },
+    apt: &["python3-venv"],
+};
+
+/// Every tool any command needs, for `cargo xtask doctor`.
+pub fn all_tools() -> Vec<&'static Tool> {
+    vec![&CROSS_GCC, &AARCH64_SYSROOT, &QEMU_USER, &PYTHON_VENV]
+}
+
+fn is_root() -> bool {
+    version_of("id", &["-u"]).as_deref() == Some("0")
+}
+
+fn can_apt() -> bool {
+    Path::new("/etc/debian_version").exists() && version_of("apt-get", &["--version"]).is_some()
+}
+
+static APT_UPDATED: AtomicBool = AtomicBool::new(false);
+
+/// Install Debian packages, printing the exact commands; or stop with the command to run.
+pub fn apt_install(pkgs: &[&str], for_what: &str) -> Result<()> {
+    let line = format!(
+        "apt-get install -y --no-install-recommends {}",
+        pkgs.join(" ")
+    );
+    if !(is_root() && can_apt()) {
+        bail!("missing {for_what}: run `sudo {line}` (or your distribution's equivalent)");
+    }
+    let sh = xshell::Shell::new()?;
+    sh.set_var("DEBIAN_FRONTEND", "noninteractive");
+    if !APT_UPDATED.swap(true, Ordering::SeqCst) {
+        println!("doctor: running `apt-get update`");
+        cmd!(sh, "apt-get update -qq")
+            .run()
+            .context("apt-get update")?;
+    }
+    println!("doctor: installing {for_what}: running `{line}`");
+    cmd!(
+        sh,
+        "apt-get install -y -qq --no-install-recommends {pkgs...}"
+    )
+    .run()
+    .with_context(|| format!("`{line}` failed"))?;
+    Ok(())
+}
+
+/// Make sure every tool in `tools` is present, installing what is missing (once, together).
+pub fn ensure(tools: &[&Tool]) -> Result<()> {
+    let missing: Vec<&&Tool> = tools.iter().filter(|t| (t.probe)().is_none()).collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let mut pkgs: Vec<&str> = missing.iter().flat_map(|t| t.apt.iter().copied()).collect();
+    pkgs.sort();
+    pkgs.dedup();
+    let names: Vec<&str> = missing.iter().map(|t| t.name).collect();
+    apt_install(&pkgs, &names.join(", "))?;
+    for t in missing {
+        if (t.probe)().is_none() {
+            bail!(
+                "{} is still missing after installing {}: check the packages",
+                t.name,
+                t.apt.join(" ")
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Which compiler builds for aarch64, and how it got its standard library.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct CrossToolchain {
+    /// How the aarch64 std was found: `rustup (already installed)`, `rustup target add`,
+    /// `debian rustc-web + libstd-rust-web-dev:arm64`.
+    pub source: String,
+    /// `RUSTC` for cargo, when it is not the one on PATH.
+    pub rustc: Option<PathBuf>,
+    /// The cargo to run for cross builds.
+    pub cargo: PathBuf,
+    pub rustc_version: String,
+}
+
+impl CrossToolchain {
+    /// A `cargo` command for aarch64 builds with the linker and (if needed) RUSTC set.
+    pub fn cargo<'a>(&self, sh: &'a xshell::Shell) -> xshell::Cmd<'a> {
+        let cargo = &self.cargo;
+        let remap = format!(
+            "--remap-path-prefix={}=/kiln",
+            crate::project_root().display()
+        );
+        let mut c = cmd!(sh, "{cargo}")
+            .env(
+                "CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER",
+                "aarch64-linux-gnu-gcc",
+            )
+            .env("CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUSTFLAGS", remap);
+        if let Some(rustc) = &self.rustc {
+            c = c.env("RUSTC", rustc);
+        }
+        c
+    }
+}
+
+fn rustup_has_target() -> bool {
+    let Some(sysroot) = version_of("rustc", &["--print", "sysroot"]) else {
+        return false;
+    };
+    Path::new(&sysroot)
+        .join("lib/rustlib")
+        .join(AARCH64)
+        .join("lib")
+        .is_dir()
+}
+
+fn toolchain_record() -> PathBuf {
+    crate::target_dir().join("kiln/toolchain.json")
+}
+
+/// Find (or install) an aarch64 std, in the order: rustup's toolchain already has it; `rustup
+/// target add`; Debian's rustc-web with `libstd-rust-web-dev:arm64`; `cross` where a container
+/// engine answers. The one used is printed and recorded in `target/kiln/toolchain.json`.
+pub fn cross_toolchain() -> Result<CrossToolchain> {
+    ensure(&[&CROSS_GCC])?;
+    let rustup_cargo = || -> PathBuf {
+        std::env::var_os("CARGO")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from("cargo"))
+    };
+    let tc = if rustup_has_target() {
+        CrossToolchain {
+            source: "rustup (target already installed)".into(),
+            rustc: None,
+            cargo: rustup_cargo(),
+            rustc_version: version_of("rustc", &["--version"]).unwrap_or_default(),
+        }
+    } else if version_of("rustup", &["--version"]).is_some() && {
+        println!("doctor: aarch64 std missing: running `rustup target add {AARCH64}`");
+        let sh = xshell::Shell::new()?;
+        cmd!(sh, "rustup target add {AARCH64}").run().is_ok() && rustup_has_target()
+    } {
+        CrossToolchain {
+            source: "rustup target add".into(),
+            rustc: None,
+            cargo: rustup_cargo(),
+            rustc_version: version_of("rustc", &["--version"]).unwrap_or_default(),
+        }
+    } else if debian_rustc_web()? {
+        CrossToolchain {
+            source: "debian rustc-web + libstd-rust-web-dev:arm64".into(),
+            rustc: Some("/usr/bin/rustc".into()),
+            cargo: "/usr/bin/cargo".into(),
+            rustc_version: version_of("/usr/bin/rustc", &["--version"]).unwrap_or_default(),
+        }
+    } else if version_of("cross", &["--version"]).is_some()
+        && (version_of("docker", &["info"]).is_some() || version_of("podman", &["info"]).is_some())
+    {
+        bail!(
+            "only `cross` with a container engine can build for {AARCH64} here, and kiln does not \
+             drive it: run `rustup target add {AARCH64}`"
+        );
+    } else {
+        bail!("no aarch64 Rust std: run `rustup target add {AARCH64}`");
+    };
+    let rec = toolchain_record();
+    if let Some(dir) = rec.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    let json = serde_json::to_string_pretty(&tc)?;
+    let prev = std::fs::read_to_string(&rec).ok();
+    if prev.as_deref() != Some(json.as_str()) {
+        println!(
+            "doctor: aarch64 std from {} ({})",
+            tc.source, tc.rustc_version
+        );
+        let tmp = rec.with_extension("json.tmp");
+        std::fs::write(&tmp, &json).with_context(|| format!("writing {}", tmp.display()))?;
+        std::fs::rename(&tmp, &rec).with_context(|| format!("renaming to {}", rec.display()))?;
+    }
+    Ok(tc)
+}
+
+/// Debian's rustc-web and its arm64 std must come from the same source version.
+fn debian_rustc_web() -> Result<bool> {
+    let std_dir = Path::new("/usr/lib/rustlib").join(AARCH64).join("lib");
+    if std_dir.is_dir() && Path::new("/usr/bin/rustc").exists() {
+        return Ok(true);
+    }
+    if !(is_root() && can_apt()) {
+        return Ok(false);
+    }
+    let sh = xshell::Shell::new()?;
+    println!("doctor: running `dpkg --add-architecture arm64`");
+    cmd!(sh, "dpkg --add-architecture arm64").run()?;
+    APT_UPDATED.store(false, Ordering::SeqCst);
+    apt_install(
+        &["rustc-web", "cargo-web", "libstd-rust-web-dev:arm64"],
+        "Debian's rustc-web with the arm64 std",
+    )?;
+    Ok(std_dir.is_dir())
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let tools = all_tools();
+    let mut missing = Vec::new();
+    println!("{:<28} {:<8} version / why", "tool", "status");
+    for t in &tools {
+        match (t.probe)() {
+            Some(v) => println!("{:<28} {:<8} {v}", t.name, "found"),
+            None => {
+                println!(
+                    "{:<28} {:<8} ({}; apt: {})",
+                    t.name,
+                    "MISSING",
+                    t.why,
+                    t.apt.join(" ")
+                );
+                missing.push(*t);
+            }
+        }
+    }
+    let std_line = if rustup_has_target() {
+        "found    rustup toolchain".to_string()
+    } else {
+        "MISSING  (resolved on first cross build: rustup target add, then Debian rustc-web)"
+            .to_string()
+    };
+    println!("{:<28} {std_line}", format!("rust std {AARCH64}"));
+    if args.check {
+        if !missing.is_empty() {
+            bail!("{} tool(s) missing", missing.len());
+        }
+        return Ok(());
+    }
+    ensure(&missing)?;
+    cross_toolchain()?;
+    println!("doctor: everything kiln needs is present");
+    Ok(())
+}

@@ -1,0 +1,50 @@
+//! `cargo xtask`: kiln's host tool, in the cargo-xtask convention (one module per subcommand,
+//! external programs through `xshell::cmd!`, `anyhow` context at every step).
+
+mod build;
+mod doctor;
+mod test;
+
+use clap::Parser;
+use std::path::{Path, PathBuf};
+
+/// kiln's host tool: set up the host, cross-build the runtime, test everything.
+#[derive(Parser)]
+#[command(name = "cargo xtask", version, about)]
+enum Cli {
+    /// List every host tool kiln needs, found or missing, with versions; install what is missing.
+    Doctor(doctor::Args),
+    /// Cross-build `kiln` for aarch64-unknown-linux-gnu and print the artifact path.
+    Build(build::Args),
+    /// The one test command: fmt, clippy, host tests, aarch64 tests under qemu-user, and more.
+    Test(test::Args),
+}
+
+fn main() -> anyhow::Result<()> {
+    match Cli::parse() {
+        Cli::Doctor(a) => doctor::run(a),
+        Cli::Build(a) => build::run(a).map(|_| ()),
+        Cli::Test(a) => test::run(a),
+    }
+}
+
+/// The workspace root: the folder above this crate.
+pub fn project_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives one level below the workspace root")
+        .to_path_buf()
+}
+
+/// `target/` under the root, unless `CARGO_TARGET_DIR` moves it.
+pub fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| project_root().join("target"))
+}
+
+pub fn shell() -> anyhow::Result<xshell::Shell> {
+    let sh = xshell::Shell::new()?;
+    sh.change_dir(project_root());
+    Ok(sh)
+}
