@@ -16,7 +16,7 @@ pub use value::{Value, ValueType};
 
 use crate::backend::Weight;
 use crate::ledger::{Arrival, Ledger};
-use crate::quant::GgmlType;
+use crate::quant::{dequantize_row, GgmlType, QuantError};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -162,6 +162,18 @@ pub struct TensorView<'a> {
 impl<'a> TensorView<'a> {
     pub fn n_elements(&self) -> u64 {
         self.ne.iter().product()
+    }
+
+    /// Dequantise the whole tensor to f32 (ne0 fastest) with the scalar reference code.
+    pub fn to_f32(&self) -> Result<Vec<f32>, QuantError> {
+        let n = usize::try_from(self.n_elements()).map_err(|_| QuantError::PartialBlock {
+            ty: self.ty,
+            elems: usize::MAX,
+            block: self.ty.block_elems(),
+        })?;
+        let mut out = vec![0f32; n];
+        dequantize_row(self.ty, self.data, &mut out)?;
+        Ok(out)
     }
 
     /// The tensor as a matmul weight (`k = ne0`, `n = ne1`), if it is 2-D.
