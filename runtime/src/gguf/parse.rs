@@ -95,7 +95,10 @@ impl<'a> Cursor<'a> {
         Ok((at, s))
     }
 
-    /// Check that `count` items of at least `min` bytes each can fit in what is left.
+    /// Bound a count read from the file: more items of at least `min` bytes than the whole file
+    /// could hold is an error; otherwise the capacity to reserve, capped by the bytes left, so
+    /// no allocation exceeds what the file can back. (A count that fits the file but not what is
+    /// left of it is reported as truncation by the read that runs out.)
     fn bound_count(
         &self,
         at: usize,
@@ -103,12 +106,12 @@ impl<'a> Cursor<'a> {
         count: u64,
         min: u64,
     ) -> Result<usize, ParseError> {
-        let max = self.left() / min;
+        let max = self.buf.len() as u64 / min;
         if count > max {
             return Err(self.err(at, ErrorKind::CountTooLarge { what, count, max }));
         }
-        // count <= left <= usize::MAX.
-        Ok(count as usize)
+        // Both are at most the file length, which fits in usize.
+        Ok(count.min(self.left() / min) as usize)
     }
 
     fn value(&mut self, ty: ValueType, key: &str) -> Result<Value, ParseError> {
@@ -161,9 +164,9 @@ impl<'a> Cursor<'a> {
                 }
                 let count_at = self.pos;
                 let count = self.u64("array length")?;
-                let n = self.bound_count(count_at, "array element", count, elem.min_size())?;
-                let mut items = Vec::with_capacity(n);
-                for _ in 0..n {
+                let cap = self.bound_count(count_at, "array element", count, elem.min_size())?;
+                let mut items = Vec::with_capacity(cap);
+                for _ in 0..count {
                     items.push(self.value(elem, key)?);
                 }
                 Value::Array(elem, items)
@@ -196,13 +199,13 @@ pub(super) fn parse(buf: &[u8]) -> Result<Gguf, ParseError> {
     }
     let tensor_count = c.u64("tensor_count")?;
     let kv_count = c.u64("kv_count")?;
-    let n_kv = c.bound_count(16, "metadata key-value", kv_count, MIN_KV_BYTES)?;
-    let n_tensors = c.bound_count(8, "tensor", tensor_count, MIN_TENSOR_INFO_BYTES)?;
+    let tensor_cap = c.bound_count(8, "tensor", tensor_count, MIN_TENSOR_INFO_BYTES)?;
+    let kv_cap = c.bound_count(16, "metadata key-value", kv_count, MIN_KV_BYTES)?;
 
-    let mut metadata: Vec<(String, Value)> = Vec::with_capacity(n_kv);
-    let mut index: HashMap<String, usize> = HashMap::with_capacity(n_kv);
+    let mut metadata: Vec<(String, Value)> = Vec::with_capacity(kv_cap);
+    let mut index: HashMap<String, usize> = HashMap::with_capacity(kv_cap);
     let mut alignment = DEFAULT_ALIGNMENT;
-    for _ in 0..n_kv {
+    for _ in 0..kv_count {
         let (key_at, key) = c.string("key length", "key")?;
         if key.is_empty() {
             return Err(c.err(key_at, ErrorKind::EmptyKey));
@@ -240,9 +243,9 @@ pub(super) fn parse(buf: &[u8]) -> Result<Gguf, ParseError> {
         metadata.push((key.to_string(), value));
     }
 
-    let mut tensors: Vec<TensorInfo> = Vec::with_capacity(n_tensors);
-    let mut tensor_index: HashMap<String, usize> = HashMap::with_capacity(n_tensors);
-    for _ in 0..n_tensors {
+    let mut tensors: Vec<TensorInfo> = Vec::with_capacity(tensor_cap);
+    let mut tensor_index: HashMap<String, usize> = HashMap::with_capacity(tensor_cap);
+    for _ in 0..tensor_count {
         let (info_at, name) = c.string("tensor name length", "tensor name")?;
         if name.len() > MAX_NAME_LEN {
             return Err(c.err(
