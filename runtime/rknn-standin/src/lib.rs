@@ -24,11 +24,13 @@ use std::sync::{Mutex, MutexGuard};
 #[cfg(not(feature = "abi1"))]
 #[no_mangle]
 #[used]
-pub static KILN_STANDIN_VERSION: [u8; 51] = *b"librknnrt version: 2.3.2 (kiln-standin SIMULATOR)\0\0";
+pub static KILN_STANDIN_VERSION: [u8; 51] =
+    *b"librknnrt version: 2.3.2 (kiln-standin SIMULATOR)\0\0";
 #[cfg(feature = "abi1")]
 #[no_mangle]
 #[used]
-pub static KILN_STANDIN_VERSION: [u8; 51] = *b"librknnrt version: 1.6.0 (kiln-standin SIMULATOR)\0\0";
+pub static KILN_STANDIN_VERSION: [u8; 51] =
+    *b"librknnrt version: 1.6.0 (kiln-standin SIMULATOR)\0\0";
 
 pub const RKNN_SUCC: c_int = 0;
 pub const RKNN_ERR_FAIL: c_int = -1;
