@@ -3,6 +3,7 @@
 pub mod backend;
 pub mod ledger;
 pub mod quant;
+pub mod sched;
 
 #[cfg(test)]
 mod arch_tests {
