@@ -452,6 +452,7 @@ fn writers_are_reproducible() {
     tools();
     let exe = std::env::current_exe().unwrap();
     let mut results = Vec::new();
+    let mut dirs = Vec::new();
     for (i, (tz, umask)) in [("UTC", "022"), ("America/St_Johns", "077")]
         .into_iter()
         .enumerate()
@@ -483,16 +484,18 @@ fn writers_are_reproducible() {
                 .unwrap();
         assert_eq!(hashes.len(), 5, "{hashes:?}");
         results.push(hashes);
-        // Keep the dirs alive until compared.
-        std::mem::forget(t);
+        dirs.push(t);
     }
-    for (name, h) in &results[0] {
-        assert_eq!(
-            Some(h),
-            results[1].get(name),
-            "{name} differs between two builds"
-        );
-    }
+    let differ: Vec<&String> = results[0]
+        .iter()
+        .filter(|(name, h)| results[1].get(*name) != Some(*h))
+        .map(|(name, _)| name)
+        .collect();
+    assert!(
+        differ.is_empty(),
+        "differ between two builds: {differ:?} (kept in {:?})",
+        dirs.into_iter().map(|d| d.keep()).collect::<Vec<_>>()
+    );
 }
 
 #[test]
