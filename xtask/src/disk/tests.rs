@@ -67,6 +67,11 @@ fn boot_files() -> Vec<(String, Vec<u8>)> {
                 .to_vec(),
         ),
         ("Image".into(), image),
+        // Two levels deep, as a board's dtb is: `..` of a nested folder is not the root.
+        (
+            "dtbs/rockchip/rk3588-rock-5b.dtb".into(),
+            vec![0xd0, 0x0d, 0xfe, 0xed, 0, 0, 0, 0x28],
+        ),
         ("initramfs.cpio.gz".into(), b"not really gzip".to_vec()),
     ]
 }
@@ -359,6 +364,9 @@ fn three_partition_disk_passes_independent_tools() {
         got,
         [
             "::/Image",
+            "::/dtbs",
+            "::/dtbs/rockchip",
+            "::/dtbs/rockchip/rk3588-rock-5b.dtb",
             "::/extlinux",
             "::/extlinux/extlinux.conf",
             "::/initramfs.cpio.gz",
@@ -387,6 +395,9 @@ fn three_partition_disk_passes_independent_tools() {
         names,
         [
             ("Image", false),
+            ("dtbs", true),
+            ("dtbs/rockchip", true),
+            ("dtbs/rockchip/rk3588-rock-5b.dtb", false),
             ("extlinux", true),
             ("extlinux/extlinux.conf", false),
             ("initramfs.cpio.gz", false),
