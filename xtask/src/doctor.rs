@@ -132,6 +132,13 @@ pub const MTOOLS: Tool = Tool {
     apt: &["mtools"],
 };
 
+pub const LOSETUP: Tool = Tool {
+    name: "losetup",
+    why: "exposes a test image as a block device, to read a GPT and FAT from a device in tests",
+    probe: || version_of("losetup", &["--version"]),
+    apt: &["mount"],
+};
+
 pub const CPIO: Tool = Tool {
     name: "cpio",
     why: "reads our initramfs back independently in tests",
@@ -154,6 +161,7 @@ pub fn all_tools() -> Vec<&'static Tool> {
         &E2FSCK,
         &MTOOLS,
         &CPIO,
+        &LOSETUP,
     ]
 }
 

@@ -781,3 +781,63 @@ fn cpio_reads_back_with_gnu_cpio() {
     ];
     assert!(cpio::write_newc_gz(&gz, &bad, 0).is_err());
 }
+
+/// A loop device over an image, detached on drop (also when the test panics).
+struct Loop(String);
+
+impl Drop for Loop {
+    fn drop(&mut self) {
+        if let Ok(sh) = Shell::new() {
+            let dev = &self.0;
+            let _ = cmd!(sh, "losetup -d {dev}").quiet().run();
+        }
+    }
+}
+
+/// The readers work on a block device, read-only: the image behind a read-only loop device.
+/// Needs root (loop devices); elsewhere it says so and passes.
+#[test]
+fn readers_work_on_a_read_only_block_device() {
+    let root = doctor::version_of("id", &["-u"]).as_deref() == Some("0");
+    if !root || !Path::new("/dev/loop-control").exists() {
+        eprintln!(
+            "SKIP readers_work_on_a_read_only_block_device: needs root and /dev/loop-control"
+        );
+        return;
+    }
+    tools();
+    doctor::ensure(&[&doctor::LOSETUP]).unwrap();
+    let t = tempfile::tempdir().unwrap();
+    let part = t.path().join("boot.vfat");
+    let files = boot_files();
+    fat::build(&part, BOOT_SIZE, 7, "KILN-BOOT", &files, EPOCH).unwrap();
+    let spec = specs().remove(0);
+    let img = t.path().join("disk.img");
+    assemble(
+        &img,
+        DISK_SIZE,
+        guid_from_seed(SEED, "disk"),
+        &[(spec.clone(), part)],
+        &[],
+    )
+    .unwrap();
+    let before = sha256_file(&img);
+    let sh = Shell::new().unwrap();
+    let dev = cmd!(sh, "losetup --find --show --read-only {img}")
+        .read()
+        .unwrap();
+    let lo = Loop(dev.trim().to_string());
+    let dev = Path::new(&lo.0);
+    let parts = gpt::read(dev).unwrap();
+    assert_eq!(parts.len(), 1);
+    assert_eq!(parts[0].name, "boot");
+    assert_eq!(parts[0].unique_guid, spec.unique_guid);
+    let (off, len) = (parts[0].start_bytes(), parts[0].size_bytes());
+    assert_eq!(
+        fat::read_file(dev, off, len, "extlinux/extlinux.conf").unwrap(),
+        files[1].1
+    );
+    assert_eq!(fat::list(dev, off, len).unwrap().len(), 9);
+    drop(lo);
+    assert_eq!(sha256_file(&img), before);
+}
