@@ -82,9 +82,54 @@ pub const PYTHON_VENV: Tool = Tool {
     apt: &["python3-venv"],
 };
 
+pub const BMAPTOOL: Tool = Tool {
+    name: "bmaptool",
+    why: "the independent reference for our .bmap files; `bench flash` compares against it",
+    probe: || version_of("bmaptool", &["--version"]),
+    apt: &["bmap-tools"],
+};
+
+pub const LSBLK: Tool = Tool {
+    name: "lsblk",
+    why: "`flash` reads the block devices (type, transport, size, mounts) from it",
+    probe: || version_of("lsblk", &["--version"]),
+    apt: &["util-linux"],
+};
+
+pub const LOSETUP: Tool = Tool {
+    name: "losetup",
+    why: "`flash` tests and `bench flash` write to loop devices",
+    probe: || version_of("losetup", &["--version"]),
+    apt: &["mount"],
+};
+
+pub const MKFS_VFAT: Tool = Tool {
+    name: "mkfs.vfat",
+    why: "`flash` tests mount a FAT partition to see a mounted device refused",
+    probe: || version_of("mkfs.vfat", &["--help"]).map(|_| "present".into()),
+    apt: &["dosfstools"],
+};
+
+pub const SFDISK: Tool = Tool {
+    name: "sfdisk",
+    why: "`flash` tests partition a loop device",
+    probe: || version_of("sfdisk", &["--version"]),
+    apt: &["fdisk"],
+};
+
 /// Every tool any command needs, for `cargo xtask doctor`.
 pub fn all_tools() -> Vec<&'static Tool> {
-    vec![&CROSS_GCC, &AARCH64_SYSROOT, &QEMU_USER, &PYTHON_VENV]
+    vec![
+        &CROSS_GCC,
+        &AARCH64_SYSROOT,
+        &QEMU_USER,
+        &PYTHON_VENV,
+        &BMAPTOOL,
+        &LSBLK,
+        &LOSETUP,
+        &MKFS_VFAT,
+        &SFDISK,
+    ]
 }
 
 fn is_root() -> bool {
