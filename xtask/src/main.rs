@@ -1,10 +1,10 @@
 //! `cargo xtask`: kiln's host tool, in the cargo-xtask convention (one module per subcommand,
 //! external programs through `xshell::cmd!`, `anyhow` context at every step).
 
-#[allow(dead_code)] // called by `image` and `flash`, which land separately
 mod bmap;
 mod build;
 mod doctor;
+mod flash;
 mod test;
 
 use clap::Parser;
@@ -20,6 +20,8 @@ enum Cli {
     Build(build::Args),
     /// The one test command: fmt, clippy, host tests, aarch64 tests under qemu-user, and more.
     Test(test::Args),
+    /// Write an image to an SD card or eMMC: safety checks, bmap ranges only, read-back verify.
+    Flash(flash::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -27,6 +29,7 @@ fn main() -> anyhow::Result<()> {
         Cli::Doctor(a) => doctor::run(a),
         Cli::Build(a) => build::run(a).map(|_| ()),
         Cli::Test(a) => test::run(a),
+        Cli::Flash(a) => flash::run(a),
     }
 }
 
