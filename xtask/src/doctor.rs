@@ -103,11 +103,11 @@ pub const LOSETUP: Tool = Tool {
     apt: &["mount"],
 };
 
-pub const MKFS_VFAT: Tool = Tool {
-    name: "mkfs.vfat",
-    why: "`flash` tests mount a FAT partition to see a mounted device refused",
-    probe: || version_of("mkfs.vfat", &["--help"]).map(|_| "present".into()),
-    apt: &["dosfstools"],
+pub const MKFS_EXT4: Tool = Tool {
+    name: "mkfs.ext4",
+    why: "`flash` tests mount a partition to see a mounted device refused",
+    probe: || version_of("mke2fs", &["-V"]),
+    apt: &["e2fsprogs"],
 };
 
 pub const SFDISK: Tool = Tool {
@@ -127,7 +127,7 @@ pub fn all_tools() -> Vec<&'static Tool> {
         &BMAPTOOL,
         &LSBLK,
         &LOSETUP,
-        &MKFS_VFAT,
+        &MKFS_EXT4,
         &SFDISK,
     ]
 }

@@ -32,6 +32,7 @@ const STAGES: &[(&str, StageFn)] = &[
     ("aarch64-tests-cortex-a72", |_| {
         aarch64_tests("cortex-a72", false)
     }),
+    ("flash", flash),
 ];
 
 pub fn run(args: Args) -> Result<()> {
@@ -125,4 +126,35 @@ fn aarch64_tests(cpu: &str, dotprod: bool) -> Result<()> {
         .env("KILN_EXPECT_DOTPROD", if dotprod { "1" } else { "0" })
         .run()
         .with_context(|| format!("aarch64 tests under qemu-aarch64-static -cpu {cpu}"))
+}
+
+/// `cargo xtask flash` and the bmap module: unit tests (lsblk fixtures, bmaptool agreement) and
+/// the end-to-end tests on loop devices, which need root and are `#[ignore]`d in host-tests.
+fn flash(_: &Args) -> Result<()> {
+    if doctor::version_of("id", &["-u"]).as_deref() != Some("0") {
+        bail!(
+            "the flash stage needs root: it makes loop devices, partitions and mounts one \
+             (run `sudo cargo xtask test --stage flash`)"
+        );
+    }
+    doctor::ensure(&[
+        &doctor::BMAPTOOL,
+        &doctor::LSBLK,
+        &doctor::LOSETUP,
+        &doctor::MKFS_EXT4,
+        &doctor::SFDISK,
+    ])?;
+    let sh = crate::shell()?;
+    cmd!(
+        sh,
+        "cargo test --locked -p xtask --bin xtask -- bmap:: flash::"
+    )
+    .run()
+    .context("bmap and flash unit tests")?;
+    cmd!(
+        sh,
+        "cargo test --locked -p xtask --test flash -- --include-ignored"
+    )
+    .run()
+    .context("flash end-to-end tests (loop devices)")
 }
