@@ -1,6 +1,7 @@
 //! `cargo xtask`: kiln's host tool, in the cargo-xtask convention (one module per subcommand,
 //! external programs through `xshell::cmd!`, `anyhow` context at every step).
 
+mod bench;
 mod bmap;
 mod build;
 mod doctor;
@@ -22,6 +23,8 @@ enum Cli {
     Test(test::Args),
     /// Write an image to an SD card or eMMC: safety checks, bmap ranges only, read-back verify.
     Flash(flash::Args),
+    /// Measure speed: `cargo xtask bench flash` (kiln vs dd vs bmaptool to a loop device).
+    Bench(bench::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -30,6 +33,7 @@ fn main() -> anyhow::Result<()> {
         Cli::Build(a) => build::run(a).map(|_| ()),
         Cli::Test(a) => test::run(a),
         Cli::Flash(a) => flash::run(a),
+        Cli::Bench(a) => bench::run(a),
     }
 }
 

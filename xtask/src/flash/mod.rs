@@ -204,7 +204,18 @@ fn choose(host: &Host, policy: &Policy) -> Result<String> {
     Ok(a.trim_start_matches("/dev/").to_string())
 }
 
+/// What a flash took, for `bench flash`.
+pub struct Summary {
+    pub written_bytes: u64,
+    pub write: std::time::Duration,
+    pub verify: Option<std::time::Duration>,
+}
+
 pub fn run(args: Args) -> Result<()> {
+    flash(args).map(|_| ())
+}
+
+pub fn flash(args: Args) -> Result<Summary> {
     doctor::ensure(&[&doctor::LSBLK])?;
     let image = std::fs::canonicalize(&args.image)
         .with_context(|| format!("image {}", args.image.display()))?;
@@ -288,7 +299,11 @@ pub fn run(args: Args) -> Result<()> {
     );
     if args.dry_run {
         println!("dry run: nothing written");
-        return Ok(());
+        return Ok(Summary {
+            written_bytes: 0,
+            write: std::time::Duration::ZERO,
+            verify: None,
+        });
     }
     let mut target = Target::open(&target_path, is_block)?;
     if is_block {
@@ -313,6 +328,7 @@ pub fn run(args: Args) -> Result<()> {
         target.corrupt_byte(off)?;
     }
     let mut result = Ok(());
+    let mut verify_time = None;
     if args.no_verify {
         println!("verify skipped (--no-verify)");
     } else {
@@ -326,6 +342,7 @@ pub fn run(args: Args) -> Result<()> {
         }
         match write::verify(&target_path, is_block, &check, &image) {
             Ok(v) => {
+                verify_time = Some(v.elapsed);
                 let secs = v.elapsed.as_secs_f64();
                 println!(
                     "verified {} in {secs:.2} s ({:.1} MB/s): every range matches",
@@ -345,5 +362,9 @@ pub fn run(args: Args) -> Result<()> {
     }
     result?;
     println!("flash: done: {}", target_path.display());
-    Ok(())
+    Ok(Summary {
+        written_bytes: w.bytes,
+        write: w.elapsed,
+        verify: verify_time,
+    })
 }
