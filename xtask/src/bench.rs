@@ -146,9 +146,10 @@ fn flash() -> Result<()> {
     };
     row("kiln flash --no-verify (wall, all checks)", kiln);
     println!(
-        "{:<44} {:>9.2}",
+        "{:<44} {:>9.2}   ({:.0} MB/s)",
         "  of which writing the ranges",
-        s(kiln_write)
+        s(kiln_write.0),
+        kiln_write.1 as f64 / 1e6 / s(kiln_write.0).max(1e-9)
     );
     row("dd bs=4M oflag=direct conv=fsync (2 GiB)", dd);
     row("bmaptool copy", bmaptool);
