@@ -407,3 +407,55 @@ fn interrupted_write_is_caught_by_verify() {
     assert!(t.contains("verify FAILED: 2 of 3 ranges differ"), "{t}");
     assert!(t.contains("range 1, bytes 5242880.."), "{t}");
 }
+
+/// Without `--device`: the list offers the loop device (with `--allow-loop`), the answer picks it,
+/// and a wrong confirmation writes nothing; the right one writes.
+#[test]
+#[ignore = "needs root and loop devices: `cargo xtask test --stage flash`"]
+fn interactive_choice_and_confirmation() {
+    assert_root();
+    let d = Dir::new("interactive");
+    let img = image(&d.0);
+    let back = d.0.join("backing.bin");
+    prefilled(&back, IMAGE);
+    let lo = Loop::new(&back, false);
+    let name = lo.dev.trim_start_matches("/dev/").to_string();
+    let ask = |answers: String| -> Output {
+        let mut c = xtask()
+            .arg("flash")
+            .arg("--image")
+            .arg(&img)
+            .arg("--allow-loop")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("spawn");
+        c.stdin
+            .take()
+            .expect("stdin")
+            .write_all(answers.as_bytes())
+            .expect("answer");
+        let out = c.wait_with_output().expect("wait");
+        eprintln!("{}", text(&out));
+        out
+    };
+    let out = ask(format!("{name}\nsda\n"));
+    assert!(!out.status.success());
+    let t = text(&out);
+    assert!(t.contains("Devices that may be written"), "{t}");
+    assert!(t.contains(&format!("/dev/{name} ")), "{t}");
+    assert!(t.contains("nothing written"), "{t}");
+    assert!(std::fs::read(&back)
+        .expect("read")
+        .iter()
+        .all(|&b| b == PATTERN));
+    let out = ask(format!("{name}\n{name}\n"));
+    assert!(out.status.success(), "{}", text(&out));
+    let mut got = vec![0u8; IMAGE as usize];
+    File::open(&lo.dev)
+        .expect("open loop")
+        .read_exact_at(&mut got, 0)
+        .expect("read loop");
+    check_target(&got, &std::fs::read(&img).expect("read image"));
+}

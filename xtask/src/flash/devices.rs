@@ -444,10 +444,17 @@ pub fn gather(image: &Path) -> Result<Host> {
         std::fs::read_to_string("/proc/self/mountinfo").context("reading /proc/self/mountinfo")?;
     let mounts = parse_mountinfo(&mountinfo);
     let mut protected: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let system = ["/boot", "/boot/efi", "/usr", "/home"];
     for (path, why) in protected_paths(image) {
         let Some(real) = existing(&path) else {
             continue;
         };
+        // `/boot` on the root file system is covered by `/`; name it only as its own mount.
+        if system.iter().any(|s| path == Path::new(s))
+            && !mounts.iter().any(|(at, _)| Path::new(at) == real)
+        {
+            continue;
+        }
         let Some(devno) = mount_of(&mounts, &real) else {
             continue;
         };
