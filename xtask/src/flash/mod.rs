@@ -355,9 +355,15 @@ pub fn flash(args: Args) -> Result<Summary> {
     }
     if is_block {
         if let Err(e) = target.reread_partitions() {
-            println!(
-                "flash: warning: {e:#} (the kernel keeps the old partition table until replug)"
-            );
+            let name = target_path.file_name().map(|n| n.to_string_lossy());
+            if name.is_some_and(|n| n.starts_with("loop")) {
+                println!("flash: partition table not re-read ({e:#}): a loop device without -P");
+            } else {
+                println!(
+                    "flash: warning: {e:#} (the kernel keeps the old partition table until \
+                     the card is re-inserted)"
+                );
+            }
         }
     }
     result?;
