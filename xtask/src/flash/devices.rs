@@ -688,6 +688,18 @@ mod tests {
             .contains(&Refusal::ReadOnly));
     }
 
+    /// util-linux before 2.37 printed flags and sizes as strings.
+    #[test]
+    fn old_lsblk_string_columns_parse() {
+        let json = r#"{"blockdevices": [{"name":"sdb","type":"disk","rm":"1","hotplug":"1",
+            "tran":"usb","size":"31914983424","ro":"0","mountpoints":[null],"model":"Card Reader",
+            "serial":null}]}"#;
+        let d = parse_lsblk(json).expect("parses");
+        assert!(d[0].rm && d[0].hotplug && !d[0].ro);
+        assert_eq!(d[0].size, 31_914_983_424);
+        assert!(parse_lsblk(r#"{"blockdevices":[{"name":"x","type":"disk","rm":[],"#).is_err());
+    }
+
     #[test]
     fn mountinfo_finds_the_root_device() {
         let text = "27 1 254:0 / / rw,relatime - ext4 /dev/vda rw\n\

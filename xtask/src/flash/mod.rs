@@ -374,3 +374,23 @@ pub fn flash(args: Args) -> Result<Summary> {
         verify: verify_time,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plan_without_bmap_covers_the_image_exactly() {
+        let p = plan(None, 200 << 20 | 123);
+        assert_eq!(p.first().map(|e| e.start), Some(0));
+        assert_eq!(p.last().map(|e| e.end), Some(200 << 20 | 123));
+        assert!(p.windows(2).all(|w| w[0].end == w[1].start));
+        assert!(p.iter().all(|e| e.sha256.is_none()));
+    }
+
+    #[test]
+    fn bmap_is_found_beside_the_raw_or_compressed_image() {
+        assert_eq!(raw_name(Path::new("a/k.img.zst")), PathBuf::from("a/k.img"));
+        assert_eq!(raw_name(Path::new("a/k.img")), PathBuf::from("a/k.img"));
+    }
+}

@@ -227,10 +227,14 @@ impl Target {
 
     /// Write `data` at `off`; on a block device the 4096-aligned part goes through O_DIRECT.
     fn write_at(&mut self, data: &[u8], off: u64) -> Result<()> {
-        let direct_len = if self.is_block {
-            data.len() - data.len() % ALIGN as usize
-        } else {
+        // A bmap with blocks smaller than ALIGN can start a range off the O_DIRECT grid: such
+        // a piece goes through the buffered descriptor.
+        let direct_len = if !self.is_block {
             data.len()
+        } else if off % ALIGN != 0 {
+            0
+        } else {
+            data.len() - data.len() % ALIGN as usize
         };
         self.file
             .write_all_at(&data[..direct_len], off)
@@ -379,7 +383,11 @@ fn read_back(
     while off < end {
         let n = ((end - off) as usize).min(CHUNK);
         let b = buf.get(n);
-        let aligned = n - n % ALIGN as usize;
+        let aligned = if off % ALIGN == 0 {
+            n - n % ALIGN as usize
+        } else {
+            0
+        };
         match direct {
             Some(d) if aligned > 0 => {
                 d.read_exact_at(&mut b[..aligned], off)?;
