@@ -82,6 +82,20 @@ pub const PYTHON_VENV: Tool = Tool {
     apt: &["python3-venv"],
 };
 
+pub const BMAPTOOL: Tool = Tool {
+    name: "bmaptool",
+    why: "the independent reference for our .bmap files; `bench flash` compares against it",
+    probe: || version_of("bmaptool", &["--version"]),
+    apt: &["bmap-tools"],
+};
+
+pub const LSBLK: Tool = Tool {
+    name: "lsblk",
+    why: "`flash` reads the block devices (type, transport, size, mounts) from it",
+    probe: || version_of("lsblk", &["--version"]),
+    apt: &["util-linux"],
+};
+
 pub const MKFS_EROFS: Tool = Tool {
     name: "mkfs.erofs",
     why: "writes the models partition (erofs)",
@@ -162,6 +176,8 @@ pub fn all_tools() -> Vec<&'static Tool> {
         &MTOOLS,
         &CPIO,
         &LOSETUP,
+        &BMAPTOOL,
+        &LSBLK,
     ]
 }
 
