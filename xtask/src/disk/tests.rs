@@ -841,3 +841,55 @@ fn readers_work_on_a_read_only_block_device() {
     drop(lo);
     assert_eq!(sha256_file(&img), before);
 }
+
+/// Run in a child process by `a_killed_write_never_leaves_the_final_file`: assembles a disk whose
+/// partition image is a FIFO nobody writes, so it blocks half-way with the temp file open.
+#[test]
+#[ignore = "run by a_killed_write_never_leaves_the_final_file in a child process"]
+fn interrupt_child() {
+    let Some(dir) = std::env::var_os("KILN_DISK_INTERRUPT_DIR") else {
+        return;
+    };
+    let dir = PathBuf::from(dir);
+    let spec = specs().remove(0);
+    let _ = assemble(
+        &dir.join("disk.img"),
+        DISK_SIZE,
+        guid_from_seed(SEED, "disk"),
+        &[(spec, dir.join("stalled.fifo"))],
+        &[],
+    );
+}
+
+#[test]
+fn a_killed_write_never_leaves_the_final_file() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path();
+    let sh = Shell::new().unwrap();
+    let fifo = dir.join("stalled.fifo");
+    cmd!(sh, "mkfifo {fifo}").run().unwrap();
+    let exe = std::env::current_exe().unwrap();
+    let mut child: std::process::Command = cmd!(
+        sh,
+        "{exe} --exact disk::tests::interrupt_child --ignored --test-threads 1"
+    )
+    .env("KILN_DISK_INTERRUPT_DIR", dir)
+    .quiet()
+    .into();
+    let mut child = child.spawn().unwrap();
+    // Wait until the output exists under some name: the writer is then blocked on the FIFO.
+    let tmp_seen = (0..600).any(|_| {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        std::fs::read_dir(dir).unwrap().any(|e| {
+            let name = e.unwrap().file_name().to_string_lossy().into_owned();
+            name == "disk.img" || name.starts_with(".disk.img.tmp.")
+        })
+    });
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(tmp_seen, "the child never started writing");
+    assert!(
+        !dir.join("disk.img").exists(),
+        "a killed assembly left a final-named file"
+    );
+}
