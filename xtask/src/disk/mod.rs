@@ -156,8 +156,7 @@ impl AtomicOut {
             name.to_string_lossy(),
             std::process::id()
         ));
-        // A stale temp file from a killed run with the same pid would otherwise be reused.
-        let _ = std::fs::remove_file(&tmp);
+        remove_stale_temps(&dir, &name.to_string_lossy());
         Ok(AtomicOut {
             out: out.to_path_buf(),
             tmp,
@@ -195,6 +194,25 @@ impl AtomicOut {
             }
         }
         Ok(())
+    }
+}
+
+/// Remove `.NAME.tmp.PID` files left by killed runs (their PID no longer lives), including one
+/// with our own PID from a previous life.
+fn remove_stale_temps(dir: &Path, name: &str) {
+    let prefix = format!(".{name}.tmp.");
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let file = e.file_name();
+        let Some(pid) = file.to_str().and_then(|f| f.strip_prefix(&prefix)) else {
+            continue;
+        };
+        let mine = pid == std::process::id().to_string();
+        if mine || !Path::new("/proc").join(pid).exists() {
+            let _ = std::fs::remove_file(e.path());
+        }
     }
 }
 
@@ -248,6 +266,15 @@ fn read_full(f: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
         }
     }
     Ok(n)
+}
+
+/// Versions of the external tools whose output goes into the image, for the manifest: the image
+/// bytes are reproducible for the same versions.
+pub fn tool_versions() -> Vec<(&'static str, Option<String>)> {
+    vec![
+        ("erofs-utils", (crate::doctor::MKFS_EROFS.probe)()),
+        ("e2fsprogs", (crate::doctor::MKE2FS.probe)()),
+    ]
 }
 
 /// The environment every filesystem tool runs under: no locale, clock zone or umask of the host.

@@ -892,4 +892,22 @@ fn a_killed_write_never_leaves_the_final_file() {
         !dir.join("disk.img").exists(),
         "a killed assembly left a final-named file"
     );
+    // The next run clears the dead run's temp file and succeeds.
+    let part = dir.join("boot.img");
+    std::fs::write(&part, b"boot").unwrap();
+    let spec = specs().remove(0);
+    assemble(
+        &dir.join("disk.img"),
+        DISK_SIZE,
+        guid_from_seed(SEED, "disk"),
+        &[(spec, part)],
+        &[],
+    )
+    .unwrap();
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["boot.img", "disk.img", "stalled.fifo"]);
 }
