@@ -911,3 +911,39 @@ fn a_killed_write_never_leaves_the_final_file() {
     names.sort();
     assert_eq!(names, ["boot.img", "disk.img", "stalled.fifo"]);
 }
+
+#[test]
+fn erofs_from_files_ignores_source_modes() {
+    tools();
+    let t = tempfile::tempdir().unwrap();
+    let mut images = Vec::new();
+    for (i, (file_mode, exec_mode)) in [(0o600, 0o700), (0o666, 0o775)].into_iter().enumerate() {
+        let src = t.path().join(format!("src{i}"));
+        std::fs::create_dir(&src).unwrap();
+        let model = src.join("model.gguf");
+        std::fs::write(&model, vec![0x47; 9000]).unwrap();
+        std::fs::set_permissions(&model, std::fs::Permissions::from_mode(file_mode)).unwrap();
+        let tool = src.join("tool");
+        std::fs::write(&tool, b"#!/bin/sh\n").unwrap();
+        std::fs::set_permissions(&tool, std::fs::Permissions::from_mode(exec_mode)).unwrap();
+        let out = t.path().join(format!("models{i}.erofs"));
+        let files = [
+            ("models/model.gguf".to_string(), model.clone()),
+            ("bin/tool".to_string(), tool),
+            ("fixture.gguf".to_string(), model),
+        ];
+        erofs::build_files(&out, &files, guid_from_seed(SEED, "models-fs"), EPOCH).unwrap();
+        images.push(out);
+    }
+    assert_eq!(sha256_file(&images[0]), sha256_file(&images[1]));
+    let sh = Shell::new().unwrap();
+    let img = &images[0];
+    cmd!(sh, "fsck.erofs {img}").run().unwrap();
+    // Nothing but the two images is left (no stage folder).
+    let mut names: Vec<String> = std::fs::read_dir(t.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["models0.erofs", "models1.erofs", "src0", "src1"]);
+}
