@@ -211,7 +211,8 @@ fn remove_stale_temps(dir: &Path, name: &str) {
         };
         let mine = pid == std::process::id().to_string();
         if mine || !Path::new("/proc").join(pid).exists() {
-            let _ = std::fs::remove_file(e.path());
+            // A stage folder (erofs::build_files) or a file.
+            let _ = std::fs::remove_dir_all(e.path()).or_else(|_| std::fs::remove_file(e.path()));
         }
     }
 }
