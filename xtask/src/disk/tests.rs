@@ -947,3 +947,39 @@ fn erofs_from_files_ignores_source_modes() {
     names.sort();
     assert_eq!(names, ["models0.erofs", "models1.erofs", "src0", "src1"]);
 }
+
+#[test]
+fn copy_sparse_keeps_every_byte_at_unaligned_offsets() {
+    let t = tempfile::tempdir().unwrap();
+    let src = t.path().join("src");
+    // Zero and non-zero stretches that straddle 4 KiB boundaries of the destination, and a source
+    // longer than the 1 MiB read buffer.
+    let mut data = vec![0u8; (MIB + 30_000) as usize];
+    for (a, b) in [
+        (1, 2),
+        (5000, 9000),
+        (20_000, 20_001),
+        (MIB as usize - 3, MIB as usize + 7),
+    ] {
+        data[a..b].fill(0x5c);
+    }
+    *data.last_mut().unwrap() = 9;
+    std::fs::write(&src, &data).unwrap();
+    for offset in [0u64, 512, 1000, 4095, 3 * 4096] {
+        let dst_path = t.path().join("dst");
+        let dst = std::fs::File::create(&dst_path).unwrap();
+        dst.set_len(offset + data.len() as u64 + 4096).unwrap();
+        assert_eq!(copy_sparse(&dst, offset, &src).unwrap(), data.len() as u64);
+        drop(dst);
+        let got = std::fs::read(&dst_path).unwrap();
+        assert!(got[..offset as usize].iter().all(|&b| b == 0));
+        assert_eq!(
+            &got[offset as usize..offset as usize + data.len()],
+            &data[..],
+            "offset {offset}"
+        );
+        assert!(got[offset as usize + data.len()..].iter().all(|&b| b == 0));
+        // Only the blocks that hold data were written.
+        assert!(std::fs::metadata(&dst_path).unwrap().blocks() * 512 <= 8 * 4096 * 2);
+    }
+}
