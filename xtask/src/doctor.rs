@@ -134,7 +134,7 @@ pub const MTOOLS: Tool = Tool {
 
 pub const LOSETUP: Tool = Tool {
     name: "losetup",
-    why: "exposes a test image as a block device, to read a GPT and FAT from a device in tests",
+    why: "`flash` tests and `bench flash` write to loop devices",
     probe: || version_of("losetup", &["--version"]),
     apt: &["mount"],
 };
