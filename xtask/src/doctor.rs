@@ -139,6 +139,20 @@ pub const LOSETUP: Tool = Tool {
     apt: &["mount"],
 };
 
+pub const QEMU_SYSTEM_AARCH64: Tool = Tool {
+    name: "qemu-system-aarch64",
+    why: "boots images (U-Boot distro boot, the kernel) in tests",
+    probe: || version_of("qemu-system-aarch64", &["--version"]),
+    apt: &["qemu-system-arm"],
+};
+
+pub const UBOOT_QEMU: Tool = Tool {
+    name: "u-boot qemu_arm64",
+    why: "the bootloader qemu-virt images boot through (-bios)",
+    probe: || file_exists("/usr/lib/u-boot/qemu_arm64/u-boot.bin"),
+    apt: &["u-boot-qemu"],
+};
+
 pub const CPIO: Tool = Tool {
     name: "cpio",
     why: "reads our initramfs back independently in tests",
@@ -162,6 +176,8 @@ pub fn all_tools() -> Vec<&'static Tool> {
         &MTOOLS,
         &CPIO,
         &LOSETUP,
+        &QEMU_SYSTEM_AARCH64,
+        &UBOOT_QEMU,
     ]
 }
 

@@ -983,3 +983,95 @@ fn copy_sparse_keeps_every_byte_at_unaligned_offsets() {
         assert!(std::fs::metadata(&dst_path).unwrap().blocks() * 512 <= 8 * 4096 * 2);
     }
 }
+
+/// U-Boot (Debian's `qemu_arm64` build, what the qemu-virt board boots through) finds
+/// `extlinux/extlinux.conf` on our FAT32 through distro boot, which scans only partitions with
+/// the legacy-BIOS-bootable attribute: the boot partition is p2 here, behind an ext4 p1, so the
+/// attribute is what leads U-Boot to it.
+#[test]
+fn uboot_distro_boot_finds_extlinux_on_our_disk() {
+    tools();
+    doctor::ensure(&[&doctor::QEMU_SYSTEM_AARCH64, &doctor::UBOOT_QEMU]).unwrap();
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path();
+    let boot = dir.join("boot.vfat");
+    fat::build(
+        &boot,
+        BOOT_SIZE,
+        0x4b494c4e,
+        "KILN-BOOT",
+        &boot_files(),
+        EPOCH,
+    )
+    .unwrap();
+    let data = dir.join("data.ext4");
+    let (u, h) = (
+        guid_from_seed(SEED, "data-fs"),
+        guid_from_seed(SEED, "data-hash"),
+    );
+    ext4::build_empty(&data, DATA_SIZE, u, h, "data", EPOCH).unwrap();
+    let mut s = specs();
+    let (mut p_boot, mut p_data) = (s.remove(0), s.remove(1));
+    p_data.first_lba = 16 * MIB / SECTOR;
+    p_boot.first_lba = p_data.first_lba + DATA_SIZE / SECTOR;
+    let img = dir.join("disk.img");
+    let parts = [(p_data, data), (p_boot, boot)];
+    assemble(&img, DISK_SIZE, guid_from_seed(SEED, "disk"), &parts, &[]).unwrap();
+
+    let sh = Shell::new().unwrap();
+    let drive = format!(
+        "if=none,id=d0,file={},format=raw,snapshot=on",
+        img.display()
+    );
+    let bios = UBOOT_QEMU_BIN;
+    let mut qemu: std::process::Command = cmd!(
+        sh,
+        "qemu-system-aarch64 -M virt -cpu cortex-a76 -m 512 -nographic -no-reboot -nic none
+         -bios {bios} -drive {drive} -device virtio-blk-pci,drive=d0"
+    )
+    .into();
+    let mut child = qemu
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut log = Vec::new();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(180);
+    let found = loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(line) => {
+                let done = line.contains("Retrieving file: /Image");
+                log.push(line);
+                if done {
+                    break true;
+                }
+            }
+            Err(_) => break false,
+        }
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    let log = log.join("\n");
+    assert!(found, "U-Boot never loaded /Image from our disk:\n{log}");
+    assert!(log.contains("Scanning virtio 0:2"), "{log}");
+    assert!(
+        !log.contains("Scanning virtio 0:1"),
+        "p1 has no bootable attribute:\n{log}"
+    );
+    assert!(log.contains("Found /extlinux/extlinux.conf"), "{log}");
+}
+
+const UBOOT_QEMU_BIN: &str = "/usr/lib/u-boot/qemu_arm64/u-boot.bin";
