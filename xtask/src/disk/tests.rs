@@ -984,12 +984,12 @@ fn copy_sparse_keeps_every_byte_at_unaligned_offsets() {
     }
 }
 
-/// U-Boot (Debian's `qemu_arm64` build, what the qemu-virt board boots through) finds
-/// `extlinux/extlinux.conf` on our FAT32 through distro boot, which scans only partitions with
-/// the legacy-BIOS-bootable attribute: the boot partition is p2 here, behind an ext4 p1, so the
-/// attribute is what leads U-Boot to it.
+/// U-Boot (Debian's `qemu_arm64` build, what the qemu-virt board boots through) loads the kernel
+/// named by `extlinux/extlinux.conf` on our FAT32 through distro boot, which scans the partitions
+/// with the legacy-BIOS-bootable attribute: p1 is a decoy FAT whose extlinux.conf names
+/// `/Decoy`, p2 our boot partition with the attribute, so only the attribute leads U-Boot to p2.
 #[test]
-fn uboot_distro_boot_finds_extlinux_on_our_disk() {
+fn uboot_distro_boot_follows_the_bootable_attribute_into_our_fat() {
     tools();
     doctor::ensure(&[&doctor::QEMU_SYSTEM_AARCH64, &doctor::UBOOT_QEMU]).unwrap();
     let t = tempfile::tempdir().unwrap();
@@ -1004,18 +1004,17 @@ fn uboot_distro_boot_finds_extlinux_on_our_disk() {
         EPOCH,
     )
     .unwrap();
-    let data = dir.join("data.ext4");
-    let (u, h) = (
-        guid_from_seed(SEED, "data-fs"),
-        guid_from_seed(SEED, "data-hash"),
-    );
-    ext4::build_empty(&data, DATA_SIZE, u, h, "data", EPOCH).unwrap();
+    let decoy = dir.join("decoy.vfat");
+    let decoy_conf = b"default d\nprompt 0\ntimeout 1\nlabel d\n    kernel /Decoy\n".to_vec();
+    let decoy_files = [("extlinux/extlinux.conf".to_string(), decoy_conf)];
+    fat::build(&decoy, DATA_SIZE, 1, "DECOY", &decoy_files, EPOCH).unwrap();
     let mut s = specs();
-    let (mut p_boot, mut p_data) = (s.remove(0), s.remove(1));
-    p_data.first_lba = 16 * MIB / SECTOR;
-    p_boot.first_lba = p_data.first_lba + DATA_SIZE / SECTOR;
+    let (mut p_boot, mut p_decoy) = (s.remove(0), s.remove(1));
+    p_decoy.type_guid = types::basic_data();
+    p_decoy.first_lba = 16 * MIB / SECTOR;
+    p_boot.first_lba = p_decoy.first_lba + DATA_SIZE / SECTOR;
     let img = dir.join("disk.img");
-    let parts = [(p_data, data), (p_boot, boot)];
+    let parts = [(p_decoy, decoy), (p_boot, boot)];
     assemble(&img, DISK_SIZE, guid_from_seed(SEED, "disk"), &parts, &[]).unwrap();
 
     let sh = Shell::new().unwrap();
@@ -1053,7 +1052,8 @@ fn uboot_distro_boot_finds_extlinux_on_our_disk() {
         let left = deadline.saturating_duration_since(std::time::Instant::now());
         match rx.recv_timeout(left) {
             Ok(line) => {
-                let done = line.contains("Retrieving file: /Image");
+                let done = line.contains("Retrieving file: /Image")
+                    || line.contains("Retrieving file: /Decoy");
                 log.push(line);
                 if done {
                     break true;
@@ -1065,7 +1065,7 @@ fn uboot_distro_boot_finds_extlinux_on_our_disk() {
     let _ = child.kill();
     let _ = child.wait();
     let log = log.join("\n");
-    assert!(found, "U-Boot never loaded /Image from our disk:\n{log}");
+    assert!(found, "U-Boot loaded no kernel from our disk:\n{log}");
     assert!(log.contains("Scanning virtio 0:2"), "{log}");
     assert!(
         !log.contains("Scanning virtio 0:1"),
