@@ -1011,6 +1011,9 @@ fn uboot_distro_boot_follows_the_bootable_attribute_into_our_fat() {
     let mut s = specs();
     let (mut p_boot, mut p_decoy) = (s.remove(0), s.remove(1));
     p_decoy.type_guid = types::basic_data();
+    // U-Boot also counts an EFI System Partition as bootable (disk/part_efi.c `is_bootable`):
+    // a basic-data type leaves the attribute as the only signal.
+    p_boot.type_guid = types::basic_data();
     p_decoy.first_lba = 16 * MIB / SECTOR;
     p_boot.first_lba = p_decoy.first_lba + DATA_SIZE / SECTOR;
     let img = dir.join("disk.img");
