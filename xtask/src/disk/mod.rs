@@ -103,6 +103,13 @@ impl serde::Serialize for Guid {
     }
 }
 
+impl<'de> serde::Deserialize<'de> for Guid {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Guid, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
 fn seed_digest(seed: &str, label: &str) -> [u8; 32] {
     let mut h = Sha256::new();
     h.update(b"kiln-disk-id\0");

@@ -241,6 +241,10 @@ fn guid_text_form_and_seeded_bits() {
     let text = a.to_string();
     assert_eq!(&text[14..15], "4");
     assert_eq!(text.parse::<Guid>().unwrap(), a);
+    let json = serde_json::to_string(&a).unwrap();
+    assert_eq!(json, format!("\"{text}\""));
+    assert_eq!(serde_json::from_str::<Guid>(&json).unwrap(), a);
+    assert!(serde_json::from_str::<Guid>("\"nope\"").is_err());
 }
 
 /// The 3-partition disk (plus an RK3588-style blob at LBA 64), judged by sfdisk, fsck.vfat,
