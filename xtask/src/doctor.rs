@@ -148,9 +148,23 @@ pub const MTOOLS: Tool = Tool {
 
 pub const LOSETUP: Tool = Tool {
     name: "losetup",
-    why: "exposes a test image as a block device, to read a GPT and FAT from a device in tests",
+    why: "`flash` tests and `bench flash` write to loop devices",
     probe: || version_of("losetup", &["--version"]),
     apt: &["mount"],
+};
+
+pub const QEMU_SYSTEM_AARCH64: Tool = Tool {
+    name: "qemu-system-aarch64",
+    why: "boots images (U-Boot distro boot, the kernel) in tests",
+    probe: || version_of("qemu-system-aarch64", &["--version"]),
+    apt: &["qemu-system-arm"],
+};
+
+pub const UBOOT_QEMU: Tool = Tool {
+    name: "u-boot qemu_arm64",
+    why: "the bootloader qemu-virt images boot through (-bios)",
+    probe: || file_exists("/usr/lib/u-boot/qemu_arm64/u-boot.bin"),
+    apt: &["u-boot-qemu"],
 };
 
 pub const CPIO: Tool = Tool {
@@ -178,6 +192,8 @@ pub fn all_tools() -> Vec<&'static Tool> {
         &LOSETUP,
         &BMAPTOOL,
         &LSBLK,
+        &QEMU_SYSTEM_AARCH64,
+        &UBOOT_QEMU,
     ]
 }
 
