@@ -118,6 +118,7 @@ fn flash() -> Result<()> {
         allow_loop: true,
         force_non_removable: false,
         force_large: false,
+        expect_serial: None,
         test_corrupt_at: None,
         test_stop_after: None,
     };
@@ -134,6 +135,17 @@ fn flash() -> Result<()> {
     })?;
     let verify = verify.context("the verified run reported no verify time")?;
 
+    // kiln's speed is bounded by sha256; an unoptimised sha2 (the dev profile without a
+    // per-package opt-level) runs at a few MB/s, so say what this build does.
+    let sha_rate = {
+        use sha2::Digest;
+        let data = vec![0x5au8; (64 * MIB) as usize];
+        let t = Instant::now();
+        let d = sha2::Sha256::digest(&data);
+        std::hint::black_box(d);
+        64.0 * MIB as f64 / 1e6 / t.elapsed().as_secs_f64().max(1e-9)
+    };
+    println!("sha256 in this build: {sha_rate:.0} MB/s");
     let s = |d: Duration| d.as_secs_f64();
     println!();
     println!("{:<44} {:>9} {:>12}", "", "seconds", "vs kiln");

@@ -242,6 +242,14 @@ fn to_loop_device() {
     let out = flash(&img, &lo.dev, &[]);
     assert!(!out.status.success());
     assert!(text(&out).contains("loop device"), "{}", text(&out));
+    // A script's pinned serial that does not match refuses (loop devices have none).
+    let out = flash(
+        &img,
+        &lo.dev,
+        &["--allow-loop", "--expect-serial", "0xaa5f3c21"],
+    );
+    assert!(!out.status.success());
+    assert!(text(&out).contains("not the expected"), "{}", text(&out));
     let out = flash(&img, &lo.dev, &["--allow-loop"]);
     assert!(out.status.success(), "{}", text(&out));
     assert!(text(&out).contains("every range matches"), "{}", text(&out));

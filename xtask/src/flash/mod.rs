@@ -45,6 +45,9 @@ pub struct Args {
     /// Allow a disk over 256 GB.
     #[arg(long)]
     pub force_large: bool,
+    /// Refuse unless the device reports this serial number (for scripts that use `--yes`).
+    #[arg(long)]
+    pub expect_serial: Option<String>,
     /// Test hook: flip the byte at this offset on the target between write and verify.
     #[arg(long, hide = true)]
     pub test_corrupt_at: Option<u64>,
@@ -262,6 +265,15 @@ pub fn flash(args: Args) -> Result<Summary> {
                 let why: Vec<String> = why.iter().map(|r| format!("  - {r}")).collect();
                 anyhow::anyhow!("refusing to write {}:\n{}", path.display(), why.join("\n"))
             })?;
+            if let Some(want) = &args.expect_serial {
+                let got = d.serial.as_deref().unwrap_or("").trim();
+                if got != want.trim() {
+                    bail!(
+                        "refusing to write {}: its serial is {got:?}, not the expected {want:?}",
+                        path.display()
+                    );
+                }
+            }
             println!("target: {}", describe(&host, d));
             if let Some(s) = &d.serial {
                 println!("        serial {s}");

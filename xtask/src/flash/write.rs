@@ -284,7 +284,7 @@ impl Target {
 fn bar(total: u64, what: &str) -> ProgressBar {
     let pb = ProgressBar::new(total);
     if let Ok(style) = ProgressStyle::with_template(
-        "{prefix:>7} [{bar:40}] {bytes}/{total_bytes} {binary_bytes_per_sec} ETA {eta}",
+        "{prefix:>7} [{bar:40}] {decimal_bytes}/{decimal_total_bytes} {decimal_bytes_per_sec} ETA {eta}",
     ) {
         pb.set_style(style.progress_chars("=> "));
     }
