@@ -8,7 +8,26 @@ use crate::quant::dequant::f16_at;
 use crate::quant::{
     get_scale_min_k4, q8_0_block, q8_1_block, q8_k_block, BlockQ8K, GgmlType, QK_K,
 };
-use half::{f16, slice::HalfFloatSliceExt};
+
+/// binary16 → f32, exact for every bit pattern (F. Giesen's branch-free `half_to_float`).
+/// By hand because it vectorises: `half`'s slice conversion re-checks CPU features every few
+/// elements and ran several times slower than the bf16 widening here.
+#[inline(always)]
+pub(crate) fn f16_bits_to_f32(h: u16) -> f32 {
+    const SHIFTED_EXP: u32 = 0x7C00 << 13;
+    let magic = f32::from_bits(113 << 23);
+    let mut o = ((h & 0x7FFF) as u32) << 13;
+    let exp = o & SHIFTED_EXP;
+    o += (127 - 15) << 23;
+    let o = if exp == SHIFTED_EXP {
+        o + ((128 - 16) << 23) // Inf/NaN
+    } else if exp == 0 {
+        (f32::from_bits(o + (1 << 23)) - magic).to_bits() // zero/subnormal: renormalise
+    } else {
+        o
+    };
+    f32::from_bits(o | (((h & 0x8000) as u32) << 16))
+}
 
 /// The activation format a weight type is multiplied against.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -101,13 +120,12 @@ pub(crate) struct RowScratch {
     sc: Vec<i32>,
     mins: Vec<i32>,
     f: Vec<f32>,
-    bits: Vec<u16>,
     dots: Vec<i32>,
 }
 
 impl RowScratch {
-    /// Unpack weight row `src` (K elements of `ty`) into `self`.
-    pub fn unpack(&mut self, ty: GgmlType, src: &[u8], k: usize) {
+    /// Unpack weight row `src` (whole blocks of `ty`) into `self`.
+    pub fn unpack(&mut self, ty: GgmlType, src: &[u8]) {
         self.qs.clear();
         self.d.clear();
         self.m.clear();
@@ -123,15 +141,11 @@ impl RowScratch {
                 );
             }
             GgmlType::F16 => {
-                self.bits.clear();
-                self.bits.extend(
+                self.f.clear();
+                self.f.extend(
                     src.chunks_exact(2)
-                        .map(|b| u16::from_le_bytes([b[0], b[1]])),
+                        .map(|b| f16_bits_to_f32(u16::from_le_bytes([b[0], b[1]]))),
                 );
-                self.f.resize(k, 0.0);
-                let halves: &[f16] =
-                    half::slice::HalfBitsSliceExt::reinterpret_cast(&self.bits[..]);
-                halves.convert_to_f32_slice(&mut self.f);
             }
             GgmlType::Bf16 => {
                 self.f.clear();
