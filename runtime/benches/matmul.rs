@@ -3,7 +3,8 @@
 //!
 //! Headline: at M = 1 (decode) a matmul streams every weight byte once per token, so weight GB/s
 //! divided by the read bandwidth says how close the kernel gets to the memory ceiling.
-//! Set `KILN_BENCH_THREADS` to pin the thread count (default: all cores).
+//! Set `KILN_BENCH_THREADS` to pin the thread count (default: all cores), `KILN_BENCH_TYPES`
+//! (e.g. `Q4_0,F16`) and `KILN_BENCH_M` (e.g. `1`) to run a subset.
 
 use half::{bf16, f16};
 use kiln_runtime::backend::cpu::{CpuBackend, CpuRefBackend};
@@ -107,6 +108,11 @@ fn time_it(min: Duration, reps: usize, mut f: impl FnMut()) -> f64 {
     best
 }
 
+/// Whether `item` is in the comma-separated list in env `var` (everything when unset).
+fn selected(var: &str, item: &str) -> bool {
+    std::env::var(var).map_or(true, |v| v.split(',').any(|x| x.trim() == item))
+}
+
 fn run_once(backend: &dyn Backend, w: &Weight<'_>, a: &[f32], m: usize, c: &mut [f32]) {
     let p = backend.prepare(w).expect("prepare");
     if let Err(e) = run_checked(backend, w, &*p, a, m, c) {
@@ -152,6 +158,9 @@ fn main() {
             GgmlType::Q4_0,
             GgmlType::Q4_1,
         ] {
+            if !selected("KILN_BENCH_TYPES", ty.name()) {
+                continue;
+            }
             let data = make_weight(ty, &vals);
             let w = Weight {
                 name: "bench.weight",
@@ -170,6 +179,9 @@ fn main() {
                 ..w
             };
             for m in [1usize, 64, 512] {
+                if !selected("KILN_BENCH_M", &m.to_string()) {
+                    continue;
+                }
                 let a: Vec<f32> = (0..m * k).map(|_| rng.f32()).collect();
                 let mut c = vec![0.0f32; m * n];
                 let (min, reps) = if m == 1 {

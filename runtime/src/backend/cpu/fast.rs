@@ -4,29 +4,29 @@
 //! once per block. F16/BF16 rows are widened to f32 and accumulated in f32.
 
 use super::kernels::{dot_f32, Kernel};
-use crate::quant::dequant::f16_at;
 use crate::quant::{
     get_scale_min_k4, q8_0_block, q8_1_block, q8_k_block, BlockQ8K, GgmlType, QK_K,
 };
 
-/// binary16 → f32, exact for every bit pattern (F. Giesen's branch-free `half_to_float`).
-/// By hand because it vectorises: `half`'s slice conversion re-checks CPU features every few
-/// elements and ran several times slower than the bf16 widening here.
+/// binary16 → f32, exact for every bit pattern: the exponent is rebiased by one exact multiply
+/// by 2^112 (which also normalises subnormals), Inf/NaN get the all-ones exponent. By hand
+/// because it vectorises: `half`'s conversions re-check CPU features every few elements and ran
+/// several times slower than the bf16 widening here.
 #[inline(always)]
 pub(crate) fn f16_bits_to_f32(h: u16) -> f32 {
-    const SHIFTED_EXP: u32 = 0x7C00 << 13;
-    let magic = f32::from_bits(113 << 23);
-    let mut o = ((h & 0x7FFF) as u32) << 13;
-    let exp = o & SHIFTED_EXP;
-    o += (127 - 15) << 23;
-    let o = if exp == SHIFTED_EXP {
-        o + ((128 - 16) << 23) // Inf/NaN
-    } else if exp == 0 {
-        (f32::from_bits(o + (1 << 23)) - magic).to_bits() // zero/subnormal: renormalise
+    let h = h as u32;
+    let em = (h & 0x7FFF) << 13;
+    let scaled = (f32::from_bits(em) * f32::from_bits(0x7780_0000)).to_bits();
+    let bits = if h & 0x7C00 == 0x7C00 {
+        em | 0x7F80_0000
     } else {
-        o
+        scaled
     };
-    f32::from_bits(o | (((h & 0x8000) as u32) << 16))
+    f32::from_bits(bits | ((h & 0x8000) << 16))
+}
+
+fn f16_le(b: &[u8], at: usize) -> f32 {
+    f16_bits_to_f32(u16::from_le_bytes([b[at], b[at + 1]]))
 }
 
 /// The activation format a weight type is multiplied against.
@@ -155,21 +155,27 @@ impl RowScratch {
                 );
             }
             GgmlType::Q8_0 => {
-                for b in src.chunks_exact(bb) {
-                    self.d.push(f16_at(b, 0));
-                    self.qs.extend(b[2..34].iter().map(|&q| q as i8));
+                self.qs.resize(src.len() / bb * 32, 0);
+                for (b, out) in src.chunks_exact(bb).zip(self.qs.chunks_exact_mut(32)) {
+                    self.d.push(f16_le(b, 0));
+                    for (o, &q) in out.iter_mut().zip(&b[2..34]) {
+                        *o = q as i8;
+                    }
                 }
             }
             GgmlType::Q4_0 | GgmlType::Q4_1 => {
                 let (off, signed) = if ty == GgmlType::Q4_0 { (2, 8) } else { (4, 0) };
-                for b in src.chunks_exact(bb) {
-                    self.d.push(f16_at(b, 0));
+                self.qs.resize(src.len() / bb * 32, 0);
+                for (b, out) in src.chunks_exact(bb).zip(self.qs.chunks_exact_mut(32)) {
+                    self.d.push(f16_le(b, 0));
                     if ty == GgmlType::Q4_1 {
-                        self.m.push(f16_at(b, 2));
+                        self.m.push(f16_le(b, 2));
                     }
-                    let q = &b[off..off + 16];
-                    self.qs.extend(q.iter().map(|&x| (x & 0xF) as i8 - signed));
-                    self.qs.extend(q.iter().map(|&x| (x >> 4) as i8 - signed));
+                    let (lo, hi) = out.split_at_mut(16);
+                    for ((l, h), &x) in lo.iter_mut().zip(hi).zip(&b[off..off + 16]) {
+                        *l = (x & 0xF) as i8 - signed;
+                        *h = (x >> 4) as i8 - signed;
+                    }
                 }
             }
             GgmlType::Q5_0 | GgmlType::Q5_1 => {
@@ -179,9 +185,9 @@ impl RowScratch {
                     (4, 0)
                 };
                 for b in src.chunks_exact(bb) {
-                    self.d.push(f16_at(b, 0));
+                    self.d.push(f16_le(b, 0));
                     if ty == GgmlType::Q5_1 {
-                        self.m.push(f16_at(b, 2));
+                        self.m.push(f16_le(b, 2));
                     }
                     let qh = u32::from_le_bytes([b[off], b[off + 1], b[off + 2], b[off + 3]]);
                     let q = &b[off + 4..off + 20];
@@ -197,8 +203,8 @@ impl RowScratch {
             }
             GgmlType::Q4K | GgmlType::Q5K => {
                 for b in src.chunks_exact(bb) {
-                    self.d.push(f16_at(b, 0));
-                    self.m.push(f16_at(b, 2));
+                    self.d.push(f16_le(b, 0));
+                    self.m.push(f16_le(b, 2));
                     let scales = &b[4..16];
                     for j in 0..8 {
                         let (sc, m) = get_scale_min_k4(j, scales);
@@ -225,7 +231,7 @@ impl RowScratch {
             }
             GgmlType::Q6K => {
                 for b in src.chunks_exact(bb) {
-                    self.d.push(f16_at(b, 208));
+                    self.d.push(f16_le(b, 208));
                     self.sc.extend(b[192..208].iter().map(|&s| s as i8 as i32));
                     let start = self.qs.len();
                     self.qs.resize(start + QK_K, 0);
