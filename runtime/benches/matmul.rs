@@ -191,7 +191,7 @@ fn main() {
                 };
                 let t = time_it(min, reps, || run_once(&cpu, &w, &a, m, &mut c));
                 let mut c_ref = vec![0.0f32; m * n_ref];
-                let t_ref = time_it(Duration::ZERO, 1, || {
+                let t_ref = time_it(Duration::ZERO, 2, || {
                     run_once(&CpuRefBackend, &w_ref, &a, m, &mut c_ref)
                 });
                 let speedup = (t_ref / n_ref as f64) / (t / n as f64);
