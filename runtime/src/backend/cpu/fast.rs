@@ -25,6 +25,24 @@ pub(crate) fn f16_bits_to_f32(h: u16) -> f32 {
     f32::from_bits(bits | ((h & 0x8000) << 16))
 }
 
+/// ggml's nibble order: byte j holds element j (low) and j+16 (high).
+#[inline(always)]
+fn unpack4(q: &[u8; 16], bias: i8, out: &mut [i8; 32]) {
+    for j in 0..16 {
+        out[j] = (q[j] & 0xF) as i8 - bias;
+        out[j + 16] = (q[j] >> 4) as i8 - bias;
+    }
+}
+
+/// As [`unpack4`], with each element's 5th bit from `qh` (bit j for element j).
+#[inline(always)]
+fn unpack5(q: &[u8; 16], qh: u32, bias: i8, out: &mut [i8; 32]) {
+    for j in 0..16 {
+        out[j] = ((q[j] & 0xF) | (((qh >> j) & 1) << 4) as u8) as i8 - bias;
+        out[j + 16] = ((q[j] >> 4) | (((qh >> (j + 16)) & 1) << 4) as u8) as i8 - bias;
+    }
+}
+
 fn f16_le(b: &[u8], at: usize) -> f32 {
     f16_bits_to_f32(u16::from_le_bytes([b[at], b[at + 1]]))
 }
@@ -155,50 +173,52 @@ impl RowScratch {
                 );
             }
             GgmlType::Q8_0 => {
-                self.qs.resize(src.len() / bb * 32, 0);
-                for (b, out) in src.chunks_exact(bb).zip(self.qs.chunks_exact_mut(32)) {
-                    self.d.push(f16_le(b, 0));
+                let nb = src.len() / bb;
+                self.qs.resize(nb * 32, 0);
+                self.d.resize(nb, 0.0);
+                let blocks = src.chunks_exact(bb).zip(self.qs.chunks_exact_mut(32));
+                for ((b, out), d) in blocks.zip(self.d.iter_mut()) {
+                    *d = f16_le(b, 0);
                     for (o, &q) in out.iter_mut().zip(&b[2..34]) {
                         *o = q as i8;
                     }
                 }
             }
-            GgmlType::Q4_0 | GgmlType::Q4_1 => {
-                let (off, signed) = if ty == GgmlType::Q4_0 { (2, 8) } else { (4, 0) };
-                self.qs.resize(src.len() / bb * 32, 0);
-                for (b, out) in src.chunks_exact(bb).zip(self.qs.chunks_exact_mut(32)) {
-                    self.d.push(f16_le(b, 0));
-                    if ty == GgmlType::Q4_1 {
-                        self.m.push(f16_le(b, 2));
-                    }
-                    let (lo, hi) = out.split_at_mut(16);
-                    for ((l, h), &x) in lo.iter_mut().zip(hi).zip(&b[off..off + 16]) {
-                        *l = (x & 0xF) as i8 - signed;
-                        *h = (x >> 4) as i8 - signed;
-                    }
-                }
-            }
-            GgmlType::Q5_0 | GgmlType::Q5_1 => {
-                let (off, signed) = if ty == GgmlType::Q5_0 {
-                    (2, 16)
-                } else {
-                    (4, 0)
+            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 => {
+                let nb = src.len() / bb;
+                let has_m = matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1);
+                let five = matches!(ty, GgmlType::Q5_0 | GgmlType::Q5_1);
+                let bias = match ty {
+                    GgmlType::Q4_0 => 8,
+                    GgmlType::Q5_0 => 16,
+                    _ => 0,
                 };
-                for b in src.chunks_exact(bb) {
-                    self.d.push(f16_le(b, 0));
-                    if ty == GgmlType::Q5_1 {
-                        self.m.push(f16_le(b, 2));
+                let off = if has_m { 4 } else { 2 };
+                self.qs.resize(nb * 32, 0);
+                self.d.resize(nb, 0.0);
+                self.m.resize(if has_m { nb } else { 0 }, 0.0);
+                let blocks = src.chunks_exact(bb).zip(self.qs.chunks_exact_mut(32));
+                for (i, (b, out)) in blocks.enumerate() {
+                    self.d[i] = f16_le(b, 0);
+                    if has_m {
+                        self.m[i] = f16_le(b, 2);
                     }
-                    let qh = u32::from_le_bytes([b[off], b[off + 1], b[off + 2], b[off + 3]]);
-                    let q = &b[off + 4..off + 20];
-                    self.qs.extend(
-                        q.iter().enumerate().map(|(j, &x)| {
-                            ((x & 0xF) | (((qh >> j) as u8 & 1) << 4)) as i8 - signed
-                        }),
-                    );
-                    self.qs.extend(q.iter().enumerate().map(|(j, &x)| {
-                        ((x >> 4) | (((qh >> (j + 16)) as u8 & 1) << 4)) as i8 - signed
-                    }));
+                    let (qh, qs) = if five {
+                        let qh = u32::from_le_bytes([b[off], b[off + 1], b[off + 2], b[off + 3]]);
+                        (qh, &b[off + 4..off + 20])
+                    } else {
+                        (0, &b[off..off + 16])
+                    };
+                    // Fixed-size views so the loops below vectorise; the lengths always match.
+                    if let (Ok(q), Ok(out)) =
+                        (<&[u8; 16]>::try_from(qs), <&mut [i8; 32]>::try_from(out))
+                    {
+                        if five {
+                            unpack5(q, qh, bias, out);
+                        } else {
+                            unpack4(q, bias, out);
+                        }
+                    }
                 }
             }
             GgmlType::Q4K | GgmlType::Q5K => {
