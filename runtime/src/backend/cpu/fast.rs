@@ -7,11 +7,12 @@ use super::kernels::{dot_f32, Kernel};
 use crate::quant::{
     get_scale_min_k4, q8_0_block, q8_1_block, q8_k_block, BlockQ8K, GgmlType, QK_K,
 };
+use half::f16;
+use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 
-/// binary16 → f32, exact for every bit pattern: the exponent is rebiased by one exact multiply
-/// by 2^112 (which also normalises subnormals), Inf/NaN get the all-ones exponent. By hand
-/// because it vectorises: `half`'s conversions re-check CPU features every few elements and ran
-/// several times slower than the bf16 widening here.
+/// binary16 → f32 for one block scale, exact for every bit pattern: the exponent is rebiased by
+/// one exact multiply by 2^112 (which also normalises subnormals), Inf/NaN get the all-ones
+/// exponent. By hand because `half`'s scalar `to_f32` runs CPU feature detection on every call.
 #[inline(always)]
 pub(crate) fn f16_bits_to_f32(h: u16) -> f32 {
     let h = h as u32;
@@ -138,6 +139,7 @@ pub(crate) struct RowScratch {
     sc: Vec<i32>,
     mins: Vec<i32>,
     f: Vec<f32>,
+    bits: Vec<u16>,
     dots: Vec<i32>,
 }
 
@@ -159,11 +161,16 @@ impl RowScratch {
                 );
             }
             GgmlType::F16 => {
-                self.f.clear();
-                self.f.extend(
+                // `half` converts a slice with F16C / NEON fp16 when the CPU has them (detected
+                // once per call); the bytes go through u16s because the mapping may be unaligned.
+                self.bits.clear();
+                self.bits.extend(
                     src.chunks_exact(2)
-                        .map(|b| f16_bits_to_f32(u16::from_le_bytes([b[0], b[1]]))),
+                        .map(|b| u16::from_le_bytes([b[0], b[1]])),
                 );
+                self.f.resize(self.bits.len(), 0.0);
+                HalfBitsSliceExt::reinterpret_cast::<f16>(&self.bits[..])
+                    .convert_to_f32_slice(&mut self.f);
             }
             GgmlType::Bf16 => {
                 self.f.clear();
@@ -179,8 +186,11 @@ impl RowScratch {
                 let blocks = src.chunks_exact(bb).zip(self.qs.chunks_exact_mut(32));
                 for ((b, out), d) in blocks.zip(self.d.iter_mut()) {
                     *d = f16_le(b, 0);
-                    for (o, &q) in out.iter_mut().zip(&b[2..34]) {
-                        *o = q as i8;
+                    if let (Ok(q), Ok(out)) = (
+                        <&[u8; 32]>::try_from(&b[2..34]),
+                        <&mut [i8; 32]>::try_from(out),
+                    ) {
+                        *out = q.map(|x| x as i8);
                     }
                 }
             }
