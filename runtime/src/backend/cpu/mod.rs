@@ -85,14 +85,14 @@ fn check_run(
         ),
         None => bail!("{backend}: {} was prepared by another backend", w.name),
     }
-    if a.len() != m * w.k || c.len() != m * w.n {
+    if m.checked_mul(w.k) != Some(a.len()) || m.checked_mul(w.n) != Some(c.len()) {
         bail!(
-            "{backend}: {} with M={m}: A has {} values (want {}), C has {} (want {})",
+            "{backend}: {} with M={m}: A has {} values (want M×K, K={}), C has {} (want M×N, N={})",
             w.name,
             a.len(),
-            m * w.k,
+            w.k,
             c.len(),
-            m * w.n
+            w.n
         );
     }
     Ok(row)
