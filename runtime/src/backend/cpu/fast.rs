@@ -98,7 +98,10 @@ impl<'a> Activations<'a> {
             ActFormat::F32 => {}
             ActFormat::Q8_0 => {
                 act.qs.reserve(a.len());
-                for x in a.chunks_exact(32) {
+                for x in a
+                    .chunks_exact(32)
+                    .filter_map(|c| <&[f32; 32]>::try_from(c).ok())
+                {
                     let b = q8_0_block(x);
                     act.d.push(b.d.to_f32());
                     act.qs.extend_from_slice(&b.qs);
@@ -106,7 +109,10 @@ impl<'a> Activations<'a> {
             }
             ActFormat::Q8_1 => {
                 act.qs.reserve(a.len());
-                for x in a.chunks_exact(32) {
+                for x in a
+                    .chunks_exact(32)
+                    .filter_map(|c| <&[f32; 32]>::try_from(c).ok())
+                {
                     let b = q8_1_block(x);
                     act.d.push(b.d.to_f32());
                     act.s.push(b.s.to_f32());
@@ -115,7 +121,10 @@ impl<'a> Activations<'a> {
             }
             ActFormat::Q8K => {
                 act.qs.reserve(a.len());
-                for x in a.chunks_exact(QK_K) {
+                for x in a
+                    .chunks_exact(QK_K)
+                    .filter_map(|c| <&[f32; QK_K]>::try_from(c).ok())
+                {
                     let BlockQ8K { d, qs, bsums } = q8_k_block(x);
                     act.d.push(d);
                     act.qs.extend_from_slice(&qs);
