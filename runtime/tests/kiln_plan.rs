@@ -284,8 +284,9 @@ fn matmul_runs_on_the_named_backend_or_says_why_not() {
     assert!(text.contains("ran on cpu"), "{text}");
 }
 
-/// The real model: SmolLM2-135M Q4_1, which the NPU declines whole (WeightType), so the CPU
-/// owns every matmul weight; the counts still add up to the model's matmul weights.
+/// The real model: SmolLM2-135M, Q4_1 blocks (which the NPU declines as WeightType) and a Q8_0
+/// tied embedding (which it takes, N = 49152 split into 12 contexts). The counts add up to the
+/// model's matmul weights.
 #[test]
 #[ignore = "needs KILN_SMOLLM2: run `cargo xtask test --stage npu-plan`"]
 fn plan_on_smollm2() {
@@ -295,13 +296,29 @@ fn plan_on_smollm2() {
             panic!("KILN_SMOLLM2 is not set: run `cargo xtask test --stage npu-plan`")
         });
     let f = GgufFile::open(&model).unwrap();
-    let n = kiln_runtime::sched::matmul_weights(&f).len();
+    let weights = kiln_runtime::sched::matmul_weights(&f);
     // 30 layers × 7 projections, plus the tied output (token_embd).
-    assert_eq!(n, 30 * 7 + 1, "matmul weights in SmolLM2-135M");
+    assert_eq!(weights.len(), 30 * 7 + 1, "matmul weights in SmolLM2-135M");
+    let npu_able = weights
+        .iter()
+        .filter(|w| match w.ty {
+            GgmlType::F16 => w.k % 32 == 0 && w.n % 16 == 0,
+            GgmlType::Q8_0 => w.k % 32 == 0 && w.n % 32 == 0,
+            _ => false,
+        })
+        .count();
     let j = plan_json(&model, "1,64,512");
-    check_counts(&j, n, 3);
+    check_counts(&j, weights.len(), 3);
     let t = &j["table"];
-    assert_eq!(t["coverage"]["cpu"]["weights"], n as u64);
-    let wt = &t["declines"]["npu"]["WeightType"];
-    assert!(wt["weights"].as_u64().unwrap() > 0, "{t}");
+    assert_eq!(t["coverage"]["npu"]["weights"], npu_able as u64, "{t}");
+    assert_eq!(
+        t["coverage"]["cpu"]["weights"],
+        (weights.len() - npu_able) as u64
+    );
+    assert_eq!(
+        t["declines"]["npu"]["WeightType"]["weights"],
+        (weights.len() - npu_able) as u64,
+        "{t}"
+    );
+    assert_eq!(t["declines"]["npu"]["SmallM"]["ops"][0], npu_able as u64);
 }
