@@ -162,6 +162,7 @@ fn aarch64_tests(cpu: &str, dotprod: bool) -> Result<()> {
         .args([
             "test",
             "--locked",
+            "--no-fail-fast",
             "-p",
             "kiln-runtime",
             "--target",
