@@ -82,6 +82,20 @@ pub const PYTHON_VENV: Tool = Tool {
     apt: &["python3-venv"],
 };
 
+pub const BMAPTOOL: Tool = Tool {
+    name: "bmaptool",
+    why: "the independent reference for our .bmap files; `bench flash` compares against it",
+    probe: || version_of("bmaptool", &["--version"]),
+    apt: &["bmap-tools"],
+};
+
+pub const LSBLK: Tool = Tool {
+    name: "lsblk",
+    why: "`flash` reads the block devices (type, transport, size, mounts) from it",
+    probe: || version_of("lsblk", &["--version"]),
+    apt: &["util-linux"],
+};
+
 pub const MKFS_EROFS: Tool = Tool {
     name: "mkfs.erofs",
     why: "writes the models partition (erofs)",
@@ -134,9 +148,23 @@ pub const MTOOLS: Tool = Tool {
 
 pub const LOSETUP: Tool = Tool {
     name: "losetup",
-    why: "exposes a test image as a block device, to read a GPT and FAT from a device in tests",
+    why: "`flash` tests and `bench flash` write to loop devices",
     probe: || version_of("losetup", &["--version"]),
     apt: &["mount"],
+};
+
+pub const QEMU_SYSTEM_AARCH64: Tool = Tool {
+    name: "qemu-system-aarch64",
+    why: "boots images (U-Boot distro boot, the kernel) in tests",
+    probe: || version_of("qemu-system-aarch64", &["--version"]),
+    apt: &["qemu-system-arm"],
+};
+
+pub const UBOOT_QEMU: Tool = Tool {
+    name: "u-boot qemu_arm64",
+    why: "the bootloader qemu-virt images boot through (-bios)",
+    probe: || file_exists("/usr/lib/u-boot/qemu_arm64/u-boot.bin"),
+    apt: &["u-boot-qemu"],
 };
 
 pub const CPIO: Tool = Tool {
@@ -162,6 +190,10 @@ pub fn all_tools() -> Vec<&'static Tool> {
         &MTOOLS,
         &CPIO,
         &LOSETUP,
+        &BMAPTOOL,
+        &LSBLK,
+        &QEMU_SYSTEM_AARCH64,
+        &UBOOT_QEMU,
     ]
 }
 

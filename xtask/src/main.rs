@@ -1,9 +1,12 @@
 //! `cargo xtask`: kiln's host tool, in the cargo-xtask convention (one module per subcommand,
 //! external programs through `xshell::cmd!`, `anyhow` context at every step).
 
+mod bench;
+mod bmap;
 mod build;
 mod disk;
 mod doctor;
+mod flash;
 mod test;
 
 use clap::Parser;
@@ -19,6 +22,10 @@ enum Cli {
     Build(build::Args),
     /// The one test command: fmt, clippy, host tests, aarch64 tests under qemu-user, and more.
     Test(test::Args),
+    /// Write an image to an SD card or eMMC: safety checks, bmap ranges only, read-back verify.
+    Flash(flash::Args),
+    /// Measure speed: `cargo xtask bench flash` (kiln vs dd vs bmaptool to a loop device).
+    Bench(bench::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -26,6 +33,8 @@ fn main() -> anyhow::Result<()> {
         Cli::Doctor(a) => doctor::run(a),
         Cli::Build(a) => build::run(a).map(|_| ()),
         Cli::Test(a) => test::run(a),
+        Cli::Flash(a) => flash::run(a),
+        Cli::Bench(a) => bench::run(a),
     }
 }
 
