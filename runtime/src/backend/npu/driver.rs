@@ -191,6 +191,8 @@ mod tests {
     use super::*;
 
     /// `rknpu_ioctl.h` / the reference's computed values.
+    // The request type is libc's (`c_ulong` on glibc, `c_int` on musl): the casts are for musl.
+    #[allow(clippy::unnecessary_cast)]
     #[test]
     fn ioctl_request_numbers() {
         assert_eq!(DRM_IOCTL_RKNPU_ACTION, 0xc008_6440);
