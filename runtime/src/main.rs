@@ -25,6 +25,41 @@ enum Cli {
         #[arg(short = 'o', long = "output")]
         output: PathBuf,
     },
+    /// The coverage table for a model: per backend (board order: npu, then cpu) the matmul
+    /// weights and bytes it owns and the ops it claims at each M; per reason, the declines.
+    Plan {
+        file: PathBuf,
+        /// Row counts (M) to plan for, e.g. 1 for decode and 512 for prefill.
+        #[arg(long, value_delimiter = ',', default_value = "1,8,512")]
+        m: Vec<usize>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// C = A · Wᵀ for one weight of a GGUF file: A is M rows of K raw little-endian f32, C is
+    /// written as M rows of N. Prints which backend ran it, or why none would.
+    Matmul {
+        file: PathBuf,
+        tensor: String,
+        #[arg(long)]
+        input: PathBuf,
+        #[arg(long)]
+        m: usize,
+        #[arg(short = 'o', long = "output")]
+        output: PathBuf,
+        /// Run on this backend only (default: board order, npu then cpu).
+        #[arg(long, value_enum)]
+        backend: Option<BackendChoice>,
+        /// Threads of the cpu backend (default: one per core).
+        #[arg(long)]
+        threads: Option<usize>,
+    },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum BackendChoice {
+    Cpu,
+    CpuRef,
+    Npu,
 }
 
 fn main() {
@@ -60,6 +95,23 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 r => r.context("writing to stdout")?,
             }
         }
+        Cli::Plan { file, m, json } => {
+            let out = kiln_runtime::sched::plan_report(&file, &m, json)?;
+            let mut stdout = std::io::stdout().lock();
+            match stdout.write_all(out.as_bytes()) {
+                Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
+                r => r.context("writing to stdout")?,
+            }
+        }
+        Cli::Matmul {
+            file,
+            tensor,
+            input,
+            m,
+            output,
+            backend,
+            threads,
+        } => matmul(&file, &tensor, &input, m, &output, backend, threads)?,
         Cli::Dequant {
             file,
             tensor,
@@ -207,6 +259,105 @@ fn dequant(file: &Path, tensor: &str, output: &Path) -> anyhow::Result<()> {
         .with_context(|| format!("{}: tensor {tensor:?}", file.display()))?;
     let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
     write_atomic(output, &bytes)
+}
+
+fn matmul(
+    file: &Path,
+    tensor: &str,
+    input: &Path,
+    m: usize,
+    output: &Path,
+    choice: Option<BackendChoice>,
+    threads: Option<usize>,
+) -> anyhow::Result<()> {
+    use kiln_runtime::backend::{cpu, npu, run_checked, Backend, MatmulOp};
+    let f = GgufFile::open(file)?;
+    let t = f.tensor(tensor).with_context(|| {
+        format!(
+            "{}: no tensor named {tensor:?} ({} tensors in the file)",
+            file.display(),
+            f.gguf().tensor_infos().len()
+        )
+    })?;
+    let w = t.as_weight().with_context(|| {
+        format!(
+            "{}: tensor {tensor:?} has {} dimensions, a matmul weight has 2",
+            file.display(),
+            t.n_dims
+        )
+    })?;
+    anyhow::ensure!(m > 0, "--m must be at least 1");
+    let raw = std::fs::read(input).with_context(|| format!("reading {}", input.display()))?;
+    anyhow::ensure!(
+        raw.len() == m * w.k * 4,
+        "{}: {} bytes, but M×K f32 for {tensor} is {m}×{}×4 = {} bytes",
+        input.display(),
+        raw.len(),
+        w.k,
+        m * w.k * 4
+    );
+    let a: Vec<f32> = raw
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    let mut cpu_b = cpu::CpuBackend::new();
+    if let Some(t) = threads {
+        cpu_b = cpu_b.with_threads(t);
+    }
+    let npu_b = npu::NpuBackend::default();
+    let cpu_ref = cpu::CpuRefBackend;
+    let order: Vec<&dyn Backend> = match choice {
+        None => vec![&npu_b, &cpu_b],
+        Some(BackendChoice::Npu) => vec![&npu_b],
+        Some(BackendChoice::Cpu) => vec![&cpu_b],
+        Some(BackendChoice::CpuRef) => vec![&cpu_ref],
+    };
+    let op = MatmulOp::for_weight(&w, m);
+    let mut why = Vec::new();
+    for b in order {
+        if let Err(d) = b.supports(&op) {
+            println!("{} declined {tensor} at M={m}: {d}", b.name());
+            why.push(format!("{}: {d}", b.name()));
+            continue;
+        }
+        let started = std::time::Instant::now();
+        let prepared = match b.prepare(&w) {
+            Ok(p) => p,
+            Err(e) if choice.is_none() => {
+                println!(
+                    "{} could not prepare {tensor}, falling back: {e:#}",
+                    b.name()
+                );
+                why.push(format!("{}: prepare failed: {e:#}", b.name()));
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
+        let mut c = vec![0f32; m * w.n];
+        if let Err(e) = run_checked(b, &w, prepared.as_ref(), &a, m, &mut c) {
+            if choice.is_some() {
+                return Err(e);
+            }
+            println!("{} failed, falling back: {e:#}", b.name());
+            why.push(format!("{}: failed: {e:#}", b.name()));
+            continue;
+        }
+        let bytes: Vec<u8> = c.iter().flat_map(|v| v.to_le_bytes()).collect();
+        write_atomic(output, &bytes)?;
+        let simulated = b.probe().is_ok_and(|c| c.simulated);
+        println!(
+            "ran on {}{}: {tensor} ({}) M={m} K={} N={} in {:.1} ms -> {}",
+            b.name(),
+            if simulated { " (SIMULATED)" } else { "" },
+            w.ty,
+            w.k,
+            w.n,
+            started.elapsed().as_secs_f64() * 1e3,
+            output.display()
+        );
+        return Ok(());
+    }
+    anyhow::bail!("no backend ran {tensor} at M={m}: {}", why.join("; "))
 }
 
 fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {

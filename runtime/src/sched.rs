@@ -352,3 +352,96 @@ impl Plan<'_> {
         s
     }
 }
+
+/// Tensor names that are 2-D but looked up by row (`get_rows`), not multiplied.
+const NOT_MATMUL: [&str; 3] = ["position_embd", "token_types", "rope_freqs"];
+
+/// The model's matmul weights: 2-D `*.weight` tensors that are not norms or row look-up tables.
+/// `token_embd.weight` counts only when the model has no `output.weight` (tied embeddings: the
+/// output projection multiplies by it).
+pub fn matmul_weights(f: &crate::gguf::GgufFile) -> Vec<Weight<'_>> {
+    let tied = f.tensor("output.weight").is_none();
+    f.tensors()
+        .filter(|t| t.name.ends_with(".weight") && !t.name.contains("norm"))
+        .filter(|t| !NOT_MATMUL.iter().any(|p| t.name.starts_with(p)))
+        .filter(|t| tied || !t.name.starts_with("token_embd"))
+        .filter_map(|t| t.as_weight())
+        .collect()
+}
+
+/// What `kiln plan` prints: the coverage table (or the plan as JSON) for `file` at `ms`.
+pub fn plan_report(file: &std::path::Path, ms: &[usize], json: bool) -> anyhow::Result<String> {
+    use anyhow::Context;
+    anyhow::ensure!(!ms.is_empty(), "--m needs at least one row count");
+    anyhow::ensure!(ms.iter().all(|m| *m > 0), "--m values must be at least 1");
+    let f = crate::gguf::GgufFile::open(file)?;
+    let weights = matmul_weights(&f);
+    let npu = crate::backend::npu::NpuBackend::default();
+    let cpu = crate::backend::cpu::CpuBackend::new();
+    let backends: [&dyn Backend; 2] = [&npu, &cpu];
+    let p = plan(&backends, &weights, ms, false);
+    if json {
+        let v = serde_json::json!({
+            "file": file.display().to_string(),
+            "table": p.table(),
+            "plan": &p,
+            "ledger_lines": p.ledger.lines(),
+        });
+        let mut s = serde_json::to_string_pretty(&v).context("plan as JSON")?;
+        s.push('\n');
+        Ok(s)
+    } else {
+        Ok(format!("model: {}\n{}", file.display(), p.render()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::CpuRefBackend;
+    use crate::quant::GgmlType;
+
+    /// Without the NPU library every weight falls to the CPU, and every count still adds up.
+    #[test]
+    fn counts_add_up_and_declines_are_kept() {
+        let npu = crate::backend::npu::NpuBackend::new(crate::backend::npu::NpuConfig {
+            lib_path: "/nonexistent/librknnrt.so".into(),
+            devroot: std::env::temp_dir(),
+            min_m: 8,
+        });
+        let cpu = CpuRefBackend;
+        let data = vec![0u8; 64 * 32 * 2];
+        let ws = [
+            Weight {
+                name: "a.weight",
+                ty: GgmlType::F16,
+                k: 64,
+                n: 32,
+                data: &data,
+            },
+            Weight {
+                name: "b.weight",
+                ty: GgmlType::F16,
+                k: 32,
+                n: 64,
+                data: &data,
+            },
+        ];
+        let backends: [&dyn Backend; 2] = [&npu, &cpu];
+        let p = plan(&backends, &ws, &[512, 1, 1], false);
+        assert_eq!(p.ms, [1, 512]);
+        let t = p.table();
+        assert_eq!(t.coverage["cpu-ref"].weights, 2);
+        assert_eq!(t.coverage["cpu-ref"].ops, [2, 2]);
+        assert_eq!(t.coverage["npu"].weights, 0);
+        assert_eq!(t.declines["npu"]["NoDevice"].weights, 2);
+        assert_eq!(t.declines["npu"]["NoDevice"].ops, [2, 2]);
+        assert!(p.weights.iter().all(|w| w.declined.len() == 1));
+        let ledger = p.ledger.lines();
+        assert_eq!(ledger.len(), 1);
+        assert!(ledger[0].starts_with("weights on CPU-REF via mmap (zero-copy, borrowed)"));
+        let text = p.render();
+        assert!(text.contains("declined by npu:"), "{text}");
+        assert!(text.contains("NoDevice(librknnrt: cannot load"), "{text}");
+    }
+}

@@ -52,7 +52,8 @@ fn injected_faults_are_caught() {
 
         std::env::set_var("KILN_RKNN_STANDIN_FAULT", "wrong");
         run(&a2, &mut c).expect("a wrong answer is not visible to the backend itself");
-        let want = reference(&a2, &deq, m, k, n);
+        let want = cpu_reference(&w, &a2, m);
+        assert!(nmse(&want, &reference(&a2, &deq, m, k, n)) < 1e-10);
         assert!(
             nmse(&c, &want) > 5e-4 || worst(&c, &want) > 0.1,
             "{ty}: the perturbed output passed the comparison"

@@ -1,5 +1,5 @@
-//! The NPU backend against rknn-standin: same numbers as an f32 reference within llama.cpp's
-//! MUL_MAT bar, the gates, the probe, the 1.x-ABI decline. Faults are in `npu_faults.rs`.
+//! The NPU backend against rknn-standin: same numbers as the CPU reference backend (and this
+//! file's own f32 matmul of the dequantised weight) within llama.cpp's MUL_MAT bar, the gates, the probe, the 1.x-ABI decline. Faults are in `npu_faults.rs`.
 
 mod npu_common;
 

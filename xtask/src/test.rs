@@ -28,6 +28,7 @@ const STAGES: &[(&str, StageFn)] = &[
     ("clippy", clippy),
     ("host-tests", host_tests),
     ("gguf-reference", gguf_reference),
+    ("npu-plan-smollm2", npu_plan_smollm2),
     ("aarch64-tests-cortex-a76", |_| {
         aarch64_tests("cortex-a76", true)
     }),
@@ -162,6 +163,7 @@ fn aarch64_tests(cpu: &str, dotprod: bool) -> Result<()> {
         .args([
             "test",
             "--locked",
+            "--no-fail-fast",
             "-p",
             "kiln-runtime",
             "--target",
@@ -201,6 +203,25 @@ fn gguf_reference(_: &Args) -> Result<()> {
     .env("KILN_SMOLLM2", &model)
     .run()
     .context("gguf reference tests")
+}
+
+/// `kiln plan` on the SmolLM2 model with rknn-standin as the NPU: the `#[ignore]`d test of
+/// `runtime/tests/kiln_plan.rs`, with `KILN_SMOLLM2` and `KILN_RKNN_STANDIN` set.
+fn npu_plan_smollm2(_: &Args) -> Result<()> {
+    doctor::ensure(&[&doctor::PYTHON_VENV])?;
+    let python = gguf_py_venv()?;
+    let model = smollm2_model(&python)?;
+    let (standin, abi1) = build_standins(None)?;
+    let sh = crate::shell()?;
+    cmd!(
+        sh,
+        "cargo test --locked -p kiln-runtime --test kiln_plan -- --ignored"
+    )
+    .env("KILN_SMOLLM2", &model)
+    .env("KILN_RKNN_STANDIN", standin)
+    .env("KILN_RKNN_STANDIN_ABI1", abi1)
+    .run()
+    .context("kiln plan on SmolLM2")
 }
 
 /// A virtualenv under `target/` with the pinned gguf-py; returns its python.

@@ -116,3 +116,13 @@ pub fn worst(got: &[f32], want: &[f32]) -> f64 {
         .map(|(g, w)| (*g as f64 - *w as f64).abs() / rms)
         .fold(0.0, f64::max)
 }
+
+/// C from the CPU reference backend (`cpu-ref`: dequantise, dot in f64), the bar the NPU meets.
+pub fn cpu_reference(w: &kiln_runtime::backend::Weight<'_>, a: &[f32], m: usize) -> Vec<f32> {
+    use kiln_runtime::backend::{cpu::CpuRefBackend, run_checked, Backend};
+    let b = CpuRefBackend;
+    let p = b.prepare(w).expect("cpu-ref prepares every loader type");
+    let mut c = vec![0f32; m * w.n];
+    run_checked(&b, w, p.as_ref(), a, m, &mut c).expect("cpu-ref run");
+    c
+}

@@ -191,11 +191,25 @@ mod tests {
     use super::*;
 
     /// `rknpu_ioctl.h` / the reference's computed values.
+    // The request type is libc's (`c_ulong` on glibc, `c_int` on musl): the casts are for musl.
+    #[allow(clippy::unnecessary_cast)]
     #[test]
     fn ioctl_request_numbers() {
         assert_eq!(DRM_IOCTL_RKNPU_ACTION, 0xc008_6440);
         assert_eq!(MISC_IOCTL_RKNPU_ACTION, 0xc008_7200);
         assert_eq!(DRM_IOCTL_VERSION, 0xc040_6400);
+        // The rest of rknpu_ioctl.h, by (nr, struct size): the same encoding on both paths.
+        for (nr, size, drm, misc) in [
+            (1u8, 104usize, 0xc068_6441u64, 0xc068_7201u64), // SUBMIT
+            (2, 48, 0xc030_6442, 0xc030_7202),               // MEM_CREATE (0.9.x, 48 bytes)
+            (3, 16, 0xc010_6443, 0xc010_7203),               // MEM_MAP
+            (4, 16, 0xc010_6444, 0xc010_7204),               // MEM_DESTROY
+            (5, 32, 0xc020_6445, 0xc020_7205),               // MEM_SYNC
+        ] {
+            let d = nix::request_code_readwrite!(b'd', DRM_COMMAND_BASE + nr, size) as u64;
+            let m = nix::request_code_readwrite!(b'r', nr, size) as u64;
+            assert_eq!((d, m), (drm, misc), "nr {nr}");
+        }
     }
 
     #[test]
