@@ -1,6 +1,7 @@
 //! `cargo xtask`: kiln's host tool, in the cargo-xtask convention (one module per subcommand,
 //! external programs through `xshell::cmd!`, `anyhow` context at every step).
 
+mod bench;
 mod build;
 mod doctor;
 mod test;
@@ -18,6 +19,8 @@ enum Cli {
     Build(build::Args),
     /// The one test command: fmt, clippy, host tests, aarch64 tests under qemu-user, and more.
     Test(test::Args),
+    /// Benchmarks (not timed tests): `cargo xtask bench gguf`, …; `--list` names them.
+    Bench(bench::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -25,6 +28,7 @@ fn main() -> anyhow::Result<()> {
         Cli::Doctor(a) => doctor::run(a),
         Cli::Build(a) => build::run(a).map(|_| ()),
         Cli::Test(a) => test::run(a),
+        Cli::Bench(a) => bench::run(a),
     }
 }
 
