@@ -211,18 +211,21 @@ impl GgufFile {
     /// Map `path` and parse its header. Only the header pages are touched.
     pub fn open(path: impl AsRef<Path>) -> Result<GgufFile, OpenError> {
         let path = path.as_ref().to_path_buf();
-        let io = |source| OpenError::Io {
+        let io = |error| OpenError::Io {
             path: path.clone(),
-            source,
+            error,
         };
         let file = std::fs::File::open(&path).map_err(io)?;
+        if !file.metadata().map_err(io)?.is_file() {
+            return Err(io(std::io::Error::other("not a regular file")));
+        }
         // SAFETY: the mapping is read-only and kiln's model files are not modified while a model
         // is loaded (they live on a read-only erofs partition on the board). A file truncated
         // under us would fault on access, as it would for llama.cpp.
         let map = unsafe { memmap2::MmapOptions::new().map(&file) }.map_err(io)?;
-        let gguf = Gguf::parse(&map).map_err(|source| OpenError::Parse {
+        let gguf = Gguf::parse(&map).map_err(|error| OpenError::Parse {
             path: path.clone(),
-            source,
+            error,
         })?;
         Ok(GgufFile { path, map, gguf })
     }
