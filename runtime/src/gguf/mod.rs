@@ -265,3 +265,60 @@ impl GgufFile {
         self.gguf.ledger()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::writer::GgufWriter;
+    use super::*;
+
+    fn file() -> Vec<u8> {
+        let mut w = GgufWriter::new();
+        w.add("n.u32", Value::U32(300)).unwrap();
+        w.add("n.neg", Value::I32(-1)).unwrap();
+        w.add("f", Value::F32(0.5)).unwrap();
+        w.tensor_f32("vec", &[4], &[1.0, 2.0, 3.0, 4.0]).unwrap();
+        w.tensor_f32("mat", &[2, 3], &[0.0; 6]).unwrap();
+        w.tensor_f32("cube", &[1, 1, 2], &[0.0; 2]).unwrap();
+        w.to_bytes()
+    }
+
+    #[test]
+    fn hparams_are_read_at_any_width_and_range_checked() {
+        let b = file();
+        let g = Gguf::parse(&b).unwrap();
+        assert_eq!(g.get_int::<u64>("n.u32"), Ok(Some(300)));
+        assert_eq!(g.get_int::<u16>("n.u32"), Ok(Some(300)));
+        assert!(g
+            .get_int::<u8>("n.u32")
+            .unwrap_err()
+            .contains("out of range"));
+        assert!(g.get_int::<u32>("n.neg").is_err());
+        assert_eq!(g.get_int::<i64>("n.neg"), Ok(Some(-1)));
+        assert!(g
+            .get_int::<u32>("f")
+            .unwrap_err()
+            .contains("not an integer"));
+        assert_eq!(g.get_int::<u32>("absent"), Ok(None));
+    }
+
+    #[test]
+    fn only_2d_tensors_are_weights_and_views_borrow_the_buffer() {
+        let b = file();
+        let g = Gguf::parse(&b).unwrap();
+        let view = |n| g.view(&b, g.tensor_info(n).unwrap()).unwrap();
+        let w = view("mat").as_weight().unwrap();
+        assert_eq!((w.k, w.n, w.ty, w.data.len()), (2, 3, GgmlType::F32, 24));
+        assert!(view("vec").as_weight().is_none());
+        assert!(view("cube").as_weight().is_none());
+        let v = view("vec");
+        let start = v.data.as_ptr() as usize - b.as_ptr() as usize;
+        assert_eq!(start as u64, g.data_offset + v.offset);
+        assert_eq!(v.to_f32().unwrap(), [1.0, 2.0, 3.0, 4.0]);
+        // A buffer shorter than the file the header describes gives no view.
+        assert!(g
+            .view(&b[..b.len() - 1], g.tensor_info("cube").unwrap())
+            .is_none());
+        let l = g.ledger();
+        assert_eq!(l.totals(DEFAULT_OWNER).unwrap().mapped_tensors, 3);
+    }
+}
