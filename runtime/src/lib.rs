@@ -4,6 +4,7 @@ pub mod backend;
 pub mod gguf;
 pub mod ledger;
 pub mod quant;
+pub mod sched;
 
 #[cfg(test)]
 mod arch_tests {

@@ -2,8 +2,11 @@
 //! external programs through `xshell::cmd!`, `anyhow` context at every step).
 
 mod bench;
+mod bmap;
 mod build;
+mod disk;
 mod doctor;
+mod flash;
 mod test;
 
 use clap::Parser;
@@ -19,7 +22,10 @@ enum Cli {
     Build(build::Args),
     /// The one test command: fmt, clippy, host tests, aarch64 tests under qemu-user, and more.
     Test(test::Args),
-    /// Benchmarks (not timed tests): `cargo xtask bench gguf`, …; `--list` names them.
+    /// Write an image to an SD card or eMMC: safety checks, bmap ranges only, read-back verify.
+    Flash(flash::Args),
+    /// Measure speed: `cargo xtask bench flash` (kiln vs dd vs bmaptool to a loop device),
+    /// `cargo xtask bench gguf` (GGUF open+index, 4 GiB vs 40 MiB, RSS growth).
     Bench(bench::Args),
 }
 
@@ -28,6 +34,7 @@ fn main() -> anyhow::Result<()> {
         Cli::Doctor(a) => doctor::run(a),
         Cli::Build(a) => build::run(a).map(|_| ()),
         Cli::Test(a) => test::run(a),
+        Cli::Flash(a) => flash::run(a),
         Cli::Bench(a) => bench::run(a),
     }
 }
