@@ -254,9 +254,15 @@ fn dequant(file: &Path, tensor: &str, output: &Path) -> anyhow::Result<()> {
             f.gguf().tensor_infos().len()
         )
     })?;
-    let values = t
-        .to_f32()
-        .with_context(|| format!("{}: tensor {tensor:?}", file.display()))?;
+    let at = f.gguf().data_offset + t.offset;
+    let values = t.to_f32().with_context(|| {
+        format!(
+            "{}: at byte {at}: tensor {tensor:?} ({} {:?})",
+            file.display(),
+            t.ty,
+            &t.ne[..t.n_dims as usize]
+        )
+    })?;
     let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
     write_atomic(output, &bytes)
 }

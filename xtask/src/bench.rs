@@ -9,7 +9,7 @@ use xshell::cmd;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// What to measure: `flash`, `matmul`.
+    /// What to measure: `flash`, `matmul`, `gguf`.
     pub what: String,
 }
 
@@ -22,7 +22,8 @@ pub fn run(args: Args) -> Result<()> {
                 .run()
                 .context("matmul bench")
         }
-        other => bail!("no bench named {other:?} (known: flash, matmul)"),
+        "gguf" => gguf(),
+        other => bail!("no bench named {other:?} (known: flash, matmul, gguf)"),
     }
 }
 
@@ -183,4 +184,13 @@ fn flash() -> Result<()> {
         let _ = std::fs::remove_file(p);
     }
     Ok(())
+}
+
+/// GGUF open+index of a sparse 4 GiB file vs a 40 MiB one with the same 400 tensors: both
+/// times, their ratio and the RSS growth of the 4 GiB open (`runtime/benches/gguf.rs`).
+fn gguf() -> Result<()> {
+    let sh = crate::shell()?;
+    cmd!(sh, "cargo bench --locked -p kiln-runtime --bench gguf")
+        .run()
+        .context("cargo bench --bench gguf")
 }

@@ -29,7 +29,7 @@ pub enum ErrorKind {
     V1,
     #[error("unsupported GGUF version {0} (supported: 2, 3)")]
     UnsupportedVersion(u32),
-    #[error("{what} count {count} cannot fit in the file (at most {max})")]
+    #[error("{what} count {count} cannot fit in the file (at most {max}): a corrupt count, or a truncated file")]
     CountTooLarge {
         what: &'static str,
         count: u64,
@@ -105,20 +105,21 @@ pub enum ErrorKind {
 /// byte offset and what was wrong).
 #[derive(Debug, thiserror::Error)]
 pub enum OpenError {
-    #[error("{}: {source}", path.display())]
+    // The inner errors are part of the message, not `source()`s: one line, said once.
+    #[error("{}: {error}", path.display())]
     Io {
         path: PathBuf,
-        source: std::io::Error,
+        error: std::io::Error,
     },
-    #[error("{}: {source}", path.display())]
-    Parse { path: PathBuf, source: ParseError },
+    #[error("{}: {error}", path.display())]
+    Parse { path: PathBuf, error: ParseError },
 }
 
 impl OpenError {
     /// The parse error, if the file was read but malformed.
     pub fn parse_error(&self) -> Option<&ParseError> {
         match self {
-            OpenError::Parse { source, .. } => Some(source),
+            OpenError::Parse { error, .. } => Some(error),
             OpenError::Io { .. } => None,
         }
     }

@@ -211,18 +211,21 @@ impl GgufFile {
     /// Map `path` and parse its header. Only the header pages are touched.
     pub fn open(path: impl AsRef<Path>) -> Result<GgufFile, OpenError> {
         let path = path.as_ref().to_path_buf();
-        let io = |source| OpenError::Io {
+        let io = |error| OpenError::Io {
             path: path.clone(),
-            source,
+            error,
         };
         let file = std::fs::File::open(&path).map_err(io)?;
+        if !file.metadata().map_err(io)?.is_file() {
+            return Err(io(std::io::Error::other("not a regular file")));
+        }
         // SAFETY: the mapping is read-only and kiln's model files are not modified while a model
         // is loaded (they live on a read-only erofs partition on the board). A file truncated
         // under us would fault on access, as it would for llama.cpp.
         let map = unsafe { memmap2::MmapOptions::new().map(&file) }.map_err(io)?;
-        let gguf = Gguf::parse(&map).map_err(|source| OpenError::Parse {
+        let gguf = Gguf::parse(&map).map_err(|error| OpenError::Parse {
             path: path.clone(),
-            source,
+            error,
         })?;
         Ok(GgufFile { path, map, gguf })
     }
@@ -260,5 +263,63 @@ impl GgufFile {
 
     pub fn ledger(&self) -> Ledger {
         self.gguf.ledger()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::writer::GgufWriter;
+    use super::*;
+
+    fn file() -> Vec<u8> {
+        let mut w = GgufWriter::new();
+        w.add("n.u32", Value::U32(300)).unwrap();
+        w.add("n.neg", Value::I32(-1)).unwrap();
+        w.add("f", Value::F32(0.5)).unwrap();
+        w.tensor_f32("vec", &[4], &[1.0, 2.0, 3.0, 4.0]).unwrap();
+        w.tensor_f32("mat", &[2, 3], &[0.0; 6]).unwrap();
+        w.tensor_f32("cube", &[1, 1, 2], &[0.0; 2]).unwrap();
+        w.to_bytes()
+    }
+
+    #[test]
+    fn hparams_are_read_at_any_width_and_range_checked() {
+        let b = file();
+        let g = Gguf::parse(&b).unwrap();
+        assert_eq!(g.get_int::<u64>("n.u32"), Ok(Some(300)));
+        assert_eq!(g.get_int::<u16>("n.u32"), Ok(Some(300)));
+        assert!(g
+            .get_int::<u8>("n.u32")
+            .unwrap_err()
+            .contains("out of range"));
+        assert!(g.get_int::<u32>("n.neg").is_err());
+        assert_eq!(g.get_int::<i64>("n.neg"), Ok(Some(-1)));
+        assert!(g
+            .get_int::<u32>("f")
+            .unwrap_err()
+            .contains("not an integer"));
+        assert_eq!(g.get_int::<u32>("absent"), Ok(None));
+    }
+
+    #[test]
+    fn only_2d_tensors_are_weights_and_views_borrow_the_buffer() {
+        let b = file();
+        let g = Gguf::parse(&b).unwrap();
+        let view = |n| g.view(&b, g.tensor_info(n).unwrap()).unwrap();
+        let w = view("mat").as_weight().unwrap();
+        assert_eq!((w.k, w.n, w.ty, w.data.len()), (2, 3, GgmlType::F32, 24));
+        assert!(view("vec").as_weight().is_none());
+        assert!(view("cube").as_weight().is_none());
+        let v = view("vec");
+        let start = v.data.as_ptr() as usize - b.as_ptr() as usize;
+        assert_eq!(start as u64, g.data_offset + v.offset);
+        assert_eq!(v.to_f32().unwrap(), [1.0, 2.0, 3.0, 4.0]);
+        // A buffer shorter than the file the header describes gives no view.
+        let cube = g.tensor_info("cube").unwrap();
+        let end = (g.data_offset + cube.offset + cube.n_bytes) as usize;
+        assert!(g.view(&b[..end], cube).is_some());
+        assert!(g.view(&b[..end - 1], cube).is_none());
+        let l = g.ledger();
+        assert_eq!(l.totals(DEFAULT_OWNER).unwrap().mapped_tensors, 3);
     }
 }

@@ -14,7 +14,22 @@ struct PendingTensor {
     name: String,
     ty: GgmlType,
     dims: Vec<u64>,
-    data: Vec<u8>,
+    data: Data,
+}
+
+enum Data {
+    Bytes(Vec<u8>),
+    /// All-zero bytes, never held in memory and written as a hole.
+    Zeros(u64),
+}
+
+impl Data {
+    fn len(&self) -> u64 {
+        match self {
+            Data::Bytes(b) => b.len() as u64,
+            Data::Zeros(n) => *n,
+        }
+    }
 }
 
 /// Collects metadata and tensors, then writes the file in one go.
@@ -88,8 +103,35 @@ impl GgufWriter {
         dims: &[u64],
         data: impl Into<Vec<u8>>,
     ) -> Result<&mut Self> {
-        let name = name.into();
-        let data = data.into();
+        self.push_tensor(name.into(), ty, dims, Data::Bytes(data.into()))
+    }
+
+    /// Add a tensor whose bytes are all zero. [`GgufWriter::write`] leaves them as a hole in a
+    /// sparse file, so multi-GiB fixtures cost no disk and no memory.
+    pub fn tensor_zeros(
+        &mut self,
+        name: impl Into<String>,
+        ty: GgmlType,
+        dims: &[u64],
+    ) -> Result<&mut Self> {
+        let n = ty
+            .row_bytes(dims.first().copied().unwrap_or(0))
+            .and_then(|r| {
+                dims.iter()
+                    .skip(1)
+                    .try_fold(r, |acc, &d| acc.checked_mul(d))
+            })
+            .unwrap_or(u64::MAX);
+        self.push_tensor(name.into(), ty, dims, Data::Zeros(n))
+    }
+
+    fn push_tensor(
+        &mut self,
+        name: String,
+        ty: GgmlType,
+        dims: &[u64],
+        data: Data,
+    ) -> Result<&mut Self> {
         ensure!(
             name.len() <= MAX_NAME_LEN,
             "tensor name {name:?} is longer than {MAX_NAME_LEN} bytes"
@@ -113,7 +155,7 @@ impl GgufWriter {
                 )
             })?;
         ensure!(
-            want == data.len() as u64,
+            want == data.len(),
             "tensor {name:?}: {ty} {dims:?} takes {want} bytes, got {}",
             data.len()
         );
@@ -142,8 +184,9 @@ impl GgufWriter {
         self.alignment.map_or(DEFAULT_ALIGNMENT, u64::from)
     }
 
-    /// The whole file.
-    pub fn to_bytes(&self) -> Vec<u8> {
+    /// Everything before the data section, padded to the alignment, and the padded size of
+    /// each tensor's data.
+    fn header(&self) -> (Vec<u8>, Vec<u64>) {
         let align = self.align();
         let pad = |n: u64| n.div_ceil(align) * align;
         let mut out = Vec::new();
@@ -157,6 +200,7 @@ impl GgufWriter {
             put_value(&mut out, v);
         }
         let mut offset = 0u64;
+        let mut sizes = Vec::with_capacity(self.tensors.len());
         for t in &self.tensors {
             put_str(&mut out, &t.name);
             out.extend_from_slice(&(t.dims.len() as u32).to_le_bytes());
@@ -165,18 +209,31 @@ impl GgufWriter {
             }
             out.extend_from_slice(&t.ty.id().to_le_bytes());
             out.extend_from_slice(&offset.to_le_bytes());
-            offset += pad(t.data.len() as u64);
+            let padded = pad(t.data.len());
+            sizes.push(padded);
+            offset += padded;
         }
         out.resize(pad(out.len() as u64) as usize, 0);
-        for t in &self.tensors {
-            out.extend_from_slice(&t.data);
-            out.resize(pad(out.len() as u64) as usize, 0);
+        (out, sizes)
+    }
+
+    /// The whole file in memory (zero tensors included).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let (mut out, sizes) = self.header();
+        for (t, padded) in self.tensors.iter().zip(sizes) {
+            let start = out.len();
+            if let Data::Bytes(b) = &t.data {
+                out.extend_from_slice(b);
+            }
+            out.resize(start + padded as usize, 0);
         }
         out
     }
 
-    /// Write the file atomically (a temporary file in the same folder, then a rename).
+    /// Write the file atomically (a temporary file in the same folder, then a rename); zero
+    /// tensors are holes.
     pub fn write(&self, path: impl AsRef<Path>) -> Result<()> {
+        use std::io::{Seek as _, SeekFrom};
         let path = path.as_ref();
         let file_name = path
             .file_name()
@@ -185,11 +242,28 @@ impl GgufWriter {
         tmp_name.push(file_name);
         tmp_name.push(format!(".tmp{}", std::process::id()));
         let tmp = path.with_file_name(tmp_name);
-        let mut f =
-            std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
-        f.write_all(&self.to_bytes())
-            .and_then(|()| f.sync_all())
-            .with_context(|| format!("writing {}", tmp.display()))?;
+        let (header, sizes) = self.header();
+        let write = || -> std::io::Result<()> {
+            let mut f = std::io::BufWriter::new(std::fs::File::create(&tmp)?);
+            f.write_all(&header)?;
+            let mut end = header.len() as u64;
+            for (t, padded) in self.tensors.iter().zip(sizes) {
+                end += padded;
+                match &t.data {
+                    Data::Bytes(b) => {
+                        f.write_all(b)?;
+                        f.seek(SeekFrom::Start(end))?;
+                    }
+                    Data::Zeros(_) => {
+                        f.seek(SeekFrom::Start(end))?;
+                    }
+                }
+            }
+            let f = f.into_inner().map_err(|e| e.into_error())?;
+            f.set_len(end)?;
+            f.sync_all()
+        };
+        write().with_context(|| format!("writing {}", tmp.display()))?;
         std::fs::rename(&tmp, path)
             .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
     }
@@ -256,6 +330,26 @@ mod tests {
         assert_eq!(bytes.len() as u64, g.data_offset + 128);
         let v = g.view(&bytes, g.tensor_info("t0").unwrap()).unwrap();
         assert_eq!(&v.data[4..8], &2.0f32.to_le_bytes());
+    }
+
+    #[test]
+    fn a_written_file_equals_to_bytes_and_zero_tensors_are_holes() {
+        let mut w = GgufWriter::new();
+        w.add("k", Value::String("v".into())).unwrap();
+        w.tensor_f32("a", &[3], &[1.0, 2.0, 3.0]).unwrap();
+        w.tensor_zeros("z", GgmlType::Q4_0, &[64, 4]).unwrap();
+        w.tensor_f32("b", &[1], &[7.0]).unwrap();
+        let dir = std::env::temp_dir().join(format!("kiln-writer-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("w.gguf");
+        w.write(&p).unwrap();
+        let bytes = w.to_bytes();
+        assert_eq!(std::fs::read(&p).unwrap(), bytes);
+        let g = Gguf::parse(&bytes).unwrap();
+        let z = g.view(&bytes, g.tensor_info("z").unwrap()).unwrap();
+        assert_eq!(z.data.len(), 144);
+        assert!(z.data.iter().all(|&b| b == 0));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
