@@ -51,13 +51,15 @@ pub enum GgmlType {
     Tq1_0 = 34,
     Tq2_0 = 35,
     Mxfp4 = 39,
+    Nvfp4 = 40,
+    Q1_0 = 41,
 }
 
 /// Elements per super-block of the K-quants.
 pub const QK_K: usize = 256;
 
 impl GgmlType {
-    pub const ALL: [GgmlType; 32] = [
+    pub const ALL: [GgmlType; 34] = [
         GgmlType::F32,
         GgmlType::F16,
         GgmlType::Q4_0,
@@ -90,6 +92,8 @@ impl GgmlType {
         GgmlType::Tq1_0,
         GgmlType::Tq2_0,
         GgmlType::Mxfp4,
+        GgmlType::Nvfp4,
+        GgmlType::Q1_0,
     ];
 
     /// The type for an on-disk id, or `None` for an id llama.cpp does not define (or retired).
@@ -137,6 +141,8 @@ impl GgmlType {
             Tq1_0 => (QK_K, 54),
             Tq2_0 => (QK_K, 66),
             Mxfp4 => (32, 17),
+            Nvfp4 => (64, 36),
+            Q1_0 => (128, 18),
         }
     }
 
@@ -194,6 +200,8 @@ impl GgmlType {
             Tq1_0 => "TQ1_0",
             Tq2_0 => "TQ2_0",
             Mxfp4 => "MXFP4",
+            Nvfp4 => "NVFP4",
+            Q1_0 => "Q1_0",
         }
     }
 }
@@ -213,7 +221,7 @@ mod table_tests {
         for t in GgmlType::ALL {
             assert_eq!(GgmlType::from_id(t.id()), Some(t));
         }
-        for retired in [4, 5, 31, 32, 33, 36, 37, 38, 1000] {
+        for retired in [4, 5, 31, 32, 33, 36, 37, 38, 42, 1000] {
             assert_eq!(GgmlType::from_id(retired), None, "id {retired}");
         }
     }
