@@ -119,11 +119,37 @@ pub const MKE2FS: Tool = Tool {
     why: "writes the data partition (ext4)",
     probe: || version_of("mke2fs", &["-V"]),
     apt: &["e2fsprogs"],
+pub const BMAPTOOL: Tool = Tool {
+    name: "bmaptool",
+    why: "the independent reference for our .bmap files; `bench flash` compares against it",
+    probe: || version_of("bmaptool", &["--version"]),
+    apt: &["bmap-tools"],
+};
+
+pub const LSBLK: Tool = Tool {
+    name: "lsblk",
+    why: "`flash` reads the block devices (type, transport, size, mounts) from it",
+    probe: || version_of("lsblk", &["--version"]),
+    apt: &["util-linux"],
+};
+
+pub const LOSETUP: Tool = Tool {
+    name: "losetup",
+    why: "`flash` tests and `bench flash` write to loop devices",
+    probe: || version_of("losetup", &["--version"]),
+    apt: &["mount"],
+};
+
+pub const MKFS_VFAT: Tool = Tool {
+    name: "mkfs.vfat",
+    why: "`flash` tests mount a FAT partition to see a mounted device refused",
+    probe: || version_of("mkfs.vfat", &["--help"]).map(|_| "present".into()),
+    apt: &["dosfstools"],
 };
 
 pub const SFDISK: Tool = Tool {
     name: "sfdisk",
-    why: "judges our GPT in tests (sfdisk --json)",
+    why: "judges our GPT in tests (sfdisk --json); `flash` tests partition a loop device",
     probe: || version_of("sfdisk", &["--version"]),
     apt: &["fdisk"],
 };
@@ -180,6 +206,10 @@ pub fn all_tools() -> Vec<&'static Tool> {
         &E2FSCK,
         &MTOOLS,
         &CPIO,
+        &BMAPTOOL,
+        &LSBLK,
+        &LOSETUP,
+        &MKFS_VFAT,
     ]
 }
 

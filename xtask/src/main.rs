@@ -1,9 +1,14 @@
 //! `cargo xtask`: kiln's host tool, in the cargo-xtask convention (one module per subcommand,
 //! external programs through `xshell::cmd!`, `anyhow` context at every step).
 
+mod bmap;
 mod build;
 mod disk;
 mod doctor;
+mod flash;
+mod image;
+mod kernel;
+mod pins;
 mod test;
 
 use clap::Parser;
@@ -19,6 +24,12 @@ enum Cli {
     Build(build::Args),
     /// The one test command: fmt, clippy, host tests, aarch64 tests under qemu-user, and more.
     Test(test::Args),
+    /// Write an image to an SD card or eMMC: safety checks, bmap ranges only, read-back verify.
+    Flash(flash::Args),
+    /// Build the bootable, reproducible disk image of a board into target/images/.
+    Image(image::Args),
+    /// Pinned inputs: check (resolve into the cache), update (re-pin Debian packages), lock.
+    Pins(pins::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -26,6 +37,9 @@ fn main() -> anyhow::Result<()> {
         Cli::Doctor(a) => doctor::run(a),
         Cli::Build(a) => build::run(a).map(|_| ()),
         Cli::Test(a) => test::run(a),
+        Cli::Flash(a) => flash::run(a),
+        Cli::Image(a) => image::run(a),
+        Cli::Pins(a) => pins::run(a),
     }
 }
 
