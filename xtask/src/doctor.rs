@@ -113,12 +113,21 @@ pub const APT_DOWNLOAD: Tool = Tool {
     apt: &["apt"],
 };
 
+pub const MKFS_EROFS: Tool = Tool {
+    name: "mkfs.erofs",
+    why: "writes the models partition (erofs)",
+    // mkfs.erofs 1.5 has no version flag; fsck.erofs from the same package says it.
+    probe: || version_of("mkfs.erofs", &["--help"]).and_then(|_| version_of("fsck.erofs", &["-V"])),
+    apt: &["erofs-utils"],
+};
 
 pub const MKE2FS: Tool = Tool {
     name: "mke2fs",
     why: "writes the data partition (ext4)",
     probe: || version_of("mke2fs", &["-V"]),
     apt: &["e2fsprogs"],
+};
+
 pub const BMAPTOOL: Tool = Tool {
     name: "bmaptool",
     why: "the independent reference for our .bmap files; `bench flash` compares against it",
