@@ -32,6 +32,10 @@ const STAGES: &[(&str, StageFn)] = &[
     ("aarch64-tests-cortex-a72", |_| {
         aarch64_tests("cortex-a72", false)
     }),
+    ("image-checks", |_| crate::image::checks::stage()),
+    ("image-reproducible", |a| {
+        crate::image::checks::reproducible(a.quick)
+    }),
 ];
 
 pub fn run(args: Args) -> Result<()> {

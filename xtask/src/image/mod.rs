@@ -3,7 +3,9 @@
 //! partition, an erofs models partition and an empty ext4 data partition; then the bmap, the
 //! sha256 and the manifest. Every step whose inputs did not change is reused, and says so.
 
+pub mod bench;
 pub mod board;
+pub mod checks;
 pub mod fixture;
 pub mod layout;
 pub mod rootfs;
