@@ -89,7 +89,11 @@ fn all_present(cmds: &[&str], files: &[&str]) -> Option<String> {
     for f in files {
         file_exists(f)?;
     }
-    Some(format!("{} {}", cmds.join(" "), files.join(" ")).trim().to_string())
+    Some(
+        format!("{} {}", cmds.join(" "), files.join(" "))
+            .trim()
+            .to_string(),
+    )
 }
 
 pub const KERNEL_BUILD: Tool = Tool {
@@ -102,7 +106,15 @@ pub const KERNEL_BUILD: Tool = Tool {
         )
     },
     apt: &[
-        "make", "gcc", "libc6-dev", "flex", "bison", "bc", "perl", "libelf-dev", "libssl-dev",
+        "make",
+        "gcc",
+        "libc6-dev",
+        "flex",
+        "bison",
+        "bc",
+        "perl",
+        "libelf-dev",
+        "libssl-dev",
     ],
 };
 
@@ -259,7 +271,9 @@ pub fn ensure_apt_arch(arch: &str) -> Result<()> {
             bail!("apt has no {arch} package lists: run `sudo apt-get update`");
         }
         println!("doctor: running `apt-get update` (package lists for {arch})");
-        cmd!(sh, "apt-get update -qq").run().context("apt-get update")?;
+        cmd!(sh, "apt-get update -qq")
+            .run()
+            .context("apt-get update")?;
     }
     Ok(())
 }

@@ -28,12 +28,17 @@ pub fn run() -> Result<()> {
     let dir = base.join("kiln");
     let sh = xshell::Shell::new()?;
     cmd!(sh, "git clone -q {root} {dir}").run()?;
-    println!("bench image: cold build in a fresh clone {} (download cache warm, target/ empty)", dir.display());
+    println!(
+        "bench image: cold build in a fresh clone {} (download cache warm, target/ empty)",
+        dir.display()
+    );
     let cold = timed_image(&dir)?;
     let noop = timed_image(&dir)?;
     let main_rs = dir.join("runtime/src/main.rs");
     let mut text = std::fs::read_to_string(&main_rs)?;
-    text.push_str("\n#[used]\nstatic KILN_BENCH_RUNTIME_CHANGE: [u8; 16] = *b\"bench-image-edit\";\n");
+    text.push_str(
+        "\n#[used]\nstatic KILN_BENCH_RUNTIME_CHANGE: [u8; 16] = *b\"bench-image-edit\";\n",
+    );
     std::fs::write(&main_rs, text)?;
     let runtime = timed_image(&dir)?;
 
@@ -48,14 +53,24 @@ pub fn run() -> Result<()> {
     }
     let img = dir.join("target/images/kiln-qemu-virt.img");
     let meta = std::fs::metadata(&img)?;
-    let initramfs = std::fs::metadata(dir.join("target/kiln/image/qemu-virt/initramfs.cpio.gz"))?.len();
+    let initramfs =
+        std::fs::metadata(dir.join("target/kiln/image/qemu-virt/initramfs.cpio.gz"))?.len();
     let mib = |b: u64| b as f64 / 1048576.0;
     println!("\n| measurement | value |\n|---|---|");
     println!("| cold build (fresh clone, cache warm) | {cold:.1} s |");
-    println!("| kernel build alone (inside the cold build) | {} |", kernel_secs.map(|s| format!("{s:.1} s")).unwrap_or("?".into()));
+    println!(
+        "| kernel build alone (inside the cold build) | {} |",
+        kernel_secs
+            .map(|s| format!("{s:.1} s"))
+            .unwrap_or("?".into())
+    );
     println!("| no-op rebuild | {noop:.1} s |");
     println!("| rebuild after a runtime change | {runtime:.1} s |");
-    println!("| image size (apparent / allocated) | {:.1} MiB / {:.1} MiB |", mib(meta.len()), mib(meta.blocks() * 512));
+    println!(
+        "| image size (apparent / allocated) | {:.1} MiB / {:.1} MiB |",
+        mib(meta.len()),
+        mib(meta.blocks() * 512)
+    );
     println!("| initramfs size (gzip) | {:.2} MiB |", mib(initramfs));
     std::fs::remove_dir_all(&base).ok();
     Ok(())

@@ -59,20 +59,63 @@ pub fn stage() -> Result<()> {
     let t = &table["partitiontable"];
     ensure!(t["label"] == "gpt", "sfdisk: label {}", t["label"]);
     let disk = &manifest["disk"];
-    let eq_guid = |a: &Value, b: &Value| a.as_str().map(str::to_lowercase) == b.as_str().map(str::to_lowercase);
-    ensure!(eq_guid(&t["id"], &disk["disk_guid"]), "disk GUID: sfdisk {} vs manifest {}", t["id"], disk["disk_guid"]);
-    let parts = t["partitions"].as_array().context("sfdisk: no partitions")?;
-    let want = disk["partitions"].as_array().context("manifest: no partitions")?;
-    ensure!(parts.len() == 3 && want.len() == 3, "expected 3 partitions, sfdisk lists {}", parts.len());
+    let eq_guid = |a: &Value, b: &Value| {
+        a.as_str().map(str::to_lowercase) == b.as_str().map(str::to_lowercase)
+    };
+    ensure!(
+        eq_guid(&t["id"], &disk["disk_guid"]),
+        "disk GUID: sfdisk {} vs manifest {}",
+        t["id"],
+        disk["disk_guid"]
+    );
+    let parts = t["partitions"]
+        .as_array()
+        .context("sfdisk: no partitions")?;
+    let want = disk["partitions"]
+        .as_array()
+        .context("manifest: no partitions")?;
+    ensure!(
+        parts.len() == 3 && want.len() == 3,
+        "expected 3 partitions, sfdisk lists {}",
+        parts.len()
+    );
     let mut files = Vec::new();
     for (i, (p, w)) in parts.iter().zip(want).enumerate() {
         let start = p["start"].as_u64().context("start")?;
         let size = p["size"].as_u64().context("size")?;
-        ensure!(start == w["first_lba"].as_u64().unwrap_or(0), "p{}: start {start} vs manifest {}", i + 1, w["first_lba"]);
-        ensure!(size * 512 == w["size_bytes"].as_u64().unwrap_or(0), "p{}: size {size} sectors vs manifest {}", i + 1, w["size_bytes"]);
-        ensure!(eq_guid(&p["uuid"], &w["unique_guid"]), "p{}: uuid {} vs manifest {}", i + 1, p["uuid"], w["unique_guid"]);
-        ensure!(eq_guid(&p["type"], &w["type_guid"]), "p{}: type {} vs manifest {}", i + 1, p["type"], w["type_guid"]);
-        ensure!(p["name"] == w["name"], "p{}: name {} vs manifest {}", i + 1, p["name"], w["name"]);
+        ensure!(
+            start == w["first_lba"].as_u64().unwrap_or(0),
+            "p{}: start {start} vs manifest {}",
+            i + 1,
+            w["first_lba"]
+        );
+        ensure!(
+            size * 512 == w["size_bytes"].as_u64().unwrap_or(0),
+            "p{}: size {size} sectors vs manifest {}",
+            i + 1,
+            w["size_bytes"]
+        );
+        ensure!(
+            eq_guid(&p["uuid"], &w["unique_guid"]),
+            "p{}: uuid {} vs manifest {}",
+            i + 1,
+            p["uuid"],
+            w["unique_guid"]
+        );
+        ensure!(
+            eq_guid(&p["type"], &w["type_guid"]),
+            "p{}: type {} vs manifest {}",
+            i + 1,
+            p["type"],
+            w["type_guid"]
+        );
+        ensure!(
+            p["name"] == w["name"],
+            "p{}: name {} vs manifest {}",
+            i + 1,
+            p["name"],
+            w["name"]
+        );
         let attrs = p["attrs"].as_str().unwrap_or("");
         ensure!(
             (i == 0) == attrs.contains("LegacyBIOSBootable"),
@@ -83,52 +126,99 @@ pub fn stage() -> Result<()> {
         extract(img, start * 512, size * 512, &out)?;
         files.push(out);
     }
-    ensure!(parts[0]["start"] == 32768, "boot partition does not start at 16 MiB");
-    println!("image-checks: sfdisk --json agrees with the manifest (GUIDs, offsets, names, attributes)");
+    ensure!(
+        parts[0]["start"] == 32768,
+        "boot partition does not start at 16 MiB"
+    );
+    println!(
+        "image-checks: sfdisk --json agrees with the manifest (GUIDs, offsets, names, attributes)"
+    );
 
     let (p1, p2, p3) = (&files[0], &files[1], &files[2]);
-    cmd!(sh, "fsck.vfat -n {p1}").run().context("fsck.vfat -n on the boot partition")?;
-    cmd!(sh, "fsck.erofs {p2}").run().context("fsck.erofs on the models partition")?;
-    cmd!(sh, "e2fsck -fn {p3}").run().context("e2fsck -fn on the data partition")?;
+    cmd!(sh, "fsck.vfat -n {p1}")
+        .run()
+        .context("fsck.vfat -n on the boot partition")?;
+    cmd!(sh, "fsck.erofs {p2}")
+        .run()
+        .context("fsck.erofs on the models partition")?;
+    cmd!(sh, "e2fsck -fn {p3}")
+        .run()
+        .context("e2fsck -fn on the data partition")?;
     println!("image-checks: fsck.vfat, fsck.erofs and e2fsck find the partitions clean");
 
     // mtools lists and reads the boot files.
     let listing = cmd!(sh, "mdir -/ -b -i {p1} ::/").read()?;
-    for f in ["::/extlinux/extlinux.conf", "::/Image", "::/initramfs.cpio.gz", "::/kiln/manifest.json"] {
-        ensure!(listing.lines().any(|l| l.trim() == f), "mdir does not list {f}:\n{listing}");
+    for f in [
+        "::/extlinux/extlinux.conf",
+        "::/Image",
+        "::/initramfs.cpio.gz",
+        "::/kiln/manifest.json",
+    ] {
+        ensure!(
+            listing.lines().any(|l| l.trim() == f),
+            "mdir does not list {f}:\n{listing}"
+        );
     }
     let conf = cmd!(sh, "mtype -i {p1} ::/extlinux/extlinux.conf").read()?;
     let board = Board::load("qemu-virt")?;
-    ensure!(conf.trim_end() == super::extlinux_conf(&board, None).trim_end(), "extlinux.conf read back differs:\n{conf}");
+    ensure!(
+        conf.trim_end() == super::extlinux_conf(&board, None).trim_end(),
+        "extlinux.conf read back differs:\n{conf}"
+    );
     let kimg = tmp.path().join("Image");
     let initrd = tmp.path().join("initramfs.cpio.gz");
     cmd!(sh, "mcopy -n -i {p1} ::/Image {kimg}").run()?;
     cmd!(sh, "mcopy -n -i {p1} ::/initramfs.cpio.gz {initrd}").run()?;
     let ksha = Sha256::of_file(&kimg)?.to_string();
-    ensure!(Value::String(ksha.clone()) == manifest["kernel"]["image_sha256"], "Image read back by mcopy: {ksha} vs manifest");
+    ensure!(
+        Value::String(ksha.clone()) == manifest["kernel"]["image_sha256"],
+        "Image read back by mcopy: {ksha} vs manifest"
+    );
     println!("image-checks: mdir lists the boot files; mcopy reads back extlinux.conf and the kernel as built");
 
     // cpio lists the initramfs.
     let mut cpio_bytes = Vec::new();
     flate2::read::GzDecoder::new(std::fs::File::open(&initrd)?).read_to_end(&mut cpio_bytes)?;
     let list = cmd!(sh, "cpio -it --quiet").stdin(&cpio_bytes).read()?;
-    for f in ["usr/bin/kiln", "bin/busybox", "bin/sh", "etc/kiln/board.toml", "lib/ld-linux-aarch64.so.1", "lib/aarch64-linux-gnu/libc.so.6"] {
+    for f in [
+        "usr/bin/kiln",
+        "bin/busybox",
+        "bin/sh",
+        "etc/kiln/board.toml",
+        "lib/ld-linux-aarch64.so.1",
+        "lib/aarch64-linux-gnu/libc.so.6",
+    ] {
         ensure!(list.lines().any(|l| l == f), "cpio -t does not list {f}");
     }
     let verbose = cmd!(sh, "cpio -itv --quiet").stdin(&cpio_bytes).read()?;
     for l in verbose.lines() {
         let w: Vec<&str> = l.split_whitespace().collect();
-        ensure!(w.len() > 3 && w[2] == "0" && w[3] == "0", "cpio entry not owned by 0:0: {l}");
+        ensure!(
+            w.len() > 3 && w[2] == "0" && w[3] == "0",
+            "cpio entry not owned by 0:0: {l}"
+        );
     }
-    println!("image-checks: cpio lists {} initramfs entries, all owned by 0:0", list.lines().count());
+    println!(
+        "image-checks: cpio lists {} initramfs entries, all owned by 0:0",
+        list.lines().count()
+    );
 
     // bmaptool copies the image with our bmap (checking our range checksums) to the same bytes.
     let bmap = &built.bmap;
     let copy = tmp.path().join("copy.img");
-    cmd!(sh, "bmaptool copy --bmap {bmap} {img} {copy}").run().context("bmaptool copy with our bmap")?;
+    cmd!(sh, "bmaptool copy --bmap {bmap} {img} {copy}")
+        .run()
+        .context("bmaptool copy with our bmap")?;
     let csha = Sha256::of_file(&copy)?;
-    ensure!(csha == built.sha256, "bmaptool copy gives sha256 {csha}, the image is {}", built.sha256);
-    println!("image-checks: bmaptool copy with our bmap reproduces the image ({})", built.sha256);
+    ensure!(
+        csha == built.sha256,
+        "bmaptool copy gives sha256 {csha}, the image is {}",
+        built.sha256
+    );
+    println!(
+        "image-checks: bmaptool copy with our bmap reproduces the image ({})",
+        built.sha256
+    );
 
     // A real Kconfig run: a fragment without MISC_FILESYSTEMS and with an unknown option.
     let frag = std::fs::read_to_string(board.kernel.fragment_path())?;
@@ -163,8 +253,16 @@ pub fn stage() -> Result<()> {
         Ok(_) => bail!("rock-5b built without its vendor inputs"),
         Err(e) => {
             let e = format!("{e:#}");
-            for n in ["linux-rk35xx-vendor", "idbloader", "u-boot-itb", "librknnrt"] {
-                ensure!(e.contains(&format!("missing input {n}")), "rock-5b build did not list {n}: {e}");
+            for n in [
+                "linux-rk35xx-vendor",
+                "idbloader",
+                "u-boot-itb",
+                "librknnrt",
+            ] {
+                ensure!(
+                    e.contains(&format!("missing input {n}")),
+                    "rock-5b build did not list {n}: {e}"
+                );
             }
             println!("image-checks: rock-5b without vendor inputs stops and lists them:\n{e}");
         }
@@ -186,7 +284,13 @@ fn json_diff(a: &Value, b: &Value, path: &str, out: &mut Vec<String>, max: usize
     match (a, b) {
         (Value::Object(x), Value::Object(y)) => {
             for k in x.keys().chain(y.keys().filter(|k| !x.contains_key(*k))) {
-                json_diff(x.get(k).unwrap_or(&Value::Null), y.get(k).unwrap_or(&Value::Null), &format!("{path}/{k}"), out, max);
+                json_diff(
+                    x.get(k).unwrap_or(&Value::Null),
+                    y.get(k).unwrap_or(&Value::Null),
+                    &format!("{path}/{k}"),
+                    out,
+                    max,
+                );
             }
         }
         (Value::Array(x), Value::Array(y)) if x.len() == y.len() => {
@@ -205,7 +309,10 @@ pub fn reproducible(quick: bool) -> Result<()> {
     let root = crate::project_root();
     let head = git_in(&root, &["rev-parse", "HEAD"])?;
     if !git_in(&root, &["status", "--porcelain", "--untracked-files=no"])?.is_empty() {
-        println!("image-reproducible: uncommitted changes are not in the clones: testing HEAD {}", &head[..12]);
+        println!(
+            "image-reproducible: uncommitted changes are not in the clones: testing HEAD {}",
+            &head[..12]
+        );
     }
     let base = crate::target_dir().join("kiln/repro");
     if base.exists() {
@@ -228,7 +335,9 @@ pub fn reproducible(quick: bool) -> Result<()> {
             let to = dir.join("target/kiln/kernel");
             std::fs::create_dir_all(&to)?;
             let mut n = 0;
-            for e in std::fs::read_dir(&from).with_context(|| format!("--quick: no kernel cache in {}", from.display()))? {
+            for e in std::fs::read_dir(&from)
+                .with_context(|| format!("--quick: no kernel cache in {}", from.display()))?
+            {
                 let p = e?.path();
                 if p.join("kernel.json").exists() {
                     let dst = to.join(p.file_name().context("name")?);
@@ -242,10 +351,16 @@ pub fn reproducible(quick: bool) -> Result<()> {
             }
             println!("image-reproducible: --quick: reusing {n} cached kernel build(s) from {} (kernel NOT rebuilt)", from.display());
         } else {
-            println!("image-reproducible: build {name}: the kernel is rebuilt from source in {}", dir.display());
+            println!(
+                "image-reproducible: build {name}: the kernel is rebuilt from source in {}",
+                dir.display()
+            );
         }
         let script = format!("umask {umask} && exec cargo xtask image --board qemu-virt");
-        println!("image-reproducible: build {name} in {} (TZ={tz}, umask {umask})", dir.display());
+        println!(
+            "image-reproducible: build {name} in {} (TZ={tz}, umask {umask})",
+            dir.display()
+        );
         cmd!(sh, "sh -c {script}")
             .env("TZ", tz)
             .env_remove("CARGO_TARGET_DIR")
@@ -285,6 +400,9 @@ mod tests {
         let b = serde_json::json!({"initramfs": {"files": {"/usr/bin/kiln": {"sha256": "cc"}, "/init": {"sha256": "bb"}}}});
         let mut d = Vec::new();
         json_diff(&a, &b, "", &mut d, 10);
-        assert_eq!(d, vec!["/initramfs/files//usr/bin/kiln/sha256: \"aa\" vs \"cc\"".to_string()]);
+        assert_eq!(
+            d,
+            vec!["/initramfs/files//usr/bin/kiln/sha256: \"aa\" vs \"cc\"".to_string()]
+        );
     }
 }
