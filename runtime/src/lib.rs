@@ -1,8 +1,10 @@
 //! kiln's on-board runtime. See `ARCHITECTURE.md` at the repository root for the map.
 
 pub mod backend;
+pub mod gguf;
 pub mod ledger;
 pub mod quant;
+pub mod sched;
 
 #[cfg(test)]
 mod arch_tests {

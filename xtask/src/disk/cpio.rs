@@ -138,11 +138,10 @@ pub fn write_newc_gz(out: &Path, entries: &[CpioEntry], epoch: u32) -> Result<()
 
     let tmp = AtomicOut::new(out)?;
     let f = tmp.create()?;
-    let gz = flate2::GzBuilder::new()
+    let mut w = flate2::GzBuilder::new()
         .mtime(0)
         .operating_system(255)
         .write(BufWriter::new(f), flate2::Compression::new(GZIP_LEVEL));
-    let mut w = gz;
     for (ino, (path, m)) in tree.iter().enumerate() {
         let (type_bits, nlink, data): (u32, u32, &[u8]) = match m.kind {
             EntryKind::File(d) => (S_IFREG, 1, d),
@@ -155,7 +154,7 @@ pub fn write_newc_gz(out: &Path, entries: &[CpioEntry], epoch: u32) -> Result<()
         };
         let size = u32::try_from(data.len())
             .with_context(|| format!("cpio entry `{path}` is larger than newc's 4 GiB"))?;
-        let mut writer = cpio::newc::Builder::new(path)
+        let mut writer = ::cpio::newc::Builder::new(path)
             .ino(ino as u32 + 1)
             .mode(type_bits | m.mode)
             .uid(0)
@@ -170,7 +169,7 @@ pub fn write_newc_gz(out: &Path, entries: &[CpioEntry], epoch: u32) -> Result<()
             .finish()
             .with_context(|| format!("finishing cpio entry `{path}`"))?;
     }
-    cpio::newc::trailer(&mut w).context("writing the cpio trailer")?;
+    ::cpio::newc::trailer(&mut w).context("writing the cpio trailer")?;
     let buf = w
         .finish()
         .with_context(|| format!("finishing gzip of {}", tmp.path().display()))?;
