@@ -190,7 +190,7 @@ pub fn stage() -> Result<()> {
     ] {
         ensure!(list.lines().any(|l| l == f), "cpio -t does not list {f}");
     }
-    let verbose = cmd!(sh, "cpio -itv --quiet").stdin(&cpio_bytes).read()?;
+    let verbose = cmd!(sh, "cpio -itvn --quiet").stdin(&cpio_bytes).read()?;
     for l in verbose.lines() {
         let w: Vec<&str> = l.split_whitespace().collect();
         ensure!(

@@ -38,11 +38,13 @@ pub struct Args {
 pub fn run(args: Args) -> Result<()> {
     let b = build(&args)?;
     println!(
-        "image: {} ({:.1} MiB, sha256 {}) in {:.1} s",
+        "image: {} ({:.1} MiB, initramfs {:.2} MiB, sha256 {}) in {:.1} s{}",
         b.image.display(),
         b.size as f64 / 1048576.0,
+        b.initramfs_size as f64 / 1048576.0,
         b.sha256,
-        b.seconds
+        b.seconds,
+        if b.reused.is_empty() { String::new() } else { format!(", {} step(s) reused", b.reused.len()) }
     );
     Ok(())
 }
