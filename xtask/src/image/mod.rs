@@ -44,7 +44,11 @@ pub fn run(args: Args) -> Result<()> {
         b.initramfs_size as f64 / 1048576.0,
         b.sha256,
         b.seconds,
-        if b.reused.is_empty() { String::new() } else { format!(", {} step(s) reused", b.reused.len()) }
+        if b.reused.is_empty() {
+            String::new()
+        } else {
+            format!(", {} step(s) reused", b.reused.len())
+        }
     );
     Ok(())
 }
