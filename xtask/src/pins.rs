@@ -612,7 +612,7 @@ pub fn open_maybe_compressed(path: &Path) -> Result<Box<dyn Read>> {
     let n = f.read(&mut magic)?;
     let f = std::fs::File::open(path)?;
     let r = std::io::BufReader::new(f);
-    Ok(decompressor(&magic[..n], r)?)
+    decompressor(&magic[..n], r)
 }
 
 /// A decompressing reader chosen by the stream's first bytes.
