@@ -9,7 +9,7 @@ use xshell::cmd;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// What to measure: `flash`, `matmul`, `gguf`.
+    /// What to measure: `flash`, `matmul`, `gguf`, `image`.
     pub what: String,
 }
 
@@ -23,7 +23,8 @@ pub fn run(args: Args) -> Result<()> {
                 .context("matmul bench")
         }
         "gguf" => gguf(),
-        other => bail!("no bench named {other:?} (known: flash, matmul, gguf)"),
+        "image" => crate::image::bench::run(),
+        other => bail!("no bench named {other:?} (known: flash, matmul, gguf, image)"),
     }
 }
 

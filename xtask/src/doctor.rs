@@ -174,6 +174,49 @@ pub const CPIO: Tool = Tool {
     apt: &["cpio"],
 };
 
+fn all_present(cmds: &[&str], files: &[&str]) -> Option<String> {
+    for c in cmds {
+        version_of("sh", &["-c", &format!("command -v {c}")])?;
+    }
+    for f in files {
+        file_exists(f)?;
+    }
+    Some(
+        format!("{} {}", cmds.join(" "), files.join(" "))
+            .trim()
+            .to_string(),
+    )
+}
+
+pub const KERNEL_BUILD: Tool = Tool {
+    name: "kernel build tools",
+    why: "cross-build the kernel from source (make, gcc, flex, bison, bc, libelf, libssl)",
+    probe: || {
+        all_present(
+            &["make", "gcc", "flex", "bison", "bc", "perl"],
+            &["/usr/include/libelf.h", "/usr/include/openssl/ssl.h"],
+        )
+    },
+    apt: &[
+        "make",
+        "gcc",
+        "libc6-dev",
+        "flex",
+        "bison",
+        "bc",
+        "perl",
+        "libelf-dev",
+        "libssl-dev",
+    ],
+};
+
+pub const APT_DOWNLOAD: Tool = Tool {
+    name: "apt-get",
+    why: "downloads the pinned Debian packages (kernel source, busybox, glibc)",
+    probe: || version_of("apt-get", &["--version"]),
+    apt: &["apt"],
+};
+
 /// Every tool any command needs, for `cargo xtask doctor`.
 pub fn all_tools() -> Vec<&'static Tool> {
     vec![
@@ -194,7 +237,53 @@ pub fn all_tools() -> Vec<&'static Tool> {
         &LSBLK,
         &QEMU_SYSTEM_AARCH64,
         &UBOOT_QEMU,
+        &KERNEL_BUILD,
+        &APT_DOWNLOAD,
     ]
+}
+
+/// Make sure apt can download packages of `arch`: a foreign architecture is added with
+/// `dpkg --add-architecture` and the package lists refreshed once.
+pub fn ensure_apt_arch(arch: &str) -> Result<()> {
+    ensure(&[&APT_DOWNLOAD])?;
+    let native = version_of("dpkg", &["--print-architecture"]).unwrap_or_default();
+    if arch == "all" || arch == native {
+        return Ok(());
+    }
+    let foreign = Command::new("dpkg")
+        .arg("--print-foreign-architectures")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default();
+    let sh = xshell::Shell::new()?;
+    if !foreign.split_whitespace().any(|a| a == arch) {
+        if !(is_root() && can_apt()) {
+            bail!(
+                "apt cannot fetch {arch} packages: run `sudo dpkg --add-architecture {arch} && \
+                 sudo apt-get update`"
+            );
+        }
+        println!("doctor: running `dpkg --add-architecture {arch}`");
+        cmd!(sh, "dpkg --add-architecture {arch}").run()?;
+        APT_UPDATED.store(false, Ordering::SeqCst);
+    }
+    // The lists must name the arch's packages: probe one every Debian arch has.
+    let probe = format!("libc6:{arch}");
+    let listed = cmd!(sh, "apt-cache policy {probe}")
+        .quiet()
+        .read()
+        .map(|o| o.contains("Candidate:") && !o.contains("Candidate: (none)"))
+        .unwrap_or(false);
+    if !listed && !APT_UPDATED.swap(true, Ordering::SeqCst) {
+        if !(is_root() && can_apt()) {
+            bail!("apt has no {arch} package lists: run `sudo apt-get update`");
+        }
+        println!("doctor: running `apt-get update` (package lists for {arch})");
+        cmd!(sh, "apt-get update -qq")
+            .run()
+            .context("apt-get update")?;
+    }
+    Ok(())
 }
 
 fn is_root() -> bool {

@@ -7,6 +7,9 @@ mod build;
 mod disk;
 mod doctor;
 mod flash;
+mod image;
+mod kernel;
+mod pins;
 mod test;
 
 use clap::Parser;
@@ -24,7 +27,11 @@ enum Cli {
     Test(test::Args),
     /// Write an image to an SD card or eMMC: safety checks, bmap ranges only, read-back verify.
     Flash(flash::Args),
-    /// Measure speed: `cargo xtask bench flash|matmul|gguf` (see README).
+    /// Build the bootable, reproducible disk image of a board into target/images/.
+    Image(image::Args),
+    /// Pinned inputs: check (resolve into the cache), update (re-pin Debian packages), lock.
+    Pins(pins::Args),
+    /// Measure speed: `cargo xtask bench flash|matmul|gguf|image` (see README).
     Bench(bench::Args),
 }
 
@@ -34,6 +41,8 @@ fn main() -> anyhow::Result<()> {
         Cli::Build(a) => build::run(a).map(|_| ()),
         Cli::Test(a) => test::run(a),
         Cli::Flash(a) => flash::run(a),
+        Cli::Image(a) => image::run(a),
+        Cli::Pins(a) => pins::run(a),
         Cli::Bench(a) => bench::run(a),
     }
 }

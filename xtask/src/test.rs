@@ -36,6 +36,10 @@ const STAGES: &[(&str, StageFn)] = &[
         aarch64_tests("cortex-a72", false)
     }),
     ("flash", flash),
+    ("image-checks", |_| crate::image::checks::stage()),
+    ("image-reproducible", |a| {
+        crate::image::checks::reproducible(a.quick)
+    }),
 ];
 
 pub fn run(args: Args) -> Result<()> {
