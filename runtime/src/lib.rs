@@ -3,6 +3,7 @@
 pub mod backend;
 pub mod ledger;
 pub mod quant;
+pub mod selftest;
 
 #[cfg(test)]
 mod arch_tests {
