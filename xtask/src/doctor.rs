@@ -82,9 +82,79 @@ pub const PYTHON_VENV: Tool = Tool {
     apt: &["python3-venv"],
 };
 
+pub const MKFS_EROFS: Tool = Tool {
+    name: "mkfs.erofs",
+    why: "writes the models partition (erofs)",
+    // mkfs.erofs 1.5 has no version flag; fsck.erofs from the same package says it.
+    probe: || version_of("mkfs.erofs", &["--help"]).and_then(|_| version_of("fsck.erofs", &["-V"])),
+    apt: &["erofs-utils"],
+};
+
+pub const MKE2FS: Tool = Tool {
+    name: "mke2fs",
+    why: "writes the data partition (ext4)",
+    probe: || version_of("mke2fs", &["-V"]),
+    apt: &["e2fsprogs"],
+};
+
+pub const SFDISK: Tool = Tool {
+    name: "sfdisk",
+    why: "judges our GPT in tests (sfdisk --json)",
+    probe: || version_of("sfdisk", &["--version"]),
+    apt: &["fdisk"],
+};
+
+pub const FSCK_VFAT: Tool = Tool {
+    name: "fsck.vfat",
+    why: "judges our FAT in tests (fsck.vfat -n)",
+    probe: || version_of("fsck.vfat", &["--help"]),
+    apt: &["dosfstools"],
+};
+
+pub const FSCK_EROFS: Tool = Tool {
+    name: "fsck.erofs",
+    why: "judges our erofs in tests",
+    probe: || version_of("fsck.erofs", &["-V"]),
+    apt: &["erofs-utils"],
+};
+
+pub const E2FSCK: Tool = Tool {
+    name: "e2fsck",
+    why: "judges our ext4 in tests (e2fsck -fn)",
+    probe: || version_of("e2fsck", &["-V"]),
+    apt: &["e2fsprogs"],
+};
+
+pub const MTOOLS: Tool = Tool {
+    name: "mtools (mdir, mcopy)",
+    why: "list and read our FAT independently in tests",
+    probe: || version_of("mdir", &["--version"]).and_then(|_| version_of("mcopy", &["--version"])),
+    apt: &["mtools"],
+};
+
+pub const CPIO: Tool = Tool {
+    name: "cpio",
+    why: "reads our initramfs back independently in tests",
+    probe: || version_of("cpio", &["--version"]),
+    apt: &["cpio"],
+};
+
 /// Every tool any command needs, for `cargo xtask doctor`.
 pub fn all_tools() -> Vec<&'static Tool> {
-    vec![&CROSS_GCC, &AARCH64_SYSROOT, &QEMU_USER, &PYTHON_VENV]
+    vec![
+        &CROSS_GCC,
+        &AARCH64_SYSROOT,
+        &QEMU_USER,
+        &PYTHON_VENV,
+        &MKFS_EROFS,
+        &MKE2FS,
+        &SFDISK,
+        &FSCK_VFAT,
+        &FSCK_EROFS,
+        &E2FSCK,
+        &MTOOLS,
+        &CPIO,
+    ]
 }
 
 fn is_root() -> bool {

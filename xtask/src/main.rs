@@ -2,6 +2,7 @@
 //! external programs through `xshell::cmd!`, `anyhow` context at every step).
 
 mod build;
+mod disk;
 mod doctor;
 mod test;
 

@@ -1,0 +1,352 @@
+//! The FAT boot partition, written in-process with `fatfs`: fixed volume id and label, every time
+//! stamp from one epoch (a fixed `TimeProvider`, never the clock), files inserted in sorted order,
+//! so the bytes depend on nothing but the arguments. Read back (read-only) from an image file or a
+//! block device at a partition's offset.
+
+use super::AtomicOut;
+use anyhow::{bail, ensure, Context, Result};
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{self, Read, Seek, SeekFrom, Write};
+use std::path::Path;
+use std::sync::Mutex;
+
+/// FAT32 needs at least this many clusters (fewer and every implementation reads it as FAT16).
+const FAT32_MIN_CLUSTERS: u64 = 65525;
+
+/// Which FAT a volume was formatted as.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub enum FatKind {
+    Fat12,
+    Fat16,
+    Fat32,
+}
+
+/// Build a FAT volume of `size` bytes at `out` holding `files` (`'/'`-separated paths; parent
+/// folders are created as needed). FAT32 when the size allows at least 65525 clusters of 512 B or
+/// more, else FAT16 (or FAT12). Every date is `epoch` (UTC; FAT's range is 1980–2107).
+pub fn build(
+    out: &Path,
+    size: u64,
+    volume_id: u32,
+    label: &str,
+    files: &[(String, Vec<u8>)],
+    epoch: i64,
+) -> Result<FatKind> {
+    ensure!(
+        size % 512 == 0,
+        "FAT volume size {size} is not a multiple of 512"
+    );
+    let label = volume_label(label)?;
+    let clock = clock_for(epoch)?;
+    let tree = plan(files)?;
+
+    let tmp = AtomicOut::new(out)?;
+    let mut f = tmp.create()?;
+    f.set_len(size)
+        .with_context(|| format!("sizing {} to {size} bytes", tmp.path().display()))?;
+    let kind = format(&mut f, size, volume_id, label)
+        .with_context(|| format!("formatting {}", tmp.path().display()))?;
+    {
+        let fs = fatfs::FileSystem::new(&mut f, fatfs::FsOptions::new().time_provider(clock))
+            .with_context(|| format!("mounting the new FAT in {}", tmp.path().display()))?;
+        let root = fs.root_dir();
+        for item in &tree {
+            match item {
+                Item::Dir(p) => {
+                    root.create_dir(p)
+                        .with_context(|| format!("creating folder {p} in the FAT image"))?;
+                }
+                Item::File(p, data) => {
+                    let mut file = root
+                        .create_file(p)
+                        .with_context(|| format!("creating {p} in the FAT image"))?;
+                    file.truncate()?;
+                    file.write_all(data).with_context(|| {
+                        format!("writing {p} into the FAT image ({} bytes)", data.len())
+                    })?;
+                    file.flush()?;
+                }
+            }
+        }
+        drop(root);
+        fs.unmount()
+            .with_context(|| format!("closing the FAT in {}", tmp.path().display()))?;
+    }
+    drop(f);
+    tmp.commit()?;
+    Ok(kind)
+}
+
+fn format(f: &mut File, size: u64, volume_id: u32, label: [u8; 11]) -> Result<FatKind> {
+    let base = fatfs::FormatVolumeOptions::new()
+        .volume_id(volume_id)
+        .volume_label(label)
+        .bytes_per_sector(512);
+    // Largest cluster that still leaves FAT32 its minimum cluster count; fatfs then places the
+    // FATs and counts exactly.
+    for cluster in [4096u32, 2048, 1024, 512] {
+        if size / u64::from(cluster) < FAT32_MIN_CLUSTERS + 1024 {
+            continue;
+        }
+        f.seek(SeekFrom::Start(0))?;
+        let opts = base
+            .clone()
+            .fat_type(fatfs::FatType::Fat32)
+            .bytes_per_cluster(cluster);
+        if fatfs::format_volume(&mut *f, opts).is_ok() {
+            return Ok(FatKind::Fat32);
+        }
+    }
+    f.seek(SeekFrom::Start(0))?;
+    fatfs::format_volume(&mut *f, base)?;
+    f.seek(SeekFrom::Start(0))?;
+    let fs = fatfs::FileSystem::new(&mut *f, fatfs::FsOptions::new())?;
+    Ok(match fs.fat_type() {
+        fatfs::FatType::Fat12 => FatKind::Fat12,
+        fatfs::FatType::Fat16 => FatKind::Fat16,
+        fatfs::FatType::Fat32 => FatKind::Fat32,
+    })
+}
+
+enum Item<'a> {
+    Dir(String),
+    File(String, &'a [u8]),
+}
+
+/// Sorted insertion order: every folder before what it holds, siblings by name.
+fn plan(files: &[(String, Vec<u8>)]) -> Result<Vec<Item<'_>>> {
+    let mut entries: BTreeMap<String, Option<&[u8]>> = BTreeMap::new();
+    for (path, data) in files {
+        let parts: Vec<&str> = path.split('/').filter(|s| !s.is_empty()).collect();
+        ensure!(!parts.is_empty(), "empty path in the FAT file list");
+        for p in &parts {
+            ensure!(
+                *p != "." && *p != ".." && !p.contains('\\'),
+                "path `{path}` has a `.`, `..` or `\\` component"
+            );
+        }
+        for i in 1..parts.len() {
+            let dir = parts[..i].join("/");
+            if let Some(Some(_)) = entries.get(&dir) {
+                bail!("`{dir}` is both a file and a folder in the FAT file list");
+            }
+            entries.insert(dir, None);
+        }
+        let full = parts.join("/");
+        if entries.insert(full.clone(), Some(data)).is_some() {
+            bail!("`{full}` appears twice (or as a folder too) in the FAT file list");
+        }
+    }
+    // FAT compares names case-insensitively: two that fold together would overwrite each other.
+    let mut folded = std::collections::BTreeSet::new();
+    for k in entries.keys() {
+        ensure!(
+            folded.insert(k.to_uppercase()),
+            "`{k}` differs from another path only by case, which FAT cannot keep apart"
+        );
+    }
+    // BTreeMap order sorts "a/b" after "a-b" but still after "a", which is all creation needs.
+    Ok(entries
+        .into_iter()
+        .map(|(k, v)| match v {
+            None => Item::Dir(k),
+            Some(d) => Item::File(k, d),
+        })
+        .collect())
+}
+
+fn volume_label(label: &str) -> Result<[u8; 11]> {
+    ensure!(
+        label.len() <= 11
+            && label
+                .bytes()
+                .all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b"_- ".contains(&b)),
+        "FAT label `{label}`: at most 11 of A–Z, 0–9, `_`, `-`, space"
+    );
+    let mut l = [b' '; 11];
+    l[..label.len()].copy_from_slice(label.as_bytes());
+    Ok(l)
+}
+
+/// Every time stamp of a build: one instant, in UTC.
+#[derive(Debug)]
+struct EpochClock(fatfs::DateTime);
+
+impl fatfs::TimeProvider for EpochClock {
+    fn get_current_date(&self) -> fatfs::Date {
+        self.0.date
+    }
+    fn get_current_date_time(&self) -> fatfs::DateTime {
+        self.0
+    }
+}
+
+/// fatfs 0.3 wants a `&'static` provider: keep one per distinct epoch for the process.
+fn clock_for(epoch: i64) -> Result<&'static EpochClock> {
+    static CLOCKS: Mutex<Vec<(i64, &'static EpochClock)>> = Mutex::new(Vec::new());
+    let dt = dos_date_time(epoch)?;
+    let mut clocks = CLOCKS.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((_, c)) = clocks.iter().find(|(e, _)| *e == epoch) {
+        return Ok(c);
+    }
+    let c: &'static EpochClock = Box::leak(Box::new(EpochClock(dt)));
+    clocks.push((epoch, c));
+    Ok(c)
+}
+
+/// Seconds since 1970 (UTC) as a FAT date and time (Howard Hinnant's civil_from_days).
+fn dos_date_time(epoch: i64) -> Result<fatfs::DateTime> {
+    let days = epoch.div_euclid(86400);
+    let secs = epoch.rem_euclid(86400);
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    ensure!(
+        (1980..=2107).contains(&year),
+        "time {epoch} (year {year}) is outside FAT's 1980–2107"
+    );
+    Ok(fatfs::DateTime {
+        date: fatfs::Date {
+            year: year as u16,
+            month: month as u16,
+            day: day as u16,
+        },
+        time: fatfs::Time {
+            hour: (secs / 3600) as u16,
+            min: (secs / 60 % 60) as u16,
+            sec: (secs % 60) as u16,
+            millis: 0,
+        },
+    })
+}
+
+/// A window of a file or device (one partition), which refuses every write: the readers below
+/// must never change a card, and fatfs's API wants `Write` even to read.
+struct ReadOnlySlice {
+    f: File,
+    start: u64,
+    len: u64,
+    pos: u64,
+}
+
+impl Read for ReadOnlySlice {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let left = self.len.saturating_sub(self.pos);
+        let n = (buf.len() as u64).min(left) as usize;
+        if n == 0 {
+            return Ok(0);
+        }
+        self.f.seek(SeekFrom::Start(self.start + self.pos))?;
+        let k = self.f.read(&mut buf[..n])?;
+        self.pos += k as u64;
+        Ok(k)
+    }
+}
+
+impl Write for ReadOnlySlice {
+    fn write(&mut self, _: &[u8]) -> io::Result<usize> {
+        Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            "kiln opened this FAT read-only",
+        ))
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Seek for ReadOnlySlice {
+    fn seek(&mut self, to: SeekFrom) -> io::Result<u64> {
+        let new = match to {
+            SeekFrom::Start(p) => Some(p),
+            SeekFrom::End(d) => self.len.checked_add_signed(d),
+            SeekFrom::Current(d) => self.pos.checked_add_signed(d),
+        };
+        match new {
+            Some(p) if p <= self.len => {
+                self.pos = p;
+                Ok(p)
+            }
+            _ => Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "seek outside the partition",
+            )),
+        }
+    }
+}
+
+fn open(img: &Path, part_offset: u64, part_size: u64) -> Result<fatfs::FileSystem<ReadOnlySlice>> {
+    let f = File::open(img).with_context(|| format!("opening {} read-only", img.display()))?;
+    let slice = ReadOnlySlice {
+        f,
+        start: part_offset,
+        len: part_size,
+        pos: 0,
+    };
+    fatfs::FileSystem::new(slice, fatfs::FsOptions::new()).with_context(|| {
+        format!(
+            "reading a FAT at byte {part_offset} ({part_size} bytes) of {}",
+            img.display()
+        )
+    })
+}
+
+/// The contents of `path` (`'/'`-separated, case-insensitive as FAT is) in the FAT at
+/// `part_offset` of an image or device, read-only.
+pub fn read_file(img: &Path, part_offset: u64, part_size: u64, path: &str) -> Result<Vec<u8>> {
+    let fs = open(img, part_offset, part_size)?;
+    let mut data = Vec::new();
+    fs.root_dir()
+        .open_file(path.trim_start_matches('/'))
+        .and_then(|mut f| f.read_to_end(&mut data))
+        .with_context(|| format!("reading {path} from the FAT in {}", img.display()))?;
+    Ok(data)
+}
+
+/// One file or folder of a FAT volume.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct FatEntry {
+    /// `'/'`-separated from the root, long names as stored.
+    pub path: String,
+    pub is_dir: bool,
+    pub size: u64,
+}
+
+/// Every file and folder of the FAT at `part_offset` of an image or device, sorted by path,
+/// read-only.
+pub fn list(img: &Path, part_offset: u64, part_size: u64) -> Result<Vec<FatEntry>> {
+    let fs = open(img, part_offset, part_size)?;
+    let mut out = Vec::new();
+    let mut stack = vec![(String::new(), fs.root_dir())];
+    while let Some((prefix, dir)) = stack.pop() {
+        for e in dir.iter() {
+            let e = e.with_context(|| format!("listing /{prefix} in {}", img.display()))?;
+            let name = e.file_name();
+            if name == "." || name == ".." {
+                continue;
+            }
+            let path = if prefix.is_empty() {
+                name
+            } else {
+                format!("{prefix}/{name}")
+            };
+            if e.is_dir() {
+                stack.push((path.clone(), e.to_dir()));
+            }
+            out.push(FatEntry {
+                path,
+                is_dir: e.is_dir(),
+                size: if e.is_dir() { 0 } else { e.len() },
+            });
+        }
+    }
+    out.sort_by(|a, b| a.path.cmp(&b.path));
+    Ok(out)
+}

@@ -1,0 +1,263 @@
+//! Deterministic writers and read-only readers of everything that goes on the disk image: the GPT
+//! and its assembly ([`gpt`], [`assemble`]), the FAT boot partition ([`fat`]), the initramfs
+//! ([`cpio`]), the models partition ([`erofs`]) and the data partition ([`ext4`]).
+//!
+//! Invariants: the same inputs give the same bytes (no clock, host id, umask, locale or directory
+//! order reaches an output); every output appears under its final name only when complete (temp
+//! file in the same folder + fsync + rename); images are written sparse.
+
+// The caller is the image pipeline (issue 4, branch `image`); until it lands, parts of this API
+// have no caller in the binary yet.
+#![allow(dead_code)]
+
+pub mod cpio;
+pub mod erofs;
+pub mod ext4;
+pub mod fat;
+pub mod gpt;
+
+#[allow(unused_imports)] // the image pipeline calls `disk::assemble`
+pub use gpt::assemble;
+
+use anyhow::{bail, Context, Result};
+use sha2::{Digest, Sha256};
+use std::fmt;
+use std::fs::File;
+use std::io::Read;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+/// Bytes per logical sector (LBA) of every image kiln writes.
+pub const SECTOR: u64 = 512;
+
+/// Granularity of holes in sparse outputs (and of bmap ranges).
+pub const BLOCK: u64 = 4096;
+
+/// A GUID as GPT stores it on disk: the first three fields little-endian ("mixed-endian").
+/// `Display` and `FromStr` use the usual text form (`c12a7328-f81f-11d2-ba4b-00a0c93ec93b`).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct Guid(pub [u8; 16]);
+
+impl Guid {
+    /// From the big-endian (RFC 4122 / text-order) bytes, the order ext4 and erofs store a UUID in.
+    pub fn from_rfc_bytes(b: [u8; 16]) -> Guid {
+        let mut g = b;
+        g[0..4].reverse();
+        g[4..6].reverse();
+        g[6..8].reverse();
+        Guid(g)
+    }
+
+    /// The big-endian (RFC 4122 / text-order) bytes.
+    pub fn to_rfc_bytes(self) -> [u8; 16] {
+        let mut b = self.0;
+        b[0..4].reverse();
+        b[4..6].reverse();
+        b[6..8].reverse();
+        b
+    }
+}
+
+impl fmt::Display for Guid {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let b = self.to_rfc_bytes();
+        for (i, x) in b.iter().enumerate() {
+            if matches!(i, 4 | 6 | 8 | 10) {
+                f.write_str("-")?;
+            }
+            write!(f, "{x:02x}")?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for Guid {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Guid({self})")
+    }
+}
+
+impl FromStr for Guid {
+    type Err = anyhow::Error;
+
+    fn from_str(s: &str) -> Result<Guid> {
+        let parts: Vec<&str> = s.split('-').collect();
+        let lens: Vec<usize> = parts.iter().map(|p| p.len()).collect();
+        if lens != [8, 4, 4, 4, 12] {
+            bail!("`{s}` is not a GUID (want 8-4-4-4-12 hex digits)");
+        }
+        let hex: String = parts.concat();
+        let mut b = [0u8; 16];
+        for (i, byte) in b.iter_mut().enumerate() {
+            *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16)
+                .with_context(|| format!("`{s}` is not a GUID (bad hex digit)"))?;
+        }
+        Ok(Guid::from_rfc_bytes(b))
+    }
+}
+
+impl serde::Serialize for Guid {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+fn seed_digest(seed: &str, label: &str) -> [u8; 32] {
+    let mut h = Sha256::new();
+    h.update(b"kiln-disk-id\0");
+    h.update(seed.as_bytes());
+    h.update([0u8]);
+    h.update(label.as_bytes());
+    h.finalize().into()
+}
+
+/// A GUID derived from `seed` (board + commit) and a role `label` ("disk", "boot", "models-fs",
+/// …): the first 16 bytes of a sha256, with the RFC 4122 variant and version-4 bits set, as
+/// systemd-repart does for its seeded GUIDs.
+pub fn guid_from_seed(seed: &str, label: &str) -> Guid {
+    let d = seed_digest(seed, label);
+    let mut b = [0u8; 16];
+    b.copy_from_slice(&d[..16]);
+    b[6] = (b[6] & 0x0f) | 0x40;
+    b[8] = (b[8] & 0x3f) | 0x80;
+    Guid::from_rfc_bytes(b)
+}
+
+/// A 32-bit id (a FAT volume id) derived from `seed` and a role `label`.
+pub fn u32_from_seed(seed: &str, label: &str) -> u32 {
+    let d = seed_digest(seed, label);
+    u32::from_le_bytes([d[0], d[1], d[2], d[3]])
+}
+
+/// An output file under construction: a temp file beside `out`, removed unless [`commit`]ed,
+/// so an interrupted or failed write never leaves `out` (nor an old `out` half-overwritten).
+///
+/// [`commit`]: AtomicOut::commit
+pub struct AtomicOut {
+    out: PathBuf,
+    tmp: PathBuf,
+    committed: bool,
+}
+
+impl AtomicOut {
+    /// Reserve a temp path beside `out` (creating `out`'s folder). Nothing is created yet.
+    pub fn new(out: &Path) -> Result<AtomicOut> {
+        let name = out
+            .file_name()
+            .with_context(|| format!("{} has no file name", out.display()))?;
+        let dir = match out.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let tmp = dir.join(format!(
+            ".{}.tmp.{}",
+            name.to_string_lossy(),
+            std::process::id()
+        ));
+        // A stale temp file from a killed run with the same pid would otherwise be reused.
+        let _ = std::fs::remove_file(&tmp);
+        Ok(AtomicOut {
+            out: out.to_path_buf(),
+            tmp,
+            committed: false,
+        })
+    }
+
+    /// The temp path to write to.
+    pub fn path(&self) -> &Path {
+        &self.tmp
+    }
+
+    /// Create the temp file, empty.
+    pub fn create(&self) -> Result<File> {
+        File::options()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .open(&self.tmp)
+            .with_context(|| format!("creating {}", self.tmp.display()))
+    }
+
+    /// fsync the temp file and rename it to the final name.
+    pub fn commit(mut self) -> Result<()> {
+        let f = File::open(&self.tmp).with_context(|| format!("opening {}", self.tmp.display()))?;
+        f.sync_all()
+            .with_context(|| format!("fsync {}", self.tmp.display()))?;
+        std::fs::rename(&self.tmp, &self.out).with_context(|| {
+            format!("renaming {} to {}", self.tmp.display(), self.out.display())
+        })?;
+        self.committed = true;
+        if let Some(dir) = self.out.parent().filter(|d| !d.as_os_str().is_empty()) {
+            if let Ok(d) = File::open(dir) {
+                let _ = d.sync_all();
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for AtomicOut {
+    fn drop(&mut self) {
+        if !self.committed {
+            let _ = std::fs::remove_file(&self.tmp);
+        }
+    }
+}
+
+/// Copy `src` into `dst` at byte `offset`, skipping every [`BLOCK`]-aligned (in `dst`) piece that
+/// is all zeros, so holes stay holes. `dst` must read as zeros there already (fresh `set_len`).
+/// Returns the number of bytes of `src`.
+pub fn copy_sparse(dst: &File, offset: u64, src: &Path) -> Result<u64> {
+    let mut f = File::open(src).with_context(|| format!("opening {}", src.display()))?;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut pos = offset;
+    loop {
+        let n =
+            read_full(&mut f, &mut buf).with_context(|| format!("reading {}", src.display()))?;
+        if n == 0 {
+            break;
+        }
+        let mut i = 0usize;
+        while i < n {
+            let abs = pos + i as u64;
+            let to_boundary = (BLOCK - abs % BLOCK) as usize;
+            let end = (i + to_boundary).min(n);
+            let piece = &buf[i..end];
+            if piece.iter().any(|&b| b != 0) {
+                dst.write_all_at(piece, abs)
+                    .with_context(|| format!("writing {} at byte {abs}", src.display()))?;
+            }
+            i = end;
+        }
+        pos += n as u64;
+    }
+    Ok(pos - offset)
+}
+
+/// Read until `buf` is full or EOF.
+fn read_full(f: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match f.read(&mut buf[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(n)
+}
+
+/// The environment every filesystem tool runs under: no locale, clock zone or umask of the host.
+pub(crate) fn pinned_shell(epoch: i64) -> Result<xshell::Shell> {
+    let sh = xshell::Shell::new()?;
+    sh.set_var("TZ", "UTC");
+    sh.set_var("LC_ALL", "C");
+    sh.set_var("SOURCE_DATE_EPOCH", epoch.to_string());
+    Ok(sh)
+}
+
+#[cfg(test)]
+mod tests;
