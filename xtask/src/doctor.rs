@@ -139,10 +139,34 @@ pub const CPIO: Tool = Tool {
     apt: &["cpio"],
 };
 
+pub const QEMU_SYSTEM: Tool = Tool {
+    name: "qemu-system-aarch64",
+    why: "boots images in the boot test",
+    probe: || version_of("qemu-system-aarch64", &["--version"]),
+    apt: &["qemu-system-arm"],
+};
+
+pub const UBOOT_QEMU: Tool = Tool {
+    name: "u-boot qemu_arm64",
+    why: "the boot test's firmware (-bios), so images boot through U-Boot as on a board",
+    probe: || file_exists("/usr/lib/u-boot/qemu_arm64/u-boot.bin"),
+    apt: &["u-boot-qemu"],
+};
+
+pub const UBOOT_TOOLS: Tool = Tool {
+    name: "mkenvimage",
+    why: "writes the boot test's U-Boot environment (pflash)",
+    probe: || version_of("mkenvimage", &["-V"]),
+    apt: &["u-boot-tools"],
+};
+
 /// Every tool any command needs, for `cargo xtask doctor`.
 pub fn all_tools() -> Vec<&'static Tool> {
     vec![
         &CROSS_GCC,
+        &QEMU_SYSTEM,
+        &UBOOT_QEMU,
+        &UBOOT_TOOLS,
         &AARCH64_SYSROOT,
         &QEMU_USER,
         &PYTHON_VENV,

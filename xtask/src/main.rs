@@ -1,9 +1,11 @@
 //! `cargo xtask`: kiln's host tool, in the cargo-xtask convention (one module per subcommand,
 //! external programs through `xshell::cmd!`, `anyhow` context at every step).
 
+mod boot_test;
 mod build;
 mod disk;
 mod doctor;
+mod report;
 mod test;
 
 use clap::Parser;
@@ -19,6 +21,10 @@ enum Cli {
     Build(build::Args),
     /// The one test command: fmt, clippy, host tests, aarch64 tests under qemu-user, and more.
     Test(test::Args),
+    /// Read the self-check report from the boot partition of an image or a card (read-only).
+    Report(report::Args),
+    /// Boot a copy of the image under qemu-system-aarch64 through U-Boot and check its verdict.
+    BootTest(boot_test::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -26,6 +32,8 @@ fn main() -> anyhow::Result<()> {
         Cli::Doctor(a) => doctor::run(a),
         Cli::Build(a) => build::run(a).map(|_| ()),
         Cli::Test(a) => test::run(a),
+        Cli::Report(a) => report::run(a),
+        Cli::BootTest(a) => boot_test::run(a),
     }
 }
 
