@@ -155,7 +155,7 @@ pub fn write_newc_gz(out: &Path, entries: &[CpioEntry], epoch: u32) -> Result<()
         };
         let size = u32::try_from(data.len())
             .with_context(|| format!("cpio entry `{path}` is larger than newc's 4 GiB"))?;
-        let mut writer = cpio::newc::Builder::new(path)
+        let mut writer = ::cpio::newc::Builder::new(path)
             .ino(ino as u32 + 1)
             .mode(type_bits | m.mode)
             .uid(0)
@@ -170,7 +170,7 @@ pub fn write_newc_gz(out: &Path, entries: &[CpioEntry], epoch: u32) -> Result<()
             .finish()
             .with_context(|| format!("finishing cpio entry `{path}`"))?;
     }
-    cpio::newc::trailer(&mut w).context("writing the cpio trailer")?;
+    ::cpio::newc::trailer(&mut w).context("writing the cpio trailer")?;
     let buf = w
         .finish()
         .with_context(|| format!("finishing gzip of {}", tmp.path().display()))?;

@@ -8,6 +8,7 @@ use anyhow::{bail, ensure, Context, Result};
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{self, Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::Mutex;
 
@@ -47,6 +48,7 @@ pub fn build(
         .with_context(|| format!("sizing {} to {size} bytes", tmp.path().display()))?;
     let kind = format(&mut f, size, volume_id, label)
         .with_context(|| format!("formatting {}", tmp.path().display()))?;
+    f.seek(SeekFrom::Start(0))?;
     {
         let fs = fatfs::FileSystem::new(&mut f, fatfs::FsOptions::new().time_provider(clock))
             .with_context(|| format!("mounting the new FAT in {}", tmp.path().display()))?;
@@ -70,9 +72,14 @@ pub fn build(
             }
         }
         drop(root);
+        // Fills FSInfo's free-cluster count (written at unmount), which fsck otherwise flags.
+        fs.stats()
+            .with_context(|| format!("counting free clusters of {}", tmp.path().display()))?;
         fs.unmount()
             .with_context(|| format!("closing the FAT in {}", tmp.path().display()))?;
     }
+    fix_dot_entries(&f, kind)
+        .with_context(|| format!("repairing `.`/`..` entries in {}", tmp.path().display()))?;
     drop(f);
     tmp.commit()?;
     Ok(kind)
@@ -107,6 +114,183 @@ fn format(f: &mut File, size: u64, volume_id: u32, label: [u8; 11]) -> Result<Fa
         fatfs::FatType::Fat16 => FatKind::Fat16,
         fatfs::FatType::Fat32 => FatKind::Fat32,
     })
+}
+
+/// The geometry of a FAT volume, from its boot sector.
+struct Geometry {
+    kind: FatKind,
+    bytes_per_sector: u64,
+    cluster_bytes: u64,
+    fat_start: u64,
+    first_data: u64,
+    /// FAT12/16: the fixed root directory region (offset, bytes).
+    fixed_root: (u64, u64),
+    root_cluster: u32,
+}
+
+impl Geometry {
+    fn read(f: &File, kind: FatKind) -> Result<Geometry> {
+        let mut b = [0u8; 512];
+        f.read_exact_at(&mut b, 0)?;
+        let u16_at = |o: usize| u64::from(u16::from_le_bytes([b[o], b[o + 1]]));
+        let u32_at = |o: usize| u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
+        let bps = u16_at(0x0B);
+        let spc = u64::from(b[0x0D]);
+        let reserved = u16_at(0x0E);
+        let fats = u64::from(b[0x10]);
+        let root_entries = u16_at(0x11);
+        let fat_size = match u16_at(0x16) {
+            0 => u64::from(u32_at(0x24)),
+            n => n,
+        };
+        ensure!(bps >= 512 && spc > 0, "not a FAT boot sector");
+        let root_dir_bytes = (root_entries * 32).div_ceil(bps) * bps;
+        let fat_start = reserved * bps;
+        let root_start = fat_start + fats * fat_size * bps;
+        Ok(Geometry {
+            kind,
+            bytes_per_sector: bps,
+            cluster_bytes: spc * bps,
+            fat_start,
+            first_data: root_start + root_dir_bytes,
+            fixed_root: (root_start, root_dir_bytes),
+            root_cluster: if kind == FatKind::Fat32 {
+                u32_at(0x2C)
+            } else {
+                0
+            },
+        })
+    }
+
+    fn cluster_offset(&self, c: u32) -> u64 {
+        self.first_data + u64::from(c - 2) * self.cluster_bytes
+    }
+
+    fn next_cluster(&self, f: &File, c: u32) -> Result<Option<u32>> {
+        let next = match self.kind {
+            FatKind::Fat32 => {
+                let mut e = [0u8; 4];
+                f.read_exact_at(&mut e, self.fat_start + 4 * u64::from(c))?;
+                u32::from_le_bytes(e) & 0x0FFF_FFFF
+            }
+            FatKind::Fat16 => {
+                let mut e = [0u8; 2];
+                f.read_exact_at(&mut e, self.fat_start + 2 * u64::from(c))?;
+                u32::from(u16::from_le_bytes(e)) | 0x0FFF_0000
+            }
+            FatKind::Fat12 => {
+                let mut e = [0u8; 2];
+                f.read_exact_at(&mut e, self.fat_start + u64::from(c) * 3 / 2)?;
+                let v = u16::from_le_bytes(e);
+                let v = if c % 2 == 0 { v & 0x0FFF } else { v >> 4 };
+                u32::from(v) | 0x0FFF_F000
+            }
+        };
+        Ok(
+            if (2..0x0FFF_FFF7).contains(&(next & 0x0FFF_FFFF)) && next < 0x0FFF_0000 {
+                Some(next)
+            } else {
+                None
+            },
+        )
+    }
+
+    /// The byte ranges holding a directory's entries (one per cluster, or the fixed root).
+    fn dir_extents(&self, f: &File, first: Option<u32>) -> Result<Vec<(u64, u64)>> {
+        let Some(mut c) = first else {
+            return Ok(vec![self.fixed_root]);
+        };
+        let mut out = Vec::new();
+        loop {
+            ensure!(out.len() < 1 << 20, "directory cluster chain loops");
+            out.push((self.cluster_offset(c), self.cluster_bytes));
+            match self.next_cluster(f, c)? {
+                Some(n) => c = n,
+                None => return Ok(out),
+            }
+        }
+    }
+}
+
+const DOT: [u8; 11] = *b".          ";
+const DOTDOT: [u8; 11] = *b"..         ";
+const ATTR_LFN: u8 = 0x0F;
+const ATTR_DIR: u8 = 0x10;
+
+/// fatfs 0.3.6 (the last release) writes a long-name entry before `.` and `..` of every new folder
+/// and points a first-level folder's `..` at the FAT32 root's cluster instead of 0
+/// (rafalh/rust-fatfs#117 and #99, fixed only on its unreleased master); fsck.fat calls both
+/// corruption. Put `.` and `..` in the first two slots, mark the two spare slots deleted, and
+/// give `..` cluster 0 when the parent is the root.
+fn fix_dot_entries(f: &File, kind: FatKind) -> Result<()> {
+    let g = Geometry::read(f, kind)?;
+    ensure!(g.bytes_per_sector == 512, "unexpected sector size");
+    let root = if kind == FatKind::Fat32 {
+        Some(g.root_cluster)
+    } else {
+        None
+    };
+    // (folder's first cluster or None for a fixed root, `..` cluster its children must carry)
+    let mut stack: Vec<(Option<u32>, u32)> = vec![(root, 0)];
+    let mut seen = 0usize;
+    while let Some((dir, _)) = stack.pop() {
+        let own = dir.filter(|&c| Some(c) != root).unwrap_or(0);
+        for (off, len) in g.dir_extents(f, dir)? {
+            let mut buf = vec![0u8; len as usize];
+            f.read_exact_at(&mut buf, off)?;
+            for e in buf.chunks_exact(32) {
+                if e[0] == 0 {
+                    break;
+                }
+                let name = &e[..11];
+                if e[0] == 0xE5 || e[11] == ATTR_LFN || e[11] & ATTR_DIR == 0 {
+                    continue;
+                }
+                if name == DOT || name == DOTDOT {
+                    continue;
+                }
+                let child = u32::from(u16::from_le_bytes([e[20], e[21]])) << 16
+                    | u32::from(u16::from_le_bytes([e[26], e[27]]));
+                seen += 1;
+                ensure!(seen < 1 << 20, "too many folders (a loop?)");
+                repair_child(f, &g, child, own)?;
+                stack.push((Some(child), own));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn repair_child(f: &File, g: &Geometry, child: u32, parent: u32) -> Result<()> {
+    let at = g.cluster_offset(child);
+    let mut slots = [0u8; 128];
+    f.read_exact_at(&mut slots, at)?;
+    let (s0, s1, s2, s3) = (
+        &slots[0..32],
+        &slots[32..64],
+        &slots[64..96],
+        &slots[96..128],
+    );
+    if s0[11] == ATTR_LFN && s1[..11] == DOT && s2[11] == ATTR_LFN && s3[..11] == DOTDOT {
+        let (dot, dotdot) = (s1.to_vec(), s3.to_vec());
+        slots[0..32].copy_from_slice(&dot);
+        slots[32..64].copy_from_slice(&dotdot);
+        for spare in [64usize, 96] {
+            slots[spare..spare + 32].fill(0);
+            slots[spare] = 0xE5;
+        }
+    }
+    ensure!(
+        slots[..11] == DOT && slots[32..43] == DOTDOT,
+        "folder at cluster {child} does not start with `.` and `..`"
+    );
+    let [lo0, lo1, hi0, hi1] = parent.to_le_bytes();
+    slots[32 + 26] = lo0;
+    slots[32 + 27] = lo1;
+    slots[32 + 20] = hi0;
+    slots[32 + 21] = hi1;
+    f.write_all_at(&slots, at)?;
+    Ok(())
 }
 
 enum Item<'a> {
