@@ -5,6 +5,8 @@
 //! untouched output buffer. [`run_checked`] poisons `C` before every run and turns poison left
 //! behind into an error, whatever the backend returned.
 
+pub mod cpu;
+
 use crate::ledger::Arrival;
 use crate::quant::GgmlType;
 use std::fmt;

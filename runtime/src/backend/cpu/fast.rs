@@ -1,0 +1,298 @@
+//! The fast path, as ggml's CPU backend computes a quantised matmul: activations are quantised per
+//! block to the weight type's `vec_dot_type` (Q8_0 for Q4_0/Q5_0/Q8_0, Q8_1 for Q4_1/Q5_1, Q8_K
+//! for the K-quants), weight blocks are unpacked to i8, and the products are integer dots scaled
+//! once per block. F16/BF16 rows are widened to f32 and accumulated in f32.
+
+use super::kernels::{dot_f32, Kernel};
+use crate::quant::dequant::f16_at;
+use crate::quant::{
+    get_scale_min_k4, q8_0_block, q8_1_block, q8_k_block, BlockQ8K, GgmlType, QK_K,
+};
+use half::{f16, slice::HalfFloatSliceExt};
+
+/// The activation format a weight type is multiplied against.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ActFormat {
+    F32,
+    Q8_0,
+    Q8_1,
+    Q8K,
+}
+
+pub(crate) fn act_format(ty: GgmlType) -> Option<ActFormat> {
+    use GgmlType::*;
+    Some(match ty {
+        F32 | F16 | Bf16 => ActFormat::F32,
+        Q4_0 | Q5_0 | Q8_0 => ActFormat::Q8_0,
+        Q4_1 | Q5_1 => ActFormat::Q8_1,
+        Q4K | Q5K | Q6K => ActFormat::Q8K,
+        _ => return None,
+    })
+}
+
+/// All M activation rows, quantised once per run and shared by every thread.
+pub(crate) struct Activations<'a> {
+    pub fmt: ActFormat,
+    pub k: usize,
+    pub f32s: &'a [f32],
+    /// M·K quants.
+    pub qs: Vec<i8>,
+    /// One scale per block (32, or 256 for Q8_K), as the format stores it, widened to f32.
+    pub d: Vec<f32>,
+    /// Q8_1: `s = d·Σq` per block (f16 in the format).
+    pub s: Vec<f32>,
+    /// Q8_K: Σ of each 16 quants.
+    pub bsums: Vec<i16>,
+}
+
+impl<'a> Activations<'a> {
+    pub fn quantize(fmt: ActFormat, a: &'a [f32], k: usize) -> Activations<'a> {
+        let mut act = Activations {
+            fmt,
+            k,
+            f32s: a,
+            qs: Vec::new(),
+            d: Vec::new(),
+            s: Vec::new(),
+            bsums: Vec::new(),
+        };
+        match fmt {
+            ActFormat::F32 => {}
+            ActFormat::Q8_0 => {
+                act.qs.reserve(a.len());
+                for x in a.chunks_exact(32) {
+                    let b = q8_0_block(x);
+                    act.d.push(b.d.to_f32());
+                    act.qs.extend_from_slice(&b.qs);
+                }
+            }
+            ActFormat::Q8_1 => {
+                act.qs.reserve(a.len());
+                for x in a.chunks_exact(32) {
+                    let b = q8_1_block(x);
+                    act.d.push(b.d.to_f32());
+                    act.s.push(b.s.to_f32());
+                    act.qs.extend_from_slice(&b.qs);
+                }
+            }
+            ActFormat::Q8K => {
+                act.qs.reserve(a.len());
+                for x in a.chunks_exact(QK_K) {
+                    let BlockQ8K { d, qs, bsums } = q8_k_block(x);
+                    act.d.push(d);
+                    act.qs.extend_from_slice(&qs);
+                    act.bsums.extend_from_slice(&bsums);
+                }
+            }
+        }
+        act
+    }
+}
+
+/// One weight row unpacked for the integer dots; reused across rows by each thread.
+#[derive(Default)]
+pub(crate) struct RowScratch {
+    qs: Vec<i8>,
+    /// Per block: d (or the super-block d for K-quants).
+    d: Vec<f32>,
+    /// Per block: m (Q4_1/Q5_1) or the super-block dmin (Q4_K/Q5_K).
+    m: Vec<f32>,
+    /// K-quants: per sub-block integer scale (8 per super-block, 16 for Q6_K) and min.
+    sc: Vec<i32>,
+    mins: Vec<i32>,
+    f: Vec<f32>,
+    bits: Vec<u16>,
+    dots: Vec<i32>,
+}
+
+impl RowScratch {
+    /// Unpack weight row `src` (K elements of `ty`) into `self`.
+    pub fn unpack(&mut self, ty: GgmlType, src: &[u8], k: usize) {
+        self.qs.clear();
+        self.d.clear();
+        self.m.clear();
+        self.sc.clear();
+        self.mins.clear();
+        let bb = ty.block_bytes();
+        match ty {
+            GgmlType::F32 => {
+                self.f.clear();
+                self.f.extend(
+                    src.chunks_exact(4)
+                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+                );
+            }
+            GgmlType::F16 => {
+                self.bits.clear();
+                self.bits.extend(
+                    src.chunks_exact(2)
+                        .map(|b| u16::from_le_bytes([b[0], b[1]])),
+                );
+                self.f.resize(k, 0.0);
+                let halves: &[f16] =
+                    half::slice::HalfBitsSliceExt::reinterpret_cast(&self.bits[..]);
+                halves.convert_to_f32_slice(&mut self.f);
+            }
+            GgmlType::Bf16 => {
+                self.f.clear();
+                self.f.extend(
+                    src.chunks_exact(2)
+                        .map(|b| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16)),
+                );
+            }
+            GgmlType::Q8_0 => {
+                for b in src.chunks_exact(bb) {
+                    self.d.push(f16_at(b, 0));
+                    self.qs.extend(b[2..34].iter().map(|&q| q as i8));
+                }
+            }
+            GgmlType::Q4_0 | GgmlType::Q4_1 => {
+                let (off, signed) = if ty == GgmlType::Q4_0 { (2, 8) } else { (4, 0) };
+                for b in src.chunks_exact(bb) {
+                    self.d.push(f16_at(b, 0));
+                    if ty == GgmlType::Q4_1 {
+                        self.m.push(f16_at(b, 2));
+                    }
+                    let q = &b[off..off + 16];
+                    self.qs.extend(q.iter().map(|&x| (x & 0xF) as i8 - signed));
+                    self.qs.extend(q.iter().map(|&x| (x >> 4) as i8 - signed));
+                }
+            }
+            GgmlType::Q5_0 | GgmlType::Q5_1 => {
+                let (off, signed) = if ty == GgmlType::Q5_0 {
+                    (2, 16)
+                } else {
+                    (4, 0)
+                };
+                for b in src.chunks_exact(bb) {
+                    self.d.push(f16_at(b, 0));
+                    if ty == GgmlType::Q5_1 {
+                        self.m.push(f16_at(b, 2));
+                    }
+                    let qh = u32::from_le_bytes([b[off], b[off + 1], b[off + 2], b[off + 3]]);
+                    let q = &b[off + 4..off + 20];
+                    self.qs.extend(
+                        q.iter().enumerate().map(|(j, &x)| {
+                            ((x & 0xF) | (((qh >> j) as u8 & 1) << 4)) as i8 - signed
+                        }),
+                    );
+                    self.qs.extend(q.iter().enumerate().map(|(j, &x)| {
+                        ((x >> 4) | (((qh >> (j + 16)) as u8 & 1) << 4)) as i8 - signed
+                    }));
+                }
+            }
+            GgmlType::Q4K | GgmlType::Q5K => {
+                for b in src.chunks_exact(bb) {
+                    self.d.push(f16_at(b, 0));
+                    self.m.push(f16_at(b, 2));
+                    let scales = &b[4..16];
+                    for j in 0..8 {
+                        let (sc, m) = get_scale_min_k4(j, scales);
+                        self.sc.push(sc as i32);
+                        self.mins.push(m as i32);
+                    }
+                    let (qh, qs) = if ty == GgmlType::Q5K {
+                        (Some(&b[16..48]), &b[48..176])
+                    } else {
+                        (None, &b[16..144])
+                    };
+                    for c in 0..4 {
+                        let q = &qs[32 * c..32 * c + 32];
+                        let hi = |l: usize, bit: usize| match qh {
+                            Some(h) => ((h[l] >> bit) & 1) << 4,
+                            None => 0,
+                        };
+                        self.qs
+                            .extend((0..32).map(|l| ((q[l] & 0xF) | hi(l, 2 * c)) as i8));
+                        self.qs
+                            .extend((0..32).map(|l| ((q[l] >> 4) | hi(l, 2 * c + 1)) as i8));
+                    }
+                }
+            }
+            GgmlType::Q6K => {
+                for b in src.chunks_exact(bb) {
+                    self.d.push(f16_at(b, 208));
+                    self.sc.extend(b[192..208].iter().map(|&s| s as i8 as i32));
+                    let start = self.qs.len();
+                    self.qs.resize(start + QK_K, 0);
+                    let y = &mut self.qs[start..];
+                    for n in 0..2 {
+                        let ql = &b[64 * n..64 * n + 64];
+                        let qh = &b[128 + 32 * n..128 + 32 * n + 32];
+                        for l in 0..32 {
+                            let y = &mut y[128 * n..];
+                            y[l] = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) as i8 - 32;
+                            y[l + 32] = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) as i8 - 32;
+                            y[l + 64] = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i8 - 32;
+                            y[l + 96] = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i8 - 32;
+                        }
+                    }
+                }
+            }
+            // `supports` admits only the types above.
+            _ => {}
+        }
+    }
+
+    /// The dot product of the unpacked row with activation row `row` of `act`.
+    pub fn dot(&mut self, kernel: Kernel, ty: GgmlType, act: &Activations<'_>, row: usize) -> f32 {
+        let k = act.k;
+        match act.fmt {
+            ActFormat::F32 => dot_f32(&self.f, &act.f32s[row * k..row * k + k]),
+            ActFormat::Q8_0 | ActFormat::Q8_1 => {
+                let nb = k / 32;
+                let aq = &act.qs[row * k..row * k + k];
+                let ad = &act.d[row * nb..row * nb + nb];
+                self.dots.resize(nb, 0);
+                kernel.dots::<32>(&self.qs, aq, &mut self.dots);
+                let mut sum = 0.0f32;
+                if act.fmt == ActFormat::Q8_0 {
+                    for ((dot, wd), ad) in self.dots.iter().zip(&self.d).zip(ad) {
+                        sum += *dot as f32 * wd * ad;
+                    }
+                } else {
+                    let as_ = &act.s[row * nb..row * nb + nb];
+                    let scales = self.d.iter().zip(&self.m).zip(ad.iter().zip(as_));
+                    for (dot, ((wd, wm), (ad, as_))) in self.dots.iter().zip(scales) {
+                        sum += (wd * ad) * *dot as f32 + wm * as_;
+                    }
+                }
+                sum
+            }
+            ActFormat::Q8K => {
+                let nb = k / QK_K;
+                let aq = &act.qs[row * k..row * k + k];
+                let ad = &act.d[row * nb..row * nb + nb];
+                let bsums = &act.bsums[row * nb * 16..(row + 1) * nb * 16];
+                let mut sum = 0.0f32;
+                if ty == GgmlType::Q6K {
+                    self.dots.resize(k / 16, 0);
+                    kernel.dots::<16>(&self.qs, aq, &mut self.dots);
+                    let groups = self.sc.chunks_exact(16).zip(self.dots.chunks_exact(16));
+                    for ((sc, dots), (wd, ad)) in groups.zip(self.d.iter().zip(ad)) {
+                        let isum: i32 = sc.iter().zip(dots).map(|(s, d)| s * d).sum();
+                        sum += wd * ad * isum as f32;
+                    }
+                } else {
+                    self.dots.resize(k / 32, 0);
+                    kernel.dots::<32>(&self.qs, aq, &mut self.dots);
+                    let subs = self.sc.chunks_exact(8).zip(self.mins.chunks_exact(8));
+                    let blocks = subs
+                        .zip(self.dots.chunks_exact(8))
+                        .zip(bsums.chunks_exact(16));
+                    let scales = self.d.iter().zip(&self.m).zip(ad);
+                    for ((((sc, mins), dots), bs), ((wd, wmin), ad)) in blocks.zip(scales) {
+                        let isum: i32 = sc.iter().zip(dots).map(|(s, d)| s * d).sum();
+                        let msum: i32 = mins
+                            .iter()
+                            .zip(bs.chunks_exact(2))
+                            .map(|(m, pair)| m * (pair[0] as i32 + pair[1] as i32))
+                            .sum();
+                        sum += ad * (wd * isum as f32 - wmin * msum as f32);
+                    }
+                }
+                sum
+            }
+        }
+    }
+}

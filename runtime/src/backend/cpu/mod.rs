@@ -1,0 +1,358 @@
+//! The CPU backends: `cpu-ref`, the scalar reference (dequantise each weight row, dot in f64:
+//! obviously right, slow), and `cpu`, the fast path (ggml-style quantised activations, integer
+//! dots, NEON/`sdot` on aarch64 chosen at run time, threads over N). Both borrow the weight from
+//! the mapping: nothing is copied at prepare time.
+
+mod fast;
+mod kernels;
+#[cfg(test)]
+mod tests;
+
+pub use kernels::Kernel;
+
+use super::{Backend, Capabilities, Decline, MatmulOp, PreparedWeight, Weight};
+use crate::ledger::Arrival;
+use crate::quant::{dequantize_row, is_dequantizable, GgmlType, DEQUANTIZABLE};
+use anyhow::{bail, Context, Result};
+use fast::{act_format, Activations, RowScratch};
+
+/// Weight types both CPU backends run (the types the loader dequantises).
+pub const CPU_TYPES: [GgmlType; 11] = DEQUANTIZABLE;
+
+/// What `prepare` hands back: the CPU reads the weight where it lies, so this only records the
+/// shape it was prepared for (checked again at run time) and that the bytes were borrowed.
+#[derive(Debug)]
+pub struct CpuPrepared {
+    pub ty: GgmlType,
+    pub k: usize,
+    pub n: usize,
+}
+
+impl PreparedWeight for CpuPrepared {
+    fn arrival(&self) -> Arrival {
+        Arrival::Borrowed
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+fn cpu_supports(op: &MatmulOp) -> Result<(), Decline> {
+    if !is_dequantizable(op.ty) {
+        return Err(Decline::WeightType {
+            ty: op.ty.name().to_string(),
+        });
+    }
+    let need = op.ty.block_elems();
+    if op.k % need != 0 {
+        return Err(Decline::KNotAligned { k: op.k, need });
+    }
+    Ok(())
+}
+
+fn cpu_prepare<'w>(backend: &str, w: &Weight<'w>) -> Result<Box<dyn PreparedWeight + 'w>> {
+    check_weight(backend, w)?;
+    Ok(Box::new(CpuPrepared {
+        ty: w.ty,
+        k: w.k,
+        n: w.n,
+    }))
+}
+
+/// Everything `run` relies on, checked with errors that name the weight: the type and K are
+/// supported, the bytes are exactly N rows, `prepared` is ours and for this weight, and A and C
+/// have M×K and M×N values.
+fn check_run(
+    backend: &str,
+    w: &Weight<'_>,
+    prepared: &dyn PreparedWeight,
+    a: &[f32],
+    m: usize,
+    c: &[f32],
+) -> Result<usize> {
+    let row = check_weight(backend, w)?;
+    match prepared.as_any().downcast_ref::<CpuPrepared>() {
+        Some(p) if (p.ty, p.k, p.n) == (w.ty, w.k, w.n) => {}
+        Some(p) => bail!(
+            "{backend}: {} was prepared as {} {}×{}, run as {} {}×{}",
+            w.name,
+            p.ty,
+            p.k,
+            p.n,
+            w.ty,
+            w.k,
+            w.n
+        ),
+        None => bail!("{backend}: {} was prepared by another backend", w.name),
+    }
+    if a.len() != m * w.k || c.len() != m * w.n {
+        bail!(
+            "{backend}: {} with M={m}: A has {} values (want {}), C has {} (want {})",
+            w.name,
+            a.len(),
+            m * w.k,
+            c.len(),
+            m * w.n
+        );
+    }
+    Ok(row)
+}
+
+/// Bytes per weight row, after checking the weight is something the CPU runs.
+fn check_weight(backend: &str, w: &Weight<'_>) -> Result<usize> {
+    cpu_supports(&MatmulOp::for_weight(w, 1))
+        .map_err(|d| anyhow::anyhow!("{backend}: {} ({} {}×{}): {d}", w.name, w.ty, w.k, w.n))?;
+    let row =
+        w.ty.row_bytes(w.k as u64)
+            .and_then(|r| usize::try_from(r).ok());
+    let total = row.and_then(|r| r.checked_mul(w.n));
+    match (row, total) {
+        (Some(row), Some(total)) if total == w.data.len() => Ok(row),
+        _ => bail!(
+            "{backend}: {} ({} {}×{}) has {} bytes, expected {:?}",
+            w.name,
+            w.ty,
+            w.k,
+            w.n,
+            w.data.len(),
+            total
+        ),
+    }
+}
+
+/// `cpu-ref`: the oracle. One thread, dequantise a row, f64 dot.
+#[derive(Debug, Default)]
+pub struct CpuRefBackend;
+
+impl Backend for CpuRefBackend {
+    fn name(&self) -> &'static str {
+        "cpu-ref"
+    }
+
+    fn probe(&self) -> Result<Capabilities, Decline> {
+        Ok(Capabilities {
+            facts: vec![
+                (
+                    "kernel".into(),
+                    "scalar reference (dequantise, f64 dot)".into(),
+                ),
+                ("arch".into(), std::env::consts::ARCH.into()),
+            ],
+            simulated: false,
+        })
+    }
+
+    fn supports(&self, op: &MatmulOp) -> Result<(), Decline> {
+        cpu_supports(op)
+    }
+
+    fn prepare<'w>(&self, w: &Weight<'w>) -> Result<Box<dyn PreparedWeight + 'w>> {
+        cpu_prepare(self.name(), w)
+    }
+
+    fn run(
+        &self,
+        w: &Weight<'_>,
+        prepared: &dyn PreparedWeight,
+        a: &[f32],
+        m: usize,
+        c: &mut [f32],
+    ) -> Result<()> {
+        let row_bytes = check_run(self.name(), w, prepared, a, m, c)?;
+        let mut row = vec![0.0f32; w.k];
+        for n in 0..w.n {
+            let src = &w.data[n * row_bytes..(n + 1) * row_bytes];
+            dequantize_row(w.ty, src, &mut row)
+                .with_context(|| format!("cpu-ref: dequantising row {n} of {}", w.name))?;
+            for i in 0..m {
+                let x = &a[i * w.k..(i + 1) * w.k];
+                let dot: f64 = row.iter().zip(x).map(|(&p, &q)| p as f64 * q as f64).sum();
+                c[i * w.n + n] = dot as f32;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `cpu`: the fast path.
+#[derive(Debug, Clone)]
+pub struct CpuBackend {
+    kernel: Kernel,
+    threads: usize,
+    /// Fault injection for tests: this output column is never written, as a kernel with a
+    /// skipped-row bug would leave it.
+    #[cfg(test)]
+    skip_column: Option<usize>,
+}
+
+impl Default for CpuBackend {
+    fn default() -> Self {
+        CpuBackend::new()
+    }
+}
+
+impl CpuBackend {
+    /// The best kernel for this CPU, one thread per available core.
+    pub fn new() -> CpuBackend {
+        CpuBackend {
+            kernel: Kernel::detect(),
+            threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            #[cfg(test)]
+            skip_column: None,
+        }
+    }
+
+    /// Use `threads` threads (at least one).
+    pub fn with_threads(mut self, threads: usize) -> CpuBackend {
+        self.threads = threads.max(1);
+        self
+    }
+
+    /// Force a kernel; an error if this CPU cannot run it.
+    pub fn with_kernel(mut self, kernel: Kernel) -> Result<CpuBackend> {
+        if !kernel.is_available() {
+            bail!(
+                "CPU kernel {kernel} is not available here (available: {:?})",
+                Kernel::available()
+            );
+        }
+        self.kernel = kernel;
+        Ok(self)
+    }
+
+    pub fn kernel(&self) -> Kernel {
+        self.kernel
+    }
+
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
+    fn run_parallel(
+        &self,
+        w: &Weight<'_>,
+        row_bytes: usize,
+        act: &Activations<'_>,
+        m: usize,
+        ct: &mut [f32],
+    ) {
+        let threads = self.threads.min(w.n);
+        let per = w.n.div_ceil(threads);
+        if threads == 1 {
+            self.run_columns(w, row_bytes, act, m, 0, ct);
+            return;
+        }
+        std::thread::scope(|s| {
+            for (t, chunk) in ct.chunks_mut(per * m).enumerate() {
+                s.spawn(move || self.run_columns(w, row_bytes, act, m, t * per, chunk));
+            }
+        });
+    }
+
+    /// Columns `n0..n0+len` of Cᵀ into `ct` (len rows of M).
+    fn run_columns(
+        &self,
+        w: &Weight<'_>,
+        row_bytes: usize,
+        act: &Activations<'_>,
+        m: usize,
+        n0: usize,
+        ct: &mut [f32],
+    ) {
+        let mut scratch = RowScratch::default();
+        for (j, out) in ct.chunks_exact_mut(m).enumerate() {
+            let n = n0 + j;
+            #[cfg(test)]
+            if self.skip_column == Some(n) {
+                continue;
+            }
+            scratch.unpack(w.ty, &w.data[n * row_bytes..(n + 1) * row_bytes], w.k);
+            for (i, o) in out.iter_mut().enumerate() {
+                *o = scratch.dot(self.kernel, w.ty, act, i);
+            }
+        }
+    }
+}
+
+impl Backend for CpuBackend {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn probe(&self) -> Result<Capabilities, Decline> {
+        #[allow(unused_mut)]
+        let mut features: Vec<&str> = Vec::new();
+        #[cfg(target_arch = "aarch64")]
+        for (name, on) in [
+            ("neon", std::arch::is_aarch64_feature_detected!("neon")),
+            (
+                "dotprod",
+                std::arch::is_aarch64_feature_detected!("dotprod"),
+            ),
+            ("fp16", std::arch::is_aarch64_feature_detected!("fp16")),
+            ("i8mm", std::arch::is_aarch64_feature_detected!("i8mm")),
+        ] {
+            if on {
+                features.push(name);
+            }
+        }
+        Ok(Capabilities {
+            facts: vec![
+                ("kernel".into(), self.kernel.name().into()),
+                ("threads".into(), self.threads.to_string()),
+                ("arch".into(), std::env::consts::ARCH.into()),
+                ("cpu features".into(), features.join(" ")),
+                (
+                    "activations".into(),
+                    "Q8_0 (Q4_0/Q5_0/Q8_0), Q8_1 (Q4_1/Q5_1), Q8_K (K-quants), f32 (F32/F16/BF16)"
+                        .into(),
+                ),
+            ],
+            simulated: false,
+        })
+    }
+
+    fn supports(&self, op: &MatmulOp) -> Result<(), Decline> {
+        cpu_supports(op)
+    }
+
+    fn prepare<'w>(&self, w: &Weight<'w>) -> Result<Box<dyn PreparedWeight + 'w>> {
+        cpu_prepare(self.name(), w)
+    }
+
+    fn run(
+        &self,
+        w: &Weight<'_>,
+        prepared: &dyn PreparedWeight,
+        a: &[f32],
+        m: usize,
+        c: &mut [f32],
+    ) -> Result<()> {
+        let row_bytes = check_run(self.name(), w, prepared, a, m, c)?;
+        if m == 0 || w.n == 0 {
+            return Ok(());
+        }
+        let fmt = act_format(w.ty).with_context(|| format!("cpu: no fast path for {}", w.ty))?;
+        let act = Activations::quantize(fmt, a, w.k);
+        // Threads own contiguous ranges of N. C is row-major M×N, so for M > 1 each thread writes
+        // a block of Cᵀ (N×M) instead, which splits into disjoint slices; Cᵀ starts as a copy of C,
+        // so a column no thread writes keeps C's poison and `run_checked` sees it.
+        if m == 1 {
+            self.run_parallel(w, row_bytes, &act, 1, c);
+        } else {
+            let mut ct = vec![0.0f32; c.len()];
+            for i in 0..m {
+                for n in 0..w.n {
+                    ct[n * m + i] = c[i * w.n + n];
+                }
+            }
+            self.run_parallel(w, row_bytes, &act, m, &mut ct);
+            for i in 0..m {
+                for n in 0..w.n {
+                    c[i * w.n + n] = ct[n * m + i];
+                }
+            }
+        }
+        Ok(())
+    }
+}

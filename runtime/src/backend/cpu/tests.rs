@@ -1,0 +1,357 @@
+//! The fast path against the reference, on every type and kernel this CPU runs. Under
+//! `cargo xtask test --stage aarch64` these run as aarch64 code on a cortex-a76 (sdot) and a
+//! cortex-a72 (NEON without dotprod). Sizes stay small: qemu-user is slow.
+
+use super::*;
+use crate::backend::{find_poison, run_checked, POISON_BITS};
+use crate::quant::quantize_to_vec;
+use half::{bf16, f16};
+
+/// llama.cpp's `test-backend-ops` bar for MUL_MAT.
+const MAX_NMSE: f64 = 5e-4;
+
+/// SplitMix64: deterministic test data without a dependency.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [−1, 1).
+    fn f32(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+    fn byte(&mut self) -> u8 {
+        self.next() as u8
+    }
+}
+
+/// N rows of K elements of `ty`. Types with a reference quantiser get quantised random values;
+/// K-quants (which have none here) get random bytes with small positive scales, which is every
+/// bit pattern the dequantiser has to handle.
+fn make_weight(ty: GgmlType, k: usize, n: usize, rng: &mut Rng) -> Vec<u8> {
+    let vals: Vec<f32> = (0..k * n).map(|_| rng.f32()).collect();
+    match ty {
+        GgmlType::F32 => vals.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        GgmlType::F16 => vals
+            .iter()
+            .flat_map(|v| f16::from_f32(*v).to_le_bytes())
+            .collect(),
+        GgmlType::Bf16 => vals
+            .iter()
+            .flat_map(|v| bf16::from_f32(*v).to_le_bytes())
+            .collect(),
+        GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => {
+            let bb = ty.block_bytes();
+            let mut out: Vec<u8> = (0..k / QK * n * bb).map(|_| rng.byte()).collect();
+            for b in out.chunks_exact_mut(bb) {
+                let d = f16::from_f32(0.001 + 0.01 * rng.f32().abs()).to_le_bytes();
+                let dmin = f16::from_f32(0.001 + 0.01 * rng.f32().abs()).to_le_bytes();
+                if ty == GgmlType::Q6K {
+                    b[208..210].copy_from_slice(&d);
+                } else {
+                    b[0..2].copy_from_slice(&d);
+                    b[2..4].copy_from_slice(&dmin);
+                }
+            }
+            out
+        }
+        _ => quantize_to_vec(ty, &vals).expect("quantisable type"),
+    }
+}
+
+const QK: usize = crate::quant::QK_K;
+
+fn weight<'a>(ty: GgmlType, k: usize, n: usize, data: &'a [u8]) -> Weight<'a> {
+    Weight {
+        name: "test.weight",
+        ty,
+        k,
+        n,
+        data,
+    }
+}
+
+fn run(backend: &dyn Backend, w: &Weight<'_>, a: &[f32], m: usize) -> Vec<f32> {
+    let p = backend.prepare(w).expect("prepare");
+    assert_eq!(
+        p.arrival(),
+        Arrival::Borrowed,
+        "{} copied a weight",
+        backend.name()
+    );
+    let mut c = vec![0.0f32; m * w.n];
+    run_checked(backend, w, &*p, a, m, &mut c)
+        .unwrap_or_else(|e| panic!("{} on {}: {e:#}", backend.name(), w.ty));
+    c
+}
+
+fn nmse(got: &[f32], want: &[f32]) -> f64 {
+    let err: f64 = got
+        .iter()
+        .zip(want)
+        .map(|(g, w)| (*g as f64 - *w as f64).powi(2))
+        .sum();
+    let norm: f64 = want.iter().map(|w| (*w as f64).powi(2)).sum();
+    err / norm
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// (M, K, N, threads): M = 1, 7, 8, 64; K = 32 and 4096 (K-quants round K up to 256); N not a
+/// multiple of the thread count. K = 4096 only with small N.
+const SHAPES: [(usize, usize, usize, usize); 8] = [
+    (1, 32, 7, 3),
+    (7, 32, 10, 4),
+    (8, 64, 13, 3),
+    (64, 128, 5, 2),
+    (8, 256, 17, 4),
+    (1, 4096, 3, 2),
+    (7, 4096, 2, 1),
+    (64, 4096, 3, 2),
+];
+
+#[test]
+fn every_fast_kernel_matches_the_reference_on_every_type() {
+    let mut rng = Rng(7);
+    let kernels = Kernel::available();
+    for ty in CPU_TYPES {
+        for (m, k, n, threads) in SHAPES {
+            let k = if ty.block_elems() == QK {
+                k.div_ceil(QK) * QK
+            } else {
+                k
+            };
+            let data = make_weight(ty, k, n, &mut rng);
+            let w = weight(ty, k, n, &data);
+            let a: Vec<f32> = (0..m * k).map(|_| rng.f32()).collect();
+            let want = run(&CpuRefBackend, &w, &a, m);
+            let mut first: Option<(Kernel, Vec<f32>)> = None;
+            for &kernel in &kernels {
+                let cpu = CpuBackend::new()
+                    .with_threads(threads)
+                    .with_kernel(kernel)
+                    .expect("available kernel");
+                let got = run(&cpu, &w, &a, m);
+                let e = nmse(&got, &want);
+                assert!(
+                    e <= MAX_NMSE,
+                    "{ty} {kernel} M={m} K={k} N={n}: NMSE {e:e} > {MAX_NMSE:e}"
+                );
+                // Kernels differ only in how they compute exact integer dots, so they must agree
+                // to the bit.
+                match &first {
+                    None => first = Some((kernel, got)),
+                    Some((k0, g0)) => assert_eq!(
+                        bits(&got),
+                        bits(g0),
+                        "{ty} M={m} K={k} N={n}: {kernel} and {k0} differ"
+                    ),
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn thread_count_does_not_change_a_bit() {
+    let mut rng = Rng(11);
+    let (m, k, n) = (3, 64, 11);
+    for ty in [GgmlType::Q4_1, GgmlType::F16] {
+        let data = make_weight(ty, k, n, &mut rng);
+        let w = weight(ty, k, n, &data);
+        let a: Vec<f32> = (0..m * k).map(|_| rng.f32()).collect();
+        let one = run(&CpuBackend::new().with_threads(1), &w, &a, m);
+        for t in [2, 3, 4, 16] {
+            let many = run(&CpuBackend::new().with_threads(t), &w, &a, m);
+            assert_eq!(bits(&one), bits(&many), "{ty} with {t} threads");
+        }
+    }
+}
+
+/// Weights with power-of-two scales and activations that are exactly Q8_0-representable (each
+/// block a multiple of a power of two with a ±127 in it): quantising the activations loses
+/// nothing and every product and partial sum is exact, so fast and reference agree to the bit.
+#[test]
+fn exact_integer_math_is_bit_exact() {
+    let mut rng = Rng(3);
+    for ty in [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q5_0] {
+        for (m, k, n) in [(1, 32, 5), (7, 4096, 2), (8, 256, 9)] {
+            let bb = ty.block_bytes();
+            let mut data: Vec<u8> = (0..k / 32 * n * bb).map(|_| rng.byte()).collect();
+            for b in data.chunks_exact_mut(bb) {
+                b[..2].copy_from_slice(&f16::from_f32(1.0 / 64.0).to_le_bytes());
+            }
+            let w = weight(ty, k, n, &data);
+            let mut a = Vec::with_capacity(m * k);
+            for i in 0..m {
+                let scale = 1.0 / (1 << (3 + i % 4)) as f32;
+                for blk in 0..k / 32 {
+                    for j in 0..32 {
+                        let q = if j == blk % 32 {
+                            if rng.byte() & 1 == 0 {
+                                127
+                            } else {
+                                -127
+                            }
+                        } else {
+                            (rng.byte() as i8).max(-127) as i32
+                        };
+                        a.push(q as f32 * scale);
+                    }
+                }
+            }
+            let want = run(&CpuRefBackend, &w, &a, m);
+            for kernel in Kernel::available() {
+                let cpu = CpuBackend::new()
+                    .with_threads(2)
+                    .with_kernel(kernel)
+                    .unwrap();
+                let got = run(&cpu, &w, &a, m);
+                assert_eq!(bits(&got), bits(&want), "{ty} {kernel} M={m} K={k} N={n}");
+            }
+        }
+    }
+}
+
+/// Every kernel's block dots against plain i32 arithmetic, including the extremes (−128·−128).
+#[test]
+fn block_dots_are_exact_on_every_kernel() {
+    let mut rng = Rng(5);
+    let mut w: Vec<i8> = (0..256).map(|_| rng.byte() as i8).collect();
+    let mut a: Vec<i8> = (0..256).map(|_| rng.byte() as i8).collect();
+    w[..32].fill(-128);
+    a[..32].fill(-128);
+    w[32..64].fill(127);
+    a[32..64].fill(-128);
+    for kernel in Kernel::available() {
+        for g in [16usize, 32] {
+            let want: Vec<i32> = w
+                .chunks(g)
+                .zip(a.chunks(g))
+                .map(|(x, y)| x.iter().zip(y).map(|(&p, &q)| p as i32 * q as i32).sum())
+                .collect();
+            let mut got = vec![0i32; 256 / g];
+            if g == 16 {
+                kernel.dots::<16>(&w, &a, &mut got);
+            } else {
+                kernel.dots::<32>(&w, &a, &mut got);
+            }
+            assert_eq!(got, want, "{kernel} groups of {g}");
+        }
+    }
+}
+
+/// `cargo xtask test` runs the aarch64 tests on a cortex-a76 with `KILN_EXPECT_DOTPROD=1` and a
+/// cortex-a72 with `=0`, so the stage that is meant to exercise the fallback really does.
+#[test]
+fn kernel_selection_matches_what_the_harness_expects() {
+    let cpu = CpuBackend::new();
+    let facts = cpu
+        .probe()
+        .expect("the CPU backend is always present")
+        .facts;
+    let reported = facts
+        .iter()
+        .find(|(k, _)| k == "kernel")
+        .map(|(_, v)| v.clone());
+    assert_eq!(reported.as_deref(), Some(cpu.kernel().name()));
+    match std::env::var("KILN_EXPECT_DOTPROD").as_deref() {
+        Ok("1") => assert_eq!(cpu.kernel().name(), "neon+sdot"),
+        Ok("0") => {
+            assert_ne!(cpu.kernel().name(), "neon+sdot");
+            if cfg!(target_arch = "aarch64") {
+                assert_eq!(cpu.kernel().name(), "neon");
+            }
+        }
+        _ => {}
+    }
+}
+
+/// A kernel that skips an output (here: column 5, deliberately) returns Ok, and `run_checked`
+/// still turns it into an error because the column kept its poison.
+#[test]
+fn a_skipped_row_is_caught_by_the_poison() {
+    let mut rng = Rng(9);
+    let (k, n) = (64, 9);
+    let data = make_weight(GgmlType::Q4_0, k, n, &mut rng);
+    let w = weight(GgmlType::Q4_0, k, n, &data);
+    for m in [1, 3] {
+        let a: Vec<f32> = (0..m * k).map(|_| rng.f32()).collect();
+        let mut broken = CpuBackend::new().with_threads(2);
+        broken.skip_column = Some(5);
+        let p = broken.prepare(&w).unwrap();
+        let mut c = vec![f32::from_bits(POISON_BITS); m * n];
+        broken
+            .run(&w, &*p, &a, m, &mut c)
+            .expect("the broken kernel itself reports success");
+        assert_eq!(find_poison(&c), Some((5, m)), "M={m}");
+        let mut c = vec![0.0f32; m * n];
+        let err = run_checked(&broken, &w, &*p, &a, m, &mut c).expect_err("poison must be caught");
+        let msg = format!("{err:#}");
+        assert!(msg.contains("untouched") && msg.contains("cpu"), "{msg}");
+        let healthy = CpuBackend::new().with_threads(2);
+        run_checked(&healthy, &w, &*p, &a, m, &mut c).expect("healthy kernel passes");
+    }
+}
+
+#[test]
+fn declines_and_bad_weights_are_named_errors() {
+    let cpu = CpuBackend::new();
+    let op = |ty, k| MatmulOp { m: 1, k, n: 4, ty };
+    assert_eq!(
+        cpu.supports(&op(GgmlType::Q2K, 256)),
+        Err(Decline::WeightType { ty: "Q2_K".into() })
+    );
+    assert_eq!(
+        cpu.supports(&op(GgmlType::Q4_0, 48)),
+        Err(Decline::KNotAligned { k: 48, need: 32 })
+    );
+    assert_eq!(cpu.supports(&op(GgmlType::Q6K, 512)), Ok(()));
+    assert_eq!(
+        CpuRefBackend.supports(&op(GgmlType::Iq4Nl, 32)),
+        Err(Decline::WeightType {
+            ty: "IQ4_NL".into()
+        })
+    );
+
+    // A weight whose bytes are one short is refused at prepare and at run, never read past.
+    let data = vec![0u8; 18 * 4 - 1];
+    let w = weight(GgmlType::Q4_0, 32, 4, &data);
+    let err = cpu.prepare(&w).err().expect("short weight refused");
+    assert!(format!("{err:#}").contains("71 bytes"), "{err:#}");
+    let good = vec![0u8; 18 * 4];
+    let wg = weight(GgmlType::Q4_0, 32, 4, &good);
+    let p = cpu.prepare(&wg).unwrap();
+    let mut c = vec![0.0f32; 4];
+    assert!(cpu.run(&w, &*p, &[0.0; 32], 1, &mut c).is_err());
+    // A prepared weight for another shape is refused.
+    let w8 = weight(GgmlType::Q4_0, 64, 2, &good);
+    assert!(cpu.run(&w8, &*p, &[0.0; 64], 1, &mut c[..2]).is_err());
+}
+
+#[test]
+fn forcing_an_unavailable_kernel_is_an_error_and_f32_weights_need_no_alignment() {
+    #[cfg(not(target_arch = "aarch64"))]
+    assert!(Kernel::available() == vec![Kernel::Portable]);
+    #[cfg(target_arch = "aarch64")]
+    if !Kernel::NeonSdot.is_available() {
+        let err = CpuBackend::new().with_kernel(Kernel::NeonSdot).err();
+        assert!(err.is_some(), "sdot forced on a CPU without dotprod");
+    }
+    // F32 bytes at an odd address: read with from_le_bytes, never cast.
+    let mut rng = Rng(1);
+    let mut buf = vec![0u8; 1];
+    buf.extend(make_weight(GgmlType::F32, 32, 3, &mut rng));
+    let w = weight(GgmlType::F32, 32, 3, &buf[1..]);
+    let a: Vec<f32> = (0..64).map(|_| rng.f32()).collect();
+    let got = run(&CpuBackend::new(), &w, &a, 2);
+    let want = run(&CpuRefBackend, &w, &a, 2);
+    assert!(nmse(&got, &want) < 1e-10);
+}
