@@ -5,6 +5,7 @@ pub mod gguf;
 pub mod ledger;
 pub mod quant;
 pub mod selftest;
+pub mod sched;
 
 #[cfg(test)]
 mod arch_tests {

@@ -3,6 +3,7 @@
 
 use crate::doctor;
 use anyhow::{bail, Context, Result};
+use std::path::PathBuf;
 use std::time::Instant;
 use xshell::cmd;
 
@@ -102,9 +103,52 @@ fn clippy(_: &Args) -> Result<()> {
 
 fn host_tests(_: &Args) -> Result<()> {
     let sh = crate::shell()?;
+    let (standin, abi1) = build_standins(None)?;
     cmd!(sh, "cargo test --locked --workspace")
+        .env("KILN_RKNN_STANDIN", standin)
+        .env("KILN_RKNN_STANDIN_ABI1", abi1)
         .run()
         .context("host tests")
+}
+
+/// Build rknn-standin (the librknnrt stand-in the NPU tests load) for `target` (None: the
+/// host), twice: as the 2.x library and, into its own target dir, with the `abi1` feature that
+/// presents the 1.x ABI. Returns both `.so` paths, for `KILN_RKNN_STANDIN(_ABI1)`.
+fn build_standins(target: Option<&str>) -> Result<(PathBuf, PathBuf)> {
+    let sh = crate::shell()?;
+    let abi1_dir = crate::target_dir().join("standin-abi1");
+    let mut out = Vec::new();
+    for (features, dir) in [(None, crate::target_dir()), (Some("abi1"), abi1_dir)] {
+        let mut c = match target {
+            Some(t) => doctor::cross_toolchain()?.cargo(&sh).args([
+                "build",
+                "--locked",
+                "-p",
+                "rknn-standin",
+                "--target",
+                t,
+            ]),
+            None => cmd!(sh, "cargo build --locked -p rknn-standin"),
+        };
+        c = c.arg("--target-dir").arg(&dir);
+        if let Some(f) = features {
+            c = c.args(["--features", f]);
+        }
+        c.run()
+            .with_context(|| format!("building rknn-standin (features {features:?})"))?;
+        let so = match target {
+            Some(t) => dir.join(t),
+            None => dir,
+        }
+        .join("debug/librknn_standin.so");
+        anyhow::ensure!(
+            so.is_file(),
+            "built rknn-standin but {} is missing",
+            so.display()
+        );
+        out.push(so);
+    }
+    Ok((out.remove(0), out.remove(0)))
 }
 
 /// The runtime's tests as aarch64 code under qemu-user, on a CPU with dotprod (cortex-a76, what
@@ -114,6 +158,7 @@ fn aarch64_tests(cpu: &str, dotprod: bool) -> Result<()> {
     let tc = doctor::cross_toolchain()?;
     let sh = crate::shell()?;
     let runner = format!("qemu-aarch64-static -cpu {cpu} -L {}", doctor::SYSROOT);
+    let (standin, abi1) = build_standins(Some(doctor::AARCH64))?;
     tc.cargo(&sh)
         .args([
             "test",
@@ -126,6 +171,8 @@ fn aarch64_tests(cpu: &str, dotprod: bool) -> Result<()> {
         .env("CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER", runner)
         .env("KILN_EXPECT_ARCH", "aarch64")
         .env("KILN_EXPECT_DOTPROD", if dotprod { "1" } else { "0" })
+        .env("KILN_RKNN_STANDIN", standin)
+        .env("KILN_RKNN_STANDIN_ABI1", abi1)
         .run()
         .with_context(|| format!("aarch64 tests under qemu-aarch64-static -cpu {cpu}"))
 }

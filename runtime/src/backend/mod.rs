@@ -6,6 +6,7 @@
 //! behind into an error, whatever the backend returned.
 
 pub mod cpu;
+pub mod npu;
 
 use crate::ledger::Arrival;
 use crate::quant::GgmlType;

@@ -1,0 +1,354 @@
+//! The scheduler: for a model, which backend owns each matmul weight and which backend runs its
+//! op at each M, with every decline reason kept (the per-model answer to llama.cpp's
+//! `test-backend-ops support`). Backends are tried in board order (NPU, then CPU).
+//!
+//! Ownership is decided at the largest M asked about (prefill is where locality matters): the
+//! first backend that supports the op there and prepares the weight owns it, and the ledger
+//! records how its bytes arrived. Per M, the first backend that supports the op claims it.
+
+use crate::backend::{Backend, Capabilities, Decline, MatmulOp, PreparedWeight, Weight};
+use crate::ledger::Ledger;
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+/// A backend that declined, and why.
+#[derive(Clone, Debug, Serialize)]
+pub struct Declined {
+    pub backend: String,
+    pub decline: Decline,
+}
+
+/// Who runs one weight's op at one M.
+#[derive(Clone, Debug, Serialize)]
+pub struct AtM {
+    pub m: usize,
+    pub backend: Option<String>,
+    /// The backends before it (or all, if none claimed the op), with their reasons.
+    pub declined: Vec<Declined>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct WeightPlan {
+    pub name: String,
+    pub ty: String,
+    pub k: usize,
+    pub n: usize,
+    pub bytes: u64,
+    pub owner: Option<String>,
+    /// Why the backends before the owner did not take it.
+    pub declined: Vec<Declined>,
+    /// Backends that accepted the op but failed to prepare the weight.
+    pub prepare_errors: Vec<(String, String)>,
+    pub at_m: Vec<AtM>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Probe {
+    pub backend: String,
+    pub result: Result<Capabilities, Decline>,
+}
+
+#[derive(Serialize)]
+pub struct Plan<'w> {
+    pub ms: Vec<usize>,
+    pub backends: Vec<String>,
+    pub probes: Vec<Probe>,
+    pub weights: Vec<WeightPlan>,
+    pub ledger: Ledger,
+    /// The owners' prepared weights, in `weights` order, when asked to keep them.
+    #[serde(skip)]
+    pub prepared: Vec<Option<Box<dyn PreparedWeight + 'w>>>,
+}
+
+/// The name a backend carries in the ledger: `npu` → `NPU`.
+pub fn ledger_name(backend: &str) -> String {
+    backend.to_uppercase()
+}
+
+/// Assign `weights` to `backends` (board order) for the row counts `ms`.
+/// `keep_prepared`: keep each owner's prepared weight in [`Plan::prepared`] (else it is dropped
+/// once its arrival is recorded).
+pub fn plan<'w>(
+    backends: &[&dyn Backend],
+    weights: &[Weight<'w>],
+    ms: &[usize],
+    keep_prepared: bool,
+) -> Plan<'w> {
+    let mut ms: Vec<usize> = ms.to_vec();
+    ms.sort_unstable();
+    ms.dedup();
+    let own_m = ms.last().copied().unwrap_or(1);
+    let probes = backends
+        .iter()
+        .map(|b| Probe {
+            backend: b.name().to_string(),
+            result: b.probe(),
+        })
+        .collect();
+    let mut ledger = Ledger::new();
+    let mut out = Vec::with_capacity(weights.len());
+    let mut prepared = Vec::new();
+    for w in weights {
+        let mut wp = WeightPlan {
+            name: w.name.to_string(),
+            ty: w.ty.name().to_string(),
+            k: w.k,
+            n: w.n,
+            bytes: w.data.len() as u64,
+            owner: None,
+            declined: Vec::new(),
+            prepare_errors: Vec::new(),
+            at_m: Vec::new(),
+        };
+        let mut kept = None;
+        for b in backends {
+            if let Err(decline) = b.supports(&MatmulOp::for_weight(w, own_m)) {
+                wp.declined.push(Declined {
+                    backend: b.name().to_string(),
+                    decline,
+                });
+                continue;
+            }
+            match b.prepare(w) {
+                Ok(p) => {
+                    ledger.record(
+                        &ledger_name(b.name()),
+                        w.name,
+                        w.data.len() as u64,
+                        p.arrival(),
+                    );
+                    wp.owner = Some(b.name().to_string());
+                    if keep_prepared {
+                        kept = Some(p);
+                    }
+                    break;
+                }
+                Err(e) => wp
+                    .prepare_errors
+                    .push((b.name().to_string(), format!("{e:#}"))),
+            }
+        }
+        for &m in &ms {
+            let mut at = AtM {
+                m,
+                backend: None,
+                declined: Vec::new(),
+            };
+            for b in backends {
+                match b.supports(&MatmulOp::for_weight(w, m)) {
+                    Ok(()) => {
+                        at.backend = Some(b.name().to_string());
+                        break;
+                    }
+                    Err(decline) => at.declined.push(Declined {
+                        backend: b.name().to_string(),
+                        decline,
+                    }),
+                }
+            }
+            wp.at_m.push(at);
+        }
+        if keep_prepared {
+            prepared.push(kept);
+        }
+        out.push(wp);
+    }
+    Plan {
+        ms,
+        backends: backends.iter().map(|b| b.name().to_string()).collect(),
+        probes,
+        weights: out,
+        ledger,
+        prepared,
+    }
+}
+
+/// One backend's row of the coverage table.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Coverage {
+    pub weights: usize,
+    pub bytes: u64,
+    /// Ops claimed at each M of the plan, in order.
+    pub ops: Vec<usize>,
+}
+
+/// Declines of one backend for one reason: at ownership, and at each M.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct ReasonCount {
+    pub weights: usize,
+    pub ops: Vec<usize>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Table {
+    pub ms: Vec<usize>,
+    pub total_weights: usize,
+    pub total_bytes: u64,
+    /// Backend name (and `none` for what no backend took) → coverage.
+    pub coverage: BTreeMap<String, Coverage>,
+    /// Backend name → reason kind → counts.
+    pub declines: BTreeMap<String, BTreeMap<String, ReasonCount>>,
+}
+
+impl Plan<'_> {
+    pub fn table(&self) -> Table {
+        let nm = self.ms.len();
+        let mut coverage: BTreeMap<String, Coverage> = BTreeMap::new();
+        for b in self.backends.iter().map(String::as_str).chain(["none"]) {
+            coverage.insert(
+                b.to_string(),
+                Coverage {
+                    ops: vec![0; nm],
+                    ..Coverage::default()
+                },
+            );
+        }
+        let mut declines: BTreeMap<String, BTreeMap<String, ReasonCount>> = BTreeMap::new();
+        let mut count = |d: &Declined, at: Option<usize>| {
+            let r = declines
+                .entry(d.backend.clone())
+                .or_default()
+                .entry(d.decline.kind().to_string())
+                .or_insert_with(|| ReasonCount {
+                    weights: 0,
+                    ops: vec![0; nm],
+                });
+            match at {
+                None => r.weights += 1,
+                Some(i) => r.ops[i] += 1,
+            }
+        };
+        for w in &self.weights {
+            let owner = w.owner.clone().unwrap_or_else(|| "none".into());
+            if let Some(c) = coverage.get_mut(&owner) {
+                c.weights += 1;
+                c.bytes += w.bytes;
+            }
+            for d in &w.declined {
+                count(d, None);
+            }
+            for (i, at) in w.at_m.iter().enumerate() {
+                let who = at.backend.clone().unwrap_or_else(|| "none".into());
+                if let Some(c) = coverage.get_mut(&who) {
+                    c.ops[i] += 1;
+                }
+                for d in &at.declined {
+                    count(d, Some(i));
+                }
+            }
+        }
+        Table {
+            ms: self.ms.clone(),
+            total_weights: self.weights.len(),
+            total_bytes: self.weights.iter().map(|w| w.bytes).sum(),
+            coverage,
+            declines,
+        }
+    }
+
+    /// The coverage table, the probes and the ledger as text.
+    pub fn render(&self) -> String {
+        let t = self.table();
+        let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+        let mut s = String::new();
+        let ms: Vec<String> = t.ms.iter().map(|m| m.to_string()).collect();
+        let _ = writeln!(
+            s,
+            "matmul weights: {} ({:.2} MiB); ops at M = {}",
+            t.total_weights,
+            mib(t.total_bytes),
+            ms.join(", ")
+        );
+        let _ = writeln!(s, "\nbackends (board order):");
+        for p in &self.probes {
+            let what = match &p.result {
+                Ok(c) => {
+                    let facts: Vec<String> =
+                        c.facts.iter().map(|(k, v)| format!("{k}: {v}")).collect();
+                    format!(
+                        "{}{}",
+                        if c.simulated { "SIMULATED; " } else { "" },
+                        facts.join("; ")
+                    )
+                }
+                Err(d) => format!("absent: {d}"),
+            };
+            let _ = writeln!(s, "  {:<8} {what}", p.backend);
+        }
+        let _ = write!(s, "\n{:<8} {:>8} {:>10}", "owner", "weights", "MiB");
+        for m in &t.ms {
+            let _ = write!(s, " {:>9}", format!("ops@M={m}"));
+        }
+        s.push('\n');
+        let mut order: Vec<String> = self.backends.clone();
+        order.push("none".into());
+        for b in &order {
+            let c = &t.coverage[b];
+            let _ = write!(s, "{b:<8} {:>8} {:>10.2}", c.weights, mib(c.bytes));
+            for o in &c.ops {
+                let _ = write!(s, " {o:>9}");
+            }
+            s.push('\n');
+        }
+        let _ = write!(
+            s,
+            "{:<8} {:>8} {:>10.2}",
+            "total",
+            t.total_weights,
+            mib(t.total_bytes)
+        );
+        for _ in &t.ms {
+            let _ = write!(s, " {:>9}", t.total_weights);
+        }
+        s.push('\n');
+        for b in &self.backends {
+            let Some(reasons) = t.declines.get(b) else {
+                continue;
+            };
+            let _ = write!(s, "\ndeclined by {b}:\n  {:<14} {:>8}", "reason", "weights");
+            for m in &t.ms {
+                let _ = write!(s, " {:>9}", format!("M={m}"));
+            }
+            s.push('\n');
+            for (reason, r) in reasons {
+                let _ = write!(s, "  {reason:<14} {:>8}", r.weights);
+                for o in &r.ops {
+                    let _ = write!(s, " {o:>9}");
+                }
+                s.push('\n');
+            }
+            // One example of each distinct reason, with its numbers.
+            let mut seen = std::collections::BTreeSet::new();
+            for w in &self.weights {
+                for d in w
+                    .declined
+                    .iter()
+                    .chain(w.at_m.iter().flat_map(|a| a.declined.iter()))
+                {
+                    if d.backend == *b && seen.insert(d.decline.to_string()) && seen.len() <= 12 {
+                        let _ = writeln!(s, "    e.g. {}: {}", w.name, d.decline);
+                    }
+                }
+            }
+        }
+        let errors: Vec<&WeightPlan> = self
+            .weights
+            .iter()
+            .filter(|w| !w.prepare_errors.is_empty())
+            .collect();
+        if !errors.is_empty() {
+            let _ = writeln!(s, "\nprepare failures:");
+            for w in errors {
+                for (b, e) in &w.prepare_errors {
+                    let _ = writeln!(s, "  {b} {}: {e}", w.name);
+                }
+            }
+        }
+        let _ = writeln!(s, "\nownership:");
+        for l in self.ledger.lines() {
+            let _ = writeln!(s, "  {l}");
+        }
+        s
+    }
+}
