@@ -4,8 +4,8 @@ pub mod backend;
 pub mod gguf;
 pub mod ledger;
 pub mod quant;
-pub mod selftest;
 pub mod sched;
+pub mod selftest;
 
 #[cfg(test)]
 mod arch_tests {

@@ -82,6 +82,49 @@ pub const PYTHON_VENV: Tool = Tool {
     apt: &["python3-venv"],
 };
 
+fn all_present(cmds: &[&str], files: &[&str]) -> Option<String> {
+    for c in cmds {
+        version_of("sh", &["-c", &format!("command -v {c}")])?;
+    }
+    for f in files {
+        file_exists(f)?;
+    }
+    Some(
+        format!("{} {}", cmds.join(" "), files.join(" "))
+            .trim()
+            .to_string(),
+    )
+}
+
+pub const KERNEL_BUILD: Tool = Tool {
+    name: "kernel build tools",
+    why: "cross-build the kernel from source (make, gcc, flex, bison, bc, libelf, libssl)",
+    probe: || {
+        all_present(
+            &["make", "gcc", "flex", "bison", "bc", "perl"],
+            &["/usr/include/libelf.h", "/usr/include/openssl/ssl.h"],
+        )
+    },
+    apt: &[
+        "make",
+        "gcc",
+        "libc6-dev",
+        "flex",
+        "bison",
+        "bc",
+        "perl",
+        "libelf-dev",
+        "libssl-dev",
+    ],
+};
+
+pub const APT_DOWNLOAD: Tool = Tool {
+    name: "apt-get",
+    why: "downloads the pinned Debian packages (kernel source, busybox, glibc)",
+    probe: || version_of("apt-get", &["--version"]),
+    apt: &["apt"],
+};
+
 pub const MKFS_EROFS: Tool = Tool {
     name: "mkfs.erofs",
     why: "writes the models partition (erofs)",
@@ -97,9 +140,37 @@ pub const MKE2FS: Tool = Tool {
     apt: &["e2fsprogs"],
 };
 
+pub const BMAPTOOL: Tool = Tool {
+    name: "bmaptool",
+    why: "the independent reference for our .bmap files; `bench flash` compares against it",
+    probe: || version_of("bmaptool", &["--version"]),
+    apt: &["bmap-tools"],
+};
+
+pub const LSBLK: Tool = Tool {
+    name: "lsblk",
+    why: "`flash` reads the block devices (type, transport, size, mounts) from it",
+    probe: || version_of("lsblk", &["--version"]),
+    apt: &["util-linux"],
+};
+
+pub const LOSETUP: Tool = Tool {
+    name: "losetup",
+    why: "`flash` tests and `bench flash` write to loop devices",
+    probe: || version_of("losetup", &["--version"]),
+    apt: &["mount"],
+};
+
+pub const MKFS_VFAT: Tool = Tool {
+    name: "mkfs.vfat",
+    why: "`flash` tests mount a FAT partition to see a mounted device refused",
+    probe: || version_of("mkfs.vfat", &["--help"]).map(|_| "present".into()),
+    apt: &["dosfstools"],
+};
+
 pub const SFDISK: Tool = Tool {
     name: "sfdisk",
-    why: "judges our GPT in tests (sfdisk --json)",
+    why: "judges our GPT in tests (sfdisk --json); `flash` tests partition a loop device",
     probe: || version_of("sfdisk", &["--version"]),
     apt: &["fdisk"],
 };
@@ -170,6 +241,8 @@ pub fn all_tools() -> Vec<&'static Tool> {
         &AARCH64_SYSROOT,
         &QEMU_USER,
         &PYTHON_VENV,
+        &KERNEL_BUILD,
+        &APT_DOWNLOAD,
         &MKFS_EROFS,
         &MKE2FS,
         &SFDISK,
@@ -178,7 +251,55 @@ pub fn all_tools() -> Vec<&'static Tool> {
         &E2FSCK,
         &MTOOLS,
         &CPIO,
+        &BMAPTOOL,
+        &LSBLK,
+        &LOSETUP,
+        &MKFS_VFAT,
     ]
+}
+
+/// Make sure apt can download packages of `arch`: a foreign architecture is added with
+/// `dpkg --add-architecture` and the package lists refreshed once.
+pub fn ensure_apt_arch(arch: &str) -> Result<()> {
+    ensure(&[&APT_DOWNLOAD])?;
+    let native = version_of("dpkg", &["--print-architecture"]).unwrap_or_default();
+    if arch == "all" || arch == native {
+        return Ok(());
+    }
+    let foreign = Command::new("dpkg")
+        .arg("--print-foreign-architectures")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default();
+    let sh = xshell::Shell::new()?;
+    if !foreign.split_whitespace().any(|a| a == arch) {
+        if !(is_root() && can_apt()) {
+            bail!(
+                "apt cannot fetch {arch} packages: run `sudo dpkg --add-architecture {arch} && \
+                 sudo apt-get update`"
+            );
+        }
+        println!("doctor: running `dpkg --add-architecture {arch}`");
+        cmd!(sh, "dpkg --add-architecture {arch}").run()?;
+        APT_UPDATED.store(false, Ordering::SeqCst);
+    }
+    // The lists must name the arch's packages: probe one every Debian arch has.
+    let probe = format!("libc6:{arch}");
+    let listed = cmd!(sh, "apt-cache policy {probe}")
+        .quiet()
+        .read()
+        .map(|o| o.contains("Candidate:") && !o.contains("Candidate: (none)"))
+        .unwrap_or(false);
+    if !listed && !APT_UPDATED.swap(true, Ordering::SeqCst) {
+        if !(is_root() && can_apt()) {
+            bail!("apt has no {arch} package lists: run `sudo apt-get update`");
+        }
+        println!("doctor: running `apt-get update` (package lists for {arch})");
+        cmd!(sh, "apt-get update -qq")
+            .run()
+            .context("apt-get update")?;
+    }
+    Ok(())
 }
 
 fn is_root() -> bool {

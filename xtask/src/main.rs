@@ -1,10 +1,15 @@
 //! `cargo xtask`: kiln's host tool, in the cargo-xtask convention (one module per subcommand,
 //! external programs through `xshell::cmd!`, `anyhow` context at every step).
 
+mod bmap;
 mod boot_test;
 mod build;
 mod disk;
 mod doctor;
+mod flash;
+mod image;
+mod kernel;
+mod pins;
 mod report;
 mod test;
 
@@ -25,6 +30,12 @@ enum Cli {
     Report(report::Args),
     /// Boot a copy of the image under qemu-system-aarch64 through U-Boot and check its verdict.
     BootTest(boot_test::Args),
+    /// Write an image to an SD card or eMMC: safety checks, bmap ranges only, read-back verify.
+    Flash(flash::Args),
+    /// Build the bootable, reproducible disk image of a board into target/images/.
+    Image(image::Args),
+    /// Pinned inputs: check (resolve into the cache), update (re-pin Debian packages), lock.
+    Pins(pins::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -34,6 +45,9 @@ fn main() -> anyhow::Result<()> {
         Cli::Test(a) => test::run(a),
         Cli::Report(a) => report::run(a),
         Cli::BootTest(a) => boot_test::run(a),
+        Cli::Flash(a) => flash::run(a),
+        Cli::Image(a) => image::run(a),
+        Cli::Pins(a) => pins::run(a),
     }
 }
 

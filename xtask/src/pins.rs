@@ -1,0 +1,893 @@
+//! `cargo xtask pins check|update|lock`: every input that is not in this repository, pinned by
+//! name, version, source and sha256, and the content-addressed download cache
+//! (`$XDG_CACHE_HOME/kiln/sha256/<hash>`) whose files are re-verified on every use.
+
+use crate::doctor;
+use crate::image::board::Board;
+use anyhow::{bail, Context, Result};
+use sha2::Digest;
+use std::collections::BTreeMap;
+use std::fmt;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use xshell::cmd;
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(subcommand)]
+    pub cmd: PinsCmd,
+}
+
+#[derive(clap::Subcommand)]
+pub enum PinsCmd {
+    /// Resolve every pin of a board (download into the cache and verify) without building.
+    Check {
+        #[arg(long, default_value = "qemu-virt")]
+        board: String,
+        /// Use the cache alone; list what is missing.
+        #[arg(long)]
+        offline: bool,
+    },
+    /// Re-resolve the Debian packages to what the archive serves now and rewrite the pins.
+    Update,
+    /// Check a file you supply against its declared identity, record its sha256 and cache it.
+    Lock {
+        #[arg(long, default_value = "rock-5b")]
+        board: String,
+        /// `NAME=PATH`, e.g. `librknnrt=/tmp/librknnrt.so`.
+        #[arg(long = "input", required = true)]
+        inputs: Vec<String>,
+    },
+}
+
+/// A sha256 digest: parsed once from hex at the edge, printed as lowercase hex.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Sha256(pub [u8; 32]);
+
+impl Sha256 {
+    pub fn of_bytes(b: &[u8]) -> Sha256 {
+        Sha256(sha2::Sha256::digest(b).into())
+    }
+
+    pub fn of_reader(mut r: impl Read) -> std::io::Result<Sha256> {
+        let mut h = sha2::Sha256::new();
+        let mut buf = vec![0u8; 1 << 20];
+        loop {
+            let n = r.read(&mut buf)?;
+            if n == 0 {
+                break;
+            }
+            h.update(&buf[..n]);
+        }
+        Ok(Sha256(h.finalize().into()))
+    }
+
+    pub fn of_file(p: &Path) -> Result<Sha256> {
+        let f = std::fs::File::open(p).with_context(|| format!("opening {}", p.display()))?;
+        Sha256::of_reader(f).with_context(|| format!("reading {}", p.display()))
+    }
+
+    pub fn short(&self) -> String {
+        self.to_string()[..16].to_string()
+    }
+}
+
+impl fmt::Display for Sha256 {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&hex::encode(self.0))
+    }
+}
+
+impl fmt::Debug for Sha256 {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Sha256({self})")
+    }
+}
+
+impl FromStr for Sha256 {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Sha256> {
+        let s = s.trim();
+        if s.len() != 64 {
+            bail!(
+                "a sha256 is 64 hex digits, got {} characters: {s:?}",
+                s.len()
+            );
+        }
+        let mut out = [0u8; 32];
+        hex::decode_to_slice(s, &mut out).with_context(|| format!("not hex: {s:?}"))?;
+        Ok(Sha256(out))
+    }
+}
+
+impl serde::Serialize for Sha256 {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_str(&self.to_string())
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Sha256 {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// One pinned input as written in a pins file (`[[input]]`).
+#[derive(Clone, Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawInput {
+    pub name: String,
+    pub version: String,
+    /// `deb` (a Debian package fetched with apt) or `supplied` (a file the user gives).
+    pub kind: String,
+    pub package: Option<String>,
+    pub arch: Option<String>,
+    /// For `supplied`: how to get the file, shown when it is missing.
+    pub how: Option<String>,
+    /// For `supplied`: what the file must prove it is before it is locked.
+    #[serde(default)]
+    pub identity: BTreeMap<String, String>,
+    /// Empty for a `supplied` input that was never locked.
+    #[serde(default)]
+    pub sha256: String,
+}
+
+/// What a supplied file must contain to be accepted by `pins lock`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Identity {
+    /// A kernel source tarball: `VERSION.PATCHLEVEL.SUBLEVEL` from its top Makefile and,
+    /// if given, the rknpu driver version from `drivers/rknpu/include/rknpu_drv.h`.
+    KernelSource {
+        kernel_version: String,
+        rknpu_version: Option<String>,
+    },
+    /// A binary that contains this exact string (e.g. `librknnrt version: 2.3.2`).
+    Contains(String),
+    /// A file that starts with these bytes (e.g. a FIT image's `d00dfeed`).
+    Magic(Vec<u8>),
+    /// Nothing to check beyond the sha256 once it is locked.
+    Any,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Source {
+    Deb { package: String, arch: String },
+    Supplied { how: String, identity: Identity },
+}
+
+/// A checked input.
+#[derive(Clone, Debug)]
+pub struct Input {
+    pub name: String,
+    pub version: String,
+    pub source: Source,
+    /// `None` only for a supplied input not yet locked.
+    pub sha256: Option<Sha256>,
+    /// The pins file it was read from (for messages and for rewriting).
+    pub file: PathBuf,
+}
+
+impl Input {
+    pub fn parse(raw: RawInput, file: &Path) -> Result<Input> {
+        let ctx = || format!("input {:?} in {}", raw.name, file.display());
+        let sha256 = if raw.sha256.is_empty() {
+            None
+        } else {
+            Some(raw.sha256.parse().with_context(ctx)?)
+        };
+        let source = match raw.kind.as_str() {
+            "deb" => Source::Deb {
+                package: raw.package.clone().unwrap_or_else(|| raw.name.clone()),
+                arch: raw
+                    .arch
+                    .clone()
+                    .with_context(|| format!("{}: a deb input needs `arch`", ctx()))?,
+            },
+            "supplied" => {
+                let id = &raw.identity;
+                let identity = if let Some(kv) = id.get("kernel_version") {
+                    Identity::KernelSource {
+                        kernel_version: kv.clone(),
+                        rknpu_version: id.get("rknpu_version").cloned(),
+                    }
+                } else if let Some(s) = id.get("contains") {
+                    Identity::Contains(s.clone())
+                } else if let Some(m) = id.get("magic_hex") {
+                    Identity::Magic(
+                        hex::decode(m).with_context(|| format!("{}: magic_hex", ctx()))?,
+                    )
+                } else if id.is_empty() {
+                    Identity::Any
+                } else {
+                    bail!("{}: unknown identity keys {:?}", ctx(), id.keys());
+                };
+                Source::Supplied {
+                    how: raw
+                        .how
+                        .clone()
+                        .with_context(|| format!("{}: a supplied input needs `how`", ctx()))?,
+                    identity,
+                }
+            }
+            k => bail!("{}: unknown kind {k:?} (deb or supplied)", ctx()),
+        };
+        if matches!(source, Source::Deb { .. }) && sha256.is_none() {
+            bail!("{}: a deb input must carry its sha256", ctx());
+        }
+        Ok(Input {
+            name: raw.name,
+            version: raw.version,
+            source,
+            sha256,
+            file: file.to_path_buf(),
+        })
+    }
+
+    pub fn describe_source(&self) -> String {
+        match &self.source {
+            Source::Deb { package, arch } => format!("debian {package}:{arch}={}", self.version),
+            Source::Supplied { .. } => "supplied by the user (cargo xtask pins lock)".into(),
+        }
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct PinsFile {
+    #[serde(default)]
+    input: Vec<RawInput>,
+}
+
+/// Read the `[[input]]` entries of a pins TOML file.
+pub fn read_inputs(file: &Path) -> Result<Vec<Input>> {
+    let text =
+        std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+    let pf: PinsFile =
+        toml::from_str(&text).with_context(|| format!("parsing {}", file.display()))?;
+    pf.input
+        .into_iter()
+        .map(|r| Input::parse(r, file))
+        .collect()
+}
+
+/// The content-addressed download cache.
+pub struct Cache {
+    pub dir: PathBuf,
+}
+
+impl Cache {
+    /// `$XDG_CACHE_HOME/kiln/sha256`, else `~/.cache/kiln/sha256`.
+    pub fn user() -> Result<Cache> {
+        let base = match std::env::var_os("XDG_CACHE_HOME").filter(|v| !v.is_empty()) {
+            Some(x) => PathBuf::from(x),
+            None => PathBuf::from(
+                std::env::var_os("HOME").context("neither XDG_CACHE_HOME nor HOME is set")?,
+            )
+            .join(".cache"),
+        };
+        Ok(Cache {
+            dir: base.join("kiln/sha256"),
+        })
+    }
+
+    pub fn path(&self, h: &Sha256) -> PathBuf {
+        self.dir.join(h.to_string())
+    }
+
+    /// The cached file for `h`, re-verified now. A file whose bytes do not hash to `h` is
+    /// reported with both hashes and removed, so that the caller fetches it again.
+    pub fn get(&self, name: &str, h: &Sha256) -> Result<Option<PathBuf>> {
+        let p = self.path(h);
+        if !p.exists() {
+            return Ok(None);
+        }
+        let got = Sha256::of_file(&p)?;
+        if got == *h {
+            return Ok(Some(p));
+        }
+        eprintln!(
+            "pins: cached {name} at {} is corrupt: pinned sha256 {h}, file has {got}; discarding it",
+            p.display()
+        );
+        std::fs::remove_file(&p).with_context(|| format!("removing {}", p.display()))?;
+        Ok(None)
+    }
+
+    /// Hash `src`, check it against `expected` (naming both hashes), and store it atomically.
+    pub fn put(
+        &self,
+        name: &str,
+        src: &Path,
+        expected: Option<&Sha256>,
+    ) -> Result<(Sha256, PathBuf)> {
+        let got = Sha256::of_file(src)?;
+        if let Some(want) = expected {
+            if *want != got {
+                bail!(
+                    "{name}: sha256 mismatch: the pin says {want}, {} has {got}. If the new file \
+                     is the one you want, run `cargo xtask pins update` (Debian packages) or fix \
+                     the pin; otherwise it was corrupted or tampered with",
+                    src.display()
+                );
+            }
+        }
+        std::fs::create_dir_all(&self.dir)
+            .with_context(|| format!("creating {}", self.dir.display()))?;
+        let dst = self.path(&got);
+        let tmp = self.dir.join(format!(".{got}.tmp{}", std::process::id()));
+        std::fs::copy(src, &tmp)
+            .with_context(|| format!("copying {} into the cache", src.display()))?;
+        std::fs::rename(&tmp, &dst).with_context(|| format!("renaming into {}", dst.display()))?;
+        Ok((got, dst))
+    }
+}
+
+/// Downloads an input into `dir` and returns the downloaded file.
+pub type Fetcher<'a> = &'a dyn Fn(&Input, &Path) -> Result<PathBuf>;
+
+/// The real fetcher: `apt-get download pkg:arch=version`.
+pub fn apt_fetch(input: &Input, dir: &Path) -> Result<PathBuf> {
+    let Source::Deb { package, arch } = &input.source else {
+        bail!("{} is supplied by the user, not downloaded", input.name);
+    };
+    doctor::ensure_apt_arch(arch)?;
+    let sh = xshell::Shell::new()?;
+    sh.change_dir(dir);
+    let spec = format!("{package}:{arch}={}", input.version);
+    println!("pins: downloading {spec}");
+    let t = std::time::Instant::now();
+    cmd!(sh, "apt-get download -q {spec}")
+        .quiet()
+        .run()
+        .with_context(|| {
+            format!(
+                "`apt-get download {spec}` failed: the archive may have dropped version {} of {}; \
+             run `cargo xtask pins update` to re-pin to what it serves now",
+                input.version, input.name
+            )
+        })?;
+    let deb = std::fs::read_dir(dir)?
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|x| x == "deb"))
+        .with_context(|| format!("apt-get download {spec} produced no .deb"))?;
+    let size = std::fs::metadata(&deb)?.len();
+    println!(
+        "pins: downloaded {} ({:.1} MiB in {:.1} s)",
+        deb.file_name().unwrap_or_default().to_string_lossy(),
+        size as f64 / 1048576.0,
+        t.elapsed().as_secs_f64()
+    );
+    Ok(deb)
+}
+
+/// The verified cached file of a pinned input: from the cache, else fetched (unless offline).
+pub fn resolve(cache: &Cache, input: &Input, offline: bool, fetch: Fetcher) -> Result<PathBuf> {
+    let Some(want) = &input.sha256 else {
+        bail!("{}", missing_message(input));
+    };
+    if let Some(p) = cache.get(&input.name, want)? {
+        return Ok(p);
+    }
+    if let Source::Supplied { .. } = input.source {
+        bail!("{}", missing_message(input));
+    }
+    if offline {
+        bail!(
+            "{} {} (sha256 {want}) is not in the cache {} and --offline forbids fetching it",
+            input.name,
+            input.version,
+            cache.dir.display()
+        );
+    }
+    let tmp = tempfile::tempdir().context("temporary download dir")?;
+    let got = fetch(input, tmp.path())?;
+    let (_, p) = cache.put(&input.name, &got, Some(want))?;
+    Ok(p)
+}
+
+/// How to provide a missing supplied input.
+pub fn missing_message(input: &Input) -> String {
+    match &input.source {
+        Source::Supplied { how, identity } => {
+            let what = match identity {
+                Identity::KernelSource {
+                    kernel_version,
+                    rknpu_version,
+                } => format!(
+                    "kernel source tarball of version {kernel_version}{}",
+                    rknpu_version
+                        .as_ref()
+                        .map(|v| format!(" with rknpu driver {v}"))
+                        .unwrap_or_default()
+                ),
+                Identity::Contains(s) => format!("a file containing {s:?}"),
+                Identity::Magic(m) => format!("a file starting with bytes {}", hex::encode(m)),
+                Identity::Any => "the file".into(),
+            };
+            let locked = match &input.sha256 {
+                Some(h) => format!(" (locked to sha256 {h}, not in the cache)"),
+                None => String::new(),
+            };
+            format!(
+                "missing input {} {}{locked}: {what}. {how}. Then run `cargo xtask pins lock \
+                 --input {}=PATH`",
+                input.name, input.version, input.name
+            )
+        }
+        Source::Deb { .. } => format!("missing input {} {}", input.name, input.version),
+    }
+}
+
+/// Every pins file a board uses, in order: its kernel's pins, the rootfs packages, the board.
+pub fn pin_files(board: &Board) -> Vec<PathBuf> {
+    let root = crate::project_root();
+    vec![
+        root.join("kernel-config")
+            .join(&board.kernel.name)
+            .join("pins.toml"),
+        root.join("rootfs/packages.toml"),
+        board.path.clone(),
+    ]
+}
+
+pub fn board_inputs(board: &Board) -> Result<Vec<Input>> {
+    let mut all = Vec::new();
+    for f in pin_files(board) {
+        if f.exists() {
+            all.extend(read_inputs(&f)?);
+        }
+    }
+    Ok(all)
+}
+
+pub fn run(args: Args) -> Result<()> {
+    match args.cmd {
+        PinsCmd::Check { board, offline } => check(&board, offline),
+        PinsCmd::Update => update(),
+        PinsCmd::Lock { board, inputs } => {
+            let board = Board::load(&board)?;
+            for spec in inputs {
+                let (name, path) = spec
+                    .split_once('=')
+                    .with_context(|| format!("--input takes NAME=PATH, got {spec:?}"))?;
+                lock(&board, name, Path::new(path))?;
+            }
+            Ok(())
+        }
+    }
+}
+
+fn check(board: &str, offline: bool) -> Result<()> {
+    let board = Board::load(board)?;
+    let cache = Cache::user()?;
+    let mut missing = Vec::new();
+    for input in board_inputs(&board)? {
+        match resolve(&cache, &input, offline, &apt_fetch) {
+            Ok(p) => println!(
+                "ok       {:<24} {:<28} sha256 {} ({})",
+                input.name,
+                input.version,
+                input.sha256.map(|h| h.short()).unwrap_or_default(),
+                p.display()
+            ),
+            Err(e) => {
+                println!("MISSING  {:<24} {:<28} {e:#}", input.name, input.version);
+                missing.push(input.name);
+            }
+        }
+    }
+    if !missing.is_empty() {
+        bail!(
+            "{} input(s) of {} unresolved: {}",
+            missing.len(),
+            board.name,
+            missing.join(", ")
+        );
+    }
+    println!("pins: every input of {} resolves and verifies", board.name);
+    Ok(())
+}
+
+/// What the archive serves now for `package:arch` (apt-cache policy's Candidate).
+fn apt_candidate(package: &str, arch: &str) -> Result<String> {
+    doctor::ensure_apt_arch(arch)?;
+    let sh = xshell::Shell::new()?;
+    let spec = format!("{package}:{arch}");
+    let out = cmd!(sh, "apt-cache policy {spec}").read()?;
+    out.lines()
+        .find_map(|l| {
+            l.trim()
+                .strip_prefix("Candidate:")
+                .map(|v| v.trim().to_string())
+        })
+        .filter(|v| v != "(none)")
+        .with_context(|| format!("apt-cache policy {spec}: the archive offers no candidate"))
+}
+
+/// Rewrite `version` and `sha256` of the input `name` in a pins file, keeping its formatting.
+pub fn rewrite_pin(file: &Path, name: &str, version: Option<&str>, sha: &Sha256) -> Result<()> {
+    let text =
+        std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+    let mut doc: toml_edit::DocumentMut = text
+        .parse()
+        .with_context(|| format!("parsing {}", file.display()))?;
+    let arr = doc
+        .get_mut("input")
+        .and_then(|i| i.as_array_of_tables_mut())
+        .with_context(|| format!("{} has no [[input]]", file.display()))?;
+    let t = arr
+        .iter_mut()
+        .find(|t| t.get("name").and_then(|n| n.as_str()) == Some(name))
+        .with_context(|| format!("{} has no input {name:?}", file.display()))?;
+    if let Some(v) = version {
+        t["version"] = toml_edit::value(v);
+    }
+    t["sha256"] = toml_edit::value(sha.to_string());
+    crate::image::write_atomic(file, doc.to_string().as_bytes())
+}
+
+fn update() -> Result<()> {
+    let cache = Cache::user()?;
+    let root = crate::project_root();
+    let mut files = vec![root.join("rootfs/packages.toml")];
+    for e in std::fs::read_dir(root.join("kernel-config"))? {
+        let p = e?.path().join("pins.toml");
+        if p.exists() {
+            files.push(p);
+        }
+    }
+    let mut changed = 0;
+    for f in files {
+        for input in read_inputs(&f)? {
+            let Source::Deb { package, arch } = &input.source else {
+                continue;
+            };
+            let now = apt_candidate(package, arch)?;
+            let mut fresh = input.clone();
+            fresh.version = now.clone();
+            let tmp = tempfile::tempdir()?;
+            let deb = apt_fetch(&fresh, tmp.path())?;
+            let (sha, _) = cache.put(&input.name, &deb, None)?;
+            if now == input.version && Some(sha) == input.sha256 {
+                println!("pins: {} {} unchanged", input.name, now);
+                continue;
+            }
+            println!("{}: [[input]] name = {:?}", f.display(), input.name);
+            println!("-  version = {:?}", input.version);
+            println!(
+                "-  sha256 = {:?}",
+                input.sha256.map(|h| h.to_string()).unwrap_or_default()
+            );
+            println!("+  version = {now:?}");
+            println!("+  sha256 = {:?}", sha.to_string());
+            rewrite_pin(&f, &input.name, Some(&now), &sha)?;
+            changed += 1;
+        }
+    }
+    println!("pins: {changed} pin(s) rewritten");
+    Ok(())
+}
+
+/// Check a supplied file's identity, lock its sha256 (on first supply) and cache it.
+pub fn lock(board: &Board, name: &str, path: &Path) -> Result<()> {
+    let inputs = board_inputs(board)?;
+    let input = inputs.iter().find(|i| i.name == name).with_context(|| {
+        format!(
+            "{} has no input {name:?}; its inputs: {}",
+            board.name,
+            inputs
+                .iter()
+                .map(|i| i.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        )
+    })?;
+    let Source::Supplied { identity, .. } = &input.source else {
+        bail!("{name} is fetched from Debian, not supplied: `cargo xtask pins check` fetches it");
+    };
+    check_identity(identity, path).with_context(|| format!("{name}: {}", path.display()))?;
+    let cache = Cache::user()?;
+    let (sha, _) = cache.put(name, path, input.sha256.as_ref())?;
+    if input.sha256.is_none() {
+        rewrite_pin(&input.file, name, None, &sha)?;
+        println!(
+            "pins: locked {name} to sha256 {sha} in {}",
+            input.file.display()
+        );
+    } else {
+        println!("pins: {name} matches its lock {sha}; cached");
+    }
+    Ok(())
+}
+
+/// Open a possibly compressed tar (gzip, xz, zstd or plain, by magic bytes).
+pub fn open_maybe_compressed(path: &Path) -> Result<Box<dyn Read>> {
+    let mut f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let mut magic = [0u8; 6];
+    let n = f.read(&mut magic)?;
+    let f = std::fs::File::open(path)?;
+    let r = std::io::BufReader::new(f);
+    Ok(decompressor(&magic[..n], r)?)
+}
+
+/// A decompressing reader chosen by the stream's first bytes.
+pub fn decompressor<'a>(magic: &[u8], r: impl Read + 'a) -> Result<Box<dyn Read + 'a>> {
+    Ok(if magic.starts_with(&[0x1f, 0x8b]) {
+        Box::new(flate2::read::GzDecoder::new(r))
+    } else if magic.starts_with(&[0xfd, b'7', b'z', b'X', b'Z', 0]) {
+        Box::new(xz2::read::XzDecoder::new_multi_decoder(r))
+    } else if magic.starts_with(&[0x28, 0xb5, 0x2f, 0xfd]) {
+        Box::new(zstd::stream::read::Decoder::new(r)?)
+    } else {
+        Box::new(r)
+    })
+}
+
+fn check_identity(id: &Identity, path: &Path) -> Result<()> {
+    match id {
+        Identity::Any => Ok(()),
+        Identity::Magic(m) => {
+            let mut f = std::fs::File::open(path)?;
+            let mut got = vec![0u8; m.len()];
+            f.read_exact(&mut got)
+                .context("file shorter than its magic")?;
+            anyhow::ensure!(
+                got == *m,
+                "starts with {}, expected {}",
+                hex::encode(&got),
+                hex::encode(m)
+            );
+            Ok(())
+        }
+        Identity::Contains(s) => {
+            let bytes = std::fs::read(path)?;
+            let found = bytes.windows(s.len()).any(|w| w == s.as_bytes());
+            if !found {
+                // Name what it does say, when it says a version at all.
+                let prefix = s.split(':').next().unwrap_or(s).as_bytes();
+                let other = bytes
+                    .windows(prefix.len())
+                    .position(|w| w == prefix)
+                    .map(|i| {
+                        String::from_utf8_lossy(&bytes[i..(i + prefix.len() + 24).min(bytes.len())])
+                            .into_owned()
+                    });
+                bail!(
+                    "does not contain {s:?}{}",
+                    other
+                        .map(|o| format!(" (it says {o:?})"))
+                        .unwrap_or_default()
+                );
+            }
+            Ok(())
+        }
+        Identity::KernelSource {
+            kernel_version,
+            rknpu_version,
+        } => {
+            let (mk, drv) = kernel_identity_files(path)?;
+            let mk = mk.context("no top-level Makefile in the tarball")?;
+            let got = kernel_version_from_makefile(&mk)?;
+            anyhow::ensure!(
+                got == *kernel_version,
+                "kernel version {got}, expected {kernel_version}"
+            );
+            if let Some(want) = rknpu_version {
+                let drv = drv.context("no drivers/rknpu/include/rknpu_drv.h in the tarball")?;
+                let got = rknpu_version_from_header(&drv)?;
+                anyhow::ensure!(got == *want, "rknpu driver {got}, expected {want}");
+            }
+            Ok(())
+        }
+    }
+}
+
+/// The top-level `Makefile` and `drivers/rknpu/include/rknpu_drv.h` of a kernel tarball.
+fn kernel_identity_files(path: &Path) -> Result<(Option<String>, Option<String>)> {
+    let mut ar = tar::Archive::new(open_maybe_compressed(path)?);
+    let (mut mk, mut drv) = (None, None);
+    for e in ar.entries()? {
+        let mut e = e?;
+        let p = e
+            .path()?
+            .to_string_lossy()
+            .trim_start_matches("./")
+            .to_string();
+        let rel = match p.split_once('/') {
+            Some((_, rest)) => rest.to_string(),
+            None => p.clone(),
+        };
+        let top = if rel == "Makefile" || p == "Makefile" {
+            &mut mk
+        } else if rel == "drivers/rknpu/include/rknpu_drv.h" {
+            &mut drv
+        } else {
+            continue;
+        };
+        if top.is_none() {
+            let mut s = String::new();
+            e.read_to_string(&mut s)?;
+            *top = Some(s);
+        }
+        if mk.is_some() && drv.is_some() {
+            break;
+        }
+    }
+    Ok((mk, drv))
+}
+
+pub fn kernel_version_from_makefile(mk: &str) -> Result<String> {
+    let var = |name: &str| -> Result<String> {
+        mk.lines()
+            .find_map(|l| {
+                let (k, v) = l.split_once('=')?;
+                (k.trim() == name).then(|| v.trim().to_string())
+            })
+            .with_context(|| format!("Makefile has no {name}"))
+    };
+    Ok(format!(
+        "{}.{}.{}",
+        var("VERSION")?,
+        var("PATCHLEVEL")?,
+        var("SUBLEVEL")?
+    ))
+}
+
+pub fn rknpu_version_from_header(h: &str) -> Result<String> {
+    let def = |name: &str| -> Result<String> {
+        h.lines()
+            .find_map(|l| {
+                let mut w = l.split_whitespace();
+                (w.next() == Some("#define") && w.next() == Some(name))
+                    .then(|| w.next().map(str::to_string))?
+            })
+            .with_context(|| format!("rknpu_drv.h has no #define {name}"))
+    };
+    Ok(format!(
+        "{}.{}.{}",
+        def("DRIVER_MAJOR")?,
+        def("DRIVER_MINOR")?,
+        def("DRIVER_PATCHLEVEL")?
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::Cell;
+
+    fn deb_input(sha: Sha256) -> Input {
+        Input {
+            name: "busybox-static".into(),
+            version: "1:1.35.0-4+deb12u1+b1".into(),
+            source: Source::Deb {
+                package: "busybox-static".into(),
+                arch: "arm64".into(),
+            },
+            sha256: Some(sha),
+            file: PathBuf::from("rootfs/packages.toml"),
+        }
+    }
+
+    #[test]
+    fn sha256_parses_and_prints() {
+        let h = Sha256::of_bytes(b"abc");
+        assert_eq!(
+            h.to_string(),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+        assert_eq!(h.to_string().parse::<Sha256>().unwrap(), h);
+        assert!("abc".parse::<Sha256>().is_err());
+    }
+
+    #[test]
+    fn tampered_cache_file_is_refetched_and_refused_offline() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = Cache {
+            dir: dir.path().join("sha256"),
+        };
+        let payload = b"the real package".to_vec();
+        let input = deb_input(Sha256::of_bytes(&payload));
+        let fetches = Cell::new(0);
+        let fetch = |_: &Input, d: &Path| -> Result<PathBuf> {
+            fetches.set(fetches.get() + 1);
+            let p = d.join("x.deb");
+            std::fs::write(&p, &payload)?;
+            Ok(p)
+        };
+        let p = resolve(&cache, &input, false, &fetch).unwrap();
+        assert_eq!(fetches.get(), 1);
+        resolve(&cache, &input, false, &fetch).unwrap();
+        assert_eq!(
+            fetches.get(),
+            1,
+            "a good cache file is used, not fetched again"
+        );
+        std::fs::write(&p, b"tampered").unwrap();
+        let err = resolve(&cache, &input, true, &fetch)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--offline"), "{err}");
+        assert_eq!(fetches.get(), 1);
+        std::fs::write(&p, b"tampered").unwrap();
+        let p2 = resolve(&cache, &input, false, &fetch).unwrap();
+        assert_eq!(fetches.get(), 2, "the tampered file is fetched again");
+        assert_eq!(std::fs::read(p2).unwrap(), payload);
+    }
+
+    #[test]
+    fn wrong_pin_hash_is_refused_naming_both() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = Cache {
+            dir: dir.path().to_path_buf(),
+        };
+        let pinned = Sha256::of_bytes(b"what the pin says");
+        let served = Sha256::of_bytes(b"what the archive serves");
+        let input = deb_input(pinned);
+        let fetch = |_: &Input, d: &Path| -> Result<PathBuf> {
+            let p = d.join("x.deb");
+            std::fs::write(&p, b"what the archive serves")?;
+            Ok(p)
+        };
+        let err = format!("{:#}", resolve(&cache, &input, false, &fetch).unwrap_err());
+        assert!(
+            err.contains(&pinned.to_string()) && err.contains(&served.to_string()),
+            "{err}"
+        );
+        assert!(err.contains("busybox-static"), "{err}");
+        assert!(!cache.path(&served).exists() && !cache.path(&pinned).exists());
+    }
+
+    #[test]
+    fn kernel_and_rknpu_versions_parse() {
+        let mk = "# SPDX\nVERSION = 6\nPATCHLEVEL = 1\nSUBLEVEL = 115\nEXTRAVERSION =\n";
+        assert_eq!(kernel_version_from_makefile(mk).unwrap(), "6.1.115");
+        let h = "#define DRIVER_MAJOR 0\n#define DRIVER_MINOR 9\n#define DRIVER_PATCHLEVEL 8\n";
+        assert_eq!(rknpu_version_from_header(h).unwrap(), "0.9.8");
+    }
+
+    #[test]
+    fn supplied_identity_is_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let lib = dir.path().join("librknnrt.so");
+        std::fs::write(&lib, b"\x7fELF....librknnrt version: 2.3.0 (abc)\0").unwrap();
+        let want = Identity::Contains("librknnrt version: 2.3.2".into());
+        let err = check_identity(&want, &lib).unwrap_err().to_string();
+        assert!(err.contains("2.3.0"), "{err}");
+        std::fs::write(&lib, b"\x7fELF....librknnrt version: 2.3.2 (abc)\0").unwrap();
+        check_identity(&want, &lib).unwrap();
+
+        // A kernel tarball: Makefile + rknpu header under one top folder, gzip-compressed.
+        let tgz = dir.path().join("linux.tar.gz");
+        let gz = flate2::write::GzEncoder::new(
+            std::fs::File::create(&tgz).unwrap(),
+            flate2::Compression::fast(),
+        );
+        let mut b = tar::Builder::new(gz);
+        for (p, body) in [
+            (
+                "linux-6.1/Makefile",
+                "VERSION = 6\nPATCHLEVEL = 1\nSUBLEVEL = 115\n",
+            ),
+            (
+                "linux-6.1/drivers/rknpu/include/rknpu_drv.h",
+                "#define DRIVER_MAJOR 0\n#define DRIVER_MINOR 9\n#define DRIVER_PATCHLEVEL 6\n",
+            ),
+        ] {
+            let mut h = tar::Header::new_gnu();
+            h.set_size(body.len() as u64);
+            h.set_mode(0o644);
+            h.set_cksum();
+            b.append_data(&mut h, p, body.as_bytes()).unwrap();
+        }
+        b.into_inner().unwrap().finish().unwrap();
+        let id = Identity::KernelSource {
+            kernel_version: "6.1.115".into(),
+            rknpu_version: Some("0.9.8".into()),
+        };
+        let err = check_identity(&id, &tgz).unwrap_err().to_string();
+        assert!(err.contains("0.9.6") && err.contains("0.9.8"), "{err}");
+    }
+}
