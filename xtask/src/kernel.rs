@@ -43,15 +43,18 @@ impl KernelSpec {
             .join("kernel-config")
             .join(name)
             .join("pins.toml");
-        let text = std::fs::read_to_string(&f).with_context(|| format!("reading {}", f.display()))?;
-        let mut k: KernelPinsFile =
-            toml::from_str(&text).with_context(|| format!("parsing [kernel] of {}", f.display()))?;
+        let text =
+            std::fs::read_to_string(&f).with_context(|| format!("reading {}", f.display()))?;
+        let mut k: KernelPinsFile = toml::from_str(&text)
+            .with_context(|| format!("parsing [kernel] of {}", f.display()))?;
         k.kernel.name = name.to_string();
         Ok(k.kernel)
     }
 
     pub fn fragment_path(&self) -> PathBuf {
-        crate::project_root().join("kernel-config").join(&self.fragment)
+        crate::project_root()
+            .join("kernel-config")
+            .join(&self.fragment)
     }
 }
 
@@ -184,10 +187,10 @@ pub fn merge_fragment(base: &str, fragment: &[FragmentOption]) -> String {
         fragment.iter().map(|o| o.symbol.as_str()).collect();
     let mut out = String::new();
     for l in base.lines() {
-        let sym = l
-            .split_once('=')
-            .map(|(k, _)| k)
-            .or_else(|| l.strip_prefix("# ").and_then(|r| r.strip_suffix(" is not set")));
+        let sym = l.split_once('=').map(|(k, _)| k).or_else(|| {
+            l.strip_prefix("# ")
+                .and_then(|r| r.strip_suffix(" is not set"))
+        });
         if sym.is_some_and(|s| syms.contains(s)) {
             continue;
         }
@@ -254,7 +257,13 @@ fn unpack_source(spec: &KernelSpec, file: &Path, sha: &Sha256) -> Result<PathBuf
 }
 
 /// The key of a kernel build: every input that can change its bytes.
-pub fn build_key(spec: &KernelSpec, source_sha: &Sha256, fragment: &str, epoch: i64, toolchain: &str) -> Sha256 {
+pub fn build_key(
+    spec: &KernelSpec,
+    source_sha: &Sha256,
+    fragment: &str,
+    epoch: i64,
+    toolchain: &str,
+) -> Sha256 {
     let text = format!(
         "kiln-kernel-v1\nsource={source_sha}\nbase={}\narch={}\ncross={}\ndtb={:?}\nepoch={epoch}\n\
          toolchain={toolchain}\nfragment:\n{fragment}",
@@ -264,11 +273,17 @@ pub fn build_key(spec: &KernelSpec, source_sha: &Sha256, fragment: &str, epoch: 
 }
 
 /// Build (or reuse) the kernel. `epoch` is its `KBUILD_BUILD_TIMESTAMP`.
-pub fn build(spec: &KernelSpec, source: &Path, source_sha: &Sha256, epoch: i64) -> Result<KernelOut> {
+pub fn build(
+    spec: &KernelSpec,
+    source: &Path,
+    source_sha: &Sha256,
+    epoch: i64,
+) -> Result<KernelOut> {
     let frag_path = spec.fragment_path();
-    let fragment_text =
-        std::fs::read_to_string(&frag_path).with_context(|| format!("reading {}", frag_path.display()))?;
-    let fragment = parse_fragment(&fragment_text).with_context(|| frag_path.display().to_string())?;
+    let fragment_text = std::fs::read_to_string(&frag_path)
+        .with_context(|| format!("reading {}", frag_path.display()))?;
+    let fragment =
+        parse_fragment(&fragment_text).with_context(|| frag_path.display().to_string())?;
     let gcc = format!("{}gcc", spec.cross_compile);
     let toolchain = crate::doctor::version_of(&gcc, &["--version"])
         .with_context(|| format!("{gcc} is not runnable"))?;
@@ -306,11 +321,17 @@ pub fn build(spec: &KernelSpec, source: &Path, source_sha: &Sha256, epoch: i64) 
     }
     let base = &spec.base;
     println!("kernel: make {base} + {} + olddefconfig", spec.fragment);
-    cmd!(sh, "make -s {o} {base}").quiet().run().with_context(|| format!("make {base}"))?;
+    cmd!(sh, "make -s {o} {base}")
+        .quiet()
+        .run()
+        .with_context(|| format!("make {base}"))?;
     let cfg_path = bdir.join(".config");
     let base_cfg = std::fs::read_to_string(&cfg_path)?;
     std::fs::write(&cfg_path, merge_fragment(&base_cfg, &fragment))?;
-    cmd!(sh, "make -s {o} olddefconfig").quiet().run().context("make olddefconfig")?;
+    cmd!(sh, "make -s {o} olddefconfig")
+        .quiet()
+        .run()
+        .context("make olddefconfig")?;
     let final_cfg = std::fs::read_to_string(&cfg_path)?;
     check_fragment(&fragment, &final_cfg)
         .with_context(|| format!("kernel {}: fragment {}", spec.name, frag_path.display()))?;
@@ -318,15 +339,25 @@ pub fn build(spec: &KernelSpec, source: &Path, source_sha: &Sha256, epoch: i64) 
         "kernel: all {} fragment options present in the final .config",
         fragment.len()
     );
-    let jobs = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2).to_string();
+    let jobs = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(2)
+        .to_string();
     let mut targets = vec!["Image".to_string()];
     if let Some(d) = &spec.dtb {
         targets.push(d.clone());
     }
-    println!("kernel: make -j{jobs} {} (a few minutes on 2 cores)", targets.join(" "));
+    println!(
+        "kernel: make -j{jobs} {} (a few minutes on 2 cores)",
+        targets.join(" ")
+    );
     let c = cmd!(sh, "make -j{jobs} {o} {targets...}");
     run_with_progress(c.into()).context("kernel build")?;
-    let release = cmd!(sh, "make -s {o} kernelrelease").quiet().read()?.trim().to_string();
+    let release = cmd!(sh, "make -s {o} kernelrelease")
+        .quiet()
+        .read()?
+        .trim()
+        .to_string();
     let secs = t0.elapsed().as_secs_f64();
 
     let tmp = kernel_root().join(format!(".{}.tmp", key.short()));
@@ -335,12 +366,14 @@ pub fn build(spec: &KernelSpec, source: &Path, source_sha: &Sha256, epoch: i64) 
     }
     std::fs::create_dir_all(&tmp)?;
     let image_src = bdir.join("arch").join(&spec.arch).join("boot/Image");
-    std::fs::copy(&image_src, tmp.join("Image")).with_context(|| format!("copying {}", image_src.display()))?;
+    std::fs::copy(&image_src, tmp.join("Image"))
+        .with_context(|| format!("copying {}", image_src.display()))?;
     std::fs::copy(&cfg_path, tmp.join("config"))?;
     let dtb_sha256 = match &spec.dtb {
         Some(d) => {
             let p = bdir.join("arch").join(&spec.arch).join("boot/dts").join(d);
-            std::fs::copy(&p, tmp.join("board.dtb")).with_context(|| format!("copying {}", p.display()))?;
+            std::fs::copy(&p, tmp.join("board.dtb"))
+                .with_context(|| format!("copying {}", p.display()))?;
             Some(Sha256::of_file(&p)?)
         }
         None => None,
@@ -377,15 +410,22 @@ fn load_cached(dir: &Path, key: &Sha256) -> Result<Option<KernelOut>> {
     let Ok(bytes) = std::fs::read(&rec) else {
         return Ok(None);
     };
-    let mut k: KernelOut = serde_json::from_slice(&bytes).with_context(|| rec.display().to_string())?;
+    let mut k: KernelOut =
+        serde_json::from_slice(&bytes).with_context(|| rec.display().to_string())?;
     k.dir = dir.to_path_buf();
     k.reused = true;
     if k.key != *key
         || Sha256::of_file(&k.image()).ok() != Some(k.image_sha256)
         || Sha256::of_file(&k.config()).ok() != Some(k.config_sha256)
-        || k.dtb().map(|p| Sha256::of_file(&p).ok()) .unwrap_or(k.dtb_sha256) != k.dtb_sha256
+        || k.dtb()
+            .map(|p| Sha256::of_file(&p).ok())
+            .unwrap_or(k.dtb_sha256)
+            != k.dtb_sha256
     {
-        println!("kernel: cached build {} does not verify; rebuilding", key.short());
+        println!(
+            "kernel: cached build {} does not verify; rebuilding",
+            key.short()
+        );
         return Ok(None);
     }
     Ok(Some(k))
@@ -420,7 +460,10 @@ fn run_with_progress(mut c: std::process::Command) -> Result<()> {
             tail.pop_front();
         }
         if last.elapsed().as_secs() >= 20 {
-            println!("kernel: {n} objects compiled, {:.0} s", t.elapsed().as_secs_f64());
+            println!(
+                "kernel: {n} objects compiled, {:.0} s",
+                t.elapsed().as_secs_f64()
+            );
             last = Instant::now();
         }
     }
@@ -431,10 +474,20 @@ fn run_with_progress(mut c: std::process::Command) -> Result<()> {
         bail!(
             "make failed ({status}):\n{}\n{}",
             lines.join("\n"),
-            err.lines().rev().take(30).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n")
+            err.lines()
+                .rev()
+                .take(30)
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+                .collect::<Vec<_>>()
+                .join("\n")
         );
     }
-    println!("kernel: {n} objects compiled in {:.0} s", t.elapsed().as_secs_f64());
+    println!(
+        "kernel: {n} objects compiled in {:.0} s",
+        t.elapsed().as_secs_f64()
+    );
     Ok(())
 }
 
@@ -463,9 +516,14 @@ mod tests {
     fn dropped_option_is_named() {
         // What olddefconfig leaves when MISC_FILESYSTEMS is off: erofs silently gone.
         let cfg = "# CONFIG_MISC_FILESYSTEMS is not set\nCONFIG_LOCALVERSION=\"-kiln\"\nCONFIG_MODULES=y\n";
-        let err = check_fragment(&parse_fragment(FRAG).unwrap(), cfg).unwrap_err().to_string();
+        let err = check_fragment(&parse_fragment(FRAG).unwrap(), cfg)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("CONFIG_EROFS_FS=y wanted"), "{err}");
-        assert!(err.contains("# CONFIG_MODULES is not set wanted, final .config: CONFIG_MODULES=y"), "{err}");
+        assert!(
+            err.contains("# CONFIG_MODULES is not set wanted, final .config: CONFIG_MODULES=y"),
+            "{err}"
+        );
         assert!(err.contains("2 fragment option(s)"), "{err}");
     }
 
@@ -477,7 +535,10 @@ mod tests {
         assert!(merged.contains("CONFIG_KILN_DOES_NOT_EXIST=y"));
         // olddefconfig drops unknown symbols; the final .config lacks it.
         let err = check_fragment(&f, base).unwrap_err().to_string();
-        assert!(err.contains("CONFIG_KILN_DOES_NOT_EXIST=y wanted") && err.contains("absent"), "{err}");
+        assert!(
+            err.contains("CONFIG_KILN_DOES_NOT_EXIST=y wanted") && err.contains("absent"),
+            "{err}"
+        );
     }
 
     #[test]

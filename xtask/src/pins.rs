@@ -90,7 +90,10 @@ impl FromStr for Sha256 {
     fn from_str(s: &str) -> Result<Sha256> {
         let s = s.trim();
         if s.len() != 64 {
-            bail!("a sha256 is 64 hex digits, got {} characters: {s:?}", s.len());
+            bail!(
+                "a sha256 is 64 hex digits, got {} characters: {s:?}",
+                s.len()
+            );
         }
         let mut out = [0u8; 32];
         hex::decode_to_slice(s, &mut out).with_context(|| format!("not hex: {s:?}"))?;
@@ -192,7 +195,9 @@ impl Input {
                 } else if let Some(s) = id.get("contains") {
                     Identity::Contains(s.clone())
                 } else if let Some(m) = id.get("magic_hex") {
-                    Identity::Magic(hex::decode(m).with_context(|| format!("{}: magic_hex", ctx()))?)
+                    Identity::Magic(
+                        hex::decode(m).with_context(|| format!("{}: magic_hex", ctx()))?,
+                    )
                 } else if id.is_empty() {
                     Identity::Any
                 } else {
@@ -238,8 +243,12 @@ struct PinsFile {
 pub fn read_inputs(file: &Path) -> Result<Vec<Input>> {
     let text =
         std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
-    let pf: PinsFile = toml::from_str(&text).with_context(|| format!("parsing {}", file.display()))?;
-    pf.input.into_iter().map(|r| Input::parse(r, file)).collect()
+    let pf: PinsFile =
+        toml::from_str(&text).with_context(|| format!("parsing {}", file.display()))?;
+    pf.input
+        .into_iter()
+        .map(|r| Input::parse(r, file))
+        .collect()
 }
 
 /// The content-addressed download cache.
@@ -252,8 +261,10 @@ impl Cache {
     pub fn user() -> Result<Cache> {
         let base = match std::env::var_os("XDG_CACHE_HOME").filter(|v| !v.is_empty()) {
             Some(x) => PathBuf::from(x),
-            None => PathBuf::from(std::env::var_os("HOME").context("neither XDG_CACHE_HOME nor HOME is set")?)
-                .join(".cache"),
+            None => PathBuf::from(
+                std::env::var_os("HOME").context("neither XDG_CACHE_HOME nor HOME is set")?,
+            )
+            .join(".cache"),
         };
         Ok(Cache {
             dir: base.join("kiln/sha256"),
@@ -284,7 +295,12 @@ impl Cache {
     }
 
     /// Hash `src`, check it against `expected` (naming both hashes), and store it atomically.
-    pub fn put(&self, name: &str, src: &Path, expected: Option<&Sha256>) -> Result<(Sha256, PathBuf)> {
+    pub fn put(
+        &self,
+        name: &str,
+        src: &Path,
+        expected: Option<&Sha256>,
+    ) -> Result<(Sha256, PathBuf)> {
         let got = Sha256::of_file(src)?;
         if let Some(want) = expected {
             if *want != got {
@@ -296,10 +312,12 @@ impl Cache {
                 );
             }
         }
-        std::fs::create_dir_all(&self.dir).with_context(|| format!("creating {}", self.dir.display()))?;
+        std::fs::create_dir_all(&self.dir)
+            .with_context(|| format!("creating {}", self.dir.display()))?;
         let dst = self.path(&got);
         let tmp = self.dir.join(format!(".{got}.tmp{}", std::process::id()));
-        std::fs::copy(src, &tmp).with_context(|| format!("copying {} into the cache", src.display()))?;
+        std::fs::copy(src, &tmp)
+            .with_context(|| format!("copying {} into the cache", src.display()))?;
         std::fs::rename(&tmp, &dst).with_context(|| format!("renaming into {}", dst.display()))?;
         Ok((got, dst))
     }
@@ -319,13 +337,16 @@ pub fn apt_fetch(input: &Input, dir: &Path) -> Result<PathBuf> {
     let spec = format!("{package}:{arch}={}", input.version);
     println!("pins: downloading {spec}");
     let t = std::time::Instant::now();
-    cmd!(sh, "apt-get download -q {spec}").quiet().run().with_context(|| {
-        format!(
-            "`apt-get download {spec}` failed: the archive may have dropped version {} of {}; \
+    cmd!(sh, "apt-get download -q {spec}")
+        .quiet()
+        .run()
+        .with_context(|| {
+            format!(
+                "`apt-get download {spec}` failed: the archive may have dropped version {} of {}; \
              run `cargo xtask pins update` to re-pin to what it serves now",
-            input.version, input.name
-        )
-    })?;
+                input.version, input.name
+            )
+        })?;
     let deb = std::fs::read_dir(dir)?
         .filter_map(|e| e.ok())
         .map(|e| e.path())
@@ -403,7 +424,9 @@ pub fn missing_message(input: &Input) -> String {
 pub fn pin_files(board: &Board) -> Vec<PathBuf> {
     let root = crate::project_root();
     vec![
-        root.join("kernel-config").join(&board.kernel.name).join("pins.toml"),
+        root.join("kernel-config")
+            .join(&board.kernel.name)
+            .join("pins.toml"),
         root.join("rootfs/packages.toml"),
         board.path.clone(),
     ]
@@ -456,7 +479,12 @@ fn check(board: &str, offline: bool) -> Result<()> {
         }
     }
     if !missing.is_empty() {
-        bail!("{} input(s) of {} unresolved: {}", missing.len(), board.name, missing.join(", "));
+        bail!(
+            "{} input(s) of {} unresolved: {}",
+            missing.len(),
+            board.name,
+            missing.join(", ")
+        );
     }
     println!("pins: every input of {} resolves and verifies", board.name);
     Ok(())
@@ -469,16 +497,22 @@ fn apt_candidate(package: &str, arch: &str) -> Result<String> {
     let spec = format!("{package}:{arch}");
     let out = cmd!(sh, "apt-cache policy {spec}").read()?;
     out.lines()
-        .find_map(|l| l.trim().strip_prefix("Candidate:").map(|v| v.trim().to_string()))
+        .find_map(|l| {
+            l.trim()
+                .strip_prefix("Candidate:")
+                .map(|v| v.trim().to_string())
+        })
         .filter(|v| v != "(none)")
         .with_context(|| format!("apt-cache policy {spec}: the archive offers no candidate"))
 }
 
 /// Rewrite `version` and `sha256` of the input `name` in a pins file, keeping its formatting.
 pub fn rewrite_pin(file: &Path, name: &str, version: Option<&str>, sha: &Sha256) -> Result<()> {
-    let text = std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
-    let mut doc: toml_edit::DocumentMut =
-        text.parse().with_context(|| format!("parsing {}", file.display()))?;
+    let text =
+        std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+    let mut doc: toml_edit::DocumentMut = text
+        .parse()
+        .with_context(|| format!("parsing {}", file.display()))?;
     let arr = doc
         .get_mut("input")
         .and_then(|i| i.as_array_of_tables_mut())
@@ -522,7 +556,10 @@ fn update() -> Result<()> {
             }
             println!("{}: [[input]] name = {:?}", f.display(), input.name);
             println!("-  version = {:?}", input.version);
-            println!("-  sha256 = {:?}", input.sha256.map(|h| h.to_string()).unwrap_or_default());
+            println!(
+                "-  sha256 = {:?}",
+                input.sha256.map(|h| h.to_string()).unwrap_or_default()
+            );
             println!("+  version = {now:?}");
             println!("+  sha256 = {:?}", sha.to_string());
             rewrite_pin(&f, &input.name, Some(&now), &sha)?;
@@ -536,16 +573,17 @@ fn update() -> Result<()> {
 /// Check a supplied file's identity, lock its sha256 (on first supply) and cache it.
 pub fn lock(board: &Board, name: &str, path: &Path) -> Result<()> {
     let inputs = board_inputs(board)?;
-    let input = inputs
-        .iter()
-        .find(|i| i.name == name)
-        .with_context(|| {
-            format!(
-                "{} has no input {name:?}; its inputs: {}",
-                board.name,
-                inputs.iter().map(|i| i.name.as_str()).collect::<Vec<_>>().join(", ")
-            )
-        })?;
+    let input = inputs.iter().find(|i| i.name == name).with_context(|| {
+        format!(
+            "{} has no input {name:?}; its inputs: {}",
+            board.name,
+            inputs
+                .iter()
+                .map(|i| i.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        )
+    })?;
     let Source::Supplied { identity, .. } = &input.source else {
         bail!("{name} is fetched from Debian, not supplied: `cargo xtask pins check` fetches it");
     };
@@ -554,7 +592,10 @@ pub fn lock(board: &Board, name: &str, path: &Path) -> Result<()> {
     let (sha, _) = cache.put(name, path, input.sha256.as_ref())?;
     if input.sha256.is_none() {
         rewrite_pin(&input.file, name, None, &sha)?;
-        println!("pins: locked {name} to sha256 {sha} in {}", input.file.display());
+        println!(
+            "pins: locked {name} to sha256 {sha} in {}",
+            input.file.display()
+        );
     } else {
         println!("pins: {name} matches its lock {sha}; cached");
     }
@@ -590,7 +631,8 @@ fn check_identity(id: &Identity, path: &Path) -> Result<()> {
         Identity::Magic(m) => {
             let mut f = std::fs::File::open(path)?;
             let mut got = vec![0u8; m.len()];
-            f.read_exact(&mut got).context("file shorter than its magic")?;
+            f.read_exact(&mut got)
+                .context("file shorter than its magic")?;
             anyhow::ensure!(
                 got == *m,
                 "starts with {}, expected {}",
@@ -608,8 +650,16 @@ fn check_identity(id: &Identity, path: &Path) -> Result<()> {
                 let other = bytes
                     .windows(prefix.len())
                     .position(|w| w == prefix)
-                    .map(|i| String::from_utf8_lossy(&bytes[i..(i + prefix.len() + 24).min(bytes.len())]).into_owned());
-                bail!("does not contain {s:?}{}", other.map(|o| format!(" (it says {o:?})")).unwrap_or_default());
+                    .map(|i| {
+                        String::from_utf8_lossy(&bytes[i..(i + prefix.len() + 24).min(bytes.len())])
+                            .into_owned()
+                    });
+                bail!(
+                    "does not contain {s:?}{}",
+                    other
+                        .map(|o| format!(" (it says {o:?})"))
+                        .unwrap_or_default()
+                );
             }
             Ok(())
         }
@@ -620,7 +670,10 @@ fn check_identity(id: &Identity, path: &Path) -> Result<()> {
             let (mk, drv) = kernel_identity_files(path)?;
             let mk = mk.context("no top-level Makefile in the tarball")?;
             let got = kernel_version_from_makefile(&mk)?;
-            anyhow::ensure!(got == *kernel_version, "kernel version {got}, expected {kernel_version}");
+            anyhow::ensure!(
+                got == *kernel_version,
+                "kernel version {got}, expected {kernel_version}"
+            );
             if let Some(want) = rknpu_version {
                 let drv = drv.context("no drivers/rknpu/include/rknpu_drv.h in the tarball")?;
                 let got = rknpu_version_from_header(&drv)?;
@@ -637,7 +690,11 @@ fn kernel_identity_files(path: &Path) -> Result<(Option<String>, Option<String>)
     let (mut mk, mut drv) = (None, None);
     for e in ar.entries()? {
         let mut e = e?;
-        let p = e.path()?.to_string_lossy().trim_start_matches("./").to_string();
+        let p = e
+            .path()?
+            .to_string_lossy()
+            .trim_start_matches("./")
+            .to_string();
         let rel = match p.split_once('/') {
             Some((_, rest)) => rest.to_string(),
             None => p.clone(),
@@ -670,7 +727,12 @@ pub fn kernel_version_from_makefile(mk: &str) -> Result<String> {
             })
             .with_context(|| format!("Makefile has no {name}"))
     };
-    Ok(format!("{}.{}.{}", var("VERSION")?, var("PATCHLEVEL")?, var("SUBLEVEL")?))
+    Ok(format!(
+        "{}.{}.{}",
+        var("VERSION")?,
+        var("PATCHLEVEL")?,
+        var("SUBLEVEL")?
+    ))
 }
 
 pub fn rknpu_version_from_header(h: &str) -> Result<String> {
@@ -678,11 +740,17 @@ pub fn rknpu_version_from_header(h: &str) -> Result<String> {
         h.lines()
             .find_map(|l| {
                 let mut w = l.split_whitespace();
-                (w.next() == Some("#define") && w.next() == Some(name)).then(|| w.next().map(str::to_string))?
+                (w.next() == Some("#define") && w.next() == Some(name))
+                    .then(|| w.next().map(str::to_string))?
             })
             .with_context(|| format!("rknpu_drv.h has no #define {name}"))
     };
-    Ok(format!("{}.{}.{}", def("DRIVER_MAJOR")?, def("DRIVER_MINOR")?, def("DRIVER_PATCHLEVEL")?))
+    Ok(format!(
+        "{}.{}.{}",
+        def("DRIVER_MAJOR")?,
+        def("DRIVER_MINOR")?,
+        def("DRIVER_PATCHLEVEL")?
+    ))
 }
 
 #[cfg(test)]
@@ -706,7 +774,10 @@ mod tests {
     #[test]
     fn sha256_parses_and_prints() {
         let h = Sha256::of_bytes(b"abc");
-        assert_eq!(h.to_string(), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+        assert_eq!(
+            h.to_string(),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
         assert_eq!(h.to_string().parse::<Sha256>().unwrap(), h);
         assert!("abc".parse::<Sha256>().is_err());
     }
@@ -714,7 +785,9 @@ mod tests {
     #[test]
     fn tampered_cache_file_is_refetched_and_refused_offline() {
         let dir = tempfile::tempdir().unwrap();
-        let cache = Cache { dir: dir.path().join("sha256") };
+        let cache = Cache {
+            dir: dir.path().join("sha256"),
+        };
         let payload = b"the real package".to_vec();
         let input = deb_input(Sha256::of_bytes(&payload));
         let fetches = Cell::new(0);
@@ -727,9 +800,15 @@ mod tests {
         let p = resolve(&cache, &input, false, &fetch).unwrap();
         assert_eq!(fetches.get(), 1);
         resolve(&cache, &input, false, &fetch).unwrap();
-        assert_eq!(fetches.get(), 1, "a good cache file is used, not fetched again");
+        assert_eq!(
+            fetches.get(),
+            1,
+            "a good cache file is used, not fetched again"
+        );
         std::fs::write(&p, b"tampered").unwrap();
-        let err = resolve(&cache, &input, true, &fetch).unwrap_err().to_string();
+        let err = resolve(&cache, &input, true, &fetch)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("--offline"), "{err}");
         assert_eq!(fetches.get(), 1);
         std::fs::write(&p, b"tampered").unwrap();
@@ -741,7 +820,9 @@ mod tests {
     #[test]
     fn wrong_pin_hash_is_refused_naming_both() {
         let dir = tempfile::tempdir().unwrap();
-        let cache = Cache { dir: dir.path().to_path_buf() };
+        let cache = Cache {
+            dir: dir.path().to_path_buf(),
+        };
         let pinned = Sha256::of_bytes(b"what the pin says");
         let served = Sha256::of_bytes(b"what the archive serves");
         let input = deb_input(pinned);
@@ -751,7 +832,10 @@ mod tests {
             Ok(p)
         };
         let err = format!("{:#}", resolve(&cache, &input, false, &fetch).unwrap_err());
-        assert!(err.contains(&pinned.to_string()) && err.contains(&served.to_string()), "{err}");
+        assert!(
+            err.contains(&pinned.to_string()) && err.contains(&served.to_string()),
+            "{err}"
+        );
         assert!(err.contains("busybox-static"), "{err}");
         assert!(!cache.path(&served).exists() && !cache.path(&pinned).exists());
     }
@@ -777,11 +861,20 @@ mod tests {
 
         // A kernel tarball: Makefile + rknpu header under one top folder, gzip-compressed.
         let tgz = dir.path().join("linux.tar.gz");
-        let gz = flate2::write::GzEncoder::new(std::fs::File::create(&tgz).unwrap(), flate2::Compression::fast());
+        let gz = flate2::write::GzEncoder::new(
+            std::fs::File::create(&tgz).unwrap(),
+            flate2::Compression::fast(),
+        );
         let mut b = tar::Builder::new(gz);
         for (p, body) in [
-            ("linux-6.1/Makefile", "VERSION = 6\nPATCHLEVEL = 1\nSUBLEVEL = 115\n"),
-            ("linux-6.1/drivers/rknpu/include/rknpu_drv.h", "#define DRIVER_MAJOR 0\n#define DRIVER_MINOR 9\n#define DRIVER_PATCHLEVEL 6\n"),
+            (
+                "linux-6.1/Makefile",
+                "VERSION = 6\nPATCHLEVEL = 1\nSUBLEVEL = 115\n",
+            ),
+            (
+                "linux-6.1/drivers/rknpu/include/rknpu_drv.h",
+                "#define DRIVER_MAJOR 0\n#define DRIVER_MINOR 9\n#define DRIVER_PATCHLEVEL 6\n",
+            ),
         ] {
             let mut h = tar::Header::new_gnu();
             h.set_size(body.len() as u64);

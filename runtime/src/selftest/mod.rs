@@ -10,6 +10,8 @@ pub mod board;
 pub mod cli;
 pub mod cpu;
 pub mod kernel;
+pub mod matmul;
+pub mod models;
 pub mod npu;
 pub mod report;
 
@@ -23,6 +25,8 @@ pub use report::Report;
 /// Where the checks look. [`Paths::under`] roots them all in one directory for tests.
 #[derive(Clone, Debug)]
 pub struct Paths {
+    /// The root the others hang under; the NPU backend looks for `dev/dri` below it.
+    pub root: PathBuf,
     pub proc: PathBuf,
     pub sys: PathBuf,
     pub dev: PathBuf,
@@ -41,6 +45,7 @@ impl Default for Paths {
 impl Paths {
     pub fn under(root: &Path) -> Paths {
         Paths {
+            root: root.to_path_buf(),
             proc: root.join("proc"),
             sys: root.join("sys"),
             dev: root.join("dev"),
@@ -200,15 +205,32 @@ pub fn timed(id: &str, f: impl FnOnce() -> Outcome) -> CheckResult {
     CheckResult::new(id, o, t.elapsed().as_secs_f64() * 1e3)
 }
 
-/// Run every check, in report order.
+/// Run every check, in report order, with the board's backends: the NPU (the real library or
+/// the stand-in), the CPU fast path and the CPU reference.
 pub fn run_all(ctx: &Ctx) -> Report {
+    use crate::backend::cpu::{CpuBackend, CpuRefBackend};
+    use crate::backend::npu::{NpuBackend, NpuConfig};
+    use crate::backend::Backend;
+    let npu = NpuBackend::new(NpuConfig {
+        devroot: ctx.paths.root.clone(),
+        ..NpuConfig::default()
+    });
+    let cpu = CpuBackend::new();
+    let cpu_ref = CpuRefBackend;
+    let cpu_kernel = cpu.kernel().name().to_string();
+    // Board order: the NPU first, the CPU as the fallback.
+    let board_order: [&dyn Backend; 2] = [&npu, &cpu];
     let mut checks = vec![
         timed("kernel.release", || kernel::release(ctx)),
         timed("kernel.config", || kernel::config(ctx)),
         timed("npu.driver", || npu::driver(ctx)),
-        timed("cpu.features", || cpu::features(ctx, None)),
+        timed("npu.runtime", || npu::runtime(ctx, &npu)),
+        timed("cpu.features", || cpu::features(ctx, Some(&cpu_kernel))),
         timed("cpu.governors", || cpu::governors(ctx)),
+        timed("model.mmap", || models::mmap(ctx, &board_order)),
     ];
+    checks.extend(matmul::checks(&[&cpu_ref, &cpu, &npu], Some(&cpu)));
+    checks.push(timed("coverage", || models::coverage(ctx, &board_order)));
     // Last, so that anything the other checks provoked (an NPU reset) is in the log it reads.
     checks.push(timed("kernel.log", || kernel::log(ctx)));
     Report::new(ctx, checks)

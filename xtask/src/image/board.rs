@@ -106,18 +106,30 @@ impl Board {
         if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-') {
             bail!("board name {name:?}: letters, digits and '-' only");
         }
-        let path = crate::project_root().join("images").join(format!("{name}.toml"));
+        let path = crate::project_root()
+            .join("images")
+            .join(format!("{name}.toml"));
         let text = std::fs::read_to_string(&path).with_context(|| {
             let known: Vec<String> = std::fs::read_dir(crate::project_root().join("images"))
                 .map(|d| {
                     d.filter_map(|e| e.ok())
-                        .filter_map(|e| e.file_name().to_str()?.strip_suffix(".toml").map(String::from))
+                        .filter_map(|e| {
+                            e.file_name()
+                                .to_str()?
+                                .strip_suffix(".toml")
+                                .map(String::from)
+                        })
                         .collect()
                 })
                 .unwrap_or_default();
-            format!("no board {name:?} ({} missing); boards: {}", path.display(), known.join(", "))
+            format!(
+                "no board {name:?} ({} missing); boards: {}",
+                path.display(),
+                known.join(", ")
+            )
         })?;
-        let raw: RawBoard = toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+        let raw: RawBoard =
+            toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
         if raw.board.name != name {
             bail!("{} names board {:?}", path.display(), raw.board.name);
         }
@@ -190,7 +202,10 @@ mod tests {
         assert_eq!(q.npu_runtime, NpuRuntime::Standin);
         assert!(q.raw.is_empty());
         let r = Board::load("rock-5b").unwrap();
-        assert_eq!(r.raw.iter().map(|b| b.lba).collect::<Vec<_>>(), vec![64, 16384]);
+        assert_eq!(
+            r.raw.iter().map(|b| b.lba).collect::<Vec<_>>(),
+            vec![64, 16384]
+        );
         assert!(r.expect.npu_driver.is_some());
         assert!(Board::load("../etc").is_err());
     }
@@ -202,7 +217,10 @@ mod tests {
         let v: toml::Value = toml::from_str(&t).unwrap();
         assert_eq!(v["board"]["name"].as_str(), Some("qemu-virt"));
         assert_eq!(v["board"]["npu"].as_bool(), Some(false));
-        assert_eq!(v["expect"]["kernel_config"][0].as_str(), Some("CONFIG_EROFS_FS=y"));
+        assert_eq!(
+            v["expect"]["kernel_config"][0].as_str(),
+            Some("CONFIG_EROFS_FS=y")
+        );
         assert!(v["expect"].get("ddr_governor").is_none());
     }
 }

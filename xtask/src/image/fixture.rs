@@ -63,7 +63,9 @@ fn q4_0(vals: &[f32]) -> Vec<u8> {
     let mut out = Vec::new();
     for b in vals.chunks(32) {
         // ggml's reference: the value of largest magnitude maps to -8.
-        let max = b.iter().fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
+        let max = b
+            .iter()
+            .fold(0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
         let d = max / -8.0;
         let id = if d == 0.0 { 0.0 } else { 1.0 / d };
         out.extend_from_slice(&f16::from_f32(d).to_bits().to_le_bytes());
@@ -79,7 +81,10 @@ fn q4_0(vals: &[f32]) -> Vec<u8> {
 pub fn gguf() -> Vec<u8> {
     let mut v = Values(0x6b696c6e); // "kiln"
     let w: Vec<f32> = (0..K * N).map(|_| v.weight()).collect();
-    let f16s: Vec<u8> = w.iter().flat_map(|x| f16::from_f32(*x).to_bits().to_le_bytes()).collect();
+    let f16s: Vec<u8> = w
+        .iter()
+        .flat_map(|x| f16::from_f32(*x).to_bits().to_le_bytes())
+        .collect();
     let f32s: Vec<u8> = w.iter().flat_map(|x| x.to_le_bytes()).collect();
     let tensors: Vec<(&str, u32, Vec<u8>)> = vec![
         ("fixture.f32", GGML_F32, f32s),
@@ -95,10 +100,17 @@ pub fn gguf() -> Vec<u8> {
         }),
         ("general.name", T_STRING, {
             let mut b = Vec::new();
-            put_str(&mut b, "kiln self-check fixture (same weights in four types)");
+            put_str(
+                &mut b,
+                "kiln self-check fixture (same weights in four types)",
+            );
             b
         }),
-        ("general.alignment", T_UINT32, (ALIGN as u32).to_le_bytes().to_vec()),
+        (
+            "general.alignment",
+            T_UINT32,
+            (ALIGN as u32).to_le_bytes().to_vec(),
+        ),
     ];
     let mut out = Vec::new();
     out.extend_from_slice(b"GGUF");

@@ -78,16 +78,28 @@ mod tests {
 
     #[test]
     fn first_partition_at_16_mib_bootable_and_aligned() {
-        let l = plan("qemu-virt:abc", &[("boot", 64 * MIB), ("models", 12345), ("data", 32 * MIB)]).unwrap();
+        let l = plan(
+            "qemu-virt:abc",
+            &[("boot", 64 * MIB), ("models", 12345), ("data", 32 * MIB)],
+        )
+        .unwrap();
         assert_eq!(l.parts[0].first_lba, 32768);
         assert_eq!(l.parts[0].attributes, 1 << 2);
         assert_eq!(l.parts[1].first_lba, 32768 + 64 * 2048);
         assert_eq!(l.parts[1].size_bytes, MIB);
         assert_eq!(l.parts[2].first_lba, l.parts[1].first_lba + 2048);
         assert_eq!(l.total_size, (l.parts[2].first_lba + 32 * 2048) * 512 + MIB);
-        let again = plan("qemu-virt:abc", &[("boot", 64 * MIB), ("models", 12345), ("data", 32 * MIB)]).unwrap();
+        let again = plan(
+            "qemu-virt:abc",
+            &[("boot", 64 * MIB), ("models", 12345), ("data", 32 * MIB)],
+        )
+        .unwrap();
         assert_eq!(again.describe(), l.describe());
-        let other = plan("qemu-virt:abd", &[("boot", 64 * MIB), ("models", 12345), ("data", 32 * MIB)]).unwrap();
+        let other = plan(
+            "qemu-virt:abd",
+            &[("boot", 64 * MIB), ("models", 12345), ("data", 32 * MIB)],
+        )
+        .unwrap();
         assert_ne!(other.disk_guid, l.disk_guid);
     }
 
@@ -108,10 +120,21 @@ mod tests {
         let boot = w("boot", vec![0xb0; 4096]);
         let models = w("models", vec![0x30; 4096]);
         let data = w("data", vec![0xda; 4096]);
-        let l = plan("rock-5b:test", &[("boot", 4 * MIB), ("models", MIB), ("data", MIB)]).unwrap();
+        let l = plan(
+            "rock-5b:test",
+            &[("boot", 4 * MIB), ("models", MIB), ("data", MIB)],
+        )
+        .unwrap();
         let img = dir.path().join("rock.img");
         let parts: Vec<_> = l.parts.iter().cloned().zip([boot, models, data]).collect();
-        disk::assemble(&img, l.total_size, l.disk_guid, &parts, &[(64 * 512, idb_p.clone()), (16384 * 512, itb_p.clone())]).unwrap();
+        disk::assemble(
+            &img,
+            l.total_size,
+            l.disk_guid,
+            &parts,
+            &[(64 * 512, idb_p.clone()), (16384 * 512, itb_p.clone())],
+        )
+        .unwrap();
         let mut f = std::fs::File::open(&img).unwrap();
         let mut read = |off: u64, n: usize| {
             let mut b = vec![0u8; n];
@@ -125,7 +148,13 @@ mod tests {
         assert_eq!(read(32768 * 512, 4096), vec![0xb0; 4096]);
         // An idbloader long enough to reach u-boot.itb's LBA is refused.
         let big = w("big.img", vec![1u8; (16384 - 64) * 512 + 512]);
-        let err = disk::assemble(&dir.path().join("bad.img"), l.total_size, l.disk_guid, &parts, &[(64 * 512, big), (16384 * 512, itb_p)]);
+        let err = disk::assemble(
+            &dir.path().join("bad.img"),
+            l.total_size,
+            l.disk_guid,
+            &parts,
+            &[(64 * 512, big), (16384 * 512, itb_p)],
+        );
         assert!(err.is_err());
     }
 }

@@ -60,10 +60,18 @@ pub struct Built {
 
 /// Write `path` atomically: a temporary file beside it, then rename.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let dir = path.parent().with_context(|| format!("{} has no folder", path.display()))?;
+    let dir = path
+        .parent()
+        .with_context(|| format!("{} has no folder", path.display()))?;
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let name = path.file_name().with_context(|| format!("{} has no name", path.display()))?;
-    let tmp = dir.join(format!(".{}.tmp{}", name.to_string_lossy(), std::process::id()));
+    let name = path
+        .file_name()
+        .with_context(|| format!("{} has no name", path.display()))?;
+    let tmp = dir.join(format!(
+        ".{}.tmp{}",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
     std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
     std::fs::rename(&tmp, path).with_context(|| format!("renaming to {}", path.display()))?;
     Ok(())
@@ -105,7 +113,9 @@ pub struct Commit {
 
 pub fn commit_info() -> Result<Commit> {
     let hash = git(&["rev-parse", "HEAD"])?;
-    let epoch: i64 = git(&["log", "-1", "--format=%ct"])?.parse().context("commit time")?;
+    let epoch: i64 = git(&["log", "-1", "--format=%ct"])?
+        .parse()
+        .context("commit time")?;
     // The kernel's timestamp is the last commit that touched its config, so that a commit that
     // changes only the runtime reuses the kernel (still one value per commit, still reproducible).
     let kernel_epoch = git(&["log", "-1", "--format=%ct", "--", "kernel-config"])?
@@ -122,7 +132,11 @@ pub fn commit_info() -> Result<Commit> {
 
 /// Resolve every pinned input of the board (cache, else download unless offline). Every input
 /// that cannot be had is listed, each with how to provide it.
-pub fn resolve_inputs(board: &Board, cache: &Cache, offline: bool) -> Result<BTreeMap<String, (Input, PathBuf)>> {
+pub fn resolve_inputs(
+    board: &Board,
+    cache: &Cache,
+    offline: bool,
+) -> Result<BTreeMap<String, (Input, PathBuf)>> {
     let mut out = BTreeMap::new();
     let mut missing = Vec::new();
     for i in pins::board_inputs(board)? {
@@ -163,7 +177,8 @@ impl Product {
         }
     }
     fn fresh(&self, key: &Sha256) -> bool {
-        self.path.exists() && std::fs::read_to_string(&self.key_file).ok().as_deref() == Some(&key.to_string())
+        self.path.exists()
+            && std::fs::read_to_string(&self.key_file).ok().as_deref() == Some(&key.to_string())
     }
     fn done(&self, key: &Sha256) -> Result<()> {
         write_atomic(&self.key_file, key.to_string().as_bytes())
@@ -171,13 +186,19 @@ impl Product {
 }
 
 /// The NPU runtime library for the image, if the board has one: bytes and where they came from.
-fn npu_library(board: &Board, inputs: &BTreeMap<String, (Input, PathBuf)>) -> Result<Option<(Vec<u8>, String)>> {
+fn npu_library(
+    board: &Board,
+    inputs: &BTreeMap<String, (Input, PathBuf)>,
+) -> Result<Option<(Vec<u8>, String)>> {
     match &board.npu_runtime {
         NpuRuntime::None => Ok(None),
         NpuRuntime::Supplied(name) => {
-            let (_, p) = inputs
-                .get(name)
-                .with_context(|| format!("board {} names NPU runtime input {name:?}, which it does not declare", board.name))?;
+            let (_, p) = inputs.get(name).with_context(|| {
+                format!(
+                    "board {} names NPU runtime input {name:?}, which it does not declare",
+                    board.name
+                )
+            })?;
             Ok(Some((std::fs::read(p)?, name.clone())))
         }
         NpuRuntime::Standin => Ok(build_npu_standin()?.map(|b| (b, "rknn-standin".to_string()))),
@@ -213,7 +234,9 @@ fn build_npu_standin() -> Result<Option<Vec<u8>>> {
     let so = crate::target_dir()
         .join(crate::doctor::AARCH64)
         .join("release/librknn_standin.so");
-    Ok(Some(std::fs::read(&so).with_context(|| format!("reading {}", so.display()))?))
+    Ok(Some(
+        std::fs::read(&so).with_context(|| format!("reading {}", so.display()))?,
+    ))
 }
 
 /// `extlinux/extlinux.conf`: no `menu` lines (U-Boot 2023.01 then waits at a prompt forever);
@@ -245,7 +268,9 @@ fn tree_listing(tree: &Tree) -> Value {
     let mut m = serde_json::Map::new();
     for (p, n) in &tree.nodes {
         let v = match &n.kind {
-            NodeKind::File(b) => json!({"mode": format!("{:o}", n.mode), "size": b.len(), "sha256": Sha256::of_bytes(b), "from": n.origin}),
+            NodeKind::File(b) => {
+                json!({"mode": format!("{:o}", n.mode), "size": b.len(), "sha256": Sha256::of_bytes(b), "from": n.origin})
+            }
             NodeKind::Dir => json!({"mode": format!("{:o}", n.mode), "dir": true}),
             NodeKind::Symlink(t) => json!({"symlink": t, "from": n.origin}),
         };
@@ -269,25 +294,56 @@ fn initramfs_tree(
     };
     let mut t = Tree::default();
     let bb = rootfs::deb_tree(deb("busybox-static")?, "busybox-static")?;
-    let busybox = bb.nodes.get("bin/busybox").context("busybox-static has no /bin/busybox")?;
+    let busybox = bb
+        .nodes
+        .get("bin/busybox")
+        .context("busybox-static has no /bin/busybox")?;
     t.add("bin/busybox", 0o755, busybox.kind.clone(), "busybox-static")?;
     for (dir, applets) in rootfs::APPLETS {
-        let target = if *dir == "bin" { "busybox" } else { "../bin/busybox" };
+        let target = if *dir == "bin" {
+            "busybox"
+        } else {
+            "../bin/busybox"
+        };
         for a in *applets {
-            t.add(&format!("{dir}/{a}"), 0o777, NodeKind::Symlink(target.into()), "busybox applets")?;
+            t.add(
+                &format!("{dir}/{a}"),
+                0o777,
+                NodeKind::Symlink(target.into()),
+                "busybox applets",
+            )?;
         }
     }
     for m in rootfs::MOUNTPOINTS {
-        t.add(m, if *m == "tmp" { 0o1777 } else { 0o755 }, NodeKind::Dir, "kiln mountpoints")?;
+        t.add(
+            m,
+            if *m == "tmp" { 0o1777 } else { 0o755 },
+            NodeKind::Dir,
+            "kiln mountpoints",
+        )?;
     }
     t.add("usr/bin/kiln", 0o755, NodeKind::File(kiln.to_vec()), "kiln")?;
     let mut roots = vec!["usr/bin/kiln"];
     if let Some((lib, origin)) = npu {
-        t.add("usr/lib/librknnrt.so", 0o755, NodeKind::File(lib.clone()), origin)?;
+        t.add(
+            "usr/lib/librknnrt.so",
+            0o755,
+            NodeKind::File(lib.clone()),
+            origin,
+        )?;
         roots.push("usr/lib/librknnrt.so");
     }
-    t.add("etc/kiln/board.toml", 0o644, NodeKind::File(board_toml.as_bytes().to_vec()), "images/<board>.toml")?;
-    rootfs::add_host_tree(&mut t, &crate::project_root().join("rootfs/overlay"), "rootfs/overlay")?;
+    t.add(
+        "etc/kiln/board.toml",
+        0o644,
+        NodeKind::File(board_toml.as_bytes().to_vec()),
+        "images/<board>.toml",
+    )?;
+    rootfs::add_host_tree(
+        &mut t,
+        &crate::project_root().join("rootfs/overlay"),
+        "rootfs/overlay",
+    )?;
     if !t.nodes.contains_key("init") {
         println!("image: WARNING: rootfs/overlay/init is missing: the kernel will find no /init");
     }
@@ -298,7 +354,11 @@ fn initramfs_tree(
             && name != "busybox-static"
         {
             for (path, n) in rootfs::deb_tree(p, name)?.nodes {
-                if libs.nodes.get(&path).is_none_or(|o| o.kind == NodeKind::Dir) {
+                if libs
+                    .nodes
+                    .get(&path)
+                    .is_none_or(|o| o.kind == NodeKind::Dir)
+                {
                     libs.nodes.insert(path, n);
                 }
             }
@@ -353,13 +413,21 @@ pub fn build(args: &Args) -> Result<Built> {
         "board {}, commit {}{}, SOURCE_DATE_EPOCH={epoch}",
         board.name,
         &commit.hash[..12],
-        if commit.dirty { " (with uncommitted changes)" } else { "" }
+        if commit.dirty {
+            " (with uncommitted changes)"
+        } else {
+            ""
+        }
     ));
 
     // Inputs, all of them before any work, so a missing one stops the build at once.
     let cache = Cache::user()?;
     let inputs = resolve_inputs(&board, &cache, args.offline)?;
-    st.say(&format!("{} pinned inputs verified in the cache {}", inputs.len(), cache.dir.display()));
+    st.say(&format!(
+        "{} pinned inputs verified in the cache {}",
+        inputs.len(),
+        cache.dir.display()
+    ));
     let mut models = Vec::new();
     for m in &args.models {
         let name = m
@@ -367,7 +435,11 @@ pub fn build(args: &Args) -> Result<Built> {
             .and_then(|n| n.to_str())
             .with_context(|| format!("model {} has no UTF-8 file name", m.display()))?
             .to_string();
-        if name == fixture::FILE_NAME || models.iter().any(|(n, _, _): &(String, PathBuf, Sha256)| *n == name) {
+        if name == fixture::FILE_NAME
+            || models
+                .iter()
+                .any(|(n, _, _): &(String, PathBuf, Sha256)| *n == name)
+        {
             bail!("two models named {name} on the models partition");
         }
         let sha = Sha256::of_file(m).with_context(|| format!("model {}", m.display()))?;
@@ -394,7 +466,11 @@ pub fn build(args: &Args) -> Result<Built> {
         );
     }
     let fragment = kernel::parse_fragment(&std::fs::read_to_string(board.kernel.fragment_path())?)?;
-    let kernel_config: Vec<String> = fragment.iter().filter(|o| o.value.is_some()).map(|o| o.line()).collect();
+    let kernel_config: Vec<String> = fragment
+        .iter()
+        .filter(|o| o.value.is_some())
+        .map(|o| o.line())
+        .collect();
 
     // Runtime and NPU library.
     let kiln_path = crate::build::build_runtime(true)?;
@@ -406,7 +482,10 @@ pub fn build(args: &Args) -> Result<Built> {
         kiln.len(),
         kiln_sha.short(),
         npu.as_ref()
-            .map(|(b, o)| format!(", NPU library from {o} (sha256 {})", Sha256::of_bytes(b).short()))
+            .map(|(b, o)| format!(
+                ", NPU library from {o} (sha256 {})",
+                Sha256::of_bytes(b).short()
+            ))
             .unwrap_or_default()
     ));
 
@@ -417,13 +496,23 @@ pub fn build(args: &Args) -> Result<Built> {
     let board_toml = board.board_toml(kernel_config.clone())?;
     let overlay_key = {
         let mut ov = Tree::default();
-        rootfs::add_host_tree(&mut ov, &crate::project_root().join("rootfs/overlay"), "overlay")?;
+        rootfs::add_host_tree(
+            &mut ov,
+            &crate::project_root().join("rootfs/overlay"),
+            "overlay",
+        )?;
         tree_hash(&ov)
     };
     let deb_shas: Vec<String> = inputs
         .values()
         .filter(|(i, _)| i.file.ends_with("rootfs/packages.toml"))
-        .map(|(i, _)| format!("{}={}", i.name, i.sha256.map(|h| h.to_string()).unwrap_or_default()))
+        .map(|(i, _)| {
+            format!(
+                "{}={}",
+                i.name,
+                i.sha256.map(|h| h.to_string()).unwrap_or_default()
+            )
+        })
         .collect();
     let initramfs = Product::new(&work, "initramfs.cpio.gz");
     let initramfs_list = work.join("initramfs.files.json");
@@ -432,7 +521,9 @@ pub fn build(args: &Args) -> Result<Built> {
         &epoch.to_string(),
         &deb_shas.join(","),
         &kiln_sha.to_string(),
-        &npu.as_ref().map(|(b, _)| Sha256::of_bytes(b).to_string()).unwrap_or_default(),
+        &npu.as_ref()
+            .map(|(b, _)| Sha256::of_bytes(b).to_string())
+            .unwrap_or_default(),
         &overlay_key.to_string(),
         &board_toml,
     ]);
@@ -441,7 +532,8 @@ pub fn build(args: &Args) -> Result<Built> {
         serde_json::from_slice(&std::fs::read(&initramfs_list)?)?
     } else {
         let tree = initramfs_tree(&inputs, &kiln, &npu, &board_toml)?;
-        let epoch32 = u32::try_from(epoch).context("SOURCE_DATE_EPOCH does not fit cpio's 32 bits")?;
+        let epoch32 =
+            u32::try_from(epoch).context("SOURCE_DATE_EPOCH does not fit cpio's 32 bits")?;
         disk::cpio::write_newc_gz(&initramfs.path, &to_cpio(&tree), epoch32)?;
         let listing = tree_listing(&tree);
         write_atomic(&initramfs_list, &serde_json::to_vec_pretty(&listing)?)?;
@@ -465,13 +557,20 @@ pub fn build(args: &Args) -> Result<Built> {
         &epoch.to_string(),
         &models_uuid.to_string(),
         &Sha256::of_bytes(&fixture).to_string(),
-        &models.iter().map(|(n, _, s)| format!("{n}={s}")).collect::<Vec<_>>().join(","),
+        &models
+            .iter()
+            .map(|(n, _, s)| format!("{n}={s}"))
+            .collect::<Vec<_>>()
+            .join(","),
     ]);
     if models_img.fresh(&mkey) {
         st.reused("models partition", "same models");
     } else {
         let stage = work.join("models-staging");
-        let list: Vec<(String, PathBuf)> = models.iter().map(|(n, p, _)| (n.clone(), p.clone())).collect();
+        let list: Vec<(String, PathBuf)> = models
+            .iter()
+            .map(|(n, p, _)| (n.clone(), p.clone()))
+            .collect();
         stage_models(&stage, &list, &fixture)?;
         disk::erofs::build(&models_img.path, &stage, models_uuid, epoch)?;
         std::fs::remove_dir_all(&stage)?;
@@ -484,11 +583,24 @@ pub fn build(args: &Args) -> Result<Built> {
     let data_hash_seed = disk::guid_from_seed(&seed, "data-hash-seed");
     let data_size = board.partitions.data_mib << 20;
     let data_img = Product::new(&work, "data.ext4");
-    let dkey = key_of(&["data-v1", &epoch.to_string(), &data_uuid.to_string(), &data_hash_seed.to_string(), &data_size.to_string()]);
+    let dkey = key_of(&[
+        "data-v1",
+        &epoch.to_string(),
+        &data_uuid.to_string(),
+        &data_hash_seed.to_string(),
+        &data_size.to_string(),
+    ]);
     if data_img.fresh(&dkey) {
         st.reused("data partition", "same size and ids");
     } else {
-        disk::ext4::build_empty(&data_img.path, data_size, data_uuid, data_hash_seed, "data", epoch)?;
+        disk::ext4::build_empty(
+            &data_img.path,
+            data_size,
+            data_uuid,
+            data_hash_seed,
+            "data",
+            epoch,
+        )?;
         data_img.done(&dkey)?;
         st.say("data partition (ext4, empty) written");
     }
@@ -498,8 +610,15 @@ pub fn build(args: &Args) -> Result<Built> {
         .raw
         .iter()
         .map(|b| {
-            let (i, p) = inputs.get(&b.input).with_context(|| format!("blob input {} not declared", b.input))?;
-            Ok((b.lba, p.clone(), b.input.clone(), i.sha256.context("blob not locked")?))
+            let (i, p) = inputs
+                .get(&b.input)
+                .with_context(|| format!("blob input {} not declared", b.input))?;
+            Ok((
+                b.lba,
+                p.clone(),
+                b.input.clone(),
+                i.sha256.context("blob not locked")?,
+            ))
         })
         .collect::<Result<_>>()?;
     let models_size = std::fs::metadata(&models_img.path)?.len();
@@ -513,7 +632,11 @@ pub fn build(args: &Args) -> Result<Built> {
     )?;
 
     // Boot partition (FAT32).
-    let dtb_name = board.kernel.dtb.as_ref().map(|d| d.rsplit('/').next().unwrap_or(d).to_string());
+    let dtb_name = board
+        .kernel
+        .dtb
+        .as_ref()
+        .map(|d| d.rsplit('/').next().unwrap_or(d).to_string());
     let extlinux = extlinux_conf(&board, dtb_name.as_deref());
     let mut boot_files: Vec<(String, Vec<u8>)> = vec![
         ("extlinux/extlinux.conf".into(), extlinux.into_bytes()),
@@ -525,7 +648,12 @@ pub fn build(args: &Args) -> Result<Built> {
     }
     let boot_listing: BTreeMap<String, Value> = boot_files
         .iter()
-        .map(|(p, b)| (format!("/{p}"), json!({"size": b.len(), "sha256": Sha256::of_bytes(b)})))
+        .map(|(p, b)| {
+            (
+                format!("/{p}"),
+                json!({"size": b.len(), "sha256": Sha256::of_bytes(b)}),
+            )
+        })
         .collect();
     let toolchain = crate::doctor::cross_toolchain()?;
     let mut manifest = json!({
@@ -558,18 +686,37 @@ pub fn build(args: &Args) -> Result<Built> {
         "boot": {"files": boot_listing},
         "expect": toml::from_str::<toml::Value>(&board_toml)?,
     });
-    boot_files.push(("kiln/manifest.json".into(), serde_json::to_vec_pretty(&manifest)?));
+    boot_files.push((
+        "kiln/manifest.json".into(),
+        serde_json::to_vec_pretty(&manifest)?,
+    ));
     let boot_img = Product::new(&work, "boot.vfat");
     let volume_id = disk::u32_from_seed(&seed, "boot-fs");
     let bkey = {
-        let mut parts = vec!["boot-v1".to_string(), epoch.to_string(), volume_id.to_string(), (board.partitions.boot_mib).to_string()];
-        parts.extend(boot_files.iter().map(|(p, b)| format!("{p}={}", Sha256::of_bytes(b))));
+        let mut parts = vec![
+            "boot-v1".to_string(),
+            epoch.to_string(),
+            volume_id.to_string(),
+            (board.partitions.boot_mib).to_string(),
+        ];
+        parts.extend(
+            boot_files
+                .iter()
+                .map(|(p, b)| format!("{p}={}", Sha256::of_bytes(b))),
+        );
         key_of(&parts.iter().map(String::as_str).collect::<Vec<_>>())
     };
     if boot_img.fresh(&bkey) {
         st.reused("boot partition", "same files");
     } else {
-        disk::fat::build(&boot_img.path, board.partitions.boot_mib << 20, volume_id, "KILN-BOOT", &boot_files, epoch)?;
+        disk::fat::build(
+            &boot_img.path,
+            board.partitions.boot_mib << 20,
+            volume_id,
+            "KILN-BOOT",
+            &boot_files,
+            epoch,
+        )?;
         boot_img.done(&bkey)?;
         st.say("boot partition (FAT32) written");
     }
@@ -587,15 +734,26 @@ pub fn build(args: &Args) -> Result<Built> {
         &mkey.to_string(),
         &dkey.to_string(),
         &serde_json::to_string(&lay.describe())?,
-        &raw.iter().map(|(l, _, _, s)| format!("{l}={s}")).collect::<Vec<_>>().join(","),
+        &raw.iter()
+            .map(|(l, _, _, s)| format!("{l}={s}"))
+            .collect::<Vec<_>>()
+            .join(","),
     ]);
     let final_stamp = Product::new(&work, "image");
-    let outputs_exist = [&img, &bmap, &sha_file, &manifest_file].iter().all(|p| p.exists());
-    let stamp_ok = std::fs::read_to_string(&final_stamp.key_file).ok().as_deref() == Some(&final_key.to_string());
+    let outputs_exist = [&img, &bmap, &sha_file, &manifest_file]
+        .iter()
+        .all(|p| p.exists());
+    let stamp_ok = std::fs::read_to_string(&final_stamp.key_file)
+        .ok()
+        .as_deref()
+        == Some(&final_key.to_string());
     let sha = if outputs_exist && stamp_ok {
         let text = std::fs::read_to_string(&sha_file)?;
         let sha: Sha256 = text.split_whitespace().next().unwrap_or("").parse()?;
-        st.reused("disk image, bmap, manifest", &format!("sha256 {}", sha.short()));
+        st.reused(
+            "disk image, bmap, manifest",
+            &format!("sha256 {}", sha.short()),
+        );
         sha
     } else {
         let parts = vec![
@@ -603,12 +761,21 @@ pub fn build(args: &Args) -> Result<Built> {
             (lay.parts[1].clone(), models_img.path.clone()),
             (lay.parts[2].clone(), data_img.path.clone()),
         ];
-        let blobs: Vec<(u64, PathBuf)> = raw.iter().map(|(lba, p, _, _)| (lba * 512, p.clone())).collect();
+        let blobs: Vec<(u64, PathBuf)> = raw
+            .iter()
+            .map(|(lba, p, _, _)| (lba * 512, p.clone()))
+            .collect();
         disk::assemble(&img, lay.total_size, lay.disk_guid, &parts, &blobs)?;
-        st.say(&format!("disk image assembled ({:.1} MiB, sparse)", lay.total_size as f64 / 1048576.0));
+        st.say(&format!(
+            "disk image assembled ({:.1} MiB, sparse)",
+            lay.total_size as f64 / 1048576.0
+        ));
         crate::bmap::create(&img, &bmap)?;
         let sha = Sha256::of_file(&img)?;
-        write_atomic(&sha_file, format!("{sha}  kiln-{}.img\n", board.name).as_bytes())?;
+        write_atomic(
+            &sha_file,
+            format!("{sha}  kiln-{}.img\n", board.name).as_bytes(),
+        )?;
         let part_shas: Vec<Value> = [&boot_img.path, &models_img.path, &data_img.path]
             .iter()
             .map(|p| Ok(json!({"image": p.file_name().map(|n| n.to_string_lossy().into_owned()), "sha256": Sha256::of_file(p)?})))
@@ -658,12 +825,25 @@ mod tests {
     #[test]
     fn rock5b_without_inputs_lists_them() {
         let dir = tempfile::tempdir().unwrap();
-        let cache = Cache { dir: dir.path().to_path_buf() };
+        let cache = Cache {
+            dir: dir.path().to_path_buf(),
+        };
         let b = Board::load("rock-5b").unwrap();
         let err = resolve_inputs(&b, &cache, true).unwrap_err().to_string();
-        for name in ["linux-rk35xx-vendor", "idbloader", "u-boot-itb", "librknnrt"] {
-            assert!(err.contains(&format!("missing input {name}")), "{name}: {err}");
-            assert!(err.contains(&format!("pins lock --input {name}=PATH")), "{name}: {err}");
+        for name in [
+            "linux-rk35xx-vendor",
+            "idbloader",
+            "u-boot-itb",
+            "librknnrt",
+        ] {
+            assert!(
+                err.contains(&format!("missing input {name}")),
+                "{name}: {err}"
+            );
+            assert!(
+                err.contains(&format!("pins lock --input {name}=PATH")),
+                "{name}: {err}"
+            );
         }
         assert!(err.contains("rknpu driver 0.9.8"), "{err}");
         assert!(err.contains("librknnrt version: 2.3.2"), "{err}");

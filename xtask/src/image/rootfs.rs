@@ -34,8 +34,15 @@ impl Tree {
     /// Add a node and any missing parent folders (0755). Two different nodes at one path are an
     /// error naming both origins.
     pub fn add(&mut self, path: &str, mode: u32, kind: NodeKind, origin: &str) -> Result<()> {
-        let path = path.trim_start_matches("./").trim_start_matches('/').trim_end_matches('/');
-        if path.is_empty() || path.split('/').any(|c| c.is_empty() || c == "." || c == "..") {
+        let path = path
+            .trim_start_matches("./")
+            .trim_start_matches('/')
+            .trim_end_matches('/');
+        if path.is_empty()
+            || path
+                .split('/')
+                .any(|c| c.is_empty() || c == "." || c == "..")
+        {
             bail!("bad rootfs path {path:?} from {origin}");
         }
         let mut parent = String::new();
@@ -47,7 +54,10 @@ impl Tree {
             parent.push_str(c);
             match self.nodes.get(&parent) {
                 Some(n) if n.kind == NodeKind::Dir => {}
-                Some(n) => bail!("{path} (from {origin}) needs folder {parent}, which {} made a non-folder", n.origin),
+                Some(n) => bail!(
+                    "{path} (from {origin}) needs folder {parent}, which {} made a non-folder",
+                    n.origin
+                ),
                 None => {
                     self.nodes.insert(
                         parent.clone(),
@@ -70,7 +80,10 @@ impl Tree {
                 self.nodes.insert(path.to_string(), node);
             }
             Some(old) if old.kind == NodeKind::Dir && node.kind == NodeKind::Dir => {}
-            Some(old) => bail!("rootfs path /{path} comes from both {} and {origin}", old.origin),
+            Some(old) => bail!(
+                "rootfs path /{path} comes from both {} and {origin}",
+                old.origin
+            ),
         }
         Ok(())
     }
@@ -110,11 +123,15 @@ fn normalize(p: &str) -> String {
 }
 
 /// Run `f` on the data tar of a .deb (ar archive: `data.tar.{xz,zst,gz}`).
-fn with_data_tar<T>(deb: &Path, f: impl FnOnce(&mut tar::Archive<Box<dyn Read + '_>>) -> Result<T>) -> Result<T> {
+fn with_data_tar<T>(
+    deb: &Path,
+    f: impl FnOnce(&mut tar::Archive<Box<dyn Read + '_>>) -> Result<T>,
+) -> Result<T> {
     let file = std::fs::File::open(deb).with_context(|| format!("opening {}", deb.display()))?;
     let mut ar = ar::Archive::new(file);
     while let Some(entry) = ar.next_entry() {
-        let mut entry = entry.with_context(|| format!("reading the ar archive {}", deb.display()))?;
+        let mut entry =
+            entry.with_context(|| format!("reading the ar archive {}", deb.display()))?;
         let name = String::from_utf8_lossy(entry.header().identifier()).to_string();
         if !name.starts_with("data.tar") {
             continue;
@@ -126,15 +143,26 @@ fn with_data_tar<T>(deb: &Path, f: impl FnOnce(&mut tar::Archive<Box<dyn Read + 
         let mut tar = tar::Archive::new(dec);
         return f(&mut tar).with_context(|| format!("{name} of {}", deb.display()));
     }
-    bail!("{} has no data.tar member: not a Debian package", deb.display())
+    bail!(
+        "{} has no data.tar member: not a Debian package",
+        deb.display()
+    )
 }
 
 /// Run `f` on the contents of one member (`usr/src/…`) of a .deb's data.
-pub fn with_deb_member<T>(deb: &Path, member: &str, f: impl FnOnce(&mut dyn Read) -> Result<T>) -> Result<T> {
+pub fn with_deb_member<T>(
+    deb: &Path,
+    member: &str,
+    f: impl FnOnce(&mut dyn Read) -> Result<T>,
+) -> Result<T> {
     with_data_tar(deb, |tar| {
         for e in tar.entries()? {
             let mut e = e?;
-            let p = e.path()?.to_string_lossy().trim_start_matches("./").to_string();
+            let p = e
+                .path()?
+                .to_string_lossy()
+                .trim_start_matches("./")
+                .to_string();
             if p == member {
                 return f(&mut e);
             }
@@ -149,7 +177,11 @@ pub fn deb_tree(deb: &Path, origin: &str) -> Result<Tree> {
         let mut t = Tree::default();
         for e in tar.entries()? {
             let mut e = e?;
-            let p = e.path()?.to_string_lossy().trim_start_matches("./").to_string();
+            let p = e
+                .path()?
+                .to_string_lossy()
+                .trim_start_matches("./")
+                .to_string();
             if p.is_empty() || p == "." {
                 continue;
             }
@@ -178,9 +210,13 @@ pub fn deb_tree(deb: &Path, origin: &str) -> Result<Tree> {
 
 /// The `DT_NEEDED` sonames and the `PT_INTERP` of an ELF.
 pub fn elf_deps(bytes: &[u8], what: &str) -> Result<(Vec<String>, Option<String>)> {
-    let elf = goblin::elf::Elf::parse(bytes).with_context(|| format!("{what} is not an ELF file"))?;
+    let elf =
+        goblin::elf::Elf::parse(bytes).with_context(|| format!("{what} is not an ELF file"))?;
     if elf.header.e_machine != goblin::elf::header::EM_AARCH64 {
-        bail!("{what} is not an aarch64 ELF (e_machine {})", elf.header.e_machine);
+        bail!(
+            "{what} is not an aarch64 ELF (e_machine {})",
+            elf.header.e_machine
+        );
     }
     Ok((
         elf.libraries.iter().map(|s| s.to_string()).collect(),
@@ -189,13 +225,21 @@ pub fn elf_deps(bytes: &[u8], what: &str) -> Result<(Vec<String>, Option<String>
 }
 
 /// Where the loader looks for a soname (Debian arm64's multiarch order).
-const LIB_DIRS: &[&str] = &["lib/aarch64-linux-gnu", "usr/lib/aarch64-linux-gnu", "lib", "usr/lib"];
+const LIB_DIRS: &[&str] = &[
+    "lib/aarch64-linux-gnu",
+    "usr/lib/aarch64-linux-gnu",
+    "lib",
+    "usr/lib",
+];
 
 /// Copy `path` (and every symlink hop to its file) from `from` into `into`.
 fn copy_with_links(from: &Tree, into: &mut Tree, path: &str) -> Result<()> {
     let mut p = path.trim_start_matches('/').to_string();
     for _ in 0..16 {
-        let n = from.nodes.get(&p).with_context(|| format!("/{p} is not in the packages"))?;
+        let n = from
+            .nodes
+            .get(&p)
+            .with_context(|| format!("/{p} is not in the packages"))?;
         if into.nodes.get(&p) != Some(n) {
             into.add(&p, n.mode, n.kind.clone(), &n.origin)?;
         }
@@ -216,18 +260,28 @@ fn copy_with_links(from: &Tree, into: &mut Tree, path: &str) -> Result<()> {
 /// Add the interpreter and the shared-object closure of the ELF files at `roots` (paths in
 /// `into`), taking them from `libs` (the unpacked packages). A soname nobody provides is an error.
 pub fn add_shared_objects(into: &mut Tree, libs: &Tree, roots: &[&str]) -> Result<Vec<String>> {
-    let mut todo: Vec<(String, String)> = roots.iter().map(|r| (r.to_string(), r.to_string())).collect();
+    let mut todo: Vec<(String, String)> = roots
+        .iter()
+        .map(|r| (r.to_string(), r.to_string()))
+        .collect();
     let mut seen = BTreeSet::new();
     let mut added = Vec::new();
     while let Some((path, why)) = todo.pop() {
-        let real = into.resolve(&path).with_context(|| format!("/{path} missing"))?;
-        let Some(Node { kind: NodeKind::File(bytes), .. }) = into.nodes.get(&real) else {
+        let real = into
+            .resolve(&path)
+            .with_context(|| format!("/{path} missing"))?;
+        let Some(Node {
+            kind: NodeKind::File(bytes),
+            ..
+        }) = into.nodes.get(&real)
+        else {
             bail!("/{real} is not a file");
         };
         let (needed, interp) = elf_deps(bytes, &format!("/{real} (needed by {why})"))?;
         if let Some(i) = interp {
             if seen.insert(i.clone()) {
-                copy_with_links(libs, into, &i).with_context(|| format!("interpreter {i} of /{real}"))?;
+                copy_with_links(libs, into, &i)
+                    .with_context(|| format!("interpreter {i} of /{real}"))?;
                 added.push(i.trim_start_matches('/').to_string());
             }
         }
@@ -255,21 +309,78 @@ pub const APPLETS: &[(&str, &[&str])] = &[
     (
         "bin",
         &[
-            "sh", "ash", "cat", "chmod", "cp", "date", "dd", "df", "dmesg", "echo", "false", "grep",
-            "gunzip", "gzip", "head", "hexdump", "kill", "ln", "ls", "mkdir", "mknod", "mount",
-            "mv", "ps", "readlink", "rm", "rmdir", "sed", "sleep", "stat", "sync", "tail", "tee",
-            "test", "touch", "tr", "true", "umount", "uname", "vi", "wc", "zcat", "cut", "find",
-            "free", "md5sum", "sha256sum", "xargs", "sort", "uniq", "awk",
+            "sh",
+            "ash",
+            "cat",
+            "chmod",
+            "cp",
+            "date",
+            "dd",
+            "df",
+            "dmesg",
+            "echo",
+            "false",
+            "grep",
+            "gunzip",
+            "gzip",
+            "head",
+            "hexdump",
+            "kill",
+            "ln",
+            "ls",
+            "mkdir",
+            "mknod",
+            "mount",
+            "mv",
+            "ps",
+            "readlink",
+            "rm",
+            "rmdir",
+            "sed",
+            "sleep",
+            "stat",
+            "sync",
+            "tail",
+            "tee",
+            "test",
+            "touch",
+            "tr",
+            "true",
+            "umount",
+            "uname",
+            "vi",
+            "wc",
+            "zcat",
+            "cut",
+            "find",
+            "free",
+            "md5sum",
+            "sha256sum",
+            "xargs",
+            "sort",
+            "uniq",
+            "awk",
         ],
     ),
     (
         "sbin",
-        &["halt", "poweroff", "reboot", "switch_root", "mdev", "blkid", "sysctl", "fsck"],
+        &[
+            "halt",
+            "poweroff",
+            "reboot",
+            "switch_root",
+            "mdev",
+            "blkid",
+            "sysctl",
+            "fsck",
+        ],
     ),
 ];
 
 /// Folders the system mounts things on: `/boot` (p1), `/models` (p2), `/data` (p3).
-pub const MOUNTPOINTS: &[&str] = &["dev", "proc", "sys", "tmp", "run", "root", "mnt", "boot", "models", "data"];
+pub const MOUNTPOINTS: &[&str] = &[
+    "dev", "proc", "sys", "tmp", "run", "root", "mnt", "boot", "models", "data",
+];
 
 /// Add a folder tree from the host (the overlay) as it is: files keep their executable bit
 /// (0755 or 0644), folders are 0755, symlinks are kept as links.
@@ -281,11 +392,19 @@ pub fn add_host_tree(into: &mut Tree, dir: &Path, origin: &str) -> Result<()> {
         entries.sort_by_key(|e| e.file_name());
         for e in entries {
             let p = e.path();
-            let rel = p.strip_prefix(root)?.to_str().with_context(|| format!("{} is not UTF-8", p.display()))?;
+            let rel = p
+                .strip_prefix(root)?
+                .to_str()
+                .with_context(|| format!("{} is not UTF-8", p.display()))?;
             let ft = e.file_type()?;
             if ft.is_symlink() {
                 let t = std::fs::read_link(&p)?;
-                into.add(rel, 0o777, NodeKind::Symlink(t.to_string_lossy().into_owned()), origin)?;
+                into.add(
+                    rel,
+                    0o777,
+                    NodeKind::Symlink(t.to_string_lossy().into_owned()),
+                    origin,
+                )?;
             } else if ft.is_dir() {
                 into.add(rel, 0o755, NodeKind::Dir, origin)?;
                 walk(into, root, &p, origin)?;
@@ -293,9 +412,17 @@ pub fn add_host_tree(into: &mut Tree, dir: &Path, origin: &str) -> Result<()> {
                 use std::os::unix::fs::PermissionsExt;
                 let exec = e.metadata()?.permissions().mode() & 0o111 != 0;
                 let data = std::fs::read(&p).with_context(|| format!("reading {}", p.display()))?;
-                into.add(rel, if exec { 0o755 } else { 0o644 }, NodeKind::File(data), origin)?;
+                into.add(
+                    rel,
+                    if exec { 0o755 } else { 0o644 },
+                    NodeKind::File(data),
+                    origin,
+                )?;
             } else {
-                bail!("{}: only files, folders and symlinks go into the rootfs", p.display());
+                bail!(
+                    "{}: only files, folders and symlinks go into the rootfs",
+                    p.display()
+                );
             }
         }
         Ok(())
@@ -313,10 +440,14 @@ mod tests {
     #[test]
     fn parents_are_made_and_conflicts_named() {
         let mut t = Tree::default();
-        t.add("/usr/bin/kiln", 0o755, NodeKind::File(vec![1]), "kiln").unwrap();
+        t.add("/usr/bin/kiln", 0o755, NodeKind::File(vec![1]), "kiln")
+            .unwrap();
         assert_eq!(t.nodes["usr"].kind, NodeKind::Dir);
         assert_eq!(t.nodes["usr/bin"].kind, NodeKind::Dir);
-        let err = t.add("usr/bin/kiln", 0o644, NodeKind::File(vec![2]), "overlay").unwrap_err().to_string();
+        let err = t
+            .add("usr/bin/kiln", 0o644, NodeKind::File(vec![2]), "overlay")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("kiln") && err.contains("overlay"), "{err}");
         assert!(t.add("usr/../etc", 0o644, NodeKind::Dir, "x").is_err());
     }
@@ -324,12 +455,29 @@ mod tests {
     #[test]
     fn symlinks_resolve() {
         let mut t = Tree::default();
-        t.add("lib/aarch64-linux-gnu/ld-linux-aarch64.so.1", 0o755, NodeKind::File(vec![]), "libc6").unwrap();
-        t.add("lib/ld-linux-aarch64.so.1", 0o777, NodeKind::Symlink("aarch64-linux-gnu/ld-linux-aarch64.so.1".into()), "libc6").unwrap();
-        assert_eq!(t.resolve("/lib/ld-linux-aarch64.so.1").as_deref(), Some("lib/aarch64-linux-gnu/ld-linux-aarch64.so.1"));
+        t.add(
+            "lib/aarch64-linux-gnu/ld-linux-aarch64.so.1",
+            0o755,
+            NodeKind::File(vec![]),
+            "libc6",
+        )
+        .unwrap();
+        t.add(
+            "lib/ld-linux-aarch64.so.1",
+            0o777,
+            NodeKind::Symlink("aarch64-linux-gnu/ld-linux-aarch64.so.1".into()),
+            "libc6",
+        )
+        .unwrap();
+        assert_eq!(
+            t.resolve("/lib/ld-linux-aarch64.so.1").as_deref(),
+            Some("lib/aarch64-linux-gnu/ld-linux-aarch64.so.1")
+        );
         let mut into = Tree::default();
         copy_with_links(&t, &mut into, "/lib/ld-linux-aarch64.so.1").unwrap();
-        assert!(into.nodes.contains_key("lib/aarch64-linux-gnu/ld-linux-aarch64.so.1"));
+        assert!(into
+            .nodes
+            .contains_key("lib/aarch64-linux-gnu/ld-linux-aarch64.so.1"));
         assert!(into.nodes.contains_key("lib/ld-linux-aarch64.so.1"));
     }
 }
