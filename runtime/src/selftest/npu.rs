@@ -157,6 +157,62 @@ pub fn driver(ctx: &Ctx) -> Outcome {
     }
 }
 
+/// `npu.runtime`: librknnrt loads through the NPU backend, its matmul ABI is 2.x and its version
+/// is the pinned one. The stand-in passes, marked simulated.
+pub fn runtime(ctx: &Ctx, npu: &dyn crate::backend::Backend) -> Outcome {
+    let board = match ctx.board() {
+        Ok(b) => b,
+        Err(skip) => return skip,
+    };
+    let want = board.expect.npu_runtime.as_deref();
+    let caps = match (npu.probe(), want) {
+        (Ok(c), _) => c,
+        (Err(d), None) if !board.board.npu => {
+            return Outcome::skip(format!(
+                "board {} has no NPU and pins no NPU runtime ({d})",
+                board.board.name
+            ))
+        }
+        (Err(d), _) => return Outcome::fail(format!("librknnrt is not usable: {d}"), vec![]),
+    };
+    let fact = |k: &str| {
+        caps.facts
+            .iter()
+            .find(|(n, _)| n == k)
+            .map(|(_, v)| v.clone())
+            .unwrap_or_default()
+    };
+    let version = fact("library version");
+    let abi = fact("matmul abi");
+    let mut ev: Vec<String> = caps
+        .facts
+        .iter()
+        .map(|(k, v)| format!("{k}: {v}"))
+        .collect();
+    let mut o = if !abi.starts_with("2.") {
+        Outcome::fail(format!("matmul ABI {abi:?} is not 2.x"), ev)
+    } else {
+        match want {
+            Some(w) if version.split_whitespace().next() != Some(w) => {
+                Outcome::fail(format!("librknnrt {version} is not the pinned {w}"), ev)
+            }
+            Some(w) => {
+                ev.push(format!("version {w} (pinned)"));
+                Outcome::pass(ev)
+            }
+            None if board.board.npu => {
+                Outcome::fail("NPU board, but the board file pins no npu_runtime", ev)
+            }
+            None => {
+                ev.push("version not pinned by the board file".into());
+                Outcome::pass(ev)
+            }
+        }
+    };
+    o.simulated = caps.simulated;
+    o
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::testutil::FakeRoot;
@@ -217,60 +273,4 @@ mod tests {
         assert_eq!(o.status, Status::Skip);
         assert_eq!(o.reason.as_deref(), Some("board rock-5b has no NPU"));
     }
-}
-
-/// `npu.runtime`: librknnrt loads through the NPU backend, its matmul ABI is 2.x and its version
-/// is the pinned one. The stand-in passes, marked simulated.
-pub fn runtime(ctx: &Ctx, npu: &dyn crate::backend::Backend) -> Outcome {
-    let board = match ctx.board() {
-        Ok(b) => b,
-        Err(skip) => return skip,
-    };
-    let want = board.expect.npu_runtime.as_deref();
-    let caps = match (npu.probe(), want) {
-        (Ok(c), _) => c,
-        (Err(d), None) if !board.board.npu => {
-            return Outcome::skip(format!(
-                "board {} has no NPU and pins no NPU runtime ({d})",
-                board.board.name
-            ))
-        }
-        (Err(d), _) => return Outcome::fail(format!("librknnrt is not usable: {d}"), vec![]),
-    };
-    let fact = |k: &str| {
-        caps.facts
-            .iter()
-            .find(|(n, _)| n == k)
-            .map(|(_, v)| v.clone())
-            .unwrap_or_default()
-    };
-    let version = fact("library version");
-    let abi = fact("matmul abi");
-    let mut ev: Vec<String> = caps
-        .facts
-        .iter()
-        .map(|(k, v)| format!("{k}: {v}"))
-        .collect();
-    let mut o = if !abi.starts_with("2.") {
-        Outcome::fail(format!("matmul ABI {abi:?} is not 2.x"), ev)
-    } else {
-        match want {
-            Some(w) if version.split_whitespace().next() != Some(w) => {
-                Outcome::fail(format!("librknnrt {version} is not the pinned {w}"), ev)
-            }
-            Some(w) => {
-                ev.push(format!("version {w} (pinned)"));
-                Outcome::pass(ev)
-            }
-            None if board.board.npu => {
-                Outcome::fail("NPU board, but the board file pins no npu_runtime", ev)
-            }
-            None => {
-                ev.push("version not pinned by the board file".into());
-                Outcome::pass(ev)
-            }
-        }
-    };
-    o.simulated = caps.simulated;
-    o
 }
