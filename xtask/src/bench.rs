@@ -9,14 +9,20 @@ use xshell::cmd;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// What to measure: `flash`.
+    /// What to measure: `flash`, `matmul`.
     pub what: String,
 }
 
 pub fn run(args: Args) -> Result<()> {
     match args.what.as_str() {
         "flash" => flash(),
-        other => bail!("no bench named {other:?} (known: flash)"),
+        "matmul" => {
+            let sh = crate::shell()?;
+            cmd!(sh, "cargo bench -p kiln-runtime --bench matmul")
+                .run()
+                .context("matmul bench")
+        }
+        other => bail!("no bench named {other:?} (known: flash, matmul)"),
     }
 }
 

@@ -24,7 +24,7 @@ enum Cli {
     Test(test::Args),
     /// Write an image to an SD card or eMMC: safety checks, bmap ranges only, read-back verify.
     Flash(flash::Args),
-    /// Measure speed: `cargo xtask bench flash` (kiln vs dd vs bmaptool to a loop device).
+    /// Measure speed: `cargo xtask bench flash|matmul|…`.
     Bench(bench::Args),
 }
 
