@@ -24,7 +24,6 @@ enum Expect {
 
 impl Raw {
     fn mark(&mut self, field: &'static str) {
-        self.buf.len();
         self.marks.push((self.buf.len(), field, Expect::Truncated));
     }
     fn bytes(&mut self, field: &'static str, b: &[u8]) -> &mut Self {
@@ -39,14 +38,12 @@ impl Raw {
         self.bytes(field, &v.to_le_bytes())
     }
     fn str(&mut self, len_field: &'static str, what: &'static str, s: &[u8]) -> &mut Self {
-        let len_at = self.buf.len();
         self.u64(len_field, s.len() as u64);
         if !s.is_empty() {
             self.marks
                 .push((self.buf.len(), what, Expect::StringPastEof(what)));
             self.buf.extend_from_slice(s);
         }
-        let _ = len_at;
         self
     }
     fn header(&mut self, version: u32, tensors: u64, kvs: u64) -> &mut Self {
@@ -91,9 +88,12 @@ fn one_tensor_file(kv: impl Fn(&mut Raw)) -> Raw {
     r
 }
 
+/// Writes one metadata pair into a [`Raw`].
+type KvWriter = dyn Fn(&mut Raw);
+
 #[test]
 fn truncated_at_every_header_field() {
-    let kvs: Vec<Box<dyn Fn(&mut Raw)>> = vec![
+    let kvs: Vec<Box<KvWriter>> = vec![
         Box::new(|r| {
             r.key("k.u32", ValueType::U32).u32("UINT32 value", 7);
         }),

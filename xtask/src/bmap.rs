@@ -220,7 +220,6 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 }
 
 /// Write the `.bmap` of the sparse raw image `img` to `out`.
-#[allow(dead_code)] // called by `image`, which lands on its own branch
 pub fn create(img: &Path, out: &Path) -> Result<()> {
     let b = scan(img)?;
     write_atomic(out, render(&b).as_bytes())
@@ -277,9 +276,13 @@ pub fn parse_str(text: &str) -> Result<Bmap> {
         );
     }
     let image_size = child_u64(root, "ImageSize")?;
+    ensure!(
+        image_size <= 1 << 60,
+        "ImageSize {image_size} is not a disk image size"
+    );
     let block_size = child_u64(root, "BlockSize")?;
     ensure!(
-        block_size > 0 && block_size % 512 == 0,
+        block_size > 0 && block_size % 512 == 0 && block_size <= 1 << 30,
         "block size {block_size} is not a multiple of 512"
     );
     let blocks_count = child_u64(root, "BlocksCount")?;

@@ -156,7 +156,7 @@ pub fn boot(args: &Args) -> Result<Boot> {
         args.board
     );
     doctor::ensure(&[
-        &doctor::QEMU_SYSTEM,
+        &doctor::QEMU_SYSTEM_AARCH64,
         &doctor::UBOOT_QEMU,
         &doctor::UBOOT_TOOLS,
     ])?;

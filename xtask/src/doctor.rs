@@ -203,25 +203,32 @@ pub const MTOOLS: Tool = Tool {
     apt: &["mtools"],
 };
 
-pub const CPIO: Tool = Tool {
-    name: "cpio",
-    why: "reads our initramfs back independently in tests",
-    probe: || version_of("cpio", &["--version"]),
-    apt: &["cpio"],
+pub const LOSETUP: Tool = Tool {
+    name: "losetup",
+    why: "`flash` tests and `bench flash` write to loop devices",
+    probe: || version_of("losetup", &["--version"]),
+    apt: &["mount"],
 };
 
-pub const QEMU_SYSTEM: Tool = Tool {
+pub const QEMU_SYSTEM_AARCH64: Tool = Tool {
     name: "qemu-system-aarch64",
-    why: "boots images in the boot test",
+    why: "boots images (U-Boot distro boot, the kernel) in tests",
     probe: || version_of("qemu-system-aarch64", &["--version"]),
     apt: &["qemu-system-arm"],
 };
 
 pub const UBOOT_QEMU: Tool = Tool {
     name: "u-boot qemu_arm64",
-    why: "the boot test's firmware (-bios), so images boot through U-Boot as on a board",
+    why: "the bootloader qemu-virt images boot through (-bios)",
     probe: || file_exists("/usr/lib/u-boot/qemu_arm64/u-boot.bin"),
     apt: &["u-boot-qemu"],
+};
+
+pub const CPIO: Tool = Tool {
+    name: "cpio",
+    why: "reads our initramfs back independently in tests",
+    probe: || version_of("cpio", &["--version"]),
+    apt: &["cpio"],
 };
 
 pub const UBOOT_TOOLS: Tool = Tool {
@@ -235,9 +242,6 @@ pub const UBOOT_TOOLS: Tool = Tool {
 pub fn all_tools() -> Vec<&'static Tool> {
     vec![
         &CROSS_GCC,
-        &QEMU_SYSTEM,
-        &UBOOT_QEMU,
-        &UBOOT_TOOLS,
         &AARCH64_SYSROOT,
         &QEMU_USER,
         &PYTHON_VENV,
@@ -251,10 +255,13 @@ pub fn all_tools() -> Vec<&'static Tool> {
         &E2FSCK,
         &MTOOLS,
         &CPIO,
-        &BMAPTOOL,
-        &LSBLK,
         &LOSETUP,
         &MKFS_VFAT,
+        &BMAPTOOL,
+        &LSBLK,
+        &QEMU_SYSTEM_AARCH64,
+        &UBOOT_QEMU,
+        &UBOOT_TOOLS,
     ]
 }
 

@@ -1,6 +1,7 @@
 //! `cargo xtask`: kiln's host tool, in the cargo-xtask convention (one module per subcommand,
 //! external programs through `xshell::cmd!`, `anyhow` context at every step).
 
+mod bench;
 mod bmap;
 mod boot_test;
 mod build;
@@ -36,6 +37,8 @@ enum Cli {
     Image(image::Args),
     /// Pinned inputs: check (resolve into the cache), update (re-pin Debian packages), lock.
     Pins(pins::Args),
+    /// Measure speed: `cargo xtask bench flash|matmul|…`.
+    Bench(bench::Args),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -48,6 +51,7 @@ fn main() -> anyhow::Result<()> {
         Cli::Flash(a) => flash::run(a),
         Cli::Image(a) => image::run(a),
         Cli::Pins(a) => pins::run(a),
+        Cli::Bench(a) => bench::run(a),
     }
 }
 

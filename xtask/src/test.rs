@@ -36,6 +36,7 @@ const STAGES: &[(&str, StageFn)] = &[
     }),
     ("boot-qemu-clean", boot_qemu_clean),
     ("boot-qemu-npu-fault", boot_qemu_npu_fault),
+    ("flash", flash),
 ];
 
 pub fn run(args: Args) -> Result<()> {
@@ -338,4 +339,35 @@ fn smollm2_model(python: &std::path::Path) -> Result<std::path::PathBuf> {
     std::fs::rename(&tmp, &model).with_context(|| format!("renaming to {}", model.display()))?;
     let _ = std::fs::remove_dir_all(&dl);
     Ok(model)
+}
+
+/// `cargo xtask flash` and the bmap module: unit tests (lsblk fixtures, bmaptool agreement) and
+/// the end-to-end tests on loop devices, which need root and are `#[ignore]`d in host-tests.
+fn flash(_: &Args) -> Result<()> {
+    if doctor::version_of("id", &["-u"]).as_deref() != Some("0") {
+        bail!(
+            "the flash stage needs root: it makes loop devices, partitions and mounts one \
+             (run `sudo cargo xtask test --stage flash`)"
+        );
+    }
+    doctor::ensure(&[
+        &doctor::BMAPTOOL,
+        &doctor::LSBLK,
+        &doctor::LOSETUP,
+        &doctor::MKE2FS,
+        &doctor::SFDISK,
+    ])?;
+    let sh = crate::shell()?;
+    cmd!(
+        sh,
+        "cargo test --locked -p xtask --bin xtask -- bmap:: flash::"
+    )
+    .run()
+    .context("bmap and flash unit tests")?;
+    cmd!(
+        sh,
+        "cargo test --locked -p xtask --test flash -- --include-ignored"
+    )
+    .run()
+    .context("flash end-to-end tests (loop devices)")
 }

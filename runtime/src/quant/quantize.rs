@@ -38,12 +38,12 @@ fn nearest_int(x: f32) -> i32 {
 }
 
 /// `quantize_row_q8_0_ref` for one block: d = amax/127, q = round(x/d) (half away from zero).
-pub fn q8_0_block(x: &[f32]) -> BlockQ8_0 {
-    let amax = x[..32].iter().fold(0.0f32, |a, v| a.max(v.abs()));
+pub fn q8_0_block(x: &[f32; 32]) -> BlockQ8_0 {
+    let amax = x.iter().fold(0.0f32, |a, v| a.max(v.abs()));
     let d = amax / 127.0;
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     let mut qs = [0i8; 32];
-    for (q, v) in qs.iter_mut().zip(&x[..32]) {
+    for (q, v) in qs.iter_mut().zip(x) {
         *q = (v * id).round() as i8;
     }
     BlockQ8_0 {
@@ -53,8 +53,8 @@ pub fn q8_0_block(x: &[f32]) -> BlockQ8_0 {
 }
 
 /// `quantize_row_q8_1_ref` for one block: as Q8_0, plus `s = Σq · d` with the f32 `d`.
-pub fn q8_1_block(x: &[f32]) -> BlockQ8_1 {
-    let amax = x[..32].iter().fold(0.0f32, |a, v| a.max(v.abs()));
+pub fn q8_1_block(x: &[f32; 32]) -> BlockQ8_1 {
+    let amax = x.iter().fold(0.0f32, |a, v| a.max(v.abs()));
     let d = amax / 127.0;
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     let mut qs = [0i8; 32];
@@ -73,14 +73,14 @@ pub fn q8_1_block(x: &[f32]) -> BlockQ8_1 {
 
 /// `quantize_row_q8_K_ref` for one super-block: scale from the signed value of largest magnitude
 /// (iscale = −127/max), q = min(127, nearest(x·iscale)), d = 1/iscale.
-pub fn q8_k_block(x: &[f32]) -> BlockQ8K {
+pub fn q8_k_block(x: &[f32; QK_K]) -> BlockQ8K {
     let mut out = BlockQ8K {
         d: 0.0,
         qs: [0; QK_K],
         bsums: [0; QK_K / 16],
     };
     let (mut amax, mut max) = (0.0f32, 0.0f32);
-    for &v in &x[..QK_K] {
+    for &v in x {
         if v.abs() > amax {
             amax = v.abs();
             max = v;
@@ -90,7 +90,7 @@ pub fn q8_k_block(x: &[f32]) -> BlockQ8K {
         return out;
     }
     let iscale = -127.0 / max;
-    for (q, v) in out.qs.iter_mut().zip(&x[..QK_K]) {
+    for (q, v) in out.qs.iter_mut().zip(x) {
         *q = nearest_int(iscale * v).min(127) as i8;
     }
     for (j, s) in out.bsums.iter_mut().enumerate() {
@@ -208,6 +208,9 @@ pub fn quantize_row(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<(), Qua
             GgmlType::Q5_0 => q5_0_block(x, out),
             GgmlType::Q5_1 => q5_1_block(x, out),
             GgmlType::Q8_0 => {
+                let Ok(x) = <&[f32; 32]>::try_from(x) else {
+                    continue; // unreachable: chunks_exact(32)
+                };
                 let b = q8_0_block(x);
                 out[..2].copy_from_slice(&b.d.to_le_bytes());
                 for (o, q) in out[2..].iter_mut().zip(b.qs) {
@@ -215,6 +218,9 @@ pub fn quantize_row(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<(), Qua
                 }
             }
             GgmlType::Q8_1 => {
+                let Ok(x) = <&[f32; 32]>::try_from(x) else {
+                    continue; // unreachable: chunks_exact(32)
+                };
                 let b = q8_1_block(x);
                 out[..2].copy_from_slice(&b.d.to_le_bytes());
                 out[2..4].copy_from_slice(&b.s.to_le_bytes());
@@ -223,6 +229,9 @@ pub fn quantize_row(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<(), Qua
                 }
             }
             GgmlType::Q8K => {
+                let Ok(x) = <&[f32; QK_K]>::try_from(x) else {
+                    continue; // unreachable: chunks_exact(QK_K)
+                };
                 let b = q8_k_block(x);
                 out[..4].copy_from_slice(&b.d.to_le_bytes());
                 for (o, q) in out[4..4 + QK_K].iter_mut().zip(b.qs) {

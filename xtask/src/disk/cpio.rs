@@ -138,11 +138,10 @@ pub fn write_newc_gz(out: &Path, entries: &[CpioEntry], epoch: u32) -> Result<()
 
     let tmp = AtomicOut::new(out)?;
     let f = tmp.create()?;
-    let gz = flate2::GzBuilder::new()
+    let mut w = flate2::GzBuilder::new()
         .mtime(0)
         .operating_system(255)
         .write(BufWriter::new(f), flate2::Compression::new(GZIP_LEVEL));
-    let mut w = gz;
     for (ino, (path, m)) in tree.iter().enumerate() {
         let (type_bits, nlink, data): (u32, u32, &[u8]) = match m.kind {
             EntryKind::File(d) => (S_IFREG, 1, d),

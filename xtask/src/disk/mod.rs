@@ -103,6 +103,13 @@ impl serde::Serialize for Guid {
     }
 }
 
+impl<'de> serde::Deserialize<'de> for Guid {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Guid, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
 fn seed_digest(seed: &str, label: &str) -> [u8; 32] {
     let mut h = Sha256::new();
     h.update(b"kiln-disk-id\0");
@@ -156,8 +163,7 @@ impl AtomicOut {
             name.to_string_lossy(),
             std::process::id()
         ));
-        // A stale temp file from a killed run with the same pid would otherwise be reused.
-        let _ = std::fs::remove_file(&tmp);
+        remove_stale_temps(&dir, &name.to_string_lossy());
         Ok(AtomicOut {
             out: out.to_path_buf(),
             tmp,
@@ -198,6 +204,26 @@ impl AtomicOut {
     }
 }
 
+/// Remove `.NAME.tmp.PID` files left by killed runs (their PID no longer lives), including one
+/// with our own PID from a previous life.
+fn remove_stale_temps(dir: &Path, name: &str) {
+    let prefix = format!(".{name}.tmp.");
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let file = e.file_name();
+        let Some(pid) = file.to_str().and_then(|f| f.strip_prefix(&prefix)) else {
+            continue;
+        };
+        let mine = pid == std::process::id().to_string();
+        if mine || !Path::new("/proc").join(pid).exists() {
+            // A stage folder (erofs::build_files) or a file.
+            let _ = std::fs::remove_dir_all(e.path()).or_else(|_| std::fs::remove_file(e.path()));
+        }
+    }
+}
+
 impl Drop for AtomicOut {
     fn drop(&mut self) {
         if !self.committed {
@@ -205,6 +231,8 @@ impl Drop for AtomicOut {
         }
     }
 }
+
+static ZEROS: [u8; BLOCK as usize] = [0; BLOCK as usize];
 
 /// Copy `src` into `dst` at byte `offset`, skipping every [`BLOCK`]-aligned (in `dst`) piece that
 /// is all zeros, so holes stay holes. `dst` must read as zeros there already (fresh `set_len`).
@@ -219,15 +247,29 @@ pub fn copy_sparse(dst: &File, offset: u64, src: &Path) -> Result<u64> {
         if n == 0 {
             break;
         }
+        // Runs of non-zero blocks go out as one write.
+        let mut run: Option<usize> = None;
         let mut i = 0usize;
-        while i < n {
-            let abs = pos + i as u64;
-            let to_boundary = (BLOCK - abs % BLOCK) as usize;
-            let end = (i + to_boundary).min(n);
-            let piece = &buf[i..end];
-            if piece.iter().any(|&b| b != 0) {
-                dst.write_all_at(piece, abs)
-                    .with_context(|| format!("writing {} at byte {abs}", src.display()))?;
+        while i <= n {
+            let end = if i < n {
+                (i + (BLOCK - (pos + i as u64) % BLOCK) as usize).min(n)
+            } else {
+                n
+            };
+            // Slice equality is a memcmp, fast even in the unoptimised builds `cargo xtask` runs.
+            let data = i < n && buf[i..end] != ZEROS[..end - i];
+            match (data, run) {
+                (true, None) => run = Some(i),
+                (false, Some(start)) => {
+                    let abs = pos + start as u64;
+                    dst.write_all_at(&buf[start..i], abs)
+                        .with_context(|| format!("writing {} at byte {abs}", src.display()))?;
+                    run = None;
+                }
+                _ => {}
+            }
+            if i == n {
+                break;
             }
             i = end;
         }
@@ -248,6 +290,15 @@ fn read_full(f: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
         }
     }
     Ok(n)
+}
+
+/// Versions of the external tools whose output goes into the image, for the manifest: the image
+/// bytes are reproducible for the same versions.
+pub fn tool_versions() -> Vec<(&'static str, Option<String>)> {
+    vec![
+        ("erofs-utils", (crate::doctor::MKFS_EROFS.probe)()),
+        ("e2fsprogs", (crate::doctor::MKE2FS.probe)()),
+    ]
 }
 
 /// The environment every filesystem tool runs under: no locale, clock zone or umask of the host.

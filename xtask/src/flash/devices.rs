@@ -444,10 +444,17 @@ pub fn gather(image: &Path) -> Result<Host> {
         std::fs::read_to_string("/proc/self/mountinfo").context("reading /proc/self/mountinfo")?;
     let mounts = parse_mountinfo(&mountinfo);
     let mut protected: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let system = ["/boot", "/boot/efi", "/usr", "/home"];
     for (path, why) in protected_paths(image) {
         let Some(real) = existing(&path) else {
             continue;
         };
+        // `/boot` on the root file system is covered by `/`; name it only as its own mount.
+        if system.iter().any(|s| path == Path::new(s))
+            && !mounts.iter().any(|(at, _)| Path::new(at) == real)
+        {
+            continue;
+        }
         let Some(devno) = mount_of(&mounts, &real) else {
             continue;
         };
@@ -679,6 +686,18 @@ mod tests {
         assert!(assess(&h4, "loop0", &all)
             .expect_err("ro")
             .contains(&Refusal::ReadOnly));
+    }
+
+    /// util-linux before 2.37 printed flags and sizes as strings.
+    #[test]
+    fn old_lsblk_string_columns_parse() {
+        let json = r#"{"blockdevices": [{"name":"sdb","type":"disk","rm":"1","hotplug":"1",
+            "tran":"usb","size":"31914983424","ro":"0","mountpoints":[null],"model":"Card Reader",
+            "serial":null}]}"#;
+        let d = parse_lsblk(json).expect("parses");
+        assert!(d[0].rm && d[0].hotplug && !d[0].ro);
+        assert_eq!(d[0].size, 31_914_983_424);
+        assert!(parse_lsblk(r#"{"blockdevices":[{"name":"x","type":"disk","rm":[],"#).is_err());
     }
 
     #[test]

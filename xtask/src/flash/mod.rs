@@ -45,6 +45,9 @@ pub struct Args {
     /// Allow a disk over 256 GB.
     #[arg(long)]
     pub force_large: bool,
+    /// Refuse unless the device reports this serial number (for scripts that use `--yes`).
+    #[arg(long)]
+    pub expect_serial: Option<String>,
     /// Test hook: flip the byte at this offset on the target between write and verify.
     #[arg(long, hide = true)]
     pub test_corrupt_at: Option<u64>,
@@ -204,7 +207,18 @@ fn choose(host: &Host, policy: &Policy) -> Result<String> {
     Ok(a.trim_start_matches("/dev/").to_string())
 }
 
+/// What a flash took, for `bench flash`.
+pub struct Summary {
+    pub written_bytes: u64,
+    pub write: std::time::Duration,
+    pub verify: Option<std::time::Duration>,
+}
+
 pub fn run(args: Args) -> Result<()> {
+    flash(args).map(|_| ())
+}
+
+pub fn flash(args: Args) -> Result<Summary> {
     doctor::ensure(&[&doctor::LSBLK])?;
     let image = std::fs::canonicalize(&args.image)
         .with_context(|| format!("image {}", args.image.display()))?;
@@ -251,6 +265,15 @@ pub fn run(args: Args) -> Result<()> {
                 let why: Vec<String> = why.iter().map(|r| format!("  - {r}")).collect();
                 anyhow::anyhow!("refusing to write {}:\n{}", path.display(), why.join("\n"))
             })?;
+            if let Some(want) = &args.expect_serial {
+                let got = d.serial.as_deref().unwrap_or("").trim();
+                if got != want.trim() {
+                    bail!(
+                        "refusing to write {}: its serial is {got:?}, not the expected {want:?}",
+                        path.display()
+                    );
+                }
+            }
             println!("target: {}", describe(&host, d));
             if let Some(s) = &d.serial {
                 println!("        serial {s}");
@@ -288,7 +311,11 @@ pub fn run(args: Args) -> Result<()> {
     );
     if args.dry_run {
         println!("dry run: nothing written");
-        return Ok(());
+        return Ok(Summary {
+            written_bytes: 0,
+            write: std::time::Duration::ZERO,
+            verify: None,
+        });
     }
     let mut target = Target::open(&target_path, is_block)?;
     if is_block {
@@ -313,6 +340,7 @@ pub fn run(args: Args) -> Result<()> {
         target.corrupt_byte(off)?;
     }
     let mut result = Ok(());
+    let mut verify_time = None;
     if args.no_verify {
         println!("verify skipped (--no-verify)");
     } else {
@@ -326,6 +354,7 @@ pub fn run(args: Args) -> Result<()> {
         }
         match write::verify(&target_path, is_block, &check, &image) {
             Ok(v) => {
+                verify_time = Some(v.elapsed);
                 let secs = v.elapsed.as_secs_f64();
                 println!(
                     "verified {} in {secs:.2} s ({:.1} MB/s): every range matches",
@@ -338,12 +367,42 @@ pub fn run(args: Args) -> Result<()> {
     }
     if is_block {
         if let Err(e) = target.reread_partitions() {
-            println!(
-                "flash: warning: {e:#} (the kernel keeps the old partition table until replug)"
-            );
+            let name = target_path.file_name().map(|n| n.to_string_lossy());
+            if name.is_some_and(|n| n.starts_with("loop")) {
+                println!("flash: partition table not re-read ({e:#}): a loop device without -P");
+            } else {
+                println!(
+                    "flash: warning: {e:#} (the kernel keeps the old partition table until \
+                     the card is re-inserted)"
+                );
+            }
         }
     }
     result?;
     println!("flash: done: {}", target_path.display());
-    Ok(())
+    Ok(Summary {
+        written_bytes: w.bytes,
+        write: w.elapsed,
+        verify: verify_time,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plan_without_bmap_covers_the_image_exactly() {
+        let p = plan(None, 200 << 20 | 123);
+        assert_eq!(p.first().map(|e| e.start), Some(0));
+        assert_eq!(p.last().map(|e| e.end), Some(200 << 20 | 123));
+        assert!(p.windows(2).all(|w| w[0].end == w[1].start));
+        assert!(p.iter().all(|e| e.sha256.is_none()));
+    }
+
+    #[test]
+    fn bmap_is_found_beside_the_raw_or_compressed_image() {
+        assert_eq!(raw_name(Path::new("a/k.img.zst")), PathBuf::from("a/k.img"));
+        assert_eq!(raw_name(Path::new("a/k.img")), PathBuf::from("a/k.img"));
+    }
 }

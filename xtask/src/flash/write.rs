@@ -227,10 +227,14 @@ impl Target {
 
     /// Write `data` at `off`; on a block device the 4096-aligned part goes through O_DIRECT.
     fn write_at(&mut self, data: &[u8], off: u64) -> Result<()> {
-        let direct_len = if self.is_block {
-            data.len() - data.len() % ALIGN as usize
-        } else {
+        // A bmap with blocks smaller than ALIGN can start a range off the O_DIRECT grid: such
+        // a piece goes through the buffered descriptor.
+        let direct_len = if !self.is_block {
             data.len()
+        } else if off % ALIGN != 0 {
+            0
+        } else {
+            data.len() - data.len() % ALIGN as usize
         };
         self.file
             .write_all_at(&data[..direct_len], off)
@@ -280,7 +284,7 @@ impl Target {
 fn bar(total: u64, what: &str) -> ProgressBar {
     let pb = ProgressBar::new(total);
     if let Ok(style) = ProgressStyle::with_template(
-        "{prefix:>7} [{bar:40}] {bytes}/{total_bytes} {binary_bytes_per_sec} ETA {eta}",
+        "{prefix:>7} [{bar:40}] {decimal_bytes}/{decimal_total_bytes} {decimal_bytes_per_sec} ETA {eta}",
     ) {
         pb.set_style(style.progress_chars("=> "));
     }
@@ -379,7 +383,11 @@ fn read_back(
     while off < end {
         let n = ((end - off) as usize).min(CHUNK);
         let b = buf.get(n);
-        let aligned = n - n % ALIGN as usize;
+        let aligned = if off % ALIGN == 0 {
+            n - n % ALIGN as usize
+        } else {
+            0
+        };
         match direct {
             Some(d) if aligned > 0 => {
                 d.read_exact_at(&mut b[..aligned], off)?;

@@ -4,11 +4,49 @@
 //! once per block. F16/BF16 rows are widened to f32 and accumulated in f32.
 
 use super::kernels::{dot_f32, Kernel};
-use crate::quant::dequant::f16_at;
 use crate::quant::{
     get_scale_min_k4, q8_0_block, q8_1_block, q8_k_block, BlockQ8K, GgmlType, QK_K,
 };
-use half::{f16, slice::HalfFloatSliceExt};
+use half::f16;
+use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
+
+/// binary16 → f32 for one block scale, exact for every bit pattern: the exponent is rebiased by
+/// one exact multiply by 2^112 (which also normalises subnormals), Inf/NaN get the all-ones
+/// exponent. By hand because `half`'s scalar `to_f32` runs CPU feature detection on every call.
+#[inline(always)]
+pub(crate) fn f16_bits_to_f32(h: u16) -> f32 {
+    let h = h as u32;
+    let em = (h & 0x7FFF) << 13;
+    let scaled = (f32::from_bits(em) * f32::from_bits(0x7780_0000)).to_bits();
+    let bits = if h & 0x7C00 == 0x7C00 {
+        em | 0x7F80_0000
+    } else {
+        scaled
+    };
+    f32::from_bits(bits | ((h & 0x8000) << 16))
+}
+
+/// ggml's nibble order: byte j holds element j (low) and j+16 (high).
+#[inline(always)]
+fn unpack4(q: &[u8; 16], bias: i8, out: &mut [i8; 32]) {
+    for j in 0..16 {
+        out[j] = (q[j] & 0xF) as i8 - bias;
+        out[j + 16] = (q[j] >> 4) as i8 - bias;
+    }
+}
+
+/// As [`unpack4`], with each element's 5th bit from `qh` (bit j for element j).
+#[inline(always)]
+fn unpack5(q: &[u8; 16], qh: u32, bias: i8, out: &mut [i8; 32]) {
+    for j in 0..16 {
+        out[j] = ((q[j] & 0xF) | (((qh >> j) & 1) << 4) as u8) as i8 - bias;
+        out[j + 16] = ((q[j] >> 4) | (((qh >> (j + 16)) & 1) << 4) as u8) as i8 - bias;
+    }
+}
+
+fn f16_le(b: &[u8], at: usize) -> f32 {
+    f16_bits_to_f32(u16::from_le_bytes([b[at], b[at + 1]]))
+}
 
 /// The activation format a weight type is multiplied against.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -60,7 +98,10 @@ impl<'a> Activations<'a> {
             ActFormat::F32 => {}
             ActFormat::Q8_0 => {
                 act.qs.reserve(a.len());
-                for x in a.chunks_exact(32) {
+                for x in a
+                    .chunks_exact(32)
+                    .filter_map(|c| <&[f32; 32]>::try_from(c).ok())
+                {
                     let b = q8_0_block(x);
                     act.d.push(b.d.to_f32());
                     act.qs.extend_from_slice(&b.qs);
@@ -68,7 +109,10 @@ impl<'a> Activations<'a> {
             }
             ActFormat::Q8_1 => {
                 act.qs.reserve(a.len());
-                for x in a.chunks_exact(32) {
+                for x in a
+                    .chunks_exact(32)
+                    .filter_map(|c| <&[f32; 32]>::try_from(c).ok())
+                {
                     let b = q8_1_block(x);
                     act.d.push(b.d.to_f32());
                     act.s.push(b.s.to_f32());
@@ -77,7 +121,10 @@ impl<'a> Activations<'a> {
             }
             ActFormat::Q8K => {
                 act.qs.reserve(a.len());
-                for x in a.chunks_exact(QK_K) {
+                for x in a
+                    .chunks_exact(QK_K)
+                    .filter_map(|c| <&[f32; QK_K]>::try_from(c).ok())
+                {
                     let BlockQ8K { d, qs, bsums } = q8_k_block(x);
                     act.d.push(d);
                     act.qs.extend_from_slice(&qs);
@@ -106,8 +153,8 @@ pub(crate) struct RowScratch {
 }
 
 impl RowScratch {
-    /// Unpack weight row `src` (K elements of `ty`) into `self`.
-    pub fn unpack(&mut self, ty: GgmlType, src: &[u8], k: usize) {
+    /// Unpack weight row `src` (whole blocks of `ty`) into `self`.
+    pub fn unpack(&mut self, ty: GgmlType, src: &[u8]) {
         self.qs.clear();
         self.d.clear();
         self.m.clear();
@@ -123,15 +170,16 @@ impl RowScratch {
                 );
             }
             GgmlType::F16 => {
+                // `half` converts a slice with F16C / NEON fp16 when the CPU has them (detected
+                // once per call); the bytes go through u16s because the mapping may be unaligned.
                 self.bits.clear();
                 self.bits.extend(
                     src.chunks_exact(2)
                         .map(|b| u16::from_le_bytes([b[0], b[1]])),
                 );
-                self.f.resize(k, 0.0);
-                let halves: &[f16] =
-                    half::slice::HalfBitsSliceExt::reinterpret_cast(&self.bits[..]);
-                halves.convert_to_f32_slice(&mut self.f);
+                self.f.resize(self.bits.len(), 0.0);
+                HalfBitsSliceExt::reinterpret_cast::<f16>(&self.bits[..])
+                    .convert_to_f32_slice(&mut self.f);
             }
             GgmlType::Bf16 => {
                 self.f.clear();
@@ -141,50 +189,61 @@ impl RowScratch {
                 );
             }
             GgmlType::Q8_0 => {
-                for b in src.chunks_exact(bb) {
-                    self.d.push(f16_at(b, 0));
-                    self.qs.extend(b[2..34].iter().map(|&q| q as i8));
-                }
-            }
-            GgmlType::Q4_0 | GgmlType::Q4_1 => {
-                let (off, signed) = if ty == GgmlType::Q4_0 { (2, 8) } else { (4, 0) };
-                for b in src.chunks_exact(bb) {
-                    self.d.push(f16_at(b, 0));
-                    if ty == GgmlType::Q4_1 {
-                        self.m.push(f16_at(b, 2));
+                let nb = src.len() / bb;
+                self.qs.resize(nb * 32, 0);
+                self.d.resize(nb, 0.0);
+                let blocks = src.chunks_exact(bb).zip(self.qs.chunks_exact_mut(32));
+                for ((b, out), d) in blocks.zip(self.d.iter_mut()) {
+                    *d = f16_le(b, 0);
+                    if let (Ok(q), Ok(out)) = (
+                        <&[u8; 32]>::try_from(&b[2..34]),
+                        <&mut [i8; 32]>::try_from(out),
+                    ) {
+                        *out = q.map(|x| x as i8);
                     }
-                    let q = &b[off..off + 16];
-                    self.qs.extend(q.iter().map(|&x| (x & 0xF) as i8 - signed));
-                    self.qs.extend(q.iter().map(|&x| (x >> 4) as i8 - signed));
                 }
             }
-            GgmlType::Q5_0 | GgmlType::Q5_1 => {
-                let (off, signed) = if ty == GgmlType::Q5_0 {
-                    (2, 16)
-                } else {
-                    (4, 0)
+            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 => {
+                let nb = src.len() / bb;
+                let has_m = matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1);
+                let five = matches!(ty, GgmlType::Q5_0 | GgmlType::Q5_1);
+                let bias = match ty {
+                    GgmlType::Q4_0 => 8,
+                    GgmlType::Q5_0 => 16,
+                    _ => 0,
                 };
-                for b in src.chunks_exact(bb) {
-                    self.d.push(f16_at(b, 0));
-                    if ty == GgmlType::Q5_1 {
-                        self.m.push(f16_at(b, 2));
+                let off = if has_m { 4 } else { 2 };
+                self.qs.resize(nb * 32, 0);
+                self.d.resize(nb, 0.0);
+                self.m.resize(if has_m { nb } else { 0 }, 0.0);
+                let blocks = src.chunks_exact(bb).zip(self.qs.chunks_exact_mut(32));
+                for (i, (b, out)) in blocks.enumerate() {
+                    self.d[i] = f16_le(b, 0);
+                    if has_m {
+                        self.m[i] = f16_le(b, 2);
                     }
-                    let qh = u32::from_le_bytes([b[off], b[off + 1], b[off + 2], b[off + 3]]);
-                    let q = &b[off + 4..off + 20];
-                    self.qs.extend(
-                        q.iter().enumerate().map(|(j, &x)| {
-                            ((x & 0xF) | (((qh >> j) as u8 & 1) << 4)) as i8 - signed
-                        }),
-                    );
-                    self.qs.extend(q.iter().enumerate().map(|(j, &x)| {
-                        ((x >> 4) | (((qh >> (j + 16)) as u8 & 1) << 4)) as i8 - signed
-                    }));
+                    let (qh, qs) = if five {
+                        let qh = u32::from_le_bytes([b[off], b[off + 1], b[off + 2], b[off + 3]]);
+                        (qh, &b[off + 4..off + 20])
+                    } else {
+                        (0, &b[off..off + 16])
+                    };
+                    // Fixed-size views so the loops below vectorise; the lengths always match.
+                    if let (Ok(q), Ok(out)) =
+                        (<&[u8; 16]>::try_from(qs), <&mut [i8; 32]>::try_from(out))
+                    {
+                        if five {
+                            unpack5(q, qh, bias, out);
+                        } else {
+                            unpack4(q, bias, out);
+                        }
+                    }
                 }
             }
             GgmlType::Q4K | GgmlType::Q5K => {
                 for b in src.chunks_exact(bb) {
-                    self.d.push(f16_at(b, 0));
-                    self.m.push(f16_at(b, 2));
+                    self.d.push(f16_le(b, 0));
+                    self.m.push(f16_le(b, 2));
                     let scales = &b[4..16];
                     for j in 0..8 {
                         let (sc, m) = get_scale_min_k4(j, scales);
@@ -211,7 +270,7 @@ impl RowScratch {
             }
             GgmlType::Q6K => {
                 for b in src.chunks_exact(bb) {
-                    self.d.push(f16_at(b, 208));
+                    self.d.push(f16_le(b, 208));
                     self.sc.extend(b[192..208].iter().map(|&s| s as i8 as i32));
                     let start = self.qs.len();
                     self.qs.resize(start + QK_K, 0);

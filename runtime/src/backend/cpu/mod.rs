@@ -85,14 +85,14 @@ fn check_run(
         ),
         None => bail!("{backend}: {} was prepared by another backend", w.name),
     }
-    if a.len() != m * w.k || c.len() != m * w.n {
+    if m.checked_mul(w.k) != Some(a.len()) || m.checked_mul(w.n) != Some(c.len()) {
         bail!(
-            "{backend}: {} with M={m}: A has {} values (want {}), C has {} (want {})",
+            "{backend}: {} with M={m}: A has {} values (want M×K, K={}), C has {} (want M×N, N={})",
             w.name,
             a.len(),
-            m * w.k,
+            w.k,
             c.len(),
-            m * w.n
+            w.n
         );
     }
     Ok(row)
@@ -259,16 +259,29 @@ impl CpuBackend {
         n0: usize,
         ct: &mut [f32],
     ) {
-        let mut scratch = RowScratch::default();
-        for (j, out) in ct.chunks_exact_mut(m).enumerate() {
-            let n = n0 + j;
-            #[cfg(test)]
-            if self.skip_column == Some(n) {
-                continue;
+        // A tile of weight rows is unpacked together and each activation row is dotted with all
+        // of them while it sits in L1, so M > 1 reads the activations once per tile, not per row.
+        const TILE: usize = 4;
+        let mut scratch: [RowScratch; TILE] = Default::default();
+        for (t, outs) in ct.chunks_mut(TILE * m).enumerate() {
+            let rows = outs.len() / m;
+            #[allow(unused_mut)]
+            let mut live = [true; TILE];
+            for (r, sc) in scratch.iter_mut().enumerate().take(rows) {
+                let n = n0 + t * TILE + r;
+                #[cfg(test)]
+                if self.skip_column == Some(n) {
+                    live[r] = false;
+                    continue;
+                }
+                sc.unpack(w.ty, &w.data[n * row_bytes..(n + 1) * row_bytes]);
             }
-            scratch.unpack(w.ty, &w.data[n * row_bytes..(n + 1) * row_bytes], w.k);
-            for (i, o) in out.iter_mut().enumerate() {
-                *o = scratch.dot(self.kernel, w.ty, act, i);
+            for i in 0..m {
+                for (r, sc) in scratch.iter_mut().enumerate().take(rows) {
+                    if live[r] {
+                        outs[r * m + i] = sc.dot(self.kernel, w.ty, act, i);
+                    }
+                }
             }
         }
     }

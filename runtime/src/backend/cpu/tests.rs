@@ -355,3 +355,16 @@ fn forcing_an_unavailable_kernel_is_an_error_and_f32_weights_need_no_alignment()
     let want = run(&CpuRefBackend, &w, &a, 2);
     assert!(nmse(&got, &want) < 1e-10);
 }
+
+#[test]
+fn f16_widening_is_exact_for_every_bit_pattern() {
+    for h in 0..=u16::MAX {
+        let want = f16::from_bits(h).to_f32();
+        let got = super::fast::f16_bits_to_f32(h);
+        if want.is_nan() {
+            assert!(got.is_nan(), "{h:#06x}");
+        } else {
+            assert_eq!(got.to_bits(), want.to_bits(), "{h:#06x}");
+        }
+    }
+}

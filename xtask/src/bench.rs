@@ -1,0 +1,186 @@
+//! `cargo xtask bench WHAT`: measurements that tests must not make (speed), printed as a table.
+
+use crate::doctor;
+use anyhow::{bail, Context, Result};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+use xshell::cmd;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// What to measure: `flash`, `matmul`.
+    pub what: String,
+}
+
+pub fn run(args: Args) -> Result<()> {
+    match args.what.as_str() {
+        "flash" => flash(),
+        "matmul" => {
+            let sh = crate::shell()?;
+            cmd!(sh, "cargo bench -p kiln-runtime --bench matmul")
+                .run()
+                .context("matmul bench")
+        }
+        other => bail!("no bench named {other:?} (known: flash, matmul)"),
+    }
+}
+
+const GIB: u64 = 1 << 30;
+const MIB: u64 = 1 << 20;
+
+/// Detaches the loop device when the bench ends, however it ends.
+struct Loop(String);
+impl Drop for Loop {
+    fn drop(&mut self) {
+        if let Ok(sh) = xshell::Shell::new() {
+            let dev = &self.0;
+            let _ = cmd!(sh, "losetup -d {dev}").quiet().run();
+        }
+    }
+}
+
+/// A 2 GiB sparse image with 100 MiB of data in 25 extents of 4 MiB, spread over the image the
+/// way a boot partition, a models partition and file-system metadata are.
+fn make_image(img: &Path) -> Result<()> {
+    let f = std::fs::File::create(img).with_context(|| format!("creating {}", img.display()))?;
+    f.set_len(2 * GIB)?;
+    let mut x: u64 = 0x2545_F491_4F6C_DD1D;
+    let mut chunk = vec![0u8; (4 * MIB) as usize];
+    for i in 0..25u64 {
+        for b in chunk.iter_mut() {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            *b = x as u8;
+        }
+        let off = i * (80 * MIB) + if i % 2 == 0 { 0 } else { 12 * MIB };
+        f.write_all_at(&chunk, off)
+            .with_context(|| format!("writing {}", img.display()))?;
+    }
+    f.sync_all()?;
+    Ok(())
+}
+
+fn timed(f: impl FnOnce() -> Result<()>) -> Result<Duration> {
+    let t = Instant::now();
+    f()?;
+    Ok(t.elapsed())
+}
+
+/// kiln vs `dd bs=4M oflag=direct conv=fsync` vs `bmaptool copy`, to one loop device (with
+/// direct I/O to its backing file, so the page cache does not absorb the writes).
+fn flash() -> Result<()> {
+    doctor::ensure(&[&doctor::BMAPTOOL, &doctor::LOSETUP, &doctor::LSBLK])?;
+    let dir = crate::target_dir().join("kiln/bench-flash");
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let img = dir.join("bench.img");
+    let bmap_path = dir.join("bench.img.bmap");
+    make_image(&img)?;
+    crate::bmap::create(&img, &bmap_path)?;
+    let bm = crate::bmap::parse(&bmap_path)?;
+    let backing = dir.join("backing.bin");
+    {
+        let f = std::fs::File::create(&backing)
+            .with_context(|| format!("creating {}", backing.display()))?;
+        f.set_len(2 * GIB + 64 * MIB)?;
+    }
+    let sh = crate::shell()?;
+    let dev = cmd!(sh, "losetup -f --show --direct-io=on {backing}")
+        .read()
+        .context("losetup (the bench needs root)")?;
+    let lo = Loop(dev.trim().to_string());
+    let dev = PathBuf::from(&lo.0);
+    println!(
+        "bench flash: {} image, {} mapped in {} ranges, to {} (loop, direct I/O)",
+        crate::flash::devices::human(bm.image_size),
+        crate::flash::devices::human(bm.mapped_bytes()),
+        bm.ranges.len(),
+        dev.display()
+    );
+
+    let dd = timed(|| {
+        let of = format!("of={}", dev.display());
+        let iff = format!("if={}", img.display());
+        cmd!(
+            sh,
+            "dd {iff} {of} bs=4M oflag=direct conv=fsync status=none"
+        )
+        .run()
+        .context("dd")
+    })?;
+    let bmaptool = timed(|| {
+        cmd!(sh, "bmaptool -q copy --bmap {bmap_path} {img} {dev}")
+            .run()
+            .context("bmaptool copy")
+    })?;
+    let kiln_args = |no_verify: bool| crate::flash::Args {
+        image: img.clone(),
+        device: Some(dev.clone()),
+        bmap: Some(bmap_path.clone()),
+        yes: true,
+        no_verify,
+        dry_run: false,
+        allow_loop: true,
+        force_non_removable: false,
+        force_large: false,
+        expect_serial: None,
+        test_corrupt_at: None,
+        test_stop_after: None,
+    };
+    let mut kiln_write = (Duration::ZERO, 0u64);
+    let kiln = timed(|| {
+        let r = crate::flash::flash(kiln_args(true))?;
+        kiln_write = (r.write, r.written_bytes);
+        Ok(())
+    })?;
+    let mut verify = None;
+    let kiln_verified = timed(|| {
+        verify = crate::flash::flash(kiln_args(false))?.verify;
+        Ok(())
+    })?;
+    let verify = verify.context("the verified run reported no verify time")?;
+
+    // kiln's speed is bounded by sha256; an unoptimised sha2 (the dev profile without a
+    // per-package opt-level) runs at a few MB/s, so say what this build does.
+    let sha_rate = {
+        use sha2::Digest;
+        let data = vec![0x5au8; (64 * MIB) as usize];
+        let t = Instant::now();
+        let d = sha2::Sha256::digest(&data);
+        std::hint::black_box(d);
+        64.0 * MIB as f64 / 1e6 / t.elapsed().as_secs_f64().max(1e-9)
+    };
+    println!("sha256 in this build: {sha_rate:.0} MB/s");
+    let s = |d: Duration| d.as_secs_f64();
+    println!();
+    println!("{:<44} {:>9} {:>12}", "", "seconds", "vs kiln");
+    let row = |name: &str, d: Duration| {
+        println!(
+            "{name:<44} {:>9.2} {:>11.2}x",
+            s(d),
+            s(d) / s(kiln).max(1e-9)
+        );
+    };
+    row("kiln flash --no-verify (wall, all checks)", kiln);
+    println!(
+        "{:<44} {:>9.2}   ({:.0} MB/s)",
+        "  of which writing the ranges",
+        s(kiln_write.0),
+        kiln_write.1 as f64 / 1e6 / s(kiln_write.0).max(1e-9)
+    );
+    row("dd bs=4M oflag=direct conv=fsync (2 GiB)", dd);
+    row("bmaptool copy", bmaptool);
+    row("kiln flash with verify (wall)", kiln_verified);
+    println!(
+        "{:<44} {:>9.2}   ({:.0} MB/s read-back, O_DIRECT)",
+        "  of which verify",
+        s(verify),
+        bm.mapped_bytes() as f64 / 1e6 / s(verify).max(1e-9)
+    );
+    drop(lo);
+    for p in [&img, &backing] {
+        let _ = std::fs::remove_file(p);
+    }
+    Ok(())
+}
