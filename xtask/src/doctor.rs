@@ -203,13 +203,6 @@ pub const MTOOLS: Tool = Tool {
     apt: &["mtools"],
 };
 
-pub const LOSETUP: Tool = Tool {
-    name: "losetup",
-    why: "`flash` tests and `bench flash` write to loop devices",
-    probe: || version_of("losetup", &["--version"]),
-    apt: &["mount"],
-};
-
 pub const QEMU_SYSTEM_AARCH64: Tool = Tool {
     name: "qemu-system-aarch64",
     why: "boots images (U-Boot distro boot, the kernel) in tests",
