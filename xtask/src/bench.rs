@@ -9,20 +9,15 @@ use xshell::cmd;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// What to measure: `flash`, `matmul`.
+    /// What to measure: `flash`, `image`.
     pub what: String,
 }
 
 pub fn run(args: Args) -> Result<()> {
     match args.what.as_str() {
         "flash" => flash(),
-        "matmul" => {
-            let sh = crate::shell()?;
-            cmd!(sh, "cargo bench -p kiln-runtime --bench matmul")
-                .run()
-                .context("matmul bench")
-        }
-        other => bail!("no bench named {other:?} (known: flash, matmul)"),
+        "image" => crate::image::bench::run(),
+        other => bail!("no bench named {other:?} (known: flash, image)"),
     }
 }
 

@@ -82,6 +82,98 @@ pub const PYTHON_VENV: Tool = Tool {
     apt: &["python3-venv"],
 };
 
+pub const BMAPTOOL: Tool = Tool {
+    name: "bmaptool",
+    why: "the independent reference for our .bmap files; `bench flash` compares against it",
+    probe: || version_of("bmaptool", &["--version"]),
+    apt: &["bmap-tools"],
+};
+
+pub const LSBLK: Tool = Tool {
+    name: "lsblk",
+    why: "`flash` reads the block devices (type, transport, size, mounts) from it",
+    probe: || version_of("lsblk", &["--version"]),
+    apt: &["util-linux"],
+};
+
+pub const MKFS_EROFS: Tool = Tool {
+    name: "mkfs.erofs",
+    why: "writes the models partition (erofs)",
+    // mkfs.erofs 1.5 has no version flag; fsck.erofs from the same package says it.
+    probe: || version_of("mkfs.erofs", &["--help"]).and_then(|_| version_of("fsck.erofs", &["-V"])),
+    apt: &["erofs-utils"],
+};
+
+pub const MKE2FS: Tool = Tool {
+    name: "mke2fs",
+    why: "writes the data partition (ext4)",
+    probe: || version_of("mke2fs", &["-V"]),
+    apt: &["e2fsprogs"],
+};
+
+pub const SFDISK: Tool = Tool {
+    name: "sfdisk",
+    why: "judges our GPT in tests (sfdisk --json)",
+    probe: || version_of("sfdisk", &["--version"]),
+    apt: &["fdisk"],
+};
+
+pub const FSCK_VFAT: Tool = Tool {
+    name: "fsck.vfat",
+    why: "judges our FAT in tests (fsck.vfat -n)",
+    probe: || version_of("fsck.vfat", &["--help"]),
+    apt: &["dosfstools"],
+};
+
+pub const FSCK_EROFS: Tool = Tool {
+    name: "fsck.erofs",
+    why: "judges our erofs in tests",
+    probe: || version_of("fsck.erofs", &["-V"]),
+    apt: &["erofs-utils"],
+};
+
+pub const E2FSCK: Tool = Tool {
+    name: "e2fsck",
+    why: "judges our ext4 in tests (e2fsck -fn)",
+    probe: || version_of("e2fsck", &["-V"]),
+    apt: &["e2fsprogs"],
+};
+
+pub const MTOOLS: Tool = Tool {
+    name: "mtools (mdir, mcopy)",
+    why: "list and read our FAT independently in tests",
+    probe: || version_of("mdir", &["--version"]).and_then(|_| version_of("mcopy", &["--version"])),
+    apt: &["mtools"],
+};
+
+pub const LOSETUP: Tool = Tool {
+    name: "losetup",
+    why: "`flash` tests and `bench flash` write to loop devices",
+    probe: || version_of("losetup", &["--version"]),
+    apt: &["mount"],
+};
+
+pub const QEMU_SYSTEM_AARCH64: Tool = Tool {
+    name: "qemu-system-aarch64",
+    why: "boots images (U-Boot distro boot, the kernel) in tests",
+    probe: || version_of("qemu-system-aarch64", &["--version"]),
+    apt: &["qemu-system-arm"],
+};
+
+pub const UBOOT_QEMU: Tool = Tool {
+    name: "u-boot qemu_arm64",
+    why: "the bootloader qemu-virt images boot through (-bios)",
+    probe: || file_exists("/usr/lib/u-boot/qemu_arm64/u-boot.bin"),
+    apt: &["u-boot-qemu"],
+};
+
+pub const CPIO: Tool = Tool {
+    name: "cpio",
+    why: "reads our initramfs back independently in tests",
+    probe: || version_of("cpio", &["--version"]),
+    apt: &["cpio"],
+};
+
 fn all_present(cmds: &[&str], files: &[&str]) -> Option<String> {
     for c in cmds {
         version_of("sh", &["-c", &format!("command -v {c}")])?;
@@ -125,105 +217,6 @@ pub const APT_DOWNLOAD: Tool = Tool {
     apt: &["apt"],
 };
 
-pub const MKFS_EROFS: Tool = Tool {
-    name: "mkfs.erofs",
-    why: "writes the models partition (erofs)",
-    // mkfs.erofs 1.5 has no version flag; fsck.erofs from the same package says it.
-    probe: || version_of("mkfs.erofs", &["--help"]).and_then(|_| version_of("fsck.erofs", &["-V"])),
-    apt: &["erofs-utils"],
-};
-
-pub const MKE2FS: Tool = Tool {
-    name: "mke2fs",
-    why: "writes the data partition (ext4)",
-    probe: || version_of("mke2fs", &["-V"]),
-    apt: &["e2fsprogs"],
-};
-
-pub const BMAPTOOL: Tool = Tool {
-    name: "bmaptool",
-    why: "the independent reference for our .bmap files; `bench flash` compares against it",
-    probe: || version_of("bmaptool", &["--version"]),
-    apt: &["bmap-tools"],
-};
-
-pub const LSBLK: Tool = Tool {
-    name: "lsblk",
-    why: "`flash` reads the block devices (type, transport, size, mounts) from it",
-    probe: || version_of("lsblk", &["--version"]),
-    apt: &["util-linux"],
-};
-
-pub const LOSETUP: Tool = Tool {
-    name: "losetup",
-    why: "`flash` tests and `bench flash` write to loop devices",
-    probe: || version_of("losetup", &["--version"]),
-    apt: &["mount"],
-};
-
-pub const MKFS_VFAT: Tool = Tool {
-    name: "mkfs.vfat",
-    why: "`flash` tests mount a FAT partition to see a mounted device refused",
-    probe: || version_of("mkfs.vfat", &["--help"]).map(|_| "present".into()),
-    apt: &["dosfstools"],
-};
-
-pub const SFDISK: Tool = Tool {
-    name: "sfdisk",
-    why: "judges our GPT in tests (sfdisk --json); `flash` tests partition a loop device",
-    probe: || version_of("sfdisk", &["--version"]),
-    apt: &["fdisk"],
-};
-
-pub const FSCK_VFAT: Tool = Tool {
-    name: "fsck.vfat",
-    why: "judges our FAT in tests (fsck.vfat -n)",
-    probe: || version_of("fsck.vfat", &["--help"]),
-    apt: &["dosfstools"],
-};
-
-pub const FSCK_EROFS: Tool = Tool {
-    name: "fsck.erofs",
-    why: "judges our erofs in tests",
-    probe: || version_of("fsck.erofs", &["-V"]),
-    apt: &["erofs-utils"],
-};
-
-pub const E2FSCK: Tool = Tool {
-    name: "e2fsck",
-    why: "judges our ext4 in tests (e2fsck -fn)",
-    probe: || version_of("e2fsck", &["-V"]),
-    apt: &["e2fsprogs"],
-};
-
-pub const MTOOLS: Tool = Tool {
-    name: "mtools (mdir, mcopy)",
-    why: "list and read our FAT independently in tests",
-    probe: || version_of("mdir", &["--version"]).and_then(|_| version_of("mcopy", &["--version"])),
-    apt: &["mtools"],
-};
-
-pub const QEMU_SYSTEM_AARCH64: Tool = Tool {
-    name: "qemu-system-aarch64",
-    why: "boots images (U-Boot distro boot, the kernel) in tests",
-    probe: || version_of("qemu-system-aarch64", &["--version"]),
-    apt: &["qemu-system-arm"],
-};
-
-pub const UBOOT_QEMU: Tool = Tool {
-    name: "u-boot qemu_arm64",
-    why: "the bootloader qemu-virt images boot through (-bios)",
-    probe: || file_exists("/usr/lib/u-boot/qemu_arm64/u-boot.bin"),
-    apt: &["u-boot-qemu"],
-};
-
-pub const CPIO: Tool = Tool {
-    name: "cpio",
-    why: "reads our initramfs back independently in tests",
-    probe: || version_of("cpio", &["--version"]),
-    apt: &["cpio"],
-};
-
 pub const UBOOT_TOOLS: Tool = Tool {
     name: "mkenvimage",
     why: "writes the boot test's U-Boot environment (pflash)",
@@ -238,8 +231,6 @@ pub fn all_tools() -> Vec<&'static Tool> {
         &AARCH64_SYSROOT,
         &QEMU_USER,
         &PYTHON_VENV,
-        &KERNEL_BUILD,
-        &APT_DOWNLOAD,
         &MKFS_EROFS,
         &MKE2FS,
         &SFDISK,
@@ -249,12 +240,13 @@ pub fn all_tools() -> Vec<&'static Tool> {
         &MTOOLS,
         &CPIO,
         &LOSETUP,
-        &MKFS_VFAT,
         &BMAPTOOL,
         &LSBLK,
         &QEMU_SYSTEM_AARCH64,
         &UBOOT_QEMU,
         &UBOOT_TOOLS,
+        &KERNEL_BUILD,
+        &APT_DOWNLOAD,
     ]
 }
 

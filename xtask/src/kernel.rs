@@ -303,42 +303,11 @@ pub fn build(
     let src = unpack_source(spec, source, source_sha)?;
     let bdir = kernel_root().join(format!("build-{}", spec.name));
     std::fs::create_dir_all(&bdir)?;
-    let sh = xshell::Shell::new()?;
-    sh.change_dir(&src);
+    let sh = kbuild_shell(spec, &src, epoch)?;
     let o = format!("O={}", bdir.display());
-    let env = [
-        ("ARCH", spec.arch.clone()),
-        ("CROSS_COMPILE", spec.cross_compile.clone()),
-        ("KBUILD_BUILD_TIMESTAMP", format!("@{epoch}")),
-        ("KBUILD_BUILD_USER", "kiln".into()),
-        ("KBUILD_BUILD_HOST", "kiln".into()),
-        ("KBUILD_BUILD_VERSION", "1".into()),
-        ("LC_ALL", "C".into()),
-        ("TZ", "UTC".into()),
-    ];
-    for (k, v) in &env {
-        sh.set_var(k, v);
-    }
-    let base = &spec.base;
-    println!("kernel: make {base} + {} + olddefconfig", spec.fragment);
-    cmd!(sh, "make -s {o} {base}")
-        .quiet()
-        .run()
-        .with_context(|| format!("make {base}"))?;
-    let cfg_path = bdir.join(".config");
-    let base_cfg = std::fs::read_to_string(&cfg_path)?;
-    std::fs::write(&cfg_path, merge_fragment(&base_cfg, &fragment))?;
-    cmd!(sh, "make -s {o} olddefconfig")
-        .quiet()
-        .run()
-        .context("make olddefconfig")?;
-    let final_cfg = std::fs::read_to_string(&cfg_path)?;
-    check_fragment(&fragment, &final_cfg)
+    configure(&sh, spec, &bdir, &fragment)
         .with_context(|| format!("kernel {}: fragment {}", spec.name, frag_path.display()))?;
-    println!(
-        "kernel: all {} fragment options present in the final .config",
-        fragment.len()
-    );
+    let cfg_path = bdir.join(".config");
     let jobs = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(2)
@@ -402,6 +371,74 @@ pub fn build(
         out.image_sha256.short()
     );
     Ok(out)
+}
+
+/// A shell in the kernel tree with the reproducibility variables set.
+fn kbuild_shell(spec: &KernelSpec, src: &Path, epoch: i64) -> Result<xshell::Shell> {
+    let sh = xshell::Shell::new()?;
+    sh.change_dir(src);
+    let env = [
+        ("ARCH", spec.arch.clone()),
+        ("CROSS_COMPILE", spec.cross_compile.clone()),
+        ("KBUILD_BUILD_TIMESTAMP", format!("@{epoch}")),
+        ("KBUILD_BUILD_USER", "kiln".into()),
+        ("KBUILD_BUILD_HOST", "kiln".into()),
+        ("KBUILD_BUILD_VERSION", "1".into()),
+        ("LC_ALL", "C".into()),
+        ("TZ", "UTC".into()),
+    ];
+    for (k, v) in &env {
+        sh.set_var(k, v);
+    }
+    Ok(sh)
+}
+
+/// `make <base>`, merge the fragment, `olddefconfig`, then check every fragment option in the
+/// final `.config` of `bdir`.
+fn configure(
+    sh: &xshell::Shell,
+    spec: &KernelSpec,
+    bdir: &Path,
+    fragment: &[FragmentOption],
+) -> Result<()> {
+    let o = format!("O={}", bdir.display());
+    let base = &spec.base;
+    println!("kernel: make {base} + {} + olddefconfig", spec.fragment);
+    cmd!(sh, "make -s {o} {base}")
+        .quiet()
+        .ignore_stdout()
+        .run()
+        .with_context(|| format!("make {base}"))?;
+    let cfg_path = bdir.join(".config");
+    let base_cfg = std::fs::read_to_string(&cfg_path)?;
+    std::fs::write(&cfg_path, merge_fragment(&base_cfg, fragment))?;
+    cmd!(sh, "make -s {o} olddefconfig")
+        .quiet()
+        .run()
+        .context("make olddefconfig")?;
+    let final_cfg = std::fs::read_to_string(&cfg_path)?;
+    check_fragment(fragment, &final_cfg)?;
+    println!(
+        "kernel: all {} fragment options present in the final .config",
+        fragment.len()
+    );
+    Ok(())
+}
+
+/// Configure (no build) the kernel source with `fragment_text` in a scratch folder and check the
+/// fragment: what the image-checks stage uses to see a real Kconfig drop an option.
+pub fn check_config_only(
+    spec: &KernelSpec,
+    source: &Path,
+    source_sha: &Sha256,
+    fragment_text: &str,
+) -> Result<()> {
+    crate::doctor::ensure(&[&crate::doctor::KERNEL_BUILD, &crate::doctor::CROSS_GCC])?;
+    let fragment = parse_fragment(fragment_text)?;
+    let src = unpack_source(spec, source, source_sha)?;
+    let scratch = tempfile::tempdir()?;
+    let sh = kbuild_shell(spec, &src, 0)?;
+    configure(&sh, spec, scratch.path(), &fragment)
 }
 
 /// A cached build, if its files still hash to what its record says.

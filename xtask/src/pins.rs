@@ -332,6 +332,9 @@ pub fn apt_fetch(input: &Input, dir: &Path) -> Result<PathBuf> {
         bail!("{} is supplied by the user, not downloaded", input.name);
     };
     doctor::ensure_apt_arch(arch)?;
+    // apt downloads as user _apt when it can write the folder (else it warns and runs as root).
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o777))?;
     let sh = xshell::Shell::new()?;
     sh.change_dir(dir);
     let spec = format!("{package}:{arch}={}", input.version);
@@ -838,6 +841,29 @@ mod tests {
         );
         assert!(err.contains("busybox-static"), "{err}");
         assert!(!cache.path(&served).exists() && !cache.path(&pinned).exists());
+    }
+
+    #[test]
+    fn rewrite_pin_keeps_the_rest_of_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("pins.toml");
+        let text = "# comment kept\n[kernel]\nbase = \"tinyconfig\"\n\n[[input]]\nname = \"a\"\nversion = \"1\"\nkind = \"deb\"\narch = \"arm64\"\nsha256 = \"\"\n\n[[input]]\nname = \"b\"\nversion = \"1\"\nkind = \"supplied\"\nhow = \"x\"\nsha256 = \"\"\n";
+        std::fs::write(&f, text).unwrap();
+        let h = Sha256::of_bytes(b"b");
+        rewrite_pin(&f, "b", Some("2"), &h).unwrap();
+        let out = std::fs::read_to_string(&f).unwrap();
+        assert!(
+            out.starts_with("# comment kept\n[kernel]\nbase = \"tinyconfig\"\n"),
+            "{out}"
+        );
+        let v: toml::Value = toml::from_str(&out).unwrap();
+        assert_eq!(v["input"][0]["sha256"].as_str(), Some(""));
+        assert_eq!(v["input"][1]["version"].as_str(), Some("2"));
+        assert_eq!(
+            v["input"][1]["sha256"].as_str(),
+            Some(h.to_string().as_str())
+        );
+        assert!(rewrite_pin(&f, "nope", None, &h).is_err());
     }
 
     #[test]

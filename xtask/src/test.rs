@@ -37,6 +37,10 @@ const STAGES: &[(&str, StageFn)] = &[
     ("boot-qemu-clean", boot_qemu_clean),
     ("boot-qemu-npu-fault", boot_qemu_npu_fault),
     ("flash", flash),
+    ("image-checks", |_| crate::image::checks::stage()),
+    ("image-reproducible", |a| {
+        crate::image::checks::reproducible(a.quick)
+    }),
 ];
 
 pub fn run(args: Args) -> Result<()> {

@@ -3,7 +3,9 @@
 //! partition, an erofs models partition and an empty ext4 data partition; then the bmap, the
 //! sha256 and the manifest. Every step whose inputs did not change is reused, and says so.
 
+pub mod bench;
 pub mod board;
+pub mod checks;
 pub mod fixture;
 pub mod layout;
 pub mod rootfs;
@@ -36,11 +38,17 @@ pub struct Args {
 pub fn run(args: Args) -> Result<()> {
     let b = build(&args)?;
     println!(
-        "image: {} ({:.1} MiB, sha256 {}) in {:.1} s",
+        "image: {} ({:.1} MiB, initramfs {:.2} MiB, sha256 {}) in {:.1} s{}",
         b.image.display(),
         b.size as f64 / 1048576.0,
+        b.initramfs_size as f64 / 1048576.0,
         b.sha256,
-        b.seconds
+        b.seconds,
+        if b.reused.is_empty() {
+            String::new()
+        } else {
+            format!(", {} step(s) reused", b.reused.len())
+        }
     );
     Ok(())
 }

@@ -1,0 +1,408 @@
+//! Test stages of the image (`cargo xtask test --stage image`): independent tools judge the
+//! qemu-virt image (`image-checks`), and two builds from two clones must be byte-identical
+//! (`image-reproducible`).
+
+use super::{board::Board, Args};
+use crate::doctor;
+use crate::pins::{Cache, Sha256};
+use anyhow::{bail, ensure, Context, Result};
+use serde_json::Value;
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+use xshell::cmd;
+
+fn qemu_args() -> Args {
+    Args {
+        board: "qemu-virt".into(),
+        models: Vec::new(),
+        offline: false,
+    }
+}
+
+fn read_json(p: &Path) -> Result<Value> {
+    serde_json::from_slice(&std::fs::read(p).with_context(|| format!("reading {}", p.display()))?)
+        .with_context(|| format!("parsing {}", p.display()))
+}
+
+/// Copy `len` bytes at `off` of `img` into `out`.
+fn extract(img: &Path, off: u64, len: u64, out: &Path) -> Result<()> {
+    let mut f = std::fs::File::open(img)?;
+    f.seek(SeekFrom::Start(off))?;
+    let mut o = std::fs::File::create(out)?;
+    std::io::copy(&mut f.take(len), &mut o)?;
+    o.flush()?;
+    Ok(())
+}
+
+/// `image-checks`: build (or reuse) the qemu-virt image, then let sfdisk, fsck.vfat, fsck.erofs,
+/// e2fsck, mtools, cpio and bmaptool judge it; see a real Kconfig drop options and the check name
+/// them; see the rock-5b build list its missing vendor inputs.
+pub fn stage() -> Result<()> {
+    doctor::ensure(&[
+        &doctor::SFDISK,
+        &doctor::FSCK_VFAT,
+        &doctor::FSCK_EROFS,
+        &doctor::E2FSCK,
+        &doctor::MTOOLS,
+        &doctor::CPIO,
+        &doctor::BMAPTOOL,
+    ])?;
+    let built = super::build(&qemu_args())?;
+    let img = &built.image;
+    let manifest = read_json(&built.manifest)?;
+    let sh = xshell::Shell::new()?;
+    sh.set_var("TZ", "UTC");
+    let tmp = tempfile::tempdir()?;
+
+    // The partition table as sfdisk reads it, against the manifest.
+    let table: Value = serde_json::from_str(&cmd!(sh, "sfdisk --json {img}").read()?)?;
+    let t = &table["partitiontable"];
+    ensure!(t["label"] == "gpt", "sfdisk: label {}", t["label"]);
+    let disk = &manifest["disk"];
+    let eq_guid = |a: &Value, b: &Value| {
+        a.as_str().map(str::to_lowercase) == b.as_str().map(str::to_lowercase)
+    };
+    ensure!(
+        eq_guid(&t["id"], &disk["disk_guid"]),
+        "disk GUID: sfdisk {} vs manifest {}",
+        t["id"],
+        disk["disk_guid"]
+    );
+    let parts = t["partitions"]
+        .as_array()
+        .context("sfdisk: no partitions")?;
+    let want = disk["partitions"]
+        .as_array()
+        .context("manifest: no partitions")?;
+    ensure!(
+        parts.len() == 3 && want.len() == 3,
+        "expected 3 partitions, sfdisk lists {}",
+        parts.len()
+    );
+    let mut files = Vec::new();
+    for (i, (p, w)) in parts.iter().zip(want).enumerate() {
+        let start = p["start"].as_u64().context("start")?;
+        let size = p["size"].as_u64().context("size")?;
+        ensure!(
+            start == w["first_lba"].as_u64().unwrap_or(0),
+            "p{}: start {start} vs manifest {}",
+            i + 1,
+            w["first_lba"]
+        );
+        ensure!(
+            size * 512 == w["size_bytes"].as_u64().unwrap_or(0),
+            "p{}: size {size} sectors vs manifest {}",
+            i + 1,
+            w["size_bytes"]
+        );
+        ensure!(
+            eq_guid(&p["uuid"], &w["unique_guid"]),
+            "p{}: uuid {} vs manifest {}",
+            i + 1,
+            p["uuid"],
+            w["unique_guid"]
+        );
+        ensure!(
+            eq_guid(&p["type"], &w["type_guid"]),
+            "p{}: type {} vs manifest {}",
+            i + 1,
+            p["type"],
+            w["type_guid"]
+        );
+        ensure!(
+            p["name"] == w["name"],
+            "p{}: name {} vs manifest {}",
+            i + 1,
+            p["name"],
+            w["name"]
+        );
+        let attrs = p["attrs"].as_str().unwrap_or("");
+        ensure!(
+            (i == 0) == attrs.contains("LegacyBIOSBootable"),
+            "p{}: attrs {attrs:?} (only boot is legacy-BIOS-bootable)",
+            i + 1
+        );
+        let out = tmp.path().join(format!("p{}", i + 1));
+        extract(img, start * 512, size * 512, &out)?;
+        files.push(out);
+    }
+    ensure!(
+        parts[0]["start"] == 32768,
+        "boot partition does not start at 16 MiB"
+    );
+    println!(
+        "image-checks: sfdisk --json agrees with the manifest (GUIDs, offsets, names, attributes)"
+    );
+
+    let (p1, p2, p3) = (&files[0], &files[1], &files[2]);
+    cmd!(sh, "fsck.vfat -n {p1}")
+        .run()
+        .context("fsck.vfat -n on the boot partition")?;
+    cmd!(sh, "fsck.erofs {p2}")
+        .run()
+        .context("fsck.erofs on the models partition")?;
+    cmd!(sh, "e2fsck -fn {p3}")
+        .run()
+        .context("e2fsck -fn on the data partition")?;
+    println!("image-checks: fsck.vfat, fsck.erofs and e2fsck find the partitions clean");
+
+    // mtools lists and reads the boot files.
+    let listing = cmd!(sh, "mdir -/ -b -i {p1} ::/").read()?;
+    for f in [
+        "::/extlinux/extlinux.conf",
+        "::/Image",
+        "::/initramfs.cpio.gz",
+        "::/kiln/manifest.json",
+    ] {
+        ensure!(
+            listing.lines().any(|l| l.trim() == f),
+            "mdir does not list {f}:\n{listing}"
+        );
+    }
+    let conf = cmd!(sh, "mtype -i {p1} ::/extlinux/extlinux.conf").read()?;
+    let board = Board::load("qemu-virt")?;
+    ensure!(
+        conf.trim_end() == super::extlinux_conf(&board, None).trim_end(),
+        "extlinux.conf read back differs:\n{conf}"
+    );
+    let kimg = tmp.path().join("Image");
+    let initrd = tmp.path().join("initramfs.cpio.gz");
+    cmd!(sh, "mcopy -n -i {p1} ::/Image {kimg}").run()?;
+    cmd!(sh, "mcopy -n -i {p1} ::/initramfs.cpio.gz {initrd}").run()?;
+    let ksha = Sha256::of_file(&kimg)?.to_string();
+    ensure!(
+        Value::String(ksha.clone()) == manifest["kernel"]["image_sha256"],
+        "Image read back by mcopy: {ksha} vs manifest"
+    );
+    println!("image-checks: mdir lists the boot files; mcopy reads back extlinux.conf and the kernel as built");
+
+    // cpio lists the initramfs.
+    let mut cpio_bytes = Vec::new();
+    flate2::read::GzDecoder::new(std::fs::File::open(&initrd)?).read_to_end(&mut cpio_bytes)?;
+    let list = cmd!(sh, "cpio -it --quiet").stdin(&cpio_bytes).read()?;
+    for f in [
+        "usr/bin/kiln",
+        "bin/busybox",
+        "bin/sh",
+        "etc/kiln/board.toml",
+        "lib/ld-linux-aarch64.so.1",
+        "lib/aarch64-linux-gnu/libc.so.6",
+    ] {
+        ensure!(list.lines().any(|l| l == f), "cpio -t does not list {f}");
+    }
+    let verbose = cmd!(sh, "cpio -itvn --quiet").stdin(&cpio_bytes).read()?;
+    for l in verbose.lines() {
+        let w: Vec<&str> = l.split_whitespace().collect();
+        ensure!(
+            w.len() > 3 && w[2] == "0" && w[3] == "0",
+            "cpio entry not owned by 0:0: {l}"
+        );
+    }
+    println!(
+        "image-checks: cpio lists {} initramfs entries, all owned by 0:0",
+        list.lines().count()
+    );
+
+    // bmaptool copies the image with our bmap (checking our range checksums) to the same bytes.
+    let bmap = &built.bmap;
+    let copy = tmp.path().join("copy.img");
+    cmd!(sh, "bmaptool copy --bmap {bmap} {img} {copy}")
+        .run()
+        .context("bmaptool copy with our bmap")?;
+    let csha = Sha256::of_file(&copy)?;
+    ensure!(
+        csha == built.sha256,
+        "bmaptool copy gives sha256 {csha}, the image is {}",
+        built.sha256
+    );
+    println!(
+        "image-checks: bmaptool copy with our bmap reproduces the image ({})",
+        built.sha256
+    );
+
+    // A real Kconfig run: a fragment without MISC_FILESYSTEMS and with an unknown option.
+    let frag = std::fs::read_to_string(board.kernel.fragment_path())?;
+    let bad: String = frag
+        .lines()
+        .filter(|l| !l.starts_with("CONFIG_MISC_FILESYSTEMS="))
+        .chain(["CONFIG_KILN_NO_SUCH_OPTION=y"])
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let cache = Cache::user()?;
+    let inputs = super::resolve_inputs(&board, &cache, true)?;
+    let (src, path) = &inputs[&board.kernel.source];
+    let sha = src.sha256.context("kernel source unpinned")?;
+    match crate::kernel::check_config_only(&board.kernel, path, &sha, &bad) {
+        Ok(()) => bail!("the fragment check accepted a fragment Kconfig cannot satisfy"),
+        Err(e) => {
+            let e = format!("{e:#}");
+            for s in ["CONFIG_EROFS_FS=y", "CONFIG_KILN_NO_SUCH_OPTION=y"] {
+                ensure!(e.contains(s), "the fragment check did not name {s}: {e}");
+            }
+            println!("image-checks: olddefconfig dropped options and the check named them:\n{e}");
+        }
+    }
+
+    // rock-5b without its vendor files: the build stops and lists each one.
+    let r = super::build(&Args {
+        board: "rock-5b".into(),
+        models: Vec::new(),
+        offline: true,
+    });
+    match r {
+        Ok(_) => bail!("rock-5b built without its vendor inputs"),
+        Err(e) => {
+            let e = format!("{e:#}");
+            for n in [
+                "linux-rk35xx-vendor",
+                "idbloader",
+                "u-boot-itb",
+                "librknnrt",
+            ] {
+                ensure!(
+                    e.contains(&format!("missing input {n}")),
+                    "rock-5b build did not list {n}: {e}"
+                );
+            }
+            println!("image-checks: rock-5b without vendor inputs stops and lists them:\n{e}");
+        }
+    }
+    Ok(())
+}
+
+fn git_in(dir: &Path, args: &[&str]) -> Result<String> {
+    let sh = xshell::Shell::new()?;
+    sh.change_dir(dir);
+    Ok(cmd!(sh, "git {args...}").quiet().read()?.trim().to_string())
+}
+
+/// Which leaves of two manifests differ (JSON paths), at most `max`.
+fn json_diff(a: &Value, b: &Value, path: &str, out: &mut Vec<String>, max: usize) {
+    if out.len() >= max || a == b {
+        return;
+    }
+    match (a, b) {
+        (Value::Object(x), Value::Object(y)) => {
+            for k in x.keys().chain(y.keys().filter(|k| !x.contains_key(*k))) {
+                json_diff(
+                    x.get(k).unwrap_or(&Value::Null),
+                    y.get(k).unwrap_or(&Value::Null),
+                    &format!("{path}/{k}"),
+                    out,
+                    max,
+                );
+            }
+        }
+        (Value::Array(x), Value::Array(y)) if x.len() == y.len() => {
+            for (i, (p, q)) in x.iter().zip(y).enumerate() {
+                json_diff(p, q, &format!("{path}[{i}]"), out, max);
+            }
+        }
+        _ => out.push(format!("{path}: {a} vs {b}")),
+    }
+}
+
+/// `image-reproducible`: clone HEAD twice into different folders, build the qemu-virt image in
+/// each with a different TZ and umask, seconds apart, the kernel rebuilt in both (`--quick`:
+/// reused from this checkout's cache, and said), and require identical sha256.
+pub fn reproducible(quick: bool) -> Result<()> {
+    let root = crate::project_root();
+    let head = git_in(&root, &["rev-parse", "HEAD"])?;
+    if !git_in(&root, &["status", "--porcelain", "--untracked-files=no"])?.is_empty() {
+        println!(
+            "image-reproducible: uncommitted changes are not in the clones: testing HEAD {}",
+            &head[..12]
+        );
+    }
+    let base = crate::target_dir().join("kiln/repro");
+    if base.exists() {
+        std::fs::remove_dir_all(&base)?;
+    }
+    std::fs::create_dir_all(&base)?;
+    let runs = [("one", "UTC", "022"), ("two", "Pacific/Chatham", "077")];
+    let mut results: Vec<(PathBuf, Sha256, Value)> = Vec::new();
+    for (i, (name, tz, umask)) in runs.iter().enumerate() {
+        if i > 0 {
+            std::thread::sleep(std::time::Duration::from_secs(2));
+        }
+        let dir = base.join(name).join("kiln");
+        let sh = xshell::Shell::new()?;
+        cmd!(sh, "git clone -q {root} {dir}").run()?;
+        sh.change_dir(&dir);
+        cmd!(sh, "git checkout -q --detach {head}").run()?;
+        if quick {
+            let from = crate::target_dir().join("kiln/kernel");
+            let to = dir.join("target/kiln/kernel");
+            std::fs::create_dir_all(&to)?;
+            let mut n = 0;
+            for e in std::fs::read_dir(&from)
+                .with_context(|| format!("--quick: no kernel cache in {}", from.display()))?
+            {
+                let p = e?.path();
+                if p.join("kernel.json").exists() {
+                    let dst = to.join(p.file_name().context("name")?);
+                    std::fs::create_dir_all(&dst)?;
+                    for f in std::fs::read_dir(&p)? {
+                        let f = f?.path();
+                        std::fs::copy(&f, dst.join(f.file_name().context("name")?))?;
+                    }
+                    n += 1;
+                }
+            }
+            println!("image-reproducible: --quick: reusing {n} cached kernel build(s) from {} (kernel NOT rebuilt)", from.display());
+        } else {
+            println!(
+                "image-reproducible: build {name}: the kernel is rebuilt from source in {}",
+                dir.display()
+            );
+        }
+        let script = format!("umask {umask} && exec cargo xtask image --board qemu-virt");
+        println!(
+            "image-reproducible: build {name} in {} (TZ={tz}, umask {umask})",
+            dir.display()
+        );
+        cmd!(sh, "sh -c {script}")
+            .env("TZ", tz)
+            .env_remove("CARGO_TARGET_DIR")
+            .run()
+            .with_context(|| format!("build {name} in {}", dir.display()))?;
+        let out = dir.join("target/images");
+        let text = std::fs::read_to_string(out.join("kiln-qemu-virt.img.sha256"))?;
+        let sha: Sha256 = text.split_whitespace().next().unwrap_or("").parse()?;
+        results.push((dir.clone(), sha, read_json(&out.join("manifest.json"))?));
+        println!("image-reproducible: build {name}: sha256 {sha}");
+    }
+    let (a, b) = (&results[0], &results[1]);
+    if a.1 == b.1 {
+        println!("image-reproducible: identical: {}", a.1);
+        std::fs::remove_dir_all(&base).ok();
+        return Ok(());
+    }
+    let mut diffs = Vec::new();
+    json_diff(&a.2, &b.2, "", &mut diffs, 40);
+    bail!(
+        "the two builds differ: {} vs {}; differing manifest entries (partition images, initramfs \
+         and boot files):\n  {}\n(builds kept in {} for inspection)",
+        a.1,
+        b.1,
+        diffs.join("\n  "),
+        base.display()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_diff_names_the_differing_file() {
+        let a = serde_json::json!({"initramfs": {"files": {"/usr/bin/kiln": {"sha256": "aa"}, "/init": {"sha256": "bb"}}}});
+        let b = serde_json::json!({"initramfs": {"files": {"/usr/bin/kiln": {"sha256": "cc"}, "/init": {"sha256": "bb"}}}});
+        let mut d = Vec::new();
+        json_diff(&a, &b, "", &mut d, 10);
+        assert_eq!(
+            d,
+            vec!["/initramfs/files//usr/bin/kiln/sha256: \"aa\" vs \"cc\"".to_string()]
+        );
+    }
+}
