@@ -5,6 +5,7 @@
 use crate::disk::{fat, gpt};
 use anyhow::{bail, Context, Result};
 use kiln_runtime::selftest::report::{Report, Verdict};
+use std::io::Write as _;
 use std::path::{Path, PathBuf};
 
 #[derive(clap::Args)]
@@ -48,13 +49,18 @@ pub fn read_report(image: &Path) -> Result<(Vec<u8>, Report)> {
 
 pub fn run(args: Args) -> Result<()> {
     let (bytes, report) = read_report(&args.image)?;
-    if args.json {
-        print!("{}", String::from_utf8_lossy(&bytes));
-        if !bytes.ends_with(b"\n") {
-            println!();
-        }
+    let mut text = if args.json {
+        String::from_utf8_lossy(&bytes).into_owned()
     } else {
-        print!("{}", report.to_text());
+        report.to_text()
+    };
+    if !text.ends_with('\n') {
+        text.push('\n');
+    }
+    // `cargo xtask report … | head` closes the pipe early: not an error worth a panic.
+    match std::io::stdout().lock().write_all(text.as_bytes()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
+        r => r.context("writing the report to stdout")?,
     }
     if report.verdict == Verdict::Fail {
         bail!(
