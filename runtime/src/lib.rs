@@ -5,6 +5,7 @@ pub mod gguf;
 pub mod ledger;
 pub mod quant;
 pub mod sched;
+pub mod selftest;
 
 #[cfg(test)]
 mod arch_tests {

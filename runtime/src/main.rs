@@ -53,6 +53,10 @@ enum Cli {
         #[arg(long)]
         threads: Option<usize>,
     },
+    /// The boot self-check: every check with its status, evidence and duration; the report to the
+    /// console (between KILN-REPORT-BEGIN/END, then a KILN-SELFTEST verdict line) and, with
+    /// --report-dir, to report.json and report.txt. Exits non-zero if any check failed.
+    Selftest(kiln_runtime::selftest::cli::Args),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -72,6 +76,13 @@ fn main() {
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli {
+        Cli::Selftest(a) => {
+            let code = kiln_runtime::selftest::cli::run(a)?;
+            std::io::stdout().flush().context("flushing stdout")?;
+            if code != 0 {
+                std::process::exit(code);
+            }
+        }
         Cli::Version => {
             println!(
                 "kiln {} ({})",

@@ -217,6 +217,13 @@ pub const APT_DOWNLOAD: Tool = Tool {
     apt: &["apt"],
 };
 
+pub const UBOOT_TOOLS: Tool = Tool {
+    name: "mkenvimage",
+    why: "writes the boot test's U-Boot environment (pflash)",
+    probe: || version_of("mkenvimage", &["-V"]),
+    apt: &["u-boot-tools"],
+};
+
 /// Every tool any command needs, for `cargo xtask doctor`.
 pub fn all_tools() -> Vec<&'static Tool> {
     vec![
@@ -237,6 +244,7 @@ pub fn all_tools() -> Vec<&'static Tool> {
         &LSBLK,
         &QEMU_SYSTEM_AARCH64,
         &UBOOT_QEMU,
+        &UBOOT_TOOLS,
         &KERNEL_BUILD,
         &APT_DOWNLOAD,
     ]

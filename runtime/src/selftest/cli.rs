@@ -1,0 +1,44 @@
+//! `kiln selftest`'s arguments and driver, kept here so `main.rs` only names the subcommand.
+
+use super::{board::Board, run_all, Ctx, Inject, Paths};
+use std::path::PathBuf;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// The board file (/etc/kiln/board.toml). Without it the board-only checks skip.
+    #[arg(long)]
+    pub board: Option<PathBuf>,
+    /// Where to write report.json and report.txt (atomically).
+    #[arg(long)]
+    pub report_dir: Option<PathBuf>,
+    /// Root that /proc, /sys, /dev, /boot, /models and /data/models are looked up under.
+    #[arg(long, default_value = "/")]
+    pub root: PathBuf,
+    /// Folders searched for GGUF models, instead of ROOT/models and ROOT/data/models.
+    #[arg(long)]
+    pub models: Vec<PathBuf>,
+}
+
+/// Run the checks, print the report, write it; the process exit code: 0 only if no check
+/// failed, 1 if one did, 2 if the report could not be written.
+pub fn run(a: Args) -> anyhow::Result<i32> {
+    let mut paths = Paths::under(&a.root);
+    if !a.models.is_empty() {
+        paths.models = a.models;
+    }
+    let board = a.board.as_deref().map(Board::load).transpose()?;
+    let ctx = Ctx {
+        paths,
+        board,
+        inject: Inject::from_env()?,
+    };
+    let report = run_all(&ctx);
+    let written = a.report_dir.as_deref().map(|dir| report.write_to(dir));
+    print!("{}", report.console());
+    if let Some(Err(e)) = written {
+        // The console verdict stands; a missing report file is its own failure.
+        eprintln!("kiln selftest: could not write the report: {e:#}");
+        return Ok(2);
+    }
+    Ok(if report.failed == 0 { 0 } else { 1 })
+}

@@ -1,0 +1,81 @@
+//! The `kiln selftest` binary: exit code 0 only when nothing failed, the report on stdout between
+//! the markers equals `report.json`, and `report.txt` is written next to it.
+
+use kiln_runtime::selftest::report::{Report, Verdict};
+use std::path::Path;
+use std::process::Command;
+
+fn write(root: &Path, rel: &str, bytes: &[u8]) {
+    let p = root.join(rel);
+    std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+    std::fs::write(p, bytes).unwrap();
+}
+
+fn selftest(root: &Path) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
+        .args(["selftest", "--board"])
+        .arg(root.join("etc/kiln/board.toml"))
+        .arg("--report-dir")
+        .arg(root.join("boot/kiln"))
+        .arg("--root")
+        .arg(root)
+        // No librknnrt here: the NPU checks skip (qemu-virt pins no NPU runtime in this test).
+        .env("KILN_RKNN_LIB", root.join("no-such-librknnrt.so"))
+        .env_remove("KILN_SELFTEST_INJECT")
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8(out.stdout).unwrap(),
+    )
+}
+
+#[test]
+fn exit_code_console_and_files_agree() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    write(
+        root,
+        "etc/kiln/board.toml",
+        b"[board]\nname = \"qemu-virt\"\nnpu = false\n[expect]\nkernel_release = \"6.1.192-kiln\"\ncpu_features = [\"asimd\"]\nkernel_config = [\"CONFIG_X=y\"]\n",
+    );
+    write(root, "proc/sys/kernel/osrelease", b"6.1.192-kiln\n");
+    write(
+        root,
+        "boot/config-6.1.192-kiln",
+        b"# Linux/arm64 6.1.192 Kernel Configuration\nCONFIG_LOCALVERSION=\"-kiln\"\nCONFIG_X=y\n",
+    );
+    write(root, "proc/cpuinfo", b"Features\t: fp asimd\n");
+    write(root, "dev/kmsg", b"6,1,0,-;Linux version 6.1.192-kiln\n");
+    write(root, "boot/kiln/manifest.json", b"{}");
+    let mut w = kiln_runtime::gguf::writer::GgufWriter::new();
+    w.tensor_f32("w", &[32, 4], &[0.5; 128]).unwrap();
+    write(root, "models/m.gguf", &w.to_bytes());
+
+    let (code, stdout) = selftest(root);
+    assert_eq!(code, 0, "{stdout}");
+    let (console, line) = Report::from_console(&stdout).unwrap();
+    assert_eq!(console.verdict, Verdict::Pass);
+    let file: Report =
+        serde_json::from_slice(&std::fs::read(root.join("boot/kiln/report.json")).unwrap())
+            .unwrap();
+    assert_eq!(file, console);
+    assert!(
+        line.ends_with("image=44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a")
+    );
+    assert!(std::fs::read_to_string(root.join("boot/kiln/report.txt"))
+        .unwrap()
+        .contains("KILN-SELFTEST: PASS"));
+
+    // The wrong kernel: exit 1, and the files say FAIL too.
+    write(root, "proc/sys/kernel/osrelease", b"6.1.0-57-arm64\n");
+    let (code, stdout) = selftest(root);
+    assert_eq!(code, 1, "{stdout}");
+    let (console, line) = Report::from_console(&stdout).unwrap();
+    assert!(line.starts_with("KILN-SELFTEST: FAIL"), "{line}");
+    assert!(console.failed_ids().contains(&"kernel.release"));
+    let file: Report =
+        serde_json::from_slice(&std::fs::read(root.join("boot/kiln/report.json")).unwrap())
+            .unwrap();
+    assert_eq!(file, console);
+}

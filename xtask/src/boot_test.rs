@@ -1,0 +1,372 @@
+//! `cargo xtask boot-test [--board qemu-virt] [--inject FAULT]`: boot a copy of the image under
+//! `qemu-system-aarch64` through U-Boot, from the image alone (no `-kernel`), and hold the board
+//! to its own verdict. `kiln.mode=test` (and `kiln.inject=…`) reach the kernel command line
+//! through U-Boot's environment (`${kiln_args}` in extlinux.conf), never by editing the image.
+//!
+//! Passes only when the console shows the report and a PASS verdict, the same report is on the
+//! copy's boot partition (read in-process, GPT + FAT), and it names this image's manifest.
+
+use crate::disk::{self, fat};
+use crate::doctor;
+use anyhow::{bail, ensure, Context, Result};
+pub use kiln_runtime::selftest::report::Verdict;
+use kiln_runtime::selftest::report::{Report, VERDICT_PREFIX};
+use sha2::{Digest, Sha256};
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use xshell::cmd;
+
+#[derive(clap::Args, Clone, Debug)]
+pub struct Args {
+    /// Board to boot (only qemu-virt can be emulated).
+    #[arg(long, default_value = "qemu-virt")]
+    pub board: String,
+    /// Fault to inject at boot: error|untouched|wrong|stale (NPU stand-in) or a kiln self-check
+    /// fault (copy). Passed as kiln.inject=FAULT.
+    #[arg(long)]
+    pub inject: Option<String>,
+    /// Boot the existing image without running `cargo xtask image` first.
+    #[arg(long)]
+    pub no_build: bool,
+    /// Seconds to wait for the verdict and the power-off.
+    #[arg(long, default_value_t = 120)]
+    pub timeout: u64,
+}
+
+pub const UBOOT_BIN: &str = "/usr/lib/u-boot/qemu_arm64/u-boot.bin";
+/// CONFIG_ENV_SIZE of U-Boot's qemu_arm64 build: the env sits at the start of pflash unit 1.
+const ENV_SIZE: usize = 0x40000;
+/// QEMU's virt machine wants each pflash unit to be exactly 64 MiB.
+const PFLASH_SIZE: usize = 64 << 20;
+
+/// What one boot showed.
+#[derive(Debug)]
+pub struct Boot {
+    pub report: Report,
+    pub verdict_line: String,
+    /// From starting QEMU to the verdict line on the serial console.
+    pub boot_to_verdict: Duration,
+    pub serial_log: PathBuf,
+}
+
+pub fn image_path(board: &str) -> PathBuf {
+    crate::target_dir()
+        .join("images")
+        .join(format!("kiln-{board}.img"))
+}
+
+/// U-Boot's built-in default environment, as `name=value` strings: the NUL-separated block that
+/// starts at `bootcmd=` in `u-boot.bin` and ends at the first empty string.
+pub fn default_env(uboot: &[u8]) -> Result<Vec<(String, String)>> {
+    let start = uboot
+        .windows(8)
+        .position(|w| w == b"bootcmd=")
+        .context("u-boot.bin holds no default environment (no `bootcmd=`)")?;
+    let mut out = Vec::new();
+    for s in uboot[start..].split(|&b| b == 0) {
+        if s.is_empty() {
+            break;
+        }
+        let s = std::str::from_utf8(s).context("non-UTF-8 default environment")?;
+        let (k, v) = s
+            .split_once('=')
+            .with_context(|| format!("default environment entry without `=`: {s:?}"))?;
+        out.push((k.to_string(), v.to_string()));
+    }
+    ensure!(
+        out.iter().any(|(k, _)| k == "distro_bootcmd"),
+        "u-boot.bin's default environment has no distro_bootcmd"
+    );
+    Ok(out)
+}
+
+/// The environment the boot test gives U-Boot: the default with no autoboot delay, only the
+/// virtio disk scanned, and `kiln_args` for the kernel command line.
+pub fn boot_env(default: Vec<(String, String)>, kiln_args: &str) -> String {
+    let mut env: Vec<(String, String)> = default
+        .into_iter()
+        .filter(|(k, _)| !matches!(k.as_str(), "bootdelay" | "boot_targets" | "kiln_args"))
+        .collect();
+    env.push(("bootdelay".into(), "0".into()));
+    env.push(("boot_targets".into(), "virtio0".into()));
+    env.push(("kiln_args".into(), kiln_args.into()));
+    env.sort();
+    env.iter().map(|(k, v)| format!("{k}={v}\n")).collect()
+}
+
+/// `mkenvimage -s 0x40000` of the env, padded with erased-flash bytes to a 64 MiB pflash image.
+fn write_pflash(dir: &Path, env_txt: &str) -> Result<PathBuf> {
+    let txt = dir.join("uboot-env.txt");
+    let bin = dir.join("uboot-env.bin");
+    std::fs::write(&txt, env_txt).with_context(|| format!("writing {}", txt.display()))?;
+    let sh = crate::shell()?;
+    let size = format!("{ENV_SIZE:#x}");
+    cmd!(sh, "mkenvimage -s {size} -o {bin} {txt}")
+        .quiet()
+        .run()
+        .context("mkenvimage")?;
+    let mut flash = std::fs::read(&bin).with_context(|| format!("reading {}", bin.display()))?;
+    ensure!(
+        flash.len() == ENV_SIZE,
+        "mkenvimage wrote {} bytes",
+        flash.len()
+    );
+    flash.resize(PFLASH_SIZE, 0xff);
+    let out = dir.join("pflash1.img");
+    std::fs::write(&out, flash).with_context(|| format!("writing {}", out.display()))?;
+    Ok(out)
+}
+
+/// A sparse copy of the image, so the boot writes its report into the copy, not the original.
+fn copy_image(src: &Path, dst: &Path) -> Result<()> {
+    let len = std::fs::metadata(src)
+        .with_context(|| format!("reading {}", src.display()))?
+        .len();
+    let _ = std::fs::remove_file(dst);
+    let f = std::fs::File::create(dst).with_context(|| format!("creating {}", dst.display()))?;
+    f.set_len(len)?;
+    disk::copy_sparse(&f, 0, src)?;
+    f.sync_all()?;
+    Ok(())
+}
+
+fn kiln_args(inject: Option<&str>) -> Result<String> {
+    let mut a = "kiln.mode=test".to_string();
+    if let Some(f) = inject {
+        ensure!(
+            !f.is_empty()
+                && f.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_,".contains(c)),
+            "--inject {f:?}: letters, digits, '-', '_' and ',' only"
+        );
+        a.push_str(&format!(" kiln.inject={f}"));
+    }
+    Ok(a)
+}
+
+/// Boot once and return what the board said. A FAIL verdict is a result, not an error; a missing
+/// report, a report on the card that differs from the console's, or a timeout are errors.
+pub fn boot(args: &Args) -> Result<Boot> {
+    ensure!(
+        args.board == "qemu-virt",
+        "boot-test can only emulate qemu-virt (asked for {})",
+        args.board
+    );
+    doctor::ensure(&[
+        &doctor::QEMU_SYSTEM_AARCH64,
+        &doctor::UBOOT_QEMU,
+        &doctor::UBOOT_TOOLS,
+    ])?;
+    let image = image_path(&args.board);
+    if !args.no_build {
+        let exe = std::env::current_exe().context("locating the xtask binary")?;
+        let sh = crate::shell()?;
+        let board = &args.board;
+        cmd!(sh, "{exe} image --board {board}")
+            .run()
+            .context("building the image (cargo xtask image)")?;
+    }
+    ensure!(
+        image.exists(),
+        "{} does not exist: run `cargo xtask image --board {}`",
+        image.display(),
+        args.board
+    );
+    let dir = match &args.inject {
+        None => crate::target_dir().join("boot-test"),
+        Some(f) => crate::target_dir()
+            .join("boot-test")
+            .join(format!("inject-{f}")),
+    };
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let uboot = std::fs::read(UBOOT_BIN).with_context(|| format!("reading {UBOOT_BIN}"))?;
+    let env = boot_env(default_env(&uboot)?, &kiln_args(args.inject.as_deref())?);
+    let pflash = write_pflash(&dir, &env)?;
+    let copy = dir.join("disk.img");
+    copy_image(&image, &copy)?;
+    let serial_log = dir.join("serial.log");
+
+    let sh = crate::shell()?;
+    let pflash_arg = format!(
+        "if=pflash,unit=1,format=raw,file={},readonly=on",
+        pflash.display()
+    );
+    let drive_arg = format!("if=none,id=d0,file={},format=raw", copy.display());
+    let qemu = cmd!(
+        sh,
+        "qemu-system-aarch64 -M virt -cpu cortex-a76 -m 2048 -smp 2 -nographic -nic none -no-reboot
+         -bios {UBOOT_BIN} -drive {pflash_arg} -drive {drive_arg} -device virtio-blk-pci,drive=d0"
+    );
+    println!("boot-test: {qemu}");
+    println!(
+        "boot-test: kernel command line gets `{}`",
+        kiln_args(args.inject.as_deref())?
+    );
+    let mut command: std::process::Command = qemu.into();
+    let started = Instant::now();
+    let mut child = command
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .context("starting qemu-system-aarch64")?;
+    let mut out = child.stdout.take().context("qemu's stdout")?;
+    let mut log = std::fs::File::create(&serial_log)
+        .with_context(|| format!("creating {}", serial_log.display()))?;
+    let seen: Arc<Mutex<(Vec<u8>, Option<Duration>)>> = Arc::default();
+    let reader = {
+        let seen = Arc::clone(&seen);
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = out.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                let _ = log.write_all(&buf[..n]);
+                let _ = log.flush();
+                let mut s = seen.lock().unwrap_or_else(|e| e.into_inner());
+                s.0.extend_from_slice(&buf[..n]);
+                if s.1.is_none() {
+                    let text = String::from_utf8_lossy(&s.0);
+                    if text.lines().any(|l| l.starts_with(VERDICT_PREFIX)) {
+                        s.1 = Some(started.elapsed());
+                    }
+                }
+            }
+        })
+    };
+    let deadline = Duration::from_secs(args.timeout);
+    let status = loop {
+        if let Some(st) = child.try_wait().context("waiting for qemu")? {
+            break Some(st);
+        }
+        if started.elapsed() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let _ = reader.join();
+    let (bytes, verdict_at) = {
+        let s = seen.lock().unwrap_or_else(|e| e.into_inner());
+        (s.0.clone(), s.1)
+    };
+    let console = String::from_utf8_lossy(&bytes);
+    let Some(status) = status else {
+        bail!(
+            "timeout: no power-off within {} s (verdict {}); serial log: {}",
+            args.timeout,
+            if verdict_at.is_some() {
+                "seen"
+            } else {
+                "not seen"
+            },
+            serial_log.display()
+        );
+    };
+    let (report, verdict_line) = Report::from_console(&console)
+        .with_context(|| format!("serial log: {}", serial_log.display()))?;
+    ensure!(
+        status.success(),
+        "qemu exited with {status} after the verdict (expected a clean PSCI power-off)"
+    );
+    ensure!(
+        verdict_line.trim() == report.verdict_line(),
+        "the console's verdict line `{verdict_line}` does not match its report (`{}`)",
+        report.verdict_line()
+    );
+    // The card must say the same as the console.
+    let (_, on_card) = crate::report::read_report(&copy)
+        .with_context(|| format!("reading the report back from {}", copy.display()))?;
+    ensure!(
+        on_card == report,
+        "kiln/report.json on the boot partition differs from the report on the console"
+    );
+    // And it must be about this image.
+    let boot = crate::report::boot_partition(&copy)?;
+    let manifest = fat::read_file(
+        &copy,
+        boot.start_bytes(),
+        boot.size_bytes(),
+        "kiln/manifest.json",
+    )?;
+    let sha = hex::encode(Sha256::digest(&manifest));
+    ensure!(
+        report.image.as_deref() == Some(sha.as_str()),
+        "the report names image {:?}, but kiln/manifest.json on the disk hashes to {sha}",
+        report.image
+    );
+    Ok(Boot {
+        report,
+        verdict_line,
+        boot_to_verdict: verdict_at.context("verdict line found but not timed")?,
+        serial_log,
+    })
+}
+
+pub fn print_boot(b: &Boot) {
+    print!("{}", b.report.to_text());
+    println!("boot-test: console: {}", b.verdict_line);
+    println!(
+        "boot-test: boot-to-verdict {:.1} s; serial log {}",
+        b.boot_to_verdict.as_secs_f64(),
+        b.serial_log.display()
+    );
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let b = boot(&args)?;
+    print_boot(&b);
+    if b.report.verdict == Verdict::Fail {
+        bail!(
+            "the board's self-check FAILED: {}",
+            b.report.failed_ids().join(", ")
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn env_from_the_real_u_boot() {
+        let Ok(bin) = std::fs::read(UBOOT_BIN) else {
+            // doctor installs u-boot-qemu for the boot stages; this unit test only reads it.
+            eprintln!("{UBOOT_BIN} not installed; covered by the boot-test stages");
+            return;
+        };
+        let env = boot_env(
+            default_env(&bin).unwrap(),
+            "kiln.mode=test kiln.inject=stale",
+        );
+        assert!(env.contains("\nbootdelay=0\n"), "{env}");
+        assert!(env.contains("\nboot_targets=virtio0\n"));
+        assert!(env.contains("\nkiln_args=kiln.mode=test kiln.inject=stale\n"));
+        assert!(env.contains("\ndistro_bootcmd="));
+        assert_eq!(env.matches("bootdelay=").count(), 1);
+    }
+
+    #[test]
+    fn env_parsing_stops_at_the_double_nul() {
+        let blob = b"junk\0bootcmd=run distro_bootcmd\0distro_bootcmd=x\0bootdelay=2\0\0tail=no\0";
+        let env = default_env(blob).unwrap();
+        assert_eq!(env.len(), 3);
+        assert!(default_env(b"bootcmd=x\0\0").is_err());
+    }
+
+    #[test]
+    fn inject_names_are_checked() {
+        assert_eq!(kiln_args(None).unwrap(), "kiln.mode=test");
+        assert_eq!(
+            kiln_args(Some("untouched")).unwrap(),
+            "kiln.mode=test kiln.inject=untouched"
+        );
+        assert!(kiln_args(Some("x y")).is_err());
+    }
+}

@@ -1,0 +1,167 @@
+//! `cargo xtask report IMAGE_OR_DEVICE [--json]`: the self-check report a board wrote to its boot
+//! partition, read back on a laptop. GPT and FAT are parsed in-process and the image or device
+//! is only ever opened read-only, so a card can be inspected without mounting it.
+
+use crate::disk::{fat, gpt};
+use anyhow::{bail, Context, Result};
+use kiln_runtime::selftest::report::{Report, Verdict};
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// An image file (target/images/kiln-<board>.img) or a block device (/dev/sdX).
+    pub image: PathBuf,
+    /// Print the report's JSON as stored instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Where the report lives on the boot partition.
+pub const REPORT_PATH: &str = "kiln/report.json";
+
+/// The boot partition: the one named `boot`, else partition 1.
+pub fn boot_partition(image: &Path) -> Result<gpt::PartitionEntryInfo> {
+    let parts =
+        gpt::read(image).with_context(|| format!("reading the GPT of {}", image.display()))?;
+    parts
+        .iter()
+        .find(|p| p.name == "boot")
+        .or_else(|| parts.iter().find(|p| p.number == 1))
+        .cloned()
+        .with_context(|| format!("{} has no boot partition", image.display()))
+}
+
+/// The raw bytes of `kiln/report.json` and the report parsed from them.
+pub fn read_report(image: &Path) -> Result<(Vec<u8>, Report)> {
+    let boot = boot_partition(image)?;
+    let bytes = fat::read_file(image, boot.start_bytes(), boot.size_bytes(), REPORT_PATH)
+        .with_context(|| {
+            format!(
+                "no self-check report on the boot partition of {} (has this image booted?)",
+                image.display()
+            )
+        })?;
+    let report: Report = serde_json::from_slice(&bytes)
+        .with_context(|| format!("{REPORT_PATH} on {} is not a kiln report", image.display()))?;
+    Ok((bytes, report))
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let (bytes, report) = read_report(&args.image)?;
+    let mut text = if args.json {
+        String::from_utf8_lossy(&bytes).into_owned()
+    } else {
+        report.to_text()
+    };
+    if !text.ends_with('\n') {
+        text.push('\n');
+    }
+    // `cargo xtask report … | head` closes the pipe early: not an error worth a panic.
+    match std::io::stdout().lock().write_all(text.as_bytes()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
+        r => r.context("writing the report to stdout")?,
+    }
+    if report.verdict == Verdict::Fail {
+        bail!(
+            "the self-check on {} FAILED: {}",
+            args.image.display(),
+            report.failed_ids().join(", ")
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::disk::guid_from_seed;
+    use kiln_runtime::selftest::{CheckResult, Ctx, Outcome, Paths};
+
+    /// A GPT disk whose FAT boot partition holds `files`, built with kiln's own writers; the
+    /// reader side is the same in-process code, so the FAT is also checked with `fsck.vfat` by
+    /// the disk tests, not here.
+    pub(crate) fn disk_with(dir: &Path, files: &[(String, Vec<u8>)]) -> PathBuf {
+        let fat = dir.join("boot.vfat");
+        let size = 8 * 1024 * 1024;
+        fat::build(&fat, size, 0x1234_5678, "BOOT", files, 1_700_000_000).unwrap();
+        let img = dir.join("disk.img");
+        let spec = gpt::PartitionSpec {
+            name: "boot".into(),
+            type_guid: gpt::types::efi_system(),
+            unique_guid: guid_from_seed("test", "boot"),
+            first_lba: 2048,
+            size_bytes: size,
+            attributes: 0,
+        };
+        gpt::assemble(
+            &img,
+            16 * 1024 * 1024,
+            guid_from_seed("test", "disk"),
+            &[(spec, fat)],
+            &[],
+        )
+        .unwrap();
+        img
+    }
+
+    fn report(fail: bool) -> Report {
+        let mut checks = vec![CheckResult::new(
+            "kernel.release",
+            Outcome::pass(vec!["uname -r = 6.1.192-kiln".into()]),
+            0.1,
+        )];
+        if fail {
+            checks.push(CheckResult::new(
+                "matmul.npu.f16",
+                Outcome::fail("stale", vec![]),
+                3.0,
+            ));
+        }
+        Report::new(
+            &Ctx {
+                paths: Paths::under(Path::new("/nonexistent")),
+                ..Ctx::default()
+            },
+            checks,
+        )
+    }
+
+    #[test]
+    fn reads_the_report_back_from_the_boot_partition() {
+        let dir = tempfile::tempdir().unwrap();
+        let r = report(false);
+        let img = disk_with(
+            dir.path(),
+            &[(REPORT_PATH.into(), r.to_json_pretty().into_bytes())],
+        );
+        let (bytes, back) = read_report(&img).unwrap();
+        assert_eq!(back, r);
+        assert_eq!(bytes, r.to_json_pretty().into_bytes());
+        run(Args {
+            image: img,
+            json: false,
+        })
+        .unwrap();
+    }
+
+    #[test]
+    fn a_failed_verdict_or_no_report_exits_non_zero() {
+        let dir = tempfile::tempdir().unwrap();
+        let r = report(true);
+        let img = disk_with(
+            dir.path(),
+            &[(REPORT_PATH.into(), r.to_json_pretty().into_bytes())],
+        );
+        let e = run(Args {
+            image: img,
+            json: true,
+        })
+        .unwrap_err();
+        assert!(format!("{e:#}").contains("matmul.npu.f16"), "{e:#}");
+        let other = tempfile::tempdir().unwrap();
+        let img = disk_with(other.path(), &[("hello.txt".into(), b"hi".to_vec())]);
+        let e = read_report(&img).unwrap_err();
+        assert!(format!("{e:#}").contains("no self-check report"), "{e:#}");
+    }
+}
