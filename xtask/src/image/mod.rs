@@ -557,7 +557,7 @@ pub fn build(args: &Args) -> Result<Built> {
     let initramfs_size = std::fs::metadata(&initramfs.path)?.len();
 
     // Models partition (erofs).
-    let fixture = fixture::gguf();
+    let fixture = fixture::gguf().context("writing the self-check fixture")?;
     let models_uuid = disk::guid_from_seed(&seed, "models-fs");
     let models_img = Product::new(&work, "models.erofs");
     let mkey = key_of(&[
