@@ -7,9 +7,11 @@
 //! `fast.rs`, so every kernel and both paths give bit-identical results.
 
 use super::fast::{f16_bits_to_f32, Activations};
-use super::kernels::Kernel;
+use super::kernels::{f32_lanes, Kernel, LANES};
 use crate::backend::Weight;
 use crate::quant::GgmlType;
+use half::f16;
+use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 
 /// The integer dot of one 32-element weight block, in its packed form, with an i8 activation
 /// block. Implementations must be exact (no saturation), which makes them interchangeable.
@@ -69,7 +71,7 @@ impl BlockDot for Portable {
 /// Whether [`row_dot`] handles this type (the rest go through the unpacked path).
 pub(crate) fn supports(ty: GgmlType) -> bool {
     use GgmlType::*;
-    matches!(ty, Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0)
+    matches!(ty, F16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0)
 }
 
 fn f16_le(b: &[u8], at: usize) -> f32 {
@@ -171,6 +173,9 @@ pub(crate) fn rows(
 
 #[inline]
 fn row(kernel: Kernel, ty: GgmlType, src: &[u8], act: &Activations<'_>) -> f32 {
+    if ty == GgmlType::F16 {
+        return dot_f16(src, &act.f32s[..act.k]);
+    }
     match kernel {
         Kernel::Portable => {
             #[cfg(target_arch = "x86_64")]
@@ -328,4 +333,26 @@ mod neon {
     pub(super) unsafe fn row_dot_sdot(ty: GgmlType, src: &[u8], act: &Activations<'_>) -> f32 {
         row_dot::<Sdot>(ty, src, act, 0)
     }
+}
+
+/// An F16 weight row (`src`, little-endian, maybe unaligned) · `x`, converted a chunk at a time
+/// into a stack buffer (through `half`'s F16C / NEON-fp16 slice conversion) and dotted while it
+/// is in L1: one pass over the weight bytes. Same lanes and order as `dot_f32`, so the result
+/// equals widening the whole row first.
+pub(crate) fn dot_f16(src: &[u8], x: &[f32]) -> f32 {
+    // A multiple of the 16 lanes, so only the last chunk has a tail.
+    const C: usize = 512;
+    let mut bits = [0u16; C];
+    let mut f = [0.0f32; C];
+    let mut acc = [0.0f32; LANES];
+    let mut tail = 0.0f32;
+    for (b, xs) in src.chunks(2 * C).zip(x.chunks(C)) {
+        let n = xs.len().min(b.len() / 2);
+        for (o, p) in bits[..n].iter_mut().zip(b.chunks_exact(2)) {
+            *o = u16::from_le_bytes([p[0], p[1]]);
+        }
+        HalfBitsSliceExt::reinterpret_cast::<f16>(&bits[..n]).convert_to_f32_slice(&mut f[..n]);
+        tail = f32_lanes(&mut acc, &f[..n], &xs[..n]);
+    }
+    acc.iter().sum::<f32>() + tail
 }
