@@ -243,9 +243,16 @@ impl CpuBackend {
             self.run_columns(w, row_bytes, act, m, 0, ct);
             return;
         }
+        // One contiguous chunk of N per thread; the calling thread takes the first, so a call
+        // spawns threads − 1.
         std::thread::scope(|s| {
-            for (t, chunk) in ct.chunks_mut(per * m).enumerate() {
+            let mut chunks = ct.chunks_mut(per * m).enumerate();
+            let first = chunks.next();
+            for (t, chunk) in chunks {
                 s.spawn(move || self.run_columns(w, row_bytes, act, m, t * per, chunk));
+            }
+            if let Some((_, chunk)) = first {
+                self.run_columns(w, row_bytes, act, m, 0, chunk);
             }
         });
     }
