@@ -340,6 +340,11 @@ mod neon {
 /// is in L1: one pass over the weight bytes. Same lanes and order as `dot_f32`, so the result
 /// equals widening the whole row first.
 pub(crate) fn dot_f16(src: &[u8], x: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx") && std::arch::is_x86_feature_detected!("f16c") {
+        // SAFETY: AVX and F16C were just detected on this CPU.
+        return unsafe { dot_f16_f16c(src, x) };
+    }
     // A multiple of the 16 lanes, so only the last chunk has a tail.
     const C: usize = 512;
     let mut bits = [0u16; C];
@@ -354,5 +359,42 @@ pub(crate) fn dot_f16(src: &[u8], x: &[f32]) -> f32 {
         HalfBitsSliceExt::reinterpret_cast::<f16>(&bits[..n]).convert_to_f32_slice(&mut f[..n]);
         tail = f32_lanes(&mut acc, &f[..n], &xs[..n]);
     }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// [`dot_f16`] with the conversion inlined (`vcvtph2ps`, exact) into the same 16 lanes: lane j of
+/// `a0`/`a1` is `acc[j]`/`acc[8 + j]`, products and sums rounded separately as there (no FMA), the
+/// tail through [`f32_lanes`]; so the bits are the same.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx,f16c")]
+unsafe fn dot_f16_f16c(src: &[u8], x: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let n = x.len().min(src.len() / 2);
+    let full = n / LANES * LANES;
+    let mut a0 = _mm256_setzero_ps();
+    let mut a1 = _mm256_setzero_ps();
+    let (ps, px) = (src.as_ptr(), x.as_ptr());
+    let mut i = 0;
+    while i < full {
+        // SAFETY: i + 16 <= full <= n, so 32 bytes of src and 16 floats of x are in bounds.
+        unsafe {
+            let w0 = _mm256_cvtph_ps(_mm_loadu_si128(ps.add(2 * i) as *const __m128i));
+            let w1 = _mm256_cvtph_ps(_mm_loadu_si128(ps.add(2 * i + 16) as *const __m128i));
+            a0 = _mm256_add_ps(a0, _mm256_mul_ps(w0, _mm256_loadu_ps(px.add(i))));
+            a1 = _mm256_add_ps(a1, _mm256_mul_ps(w1, _mm256_loadu_ps(px.add(i + 8))));
+        }
+        i += LANES;
+    }
+    let mut acc = [0.0f32; LANES];
+    // SAFETY: acc holds 16 floats.
+    unsafe {
+        _mm256_storeu_ps(acc.as_mut_ptr(), a0);
+        _mm256_storeu_ps(acc.as_mut_ptr().add(8), a1);
+    }
+    let mut f = [0.0f32; LANES];
+    for (o, p) in f.iter_mut().zip(src[2 * full..2 * n].chunks_exact(2)) {
+        *o = f16_bits_to_f32(u16::from_le_bytes([p[0], p[1]]));
+    }
+    let tail = f32_lanes(&mut [0.0; LANES], &f[..n - full], &x[full..n]);
     acc.iter().sum::<f32>() + tail
 }
