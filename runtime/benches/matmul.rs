@@ -214,6 +214,33 @@ fn main() {
             }
         }
     }
+    // Per-call overhead at M=1 (threads started and joined, activations quantised): a weight so
+    // small that the dots take a few microseconds, with all threads and with one.
+    let (k, n) = (256usize, 64usize);
+    let vals: Vec<f32> = (0..k * n).map(|_| rng.f32()).collect();
+    let data = make_weight(GgmlType::Q4_0, &vals);
+    let w = Weight {
+        name: "bench.tiny",
+        ty: GgmlType::Q4_0,
+        k,
+        n,
+        data: &data,
+    };
+    let a: Vec<f32> = (0..k).map(|_| rng.f32()).collect();
+    let mut c = vec![0.0f32; n];
+    let one = CpuBackend::new().with_threads(1);
+    let t1 = time_it(Duration::from_millis(200), 50, || {
+        run_once(&one, &w, &a, 1, &mut c)
+    });
+    let tn = time_it(Duration::from_millis(200), 50, || {
+        run_once(&cpu, &w, &a, 1, &mut c)
+    });
+    println!();
+    println!(
+        "per-call overhead (Q4_0 K={k} N={n} M=1, best call): {:.1} µs with 1 thread, {:.1} µs with {threads}",
+        t1 * 1e6,
+        tn * 1e6
+    );
     println!();
     println!(
         "headline (M=1, K=2048, N=6144, {threads} threads, kernel {}): weight GB/s ÷ read bandwidth",

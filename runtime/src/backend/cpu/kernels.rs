@@ -157,11 +157,15 @@ mod neon {
     }
 }
 
-/// f32 dot product with 16 independent lanes, so LLVM vectorises it without reassociating.
-pub(crate) fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
-    const L: usize = 16;
-    let mut acc = [0.0f32; L];
-    let (ca, cb) = (a.chunks_exact(L), b.chunks_exact(L));
+/// Independent f32 accumulators of [`f32_lanes`]: enough that LLVM vectorises without having to
+/// reassociate.
+pub(crate) const LANES: usize = 16;
+
+/// `acc[j] += a[LANES·i + j] · b[LANES·i + j]` over the whole groups of `LANES`; returns the plain
+/// sum of the products left over.
+#[inline(always)]
+pub(crate) fn f32_lanes(acc: &mut [f32; LANES], a: &[f32], b: &[f32]) -> f32 {
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
     let tail: f32 = ca
         .remainder()
         .iter()
@@ -169,9 +173,16 @@ pub(crate) fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
         .map(|(x, y)| x * y)
         .sum();
     for (x, y) in ca.zip(cb) {
-        for j in 0..L {
+        for j in 0..LANES {
             acc[j] += x[j] * y[j];
         }
     }
+    tail
+}
+
+/// f32 dot product in [`LANES`] independent lanes.
+pub(crate) fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; LANES];
+    let tail = f32_lanes(&mut acc, a, b);
     acc.iter().sum::<f32>() + tail
 }

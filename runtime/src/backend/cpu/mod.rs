@@ -4,6 +4,7 @@
 //! the mapping: nothing is copied at prepare time.
 
 mod fast;
+mod fused;
 mod kernels;
 #[cfg(test)]
 mod tests;
@@ -242,9 +243,16 @@ impl CpuBackend {
             self.run_columns(w, row_bytes, act, m, 0, ct);
             return;
         }
+        // One contiguous chunk of N per thread; the calling thread takes the first, so a call
+        // spawns threads − 1.
         std::thread::scope(|s| {
-            for (t, chunk) in ct.chunks_mut(per * m).enumerate() {
+            let mut chunks = ct.chunks_mut(per * m).enumerate();
+            let first = chunks.next();
+            for (t, chunk) in chunks {
                 s.spawn(move || self.run_columns(w, row_bytes, act, m, t * per, chunk));
+            }
+            if let Some((_, chunk)) = first {
+                self.run_columns(w, row_bytes, act, m, 0, chunk);
             }
         });
     }
@@ -259,6 +267,15 @@ impl CpuBackend {
         n0: usize,
         ct: &mut [f32],
     ) {
+        // Decode: fused dots straight off the packed bytes, one pass over each weight row.
+        if m == 1 && fused::supports(w.ty) {
+            #[cfg(test)]
+            let skip = self.skip_column;
+            #[cfg(not(test))]
+            let skip = None;
+            fused::rows(self.kernel, w, row_bytes, act, n0, ct, skip);
+            return;
+        }
         // A tile of weight rows is unpacked together and each activation row is dotted with all
         // of them while it sits in L1, so M > 1 reads the activations once per tile, not per row.
         const TILE: usize = 4;

@@ -1,0 +1,400 @@
+//! Decode (M = 1) dots that read the packed weight bytes directly, as ggml's `vec_dot` does: each
+//! block's nibbles (and 5th bits) are unpacked in registers and dotted with the activation block
+//! at once, so a weight row is streamed from memory exactly once and never written back unpacked.
+//!
+//! Only the exact integer block dot differs between kernels ([`BlockDot`]); the block scales are
+//! applied by one shared loop in the same order, with the same formula as the unpacked path in
+//! `fast.rs`, so every kernel and both paths give bit-identical results.
+
+use super::fast::{f16_bits_to_f32, Activations};
+use super::kernels::{f32_lanes, Kernel, LANES};
+use crate::backend::Weight;
+use crate::quant::GgmlType;
+use half::f16;
+use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
+
+/// The integer dot of one 32-element weight block, in its packed form, with an i8 activation
+/// block. Implementations must be exact (no saturation), which makes them interchangeable.
+pub(crate) trait BlockDot {
+    /// ggml's 4-bit order: byte j holds element j (low nibble) and j + 16 (high), minus `bias`.
+    fn q4(q: &[u8; 16], bias: i8, a: &[i8; 32]) -> i32;
+    /// As `q4`, with element j's 5th bit at bit j of `qh`.
+    fn q5(q: &[u8; 16], qh: u32, bias: i8, a: &[i8; 32]) -> i32;
+    /// Q8_0 quants (i8 stored as bytes).
+    fn q8(w: &[u8; 32], a: &[i8; 32]) -> i32;
+}
+
+/// Plain Rust on fixed-size arrays: LLVM unrolls and vectorises each block (pmaddwd on x86,
+/// smull/sadalp on aarch64).
+pub(crate) struct Portable;
+
+#[inline(always)]
+fn dot32(w: &[i8; 32], a: &[i8; 32]) -> i32 {
+    let mut s = 0i32;
+    for j in 0..32 {
+        s += (w[j] as i16 * a[j] as i16) as i32;
+    }
+    s
+}
+
+impl BlockDot for Portable {
+    #[inline(always)]
+    fn q4(q: &[u8; 16], bias: i8, a: &[i8; 32]) -> i32 {
+        let mut w = [0i8; 32];
+        for j in 0..16 {
+            w[j] = (q[j] & 0xF) as i8 - bias;
+            w[j + 16] = (q[j] >> 4) as i8 - bias;
+        }
+        dot32(&w, a)
+    }
+
+    #[inline(always)]
+    fn q5(q: &[u8; 16], qh: u32, bias: i8, a: &[i8; 32]) -> i32 {
+        let h = qh.to_le_bytes();
+        let mut w = [0i8; 32];
+        for j in 0..16 {
+            // Bit j of qh and bit j + 16, read from bytes so the shifts are constants per lane.
+            let lo = (h[j / 8] >> (j % 8)) & 1;
+            let hi = (h[2 + j / 8] >> (j % 8)) & 1;
+            w[j] = ((q[j] & 0xF) | (lo << 4)) as i8 - bias;
+            w[j + 16] = ((q[j] >> 4) | (hi << 4)) as i8 - bias;
+        }
+        dot32(&w, a)
+    }
+
+    #[inline(always)]
+    fn q8(w: &[u8; 32], a: &[i8; 32]) -> i32 {
+        dot32(&w.map(|x| x as i8), a)
+    }
+}
+
+/// Whether [`row_dot`] handles this type (the rest go through the unpacked path).
+pub(crate) fn supports(ty: GgmlType) -> bool {
+    use GgmlType::*;
+    matches!(ty, F16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0)
+}
+
+fn f16_le(b: &[u8], at: usize) -> f32 {
+    f16_bits_to_f32(u16::from_le_bytes([b[at], b[at + 1]]))
+}
+
+/// Fixed-size view of `b[at..at + N]` (the caller's block sizes guarantee the length).
+#[inline(always)]
+fn arr<const N: usize>(b: &[u8], at: usize) -> &[u8; N] {
+    match b.get(at..at + N).and_then(|s| <&[u8; N]>::try_from(s).ok()) {
+        Some(a) => a,
+        // Unreachable: every caller passes whole ggml blocks.
+        None => &[0; N],
+    }
+}
+
+/// Σ over blocks of one weight row (`src`, whole blocks of `ty`) · activation row `row`.
+#[inline(always)]
+fn row_dot<D: BlockDot>(ty: GgmlType, src: &[u8], act: &Activations<'_>, row: usize) -> f32 {
+    let k = act.k;
+    let nb = k / 32;
+    let aq = &act.qs[row * k..row * k + k];
+    let ad = &act.d[row * nb..row * nb + nb];
+    let blocks = aq
+        .chunks_exact(32)
+        .filter_map(|c| <&[i8; 32]>::try_from(c).ok())
+        .zip(ad);
+    let mut sum = 0.0f32;
+    match ty {
+        GgmlType::Q8_0 => {
+            for (b, (a, ad)) in src.chunks_exact(34).zip(blocks) {
+                let dot = D::q8(arr::<32>(b, 2), a);
+                sum += dot as f32 * f16_le(b, 0) * ad;
+            }
+        }
+        GgmlType::Q4_0 => {
+            for (b, (a, ad)) in src.chunks_exact(18).zip(blocks) {
+                let dot = D::q4(arr::<16>(b, 2), 8, a);
+                sum += dot as f32 * f16_le(b, 0) * ad;
+            }
+        }
+        GgmlType::Q5_0 => {
+            for (b, (a, ad)) in src.chunks_exact(22).zip(blocks) {
+                let qh = u32::from_le_bytes(*arr::<4>(b, 2));
+                let dot = D::q5(arr::<16>(b, 6), qh, 16, a);
+                sum += dot as f32 * f16_le(b, 0) * ad;
+            }
+        }
+        GgmlType::Q4_1 => {
+            let as_ = &act.s[row * nb..row * nb + nb];
+            for ((b, (a, ad)), as_) in src.chunks_exact(20).zip(blocks).zip(as_) {
+                let dot = D::q4(arr::<16>(b, 4), 0, a);
+                let (wd, wm) = (f16_le(b, 0), f16_le(b, 2));
+                sum += (wd * ad) * dot as f32 + wm * as_;
+            }
+        }
+        GgmlType::Q5_1 => {
+            let as_ = &act.s[row * nb..row * nb + nb];
+            for ((b, (a, ad)), as_) in src.chunks_exact(24).zip(blocks).zip(as_) {
+                let qh = u32::from_le_bytes(*arr::<4>(b, 4));
+                let dot = D::q5(arr::<16>(b, 8), qh, 0, a);
+                let (wd, wm) = (f16_le(b, 0), f16_le(b, 2));
+                sum += (wd * ad) * dot as f32 + wm * as_;
+            }
+        }
+        _ => {}
+    }
+    sum
+}
+
+/// The portable kernel compiled again with AVX2 enabled (wider integer vectors), chosen at run
+/// time; same source, and Rust never contracts float ops, so results are identical.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn row_dot_avx2(ty: GgmlType, src: &[u8], act: &Activations<'_>, row: usize) -> f32 {
+    row_dot::<Portable>(ty, src, act, row)
+}
+
+/// `out[j] = W[n0 + j] · activation row 0` for a type [`supports`] accepts; `skip` (tests only)
+/// names a column to leave unwritten.
+pub(crate) fn rows(
+    kernel: Kernel,
+    w: &Weight<'_>,
+    row_bytes: usize,
+    act: &Activations<'_>,
+    n0: usize,
+    out: &mut [f32],
+    skip: Option<usize>,
+) {
+    for (j, o) in out.iter_mut().enumerate() {
+        let n = n0 + j;
+        if skip == Some(n) {
+            continue;
+        }
+        let src = &w.data[n * row_bytes..(n + 1) * row_bytes];
+        *o = row(kernel, w.ty, src, act);
+    }
+}
+
+#[inline]
+fn row(kernel: Kernel, ty: GgmlType, src: &[u8], act: &Activations<'_>) -> f32 {
+    if ty == GgmlType::F16 {
+        return dot_f16(src, &act.f32s[..act.k]);
+    }
+    match kernel {
+        Kernel::Portable => {
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx2") {
+                // SAFETY: AVX2 was just detected on this CPU.
+                return unsafe { row_dot_avx2(ty, src, act, 0) };
+            }
+            row_dot::<Portable>(ty, src, act, 0)
+        }
+        #[cfg(target_arch = "aarch64")]
+        Kernel::Neon => row_dot::<neon::Neon>(ty, src, act, 0),
+        #[cfg(target_arch = "aarch64")]
+        Kernel::NeonSdot => {
+            // Re-checked, not trusted (see `Kernel::dots`): `sdot` without dotprod is UB.
+            if std::arch::is_aarch64_feature_detected!("dotprod") {
+                // SAFETY: dotprod was just detected on this CPU.
+                unsafe { neon::row_dot_sdot(ty, src, act) }
+            } else {
+                row_dot::<neon::Neon>(ty, src, act, 0)
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "aarch64")]
+mod neon {
+    use super::{row_dot, Activations, BlockDot, GgmlType};
+    use std::arch::aarch64::*;
+    use std::arch::asm;
+
+    /// Bit j of each byte lane (j = lane mod 8), to spread qh's bits over 16 lanes.
+    const BIT: [u8; 16] = [1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128];
+
+    /// The two 16-lane halves of a 4-bit block (low nibbles = elements 0..16), minus `bias`.
+    #[inline(always)]
+    unsafe fn nibbles(q: &[u8; 16], bias: i8) -> (int8x16_t, int8x16_t) {
+        let v = vld1q_u8(q.as_ptr());
+        let lo = vreinterpretq_s8_u8(vandq_u8(v, vdupq_n_u8(0xF)));
+        let hi = vreinterpretq_s8_u8(vshrq_n_u8::<4>(v));
+        let b = vdupq_n_s8(bias);
+        (vsubq_s8(lo, b), vsubq_s8(hi, b))
+    }
+
+    /// As `nibbles`, with the 5th bit of element j from bit j of `qh`.
+    #[inline(always)]
+    unsafe fn nibbles5(q: &[u8; 16], qh: u32, bias: i8) -> (int8x16_t, int8x16_t) {
+        let v = vld1q_u8(q.as_ptr());
+        let h = qh.to_le_bytes();
+        let bit = vld1q_u8(BIT.as_ptr());
+        let sixteen = vdupq_n_u8(0x10);
+        let hlo = vcombine_u8(vdup_n_u8(h[0]), vdup_n_u8(h[1]));
+        let hhi = vcombine_u8(vdup_n_u8(h[2]), vdup_n_u8(h[3]));
+        let hlo = vandq_u8(vtstq_u8(hlo, bit), sixteen);
+        let hhi = vandq_u8(vtstq_u8(hhi, bit), sixteen);
+        let lo = vorrq_u8(vandq_u8(v, vdupq_n_u8(0xF)), hlo);
+        let hi = vorrq_u8(vshrq_n_u8::<4>(v), hhi);
+        let b = vdupq_n_s8(bias);
+        (
+            vsubq_s8(vreinterpretq_s8_u8(lo), b),
+            vsubq_s8(vreinterpretq_s8_u8(hi), b),
+        )
+    }
+
+    #[inline(always)]
+    unsafe fn act(a: &[i8; 32]) -> (int8x16_t, int8x16_t) {
+        (vld1q_s8(a.as_ptr()), vld1q_s8(a.as_ptr().add(16)))
+    }
+
+    /// Without dotprod: widening multiplies, pairwise accumulated (i8·i8 fits i16).
+    pub(super) struct Neon;
+
+    #[inline(always)]
+    unsafe fn dot32(w: (int8x16_t, int8x16_t), a: (int8x16_t, int8x16_t)) -> i32 {
+        let p0 = vmull_s8(vget_low_s8(w.0), vget_low_s8(a.0));
+        let p1 = vmull_high_s8(w.0, a.0);
+        let p2 = vmull_s8(vget_low_s8(w.1), vget_low_s8(a.1));
+        let p3 = vmull_high_s8(w.1, a.1);
+        let acc = vpaddlq_s16(p0);
+        let acc = vpadalq_s16(vpadalq_s16(vpadalq_s16(acc, p1), p2), p3);
+        vaddvq_s32(acc)
+    }
+
+    impl BlockDot for Neon {
+        #[inline(always)]
+        fn q4(q: &[u8; 16], bias: i8, a: &[i8; 32]) -> i32 {
+            // SAFETY: fixed-size arrays make every 16-byte load in bounds; NEON is baseline.
+            unsafe { dot32(nibbles(q, bias), act(a)) }
+        }
+        #[inline(always)]
+        fn q5(q: &[u8; 16], qh: u32, bias: i8, a: &[i8; 32]) -> i32 {
+            // SAFETY: as in `q4`.
+            unsafe { dot32(nibbles5(q, qh, bias), act(a)) }
+        }
+        #[inline(always)]
+        fn q8(w: &[u8; 32], a: &[i8; 32]) -> i32 {
+            // SAFETY: as in `q4`.
+            unsafe {
+                let w = (
+                    vreinterpretq_s8_u8(vld1q_u8(w.as_ptr())),
+                    vreinterpretq_s8_u8(vld1q_u8(w.as_ptr().add(16))),
+                );
+                dot32(w, act(a))
+            }
+        }
+    }
+
+    /// With `sdot` (only ever inlined into [`row_dot_sdot`], which enables dotprod).
+    struct Sdot;
+
+    #[inline(always)]
+    unsafe fn sdot(acc: int32x4_t, w: int8x16_t, a: int8x16_t) -> int32x4_t {
+        let mut acc = acc;
+        asm!(
+            "sdot {acc:v}.4s, {w:v}.16b, {a:v}.16b",
+            acc = inout(vreg) acc,
+            w = in(vreg) w,
+            a = in(vreg) a,
+            options(pure, nomem, nostack, preserves_flags)
+        );
+        acc
+    }
+
+    #[inline(always)]
+    unsafe fn sdot32(w: (int8x16_t, int8x16_t), a: (int8x16_t, int8x16_t)) -> i32 {
+        vaddvq_s32(sdot(sdot(vdupq_n_s32(0), w.0, a.0), w.1, a.1))
+    }
+
+    impl BlockDot for Sdot {
+        #[inline(always)]
+        fn q4(q: &[u8; 16], bias: i8, a: &[i8; 32]) -> i32 {
+            // SAFETY: in-bounds loads as in `Neon`; dotprod is `row_dot_sdot`'s precondition.
+            unsafe { sdot32(nibbles(q, bias), act(a)) }
+        }
+        #[inline(always)]
+        fn q5(q: &[u8; 16], qh: u32, bias: i8, a: &[i8; 32]) -> i32 {
+            // SAFETY: as in `q4`.
+            unsafe { sdot32(nibbles5(q, qh, bias), act(a)) }
+        }
+        #[inline(always)]
+        fn q8(w: &[u8; 32], a: &[i8; 32]) -> i32 {
+            // SAFETY: as in `q4`.
+            unsafe {
+                let w = (
+                    vreinterpretq_s8_u8(vld1q_u8(w.as_ptr())),
+                    vreinterpretq_s8_u8(vld1q_u8(w.as_ptr().add(16))),
+                );
+                sdot32(w, act(a))
+            }
+        }
+    }
+
+    /// # Safety
+    /// The CPU must have the dotprod extension.
+    #[target_feature(enable = "dotprod")]
+    pub(super) unsafe fn row_dot_sdot(ty: GgmlType, src: &[u8], act: &Activations<'_>) -> f32 {
+        row_dot::<Sdot>(ty, src, act, 0)
+    }
+}
+
+/// An F16 weight row (`src`, little-endian, maybe unaligned) · `x`, converted a chunk at a time
+/// into a stack buffer (through `half`'s F16C / NEON-fp16 slice conversion) and dotted while it
+/// is in L1: one pass over the weight bytes. Same lanes and order as `dot_f32`, so the result
+/// equals widening the whole row first.
+pub(crate) fn dot_f16(src: &[u8], x: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx") && std::arch::is_x86_feature_detected!("f16c") {
+        // SAFETY: AVX and F16C were just detected on this CPU.
+        return unsafe { dot_f16_f16c(src, x) };
+    }
+    // A multiple of the 16 lanes, so only the last chunk has a tail.
+    const C: usize = 512;
+    let mut bits = [0u16; C];
+    let mut f = [0.0f32; C];
+    let mut acc = [0.0f32; LANES];
+    let mut tail = 0.0f32;
+    for (b, xs) in src.chunks(2 * C).zip(x.chunks(C)) {
+        let n = xs.len().min(b.len() / 2);
+        for (o, p) in bits[..n].iter_mut().zip(b.chunks_exact(2)) {
+            *o = u16::from_le_bytes([p[0], p[1]]);
+        }
+        HalfBitsSliceExt::reinterpret_cast::<f16>(&bits[..n]).convert_to_f32_slice(&mut f[..n]);
+        tail = f32_lanes(&mut acc, &f[..n], &xs[..n]);
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// [`dot_f16`] with the conversion inlined (`vcvtph2ps`, exact) into the same 16 lanes: lane j of
+/// `a0`/`a1` is `acc[j]`/`acc[8 + j]`, products and sums rounded separately as there (no FMA), the
+/// tail through [`f32_lanes`]; so the bits are the same.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx,f16c")]
+unsafe fn dot_f16_f16c(src: &[u8], x: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let n = x.len().min(src.len() / 2);
+    let full = n / LANES * LANES;
+    let mut a0 = _mm256_setzero_ps();
+    let mut a1 = _mm256_setzero_ps();
+    let (ps, px) = (src.as_ptr(), x.as_ptr());
+    let mut i = 0;
+    while i < full {
+        // SAFETY: i + 16 <= full <= n, so 32 bytes of src and 16 floats of x are in bounds.
+        unsafe {
+            let w0 = _mm256_cvtph_ps(_mm_loadu_si128(ps.add(2 * i) as *const __m128i));
+            let w1 = _mm256_cvtph_ps(_mm_loadu_si128(ps.add(2 * i + 16) as *const __m128i));
+            a0 = _mm256_add_ps(a0, _mm256_mul_ps(w0, _mm256_loadu_ps(px.add(i))));
+            a1 = _mm256_add_ps(a1, _mm256_mul_ps(w1, _mm256_loadu_ps(px.add(i + 8))));
+        }
+        i += LANES;
+    }
+    let mut acc = [0.0f32; LANES];
+    // SAFETY: acc holds 16 floats.
+    unsafe {
+        _mm256_storeu_ps(acc.as_mut_ptr(), a0);
+        _mm256_storeu_ps(acc.as_mut_ptr().add(8), a1);
+    }
+    let mut f = [0.0f32; LANES];
+    for (o, p) in f.iter_mut().zip(src[2 * full..2 * n].chunks_exact(2)) {
+        *o = f16_bits_to_f32(u16::from_le_bytes([p[0], p[1]]));
+    }
+    let tail = f32_lanes(&mut [0.0; LANES], &f[..n - full], &x[full..n]);
+    acc.iter().sum::<f32>() + tail
+}
