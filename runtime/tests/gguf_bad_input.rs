@@ -2,6 +2,8 @@
 //! is found, and `GgufFile::open` reports it in one line naming the file. Plus a property test:
 //! mutated valid files never panic and never yield a view outside the file.
 
+mod support;
+
 use kiln_runtime::gguf::writer::GgufWriter;
 use kiln_runtime::gguf::{ErrorKind, Gguf, GgufFile, ParseError, Value, ValueType};
 use kiln_runtime::quant::GgmlType;
@@ -639,29 +641,11 @@ fn open_reports_one_line_naming_the_file_and_offset() {
     assert!(e.to_string().contains("missing.gguf"), "{e}");
 
     // And the CLI prints that one line and exits non-zero.
-    let out = kiln_cmd().arg("inspect").arg(&p).output().unwrap();
+    let out = support::kiln_cmd().arg("inspect").arg(&p).output().unwrap();
     assert!(!out.status.success());
     let stderr = String::from_utf8(out.stderr).unwrap();
     assert_eq!(stderr.lines().count(), 1, "{stderr}");
     assert!(stderr.contains("at byte 49"), "{stderr}");
-}
-
-/// The `kiln` binary as a command. Under qemu-user (the aarch64 stages) an aarch64 binary cannot
-/// be exec'd directly without binfmt_misc, so it goes through the same runner cargo used.
-fn kiln_cmd() -> std::process::Command {
-    let kiln = env!("CARGO_BIN_EXE_kiln");
-    let runner = cfg!(target_arch = "aarch64")
-        .then(|| std::env::var("CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER").ok())
-        .flatten();
-    match runner {
-        Some(r) if !r.trim().is_empty() => {
-            let mut parts = r.split_whitespace();
-            let mut c = std::process::Command::new(parts.next().unwrap_or_default());
-            c.args(parts).arg(kiln);
-            c
-        }
-        _ => std::process::Command::new(kiln),
-    }
 }
 
 /// A valid file with several types, metadata of several kinds and a custom alignment: the seed

@@ -1,6 +1,8 @@
 //! `kiln plan` and `kiln matmul` from outside, on a file written by kiln's GGUF writer and (with
 //! `KILN_SMOLLM2`, stage `npu-plan-smollm2`) on the SmolLM2 model; the NPU is rknn-standin.
 
+mod support;
+
 mod npu_common;
 
 use kiln_runtime::gguf::writer::GgufWriter;
@@ -9,21 +11,12 @@ use kiln_runtime::quant::{quantize_to_vec, GgmlType};
 use npu_common::*;
 use serde_json::Value as J;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
 /// `kiln`, through the cargo runner when the tests run as aarch64 code under qemu-user.
 fn kiln(args: &[&str]) -> Output {
-    let runner = std::env::var("CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER").ok();
-    let mut cmd = match (cfg!(target_arch = "aarch64"), runner) {
-        (true, Some(r)) => {
-            let mut parts = r.split_whitespace();
-            let mut c = Command::new(parts.next().expect("runner command"));
-            c.args(parts).arg(env!("CARGO_BIN_EXE_kiln"));
-            c
-        }
-        _ => Command::new(env!("CARGO_BIN_EXE_kiln")),
-    };
-    cmd.args(args)
+    support::kiln_cmd()
+        .args(args)
         .env("KILN_RKNN_LIB", standin("KILN_RKNN_STANDIN"))
         .env_remove("KILN_RKNN_STANDIN_FAULT")
         .output()

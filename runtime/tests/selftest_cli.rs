@@ -1,9 +1,10 @@
 //! The `kiln selftest` binary: exit code 0 only when nothing failed, the report on stdout between
 //! the markers equals `report.json`, and `report.txt` is written next to it.
 
+mod support;
+
 use kiln_runtime::selftest::report::{Report, Verdict};
 use std::path::Path;
-use std::process::Command;
 
 fn write(root: &Path, rel: &str, bytes: &[u8]) {
     let p = root.join(rel);
@@ -12,7 +13,7 @@ fn write(root: &Path, rel: &str, bytes: &[u8]) {
 }
 
 fn selftest(root: &Path) -> (i32, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_kiln"))
+    let out = support::kiln_cmd()
         .args(["selftest", "--board"])
         .arg(root.join("etc/kiln/board.toml"))
         .arg("--report-dir")

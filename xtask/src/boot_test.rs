@@ -162,12 +162,14 @@ pub fn boot(args: &Args) -> Result<Boot> {
     ])?;
     let image = image_path(&args.board);
     if !args.no_build {
-        let exe = std::env::current_exe().context("locating the xtask binary")?;
-        let sh = crate::shell()?;
-        let board = &args.board;
-        cmd!(sh, "{exe} image --board {board}")
-            .run()
-            .context("building the image (cargo xtask image)")?;
+        // In-process, not by re-running our own binary: a `cargo test` earlier in the same
+        // `cargo xtask test` may have rebuilt (and so deleted) the running xtask executable.
+        crate::image::run(crate::image::Args {
+            board: args.board.clone(),
+            models: Vec::new(),
+            offline: false,
+        })
+        .context("building the image (cargo xtask image)")?;
     }
     ensure!(
         image.exists(),
