@@ -202,9 +202,9 @@ fn row(kernel: Kernel, ty: GgmlType, src: &[u8], act: &Activations<'_>) -> f32 {
 
 #[cfg(target_arch = "aarch64")]
 mod neon {
+    use super::super::kernels::sdot;
     use super::{row_dot, Activations, BlockDot, GgmlType};
     use std::arch::aarch64::*;
-    use std::arch::asm;
 
     /// Bit j of each byte lane (j = lane mod 8), to spread qh's bits over 16 lanes.
     const BIT: [u8; 16] = [1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128];
@@ -284,19 +284,6 @@ mod neon {
 
     /// With `sdot` (only ever inlined into [`row_dot_sdot`], which enables dotprod).
     struct Sdot;
-
-    #[inline(always)]
-    unsafe fn sdot(acc: int32x4_t, w: int8x16_t, a: int8x16_t) -> int32x4_t {
-        let mut acc = acc;
-        asm!(
-            "sdot {acc:v}.4s, {w:v}.16b, {a:v}.16b",
-            acc = inout(vreg) acc,
-            w = in(vreg) w,
-            a = in(vreg) a,
-            options(pure, nomem, nostack, preserves_flags)
-        );
-        acc
-    }
 
     #[inline(always)]
     unsafe fn sdot32(w: (int8x16_t, int8x16_t), a: (int8x16_t, int8x16_t)) -> i32 {

@@ -99,6 +99,9 @@ mod portable {
 }
 
 #[cfg(target_arch = "aarch64")]
+pub(super) use neon::sdot;
+
+#[cfg(target_arch = "aarch64")]
 mod neon {
     use std::arch::aarch64::*;
     use std::arch::asm;
@@ -126,8 +129,14 @@ mod neon {
         }
     }
 
+    /// `sdot` through `asm!` (the `vdotq_s32` intrinsic is not stable). Callers must run on a
+    /// CPU with dotprod, inside a `#[target_feature(enable = "dotprod")]` function.
     #[inline(always)]
-    unsafe fn sdot(acc: int32x4_t, w: int8x16_t, a: int8x16_t) -> int32x4_t {
+    pub(in crate::backend::cpu) unsafe fn sdot(
+        acc: int32x4_t,
+        w: int8x16_t,
+        a: int8x16_t,
+    ) -> int32x4_t {
         let mut acc = acc;
         asm!(
             "sdot {acc:v}.4s, {w:v}.16b, {a:v}.16b",
