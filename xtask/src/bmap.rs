@@ -12,7 +12,7 @@ use nix::unistd::{lseek, Whence};
 use sha2::{Digest, Sha256};
 use std::fmt::Write as _;
 use std::fs::File;
-use std::io::{Read, Seek, SeekFrom, Write};
+use std::io::{Read, Seek, SeekFrom};
 use std::os::fd::AsRawFd;
 use std::path::Path;
 
@@ -202,27 +202,10 @@ pub fn render(b: &Bmap) -> String {
     x.replacen(ZERO_CHECKSUM, &sum, 1)
 }
 
-/// Write `path` atomically: a temporary file beside it, fsync, rename.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let name = path
-        .file_name()
-        .with_context(|| format!("{} has no file name", path.display()))?;
-    let mut tmp_name = name.to_os_string();
-    tmp_name.push(".tmp");
-    let tmp = path.with_file_name(tmp_name);
-    let mut f = File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
-    f.write_all(bytes)
-        .and_then(|_| f.sync_all())
-        .with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, path)
-        .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
-    Ok(())
-}
-
 /// Write the `.bmap` of the sparse raw image `img` to `out`.
 pub fn create(img: &Path, out: &Path) -> Result<()> {
     let b = scan(img)?;
-    write_atomic(out, render(&b).as_bytes())
+    crate::atomic::write_atomic(out, render(&b).as_bytes())
         .with_context(|| format!("writing the bmap of {}", img.display()))
 }
 

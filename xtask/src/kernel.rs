@@ -225,18 +225,18 @@ fn unpack_source(spec: &KernelSpec, file: &Path, sha: &Sha256) -> Result<PathBuf
         }
         std::fs::create_dir_all(&tmp)?;
         match &spec.tarball_in_deb {
-            Some(inner) => crate::image::rootfs::with_deb_member(file, inner, |r| {
+            Some(inner) => crate::archive::with_deb_member(file, inner, |r| {
                 let mut head = [0u8; 6];
                 let mut r = std::io::BufReader::new(r);
                 let buf = r.fill_buf()?;
                 let n = buf.len().min(6);
                 head[..n].copy_from_slice(&buf[..n]);
-                let dec = crate::pins::decompressor(&head[..n], r)?;
+                let dec = crate::archive::decompressor(&head[..n], r)?;
                 tar::Archive::new(dec)
                     .unpack(&tmp)
                     .with_context(|| format!("unpacking {inner}"))
             })?,
-            None => tar::Archive::new(crate::pins::open_maybe_compressed(file)?)
+            None => tar::Archive::new(crate::archive::open_maybe_compressed(file)?)
                 .unpack(&tmp)
                 .with_context(|| format!("unpacking {}", file.display()))?,
         }

@@ -1,6 +1,8 @@
 //! `cargo xtask`: kiln's host tool, in the cargo-xtask convention (one module per subcommand,
 //! external programs through `xshell::cmd!`, `anyhow` context at every step).
 
+mod archive;
+mod atomic;
 mod bench;
 mod bmap;
 mod boot_test;
@@ -11,8 +13,12 @@ mod flash;
 mod image;
 mod kernel;
 mod pins;
+mod pins_cmd;
 mod report;
+mod rootfs;
 mod test;
+#[cfg(test)]
+mod tidy;
 
 use clap::Parser;
 use std::path::{Path, PathBuf};
@@ -36,7 +42,7 @@ enum Cli {
     /// Build the bootable, reproducible disk image of a board into target/images/.
     Image(image::Args),
     /// Pinned inputs: check (resolve into the cache), update (re-pin Debian packages), lock.
-    Pins(pins::Args),
+    Pins(pins_cmd::Args),
     /// Measure speed: `cargo xtask bench flash|matmul|gguf|image` (see README).
     Bench(bench::Args),
 }
@@ -50,7 +56,7 @@ fn main() -> anyhow::Result<()> {
         Cli::BootTest(a) => boot_test::run(a),
         Cli::Flash(a) => flash::run(a),
         Cli::Image(a) => image::run(a),
-        Cli::Pins(a) => pins::run(a),
+        Cli::Pins(a) => pins_cmd::run(a),
         Cli::Bench(a) => bench::run(a),
     }
 }

@@ -1,9 +1,9 @@
-//! `cargo xtask pins check|update|lock`: every input that is not in this repository, pinned by
-//! name, version, source and sha256, and the content-addressed download cache
-//! (`$XDG_CACHE_HOME/kiln/sha256/<hash>`) whose files are re-verified on every use.
+//! Every input that is not in this repository, pinned by name, version, source and sha256, and
+//! the content-addressed download cache (`$XDG_CACHE_HOME/kiln/sha256/<hash>`) whose files are
+//! re-verified on every use. Knows inputs, not boards: callers pass the pins files to act on
+//! (the command is `pins_cmd`).
 
 use crate::doctor;
-use crate::image::board::Board;
 use anyhow::{bail, Context, Result};
 use sha2::Digest;
 use std::collections::BTreeMap;
@@ -12,34 +12,6 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use xshell::cmd;
-
-#[derive(clap::Args)]
-pub struct Args {
-    #[command(subcommand)]
-    pub cmd: PinsCmd,
-}
-
-#[derive(clap::Subcommand)]
-pub enum PinsCmd {
-    /// Resolve every pin of a board (download into the cache and verify) without building.
-    Check {
-        #[arg(long, default_value = "qemu-virt")]
-        board: String,
-        /// Use the cache alone; list what is missing.
-        #[arg(long)]
-        offline: bool,
-    },
-    /// Re-resolve the Debian packages to what the archive serves now and rewrite the pins.
-    Update,
-    /// Check a file you supply against its declared identity, record its sha256 and cache it.
-    Lock {
-        #[arg(long, default_value = "rock-5b")]
-        board: String,
-        /// `NAME=PATH`, e.g. `librknnrt=/tmp/librknnrt.so`.
-        #[arg(long = "input", required = true)]
-        inputs: Vec<String>,
-    },
-}
 
 /// A sha256 digest: parsed once from hex at the edge, printed as lowercase hex.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -423,50 +395,22 @@ pub fn missing_message(input: &Input) -> String {
     }
 }
 
-/// Every pins file a board uses, in order: its kernel's pins, the rootfs packages, the board.
-pub fn pin_files(board: &Board) -> Vec<PathBuf> {
-    let root = crate::project_root();
-    vec![
-        root.join("kernel-config")
-            .join(&board.kernel.name)
-            .join("pins.toml"),
-        root.join("rootfs/packages.toml"),
-        board.path.clone(),
-    ]
-}
-
-pub fn board_inputs(board: &Board) -> Result<Vec<Input>> {
+/// Every input declared in `files` (a pins file that does not exist declares none), in order.
+pub fn inputs_of(files: &[PathBuf]) -> Result<Vec<Input>> {
     let mut all = Vec::new();
-    for f in pin_files(board) {
+    for f in files {
         if f.exists() {
-            all.extend(read_inputs(&f)?);
+            all.extend(read_inputs(f)?);
         }
     }
     Ok(all)
 }
 
-pub fn run(args: Args) -> Result<()> {
-    match args.cmd {
-        PinsCmd::Check { board, offline } => check(&board, offline),
-        PinsCmd::Update => update(),
-        PinsCmd::Lock { board, inputs } => {
-            let board = Board::load(&board)?;
-            for spec in inputs {
-                let (name, path) = spec
-                    .split_once('=')
-                    .with_context(|| format!("--input takes NAME=PATH, got {spec:?}"))?;
-                lock(&board, name, Path::new(path))?;
-            }
-            Ok(())
-        }
-    }
-}
-
-fn check(board: &str, offline: bool) -> Result<()> {
-    let board = Board::load(board)?;
+/// Resolve every input of `files` (the pins of `what`, e.g. a board) into the cache.
+pub fn check(what: &str, files: &[PathBuf], offline: bool) -> Result<()> {
     let cache = Cache::user()?;
     let mut missing = Vec::new();
-    for input in board_inputs(&board)? {
+    for input in inputs_of(files)? {
         match resolve(&cache, &input, offline, &apt_fetch) {
             Ok(p) => println!(
                 "ok       {:<24} {:<28} sha256 {} ({})",
@@ -485,11 +429,11 @@ fn check(board: &str, offline: bool) -> Result<()> {
         bail!(
             "{} input(s) of {} unresolved: {}",
             missing.len(),
-            board.name,
+            what,
             missing.join(", ")
         );
     }
-    println!("pins: every input of {} resolves and verifies", board.name);
+    println!("pins: every input of {what} resolves and verifies");
     Ok(())
 }
 
@@ -528,10 +472,10 @@ pub fn rewrite_pin(file: &Path, name: &str, version: Option<&str>, sha: &Sha256)
         t["version"] = toml_edit::value(v);
     }
     t["sha256"] = toml_edit::value(sha.to_string());
-    crate::image::write_atomic(file, doc.to_string().as_bytes())
+    crate::atomic::write_atomic(file, doc.to_string().as_bytes())
 }
 
-fn update() -> Result<()> {
+pub fn update() -> Result<()> {
     let cache = Cache::user()?;
     let root = crate::project_root();
     let mut files = vec![root.join("rootfs/packages.toml")];
@@ -574,12 +518,11 @@ fn update() -> Result<()> {
 }
 
 /// Check a supplied file's identity, lock its sha256 (on first supply) and cache it.
-pub fn lock(board: &Board, name: &str, path: &Path) -> Result<()> {
-    let inputs = board_inputs(board)?;
+pub fn lock(what: &str, files: &[PathBuf], name: &str, path: &Path) -> Result<()> {
+    let inputs = inputs_of(files)?;
     let input = inputs.iter().find(|i| i.name == name).with_context(|| {
         format!(
-            "{} has no input {name:?}; its inputs: {}",
-            board.name,
+            "{what} has no input {name:?}; its inputs: {}",
             inputs
                 .iter()
                 .map(|i| i.name.as_str())
@@ -603,29 +546,6 @@ pub fn lock(board: &Board, name: &str, path: &Path) -> Result<()> {
         println!("pins: {name} matches its lock {sha}; cached");
     }
     Ok(())
-}
-
-/// Open a possibly compressed tar (gzip, xz, zstd or plain, by magic bytes).
-pub fn open_maybe_compressed(path: &Path) -> Result<Box<dyn Read>> {
-    let mut f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
-    let mut magic = [0u8; 6];
-    let n = f.read(&mut magic)?;
-    let f = std::fs::File::open(path)?;
-    let r = std::io::BufReader::new(f);
-    decompressor(&magic[..n], r)
-}
-
-/// A decompressing reader chosen by the stream's first bytes.
-pub fn decompressor<'a>(magic: &[u8], r: impl Read + 'a) -> Result<Box<dyn Read + 'a>> {
-    Ok(if magic.starts_with(&[0x1f, 0x8b]) {
-        Box::new(flate2::read::GzDecoder::new(r))
-    } else if magic.starts_with(&[0xfd, b'7', b'z', b'X', b'Z', 0]) {
-        Box::new(xz2::read::XzDecoder::new_multi_decoder(r))
-    } else if magic.starts_with(&[0x28, 0xb5, 0x2f, 0xfd]) {
-        Box::new(zstd::stream::read::Decoder::new(r)?)
-    } else {
-        Box::new(r)
-    })
 }
 
 fn check_identity(id: &Identity, path: &Path) -> Result<()> {
@@ -689,7 +609,7 @@ fn check_identity(id: &Identity, path: &Path) -> Result<()> {
 
 /// The top-level `Makefile` and `drivers/rknpu/include/rknpu_drv.h` of a kernel tarball.
 fn kernel_identity_files(path: &Path) -> Result<(Option<String>, Option<String>)> {
-    let mut ar = tar::Archive::new(open_maybe_compressed(path)?);
+    let mut ar = tar::Archive::new(crate::archive::open_maybe_compressed(path)?);
     let (mut mk, mut drv) = (None, None);
     for e in ar.entries()? {
         let mut e = e?;

@@ -163,6 +163,19 @@ impl Board {
         })
     }
 
+    /// Every pins file the board uses, in order: its kernel's pins, the rootfs packages, the
+    /// board's own recipe (its supplied inputs).
+    pub fn pin_files(&self) -> Vec<PathBuf> {
+        let root = crate::project_root();
+        vec![
+            root.join("kernel-config")
+                .join(&self.kernel.name)
+                .join("pins.toml"),
+            root.join("rootfs/packages.toml"),
+            self.path.clone(),
+        ]
+    }
+
     /// `/etc/kiln/board.toml`: the board and what the self-check must find.
     pub fn board_toml(&self, kernel_config: Vec<String>) -> Result<String> {
         #[derive(serde::Serialize)]

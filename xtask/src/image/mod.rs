@@ -8,14 +8,14 @@ pub mod board;
 pub mod checks;
 pub mod fixture;
 pub mod layout;
-pub mod rootfs;
 
+use crate::atomic::write_atomic;
 use crate::disk;
 use crate::kernel;
 use crate::pins::{self, Cache, Input, Sha256};
+use crate::rootfs::{self, NodeKind, Tree};
 use anyhow::{bail, Context, Result};
 use board::{Board, NpuRuntime};
-use rootfs::{NodeKind, Tree};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -64,25 +64,6 @@ pub struct Built {
     pub seconds: f64,
     /// The steps that were reused rather than redone.
     pub reused: Vec<String>,
-}
-
-/// Write `path` atomically: a temporary file beside it, then rename.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let dir = path
-        .parent()
-        .with_context(|| format!("{} has no folder", path.display()))?;
-    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let name = path
-        .file_name()
-        .with_context(|| format!("{} has no name", path.display()))?;
-    let tmp = dir.join(format!(
-        ".{}.tmp{}",
-        name.to_string_lossy(),
-        std::process::id()
-    ));
-    std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("renaming to {}", path.display()))?;
-    Ok(())
 }
 
 /// The step log: each line says what was done or reused, and when.
@@ -147,7 +128,7 @@ pub fn resolve_inputs(
 ) -> Result<BTreeMap<String, (Input, PathBuf)>> {
     let mut out = BTreeMap::new();
     let mut missing = Vec::new();
-    for i in pins::board_inputs(board)? {
+    for i in pins::inputs_of(&board.pin_files())? {
         match pins::resolve(cache, &i, offline, &pins::apt_fetch) {
             Ok(p) => {
                 out.insert(i.name.clone(), (i, p));

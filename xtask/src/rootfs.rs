@@ -122,58 +122,9 @@ fn normalize(p: &str) -> String {
     out.join("/")
 }
 
-/// Run `f` on the data tar of a .deb (ar archive: `data.tar.{xz,zst,gz}`).
-fn with_data_tar<T>(
-    deb: &Path,
-    f: impl FnOnce(&mut tar::Archive<Box<dyn Read + '_>>) -> Result<T>,
-) -> Result<T> {
-    let file = std::fs::File::open(deb).with_context(|| format!("opening {}", deb.display()))?;
-    let mut ar = ar::Archive::new(file);
-    while let Some(entry) = ar.next_entry() {
-        let mut entry =
-            entry.with_context(|| format!("reading the ar archive {}", deb.display()))?;
-        let name = String::from_utf8_lossy(entry.header().identifier()).to_string();
-        if !name.starts_with("data.tar") {
-            continue;
-        }
-        let mut head = Vec::with_capacity(6);
-        (&mut entry).take(6).read_to_end(&mut head)?;
-        let chained: Box<dyn Read + '_> = Box::new(std::io::Cursor::new(head.clone()).chain(entry));
-        let dec = crate::pins::decompressor(&head, chained)?;
-        let mut tar = tar::Archive::new(dec);
-        return f(&mut tar).with_context(|| format!("{name} of {}", deb.display()));
-    }
-    bail!(
-        "{} has no data.tar member: not a Debian package",
-        deb.display()
-    )
-}
-
-/// Run `f` on the contents of one member (`usr/src/…`) of a .deb's data.
-pub fn with_deb_member<T>(
-    deb: &Path,
-    member: &str,
-    f: impl FnOnce(&mut dyn Read) -> Result<T>,
-) -> Result<T> {
-    with_data_tar(deb, |tar| {
-        for e in tar.entries()? {
-            let mut e = e?;
-            let p = e
-                .path()?
-                .to_string_lossy()
-                .trim_start_matches("./")
-                .to_string();
-            if p == member {
-                return f(&mut e);
-            }
-        }
-        bail!("no {member}")
-    })
-}
-
 /// Every file, folder and symlink of a .deb's data, as a tree.
 pub fn deb_tree(deb: &Path, origin: &str) -> Result<Tree> {
-    with_data_tar(deb, |tar| {
+    crate::archive::with_data_tar(deb, |tar| {
         let mut t = Tree::default();
         for e in tar.entries()? {
             let mut e = e?;

@@ -1,0 +1,55 @@
+//! `cargo xtask pins check|update|lock`: the command over [`crate::pins`]. It knows boards;
+//! `pins` does not: it is handed the pins files of the board to act on.
+
+use crate::image::board::Board;
+use crate::pins;
+use anyhow::{Context, Result};
+use std::path::Path;
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(subcommand)]
+    pub cmd: PinsCmd,
+}
+
+#[derive(clap::Subcommand)]
+pub enum PinsCmd {
+    /// Resolve every pin of a board (download into the cache and verify) without building.
+    Check {
+        #[arg(long, default_value = "qemu-virt")]
+        board: String,
+        /// Use the cache alone; list what is missing.
+        #[arg(long)]
+        offline: bool,
+    },
+    /// Re-resolve the Debian packages to what the archive serves now and rewrite the pins.
+    Update,
+    /// Check a file you supply against its declared identity, record its sha256 and cache it.
+    Lock {
+        #[arg(long, default_value = "rock-5b")]
+        board: String,
+        /// `NAME=PATH`, e.g. `librknnrt=/tmp/librknnrt.so`.
+        #[arg(long = "input", required = true)]
+        inputs: Vec<String>,
+    },
+}
+
+pub fn run(args: Args) -> Result<()> {
+    match args.cmd {
+        PinsCmd::Check { board, offline } => {
+            let board = Board::load(&board)?;
+            pins::check(&board.name, &board.pin_files(), offline)
+        }
+        PinsCmd::Update => pins::update(),
+        PinsCmd::Lock { board, inputs } => {
+            let board = Board::load(&board)?;
+            for spec in inputs {
+                let (name, path) = spec
+                    .split_once('=')
+                    .with_context(|| format!("--input takes NAME=PATH, got {spec:?}"))?;
+                pins::lock(&board.name, &board.pin_files(), name, Path::new(path))?;
+            }
+            Ok(())
+        }
+    }
+}
