@@ -1,0 +1,714 @@
+//! The steps of `image::build`, one function each, in pipeline order. Each takes its inputs
+//! explicitly (the build's [`Ctx`] plus the products it uses) and gives one product: either a
+//! [`Step`] for the runner (key, files, how to make them) or, where a builder keeps its own cache
+//! (the kernel, cargo's build of the runtime), the product itself, counted with
+//! [`Runner::record`].
+
+use super::board::{Board, NpuRuntime};
+use super::runner::{key_of, Product, Runner, Step};
+use super::{fixture, layout, Commit, Inputs};
+use crate::atomic::write_atomic;
+use crate::disk;
+use crate::kernel::{self, KernelOut};
+use crate::pins::{self, Sha256};
+use crate::rootfs::{self, NodeKind, Tree};
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// What every step of one build may read: the recipe, the commit and the resolved inputs.
+pub struct Ctx {
+    pub board: Board,
+    pub commit: Commit,
+    /// `SOURCE_DATE_EPOCH`: the commit time.
+    pub epoch: i64,
+    /// `<board>:<commit>`: every id of the image derives from it.
+    pub seed: String,
+    pub inputs: Inputs,
+    /// `target/kiln/image/<board>/`: the partitions and the initramfs.
+    pub work: PathBuf,
+}
+
+/// A model for the models partition: its name there, where it is, its sha256.
+pub struct Model {
+    pub name: String,
+    pub path: PathBuf,
+    pub sha256: Sha256,
+}
+
+/// The models given on the command line, named by their file names (unique, not the fixture's).
+pub fn models(paths: &[PathBuf]) -> Result<Vec<Model>> {
+    let mut models: Vec<Model> = Vec::new();
+    for m in paths {
+        let name = m
+            .file_name()
+            .and_then(|n| n.to_str())
+            .with_context(|| format!("model {} has no UTF-8 file name", m.display()))?
+            .to_string();
+        if name == fixture::FILE_NAME || models.iter().any(|x| x.name == name) {
+            bail!("two models named {name} on the models partition");
+        }
+        let sha256 = Sha256::of_file(m).with_context(|| format!("model {}", m.display()))?;
+        models.push(Model {
+            name,
+            path: m.clone(),
+            sha256,
+        });
+    }
+    Ok(models)
+}
+
+/// The kernel, from its pinned source and fragment (cached by `kernel::build` under its key),
+/// checked to be the release the recipe expects.
+pub fn kernel(run: &mut Runner, ctx: &Ctx) -> Result<KernelOut> {
+    let t = Instant::now();
+    let board = &ctx.board;
+    let (src_input, src_path) = ctx
+        .inputs
+        .get(&board.kernel.source)
+        .with_context(|| format!("kernel source input {} not declared", board.kernel.source))?;
+    let src_sha = src_input.sha256.context("kernel source not locked")?;
+    let k = kernel::build(&board.kernel, src_path, &src_sha, ctx.commit.kernel_epoch)?;
+    run.record(
+        "kernel",
+        k.reused,
+        &format!("{} build {}", k.release, k.key.short()),
+        t,
+    );
+    if k.release != board.expect.kernel_release {
+        bail!(
+            "kernel release is {}, but images/{}.toml expects {}: fix one of them",
+            k.release,
+            board.name,
+            board.expect.kernel_release
+        );
+    }
+    Ok(k)
+}
+
+/// The fragment's options that the self-check looks for in the running kernel's config.
+pub fn kernel_config(board: &Board) -> Result<Vec<String>> {
+    let fragment = kernel::parse_fragment(&std::fs::read_to_string(board.kernel.fragment_path())?)?;
+    Ok(fragment
+        .iter()
+        .filter(|o| o.value.is_some())
+        .map(|o| o.line())
+        .collect())
+}
+
+/// `kiln` for aarch64 and the board's NPU runtime library, as bytes.
+pub struct Runtime {
+    pub kiln: Vec<u8>,
+    pub kiln_sha: Sha256,
+    /// The library and where it came from.
+    pub npu: Option<(Vec<u8>, String)>,
+}
+
+/// Cross-build the runtime (cargo keeps its own cache) and take the NPU library.
+pub fn runtime(run: &mut Runner, ctx: &Ctx) -> Result<Runtime> {
+    let t = Instant::now();
+    let kiln_path = crate::build::build_runtime(true)?;
+    let kiln = std::fs::read(&kiln_path)?;
+    let kiln_sha = Sha256::of_bytes(&kiln);
+    let npu = npu_library(&ctx.board, &ctx.inputs)?;
+    run.record(
+        "runtime",
+        false,
+        &format!(
+            "kiln {} (sha256 {}){}",
+            kiln.len(),
+            kiln_sha.short(),
+            npu.as_ref()
+                .map(|(b, o)| format!(
+                    ", NPU library from {o} (sha256 {})",
+                    Sha256::of_bytes(b).short()
+                ))
+                .unwrap_or_default()
+        ),
+        t,
+    );
+    Ok(Runtime {
+        kiln,
+        kiln_sha,
+        npu,
+    })
+}
+
+/// The initramfs (`initramfs.cpio.gz`) and its per-path listing for the manifest
+/// (`initramfs.files.json`).
+pub fn initramfs<'a>(ctx: &'a Ctx, rt: &'a Runtime, board_toml: &'a str) -> Result<Step<'a>> {
+    let overlay_key = {
+        let mut ov = Tree::default();
+        rootfs::add_host_tree(
+            &mut ov,
+            &crate::project_root().join("rootfs/overlay"),
+            "overlay",
+        )?;
+        tree_hash(&ov)
+    };
+    let deb_shas: Vec<String> = ctx
+        .inputs
+        .values()
+        .filter(|(i, _)| i.file.ends_with("rootfs/packages.toml"))
+        .map(|(i, _)| {
+            format!(
+                "{}={}",
+                i.name,
+                i.sha256.map(|h| h.to_string()).unwrap_or_default()
+            )
+        })
+        .collect();
+    let key = key_of(&[
+        "initramfs-v1",
+        &ctx.epoch.to_string(),
+        &deb_shas.join(","),
+        &rt.kiln_sha.to_string(),
+        &rt.npu
+            .as_ref()
+            .map(|(b, _)| Sha256::of_bytes(b).to_string())
+            .unwrap_or_default(),
+        &overlay_key.to_string(),
+        board_toml,
+    ]);
+    Ok(Step {
+        name: "initramfs",
+        key,
+        outputs: vec![
+            ctx.work.join("initramfs.cpio.gz"),
+            ctx.work.join("initramfs.files.json"),
+        ],
+        make: Box::new(move |tmp: &[PathBuf]| {
+            let tree = initramfs_tree(&ctx.inputs, &rt.kiln, &rt.npu, board_toml)?;
+            let epoch32 = u32::try_from(ctx.epoch)
+                .context("SOURCE_DATE_EPOCH does not fit cpio's 32 bits")?;
+            disk::cpio::write_newc_gz(&tmp[0], &to_cpio(&tree), epoch32)?;
+            write_atomic(&tmp[1], &serde_json::to_vec_pretty(&tree_listing(&tree))?)?;
+            Ok(format!(
+                "{} paths, {:.2} MiB",
+                tree.nodes.len(),
+                std::fs::metadata(&tmp[0])?.len() as f64 / 1048576.0
+            ))
+        }),
+    })
+}
+
+/// The models partition (erofs): the self-check's fixture and the given models.
+pub fn models_partition<'a>(ctx: &'a Ctx, models: &'a [Model], fixture: &'a [u8]) -> Step<'a> {
+    let uuid = disk::guid_from_seed(&ctx.seed, "models-fs");
+    let key = key_of(&[
+        "models-v1",
+        &ctx.epoch.to_string(),
+        &uuid.to_string(),
+        &Sha256::of_bytes(fixture).to_string(),
+        &models
+            .iter()
+            .map(|m| format!("{}={}", m.name, m.sha256))
+            .collect::<Vec<_>>()
+            .join(","),
+    ]);
+    Step {
+        name: "models partition",
+        key,
+        outputs: vec![ctx.work.join("models.erofs")],
+        make: Box::new(move |tmp: &[PathBuf]| {
+            let stage = ctx.work.join("models-staging");
+            stage_models(&stage, models, fixture)?;
+            disk::erofs::build(&tmp[0], &stage, uuid, ctx.epoch)?;
+            std::fs::remove_dir_all(&stage)?;
+            Ok(format!("erofs, {} model(s) and the fixture", models.len()))
+        }),
+    }
+}
+
+/// The data partition (ext4, empty, writable on the board).
+pub fn data_partition(ctx: &Ctx) -> Step<'_> {
+    let uuid = disk::guid_from_seed(&ctx.seed, "data-fs");
+    let hash_seed = disk::guid_from_seed(&ctx.seed, "data-hash-seed");
+    let size = ctx.board.partitions.data_mib << 20;
+    let key = key_of(&[
+        "data-v1",
+        &ctx.epoch.to_string(),
+        &uuid.to_string(),
+        &hash_seed.to_string(),
+        &size.to_string(),
+    ]);
+    Step {
+        name: "data partition",
+        key,
+        outputs: vec![ctx.work.join("data.ext4")],
+        make: Box::new(move |tmp: &[PathBuf]| {
+            disk::ext4::build_empty(&tmp[0], size, uuid, hash_seed, "data", ctx.epoch)?;
+            Ok(format!("ext4, empty, {} MiB", size >> 20))
+        }),
+    }
+}
+
+/// A raw bootloader blob of the recipe: where it goes, its file, its input name and sha256.
+pub struct Blob {
+    pub lba: u64,
+    pub path: PathBuf,
+    pub input: String,
+    pub sha256: Sha256,
+}
+
+pub fn blobs(ctx: &Ctx) -> Result<Vec<Blob>> {
+    ctx.board
+        .raw
+        .iter()
+        .map(|b| {
+            let (i, p) = ctx
+                .inputs
+                .get(&b.input)
+                .with_context(|| format!("blob input {} not declared", b.input))?;
+            Ok(Blob {
+                lba: b.lba,
+                path: p.clone(),
+                input: b.input.clone(),
+                sha256: i.sha256.context("blob not locked")?,
+            })
+        })
+        .collect()
+}
+
+/// The GPT plan: boot, models, data, sized by the recipe and the models partition.
+pub fn layout(ctx: &Ctx, models: &Product) -> Result<layout::Layout> {
+    let models_size = std::fs::metadata(models.path())?.len();
+    layout::plan(
+        &ctx.seed,
+        &[
+            ("boot", ctx.board.partitions.boot_mib << 20),
+            ("models", models_size),
+            ("data", ctx.board.partitions.data_mib << 20),
+        ],
+    )
+}
+
+/// The files of the boot partition but the manifest: extlinux.conf, kernel, initramfs, dtb.
+pub fn boot_files(ctx: &Ctx, k: &KernelOut, initramfs: &Product) -> Result<Vec<(String, Vec<u8>)>> {
+    let dtb_name = ctx
+        .board
+        .kernel
+        .dtb
+        .as_ref()
+        .map(|d| d.rsplit('/').next().unwrap_or(d).to_string());
+    let extlinux = super::extlinux_conf(&ctx.board, dtb_name.as_deref());
+    let mut files: Vec<(String, Vec<u8>)> = vec![
+        ("extlinux/extlinux.conf".into(), extlinux.into_bytes()),
+        ("Image".into(), std::fs::read(k.image())?),
+        ("initramfs.cpio.gz".into(), std::fs::read(initramfs.path())?),
+    ];
+    if let (Some(name), Some(p)) = (&dtb_name, k.dtb()) {
+        files.push((name.clone(), std::fs::read(p)?));
+    }
+    Ok(files)
+}
+
+/// Everything the manifest records, borrowed from the steps that made it.
+pub struct ManifestOf<'a> {
+    pub models: &'a [Model],
+    pub fixture: &'a [u8],
+    pub kernel: &'a KernelOut,
+    pub runtime: &'a Runtime,
+    pub layout: &'a layout::Layout,
+    pub blobs: &'a [Blob],
+    pub initramfs: &'a Product,
+    pub boot_files: &'a [(String, Vec<u8>)],
+    pub board_toml: &'a str,
+}
+
+/// The manifest as it goes on the boot partition (`kiln/manifest.json`); the published one adds
+/// the disk image's sha256 ([`manifest_file`]).
+pub fn manifest(ctx: &Ctx, m: &ManifestOf) -> Result<Value> {
+    let initramfs_files: Value = serde_json::from_slice(&std::fs::read(&m.initramfs.paths[1])?)?;
+    let initramfs_sha = Sha256::of_file(m.initramfs.path())?;
+    let initramfs_size = std::fs::metadata(m.initramfs.path())?.len();
+    let boot_listing: BTreeMap<String, Value> = m
+        .boot_files
+        .iter()
+        .map(|(p, b)| {
+            (
+                format!("/{p}"),
+                json!({"size": b.len(), "sha256": Sha256::of_bytes(b)}),
+            )
+        })
+        .collect();
+    let (board, commit, k, npu) = (&ctx.board, &ctx.commit, m.kernel, &m.runtime.npu);
+    let toolchain = crate::doctor::cross_toolchain()?;
+    Ok(json!({
+        "kiln_manifest": 1,
+        "board": board.name,
+        "commit": commit.hash,
+        "uncommitted_changes": commit.dirty,
+        "source_date_epoch": ctx.epoch,
+        "seed": ctx.seed,
+        "inputs": ctx.inputs.values().map(|(i, _)| json!({
+            "name": i.name, "version": i.version, "source": i.describe_source(), "sha256": i.sha256,
+        })).collect::<Vec<_>>(),
+        "models": m.models.iter().map(|x| json!({"name": x.name, "sha256": x.sha256})).collect::<Vec<_>>(),
+        "fixture": {"name": fixture::FILE_NAME, "sha256": Sha256::of_bytes(m.fixture)},
+        "kernel": {
+            "release": k.release, "key": k.key, "build_timestamp": k.build_timestamp,
+            "image_sha256": k.image_sha256, "config_sha256": k.config_sha256, "dtb_sha256": k.dtb_sha256,
+            "fragment": board.kernel.fragment, "base": board.kernel.base,
+        },
+        "runtime": {"path": "/usr/bin/kiln", "sha256": m.runtime.kiln_sha},
+        "npu_runtime": npu.as_ref().map(|(b, o)| json!({"path": "/usr/lib/librknnrt.so", "from": o, "sha256": Sha256::of_bytes(b)})),
+        "toolchain": {
+            "rust": toolchain.rustc_version, "rust_std_from": toolchain.source, "cross_gcc": k.toolchain,
+            "mkfs.erofs": crate::doctor::version_of("mkfs.erofs", &["--version"]),
+            "mke2fs": crate::doctor::version_of("mke2fs", &["-V"]),
+        },
+        "disk": m.layout.describe(),
+        "raw_blobs": m.blobs.iter().map(|b| json!({"input": b.input, "lba": b.lba, "sha256": b.sha256})).collect::<Vec<_>>(),
+        "initramfs": {"sha256": initramfs_sha, "size": initramfs_size, "files": initramfs_files},
+        "boot": {"files": boot_listing},
+        "expect": toml::from_str::<toml::Value>(m.board_toml)?,
+    }))
+}
+
+/// The boot partition (FAT32): `files` and the manifest at `kiln/manifest.json`.
+pub fn boot_partition<'a>(
+    ctx: &'a Ctx,
+    mut files: Vec<(String, Vec<u8>)>,
+    manifest: &Value,
+) -> Result<Step<'a>> {
+    files.push((
+        "kiln/manifest.json".into(),
+        serde_json::to_vec_pretty(manifest)?,
+    ));
+    let volume_id = disk::u32_from_seed(&ctx.seed, "boot-fs");
+    let size_mib = ctx.board.partitions.boot_mib;
+    let mut parts = vec![
+        "boot-v1".to_string(),
+        ctx.epoch.to_string(),
+        volume_id.to_string(),
+        size_mib.to_string(),
+    ];
+    parts.extend(
+        files
+            .iter()
+            .map(|(p, b)| format!("{p}={}", Sha256::of_bytes(b))),
+    );
+    Ok(Step {
+        name: "boot partition",
+        key: key_of(&parts.iter().map(String::as_str).collect::<Vec<_>>()),
+        outputs: vec![ctx.work.join("boot.vfat")],
+        make: Box::new(move |tmp: &[PathBuf]| {
+            disk::fat::build(
+                &tmp[0],
+                size_mib << 20,
+                volume_id,
+                "KILN-BOOT",
+                &files,
+                ctx.epoch,
+            )?;
+            Ok(format!("FAT32, {} files", files.len()))
+        }),
+    })
+}
+
+/// The disk image (GPT, the three partitions, the raw blobs; sparse) and its `.sha256` file.
+pub fn disk_image<'a>(
+    ctx: &'a Ctx,
+    out_dir: &Path,
+    lay: &'a layout::Layout,
+    parts: [&'a Product; 3],
+    blobs: &'a [Blob],
+) -> Result<Step<'a>> {
+    let img = out_dir.join(format!("kiln-{}.img", ctx.board.name));
+    let key = key_of(&[
+        "image-v1",
+        &parts[0].key.to_string(),
+        &parts[1].key.to_string(),
+        &parts[2].key.to_string(),
+        &serde_json::to_string(&lay.describe())?,
+        &blobs
+            .iter()
+            .map(|b| format!("{}={}", b.lba, b.sha256))
+            .collect::<Vec<_>>()
+            .join(","),
+    ]);
+    Ok(Step {
+        name: "disk image",
+        key,
+        outputs: vec![img.clone(), img.with_extension("img.sha256")],
+        make: Box::new(move |tmp: &[PathBuf]| {
+            let specs: Vec<(disk::gpt::PartitionSpec, PathBuf)> = lay
+                .parts
+                .iter()
+                .zip(parts)
+                .map(|(spec, p)| (spec.clone(), p.path().to_path_buf()))
+                .collect();
+            let raw: Vec<(u64, PathBuf)> = blobs
+                .iter()
+                .map(|b| (b.lba * 512, b.path.clone()))
+                .collect();
+            disk::assemble(&tmp[0], lay.total_size, lay.disk_guid, &specs, &raw)?;
+            let sha = Sha256::of_file(&tmp[0])?;
+            write_atomic(
+                &tmp[1],
+                format!("{sha}  kiln-{}.img\n", ctx.board.name).as_bytes(),
+            )?;
+            Ok(format!(
+                "{:.1} MiB, sparse, sha256 {}",
+                lay.total_size as f64 / 1048576.0,
+                sha.short()
+            ))
+        }),
+    })
+}
+
+/// The image's sha256, from the disk step's `.sha256` file.
+pub fn image_sha256(disk: &Product) -> Result<Sha256> {
+    let text = std::fs::read_to_string(&disk.paths[1])?;
+    text.split_whitespace()
+        .next()
+        .unwrap_or("")
+        .parse()
+        .with_context(|| format!("{}", disk.paths[1].display()))
+}
+
+/// The `.bmap` of the disk image.
+pub fn bmap(disk: &Product) -> Step<'_> {
+    Step {
+        name: "bmap",
+        key: key_of(&["bmap-v1", &disk.key.to_string()]),
+        outputs: vec![disk.path().with_extension("img.bmap")],
+        make: Box::new(move |tmp: &[PathBuf]| {
+            crate::bmap::create(disk.path(), &tmp[0])?;
+            Ok("written".into())
+        }),
+    }
+}
+
+/// `target/images/manifest.json`: the boot partition's manifest plus the disk image's and
+/// partition images' sha256.
+pub fn manifest_file<'a>(
+    out_dir: &Path,
+    mut manifest: Value,
+    disk: &Product,
+    parts: [&Product; 3],
+    size: u64,
+) -> Result<Step<'a>> {
+    let part_shas: Vec<Value> = parts
+        .iter()
+        .map(|p| Ok(json!({"image": p.path().file_name().map(|n| n.to_string_lossy().into_owned()), "sha256": Sha256::of_file(p.path())?})))
+        .collect::<Result<_>>()?;
+    manifest["image"] = json!({
+        "file": disk.path().file_name().map(|n| n.to_string_lossy().into_owned()),
+        "size": size, "sha256": image_sha256(disk)?, "partition_images": part_shas,
+    });
+    let bytes = serde_json::to_vec_pretty(&manifest)?;
+    Ok(Step {
+        name: "manifest",
+        key: key_of(&["manifest-v1", &Sha256::of_bytes(&bytes).to_string()]),
+        outputs: vec![out_dir.join("manifest.json")],
+        make: Box::new(move |tmp: &[PathBuf]| {
+            write_atomic(&tmp[0], &bytes)?;
+            Ok(format!("{} bytes", bytes.len()))
+        }),
+    })
+}
+
+/// The NPU runtime library for the image, if the board has one: bytes and where they came from.
+fn npu_library(board: &Board, inputs: &Inputs) -> Result<Option<(Vec<u8>, String)>> {
+    match &board.npu_runtime {
+        NpuRuntime::None => Ok(None),
+        NpuRuntime::Supplied(name) => {
+            let (_, p) = inputs.get(name).with_context(|| {
+                format!(
+                    "board {} names NPU runtime input {name:?}, which it does not declare",
+                    board.name
+                )
+            })?;
+            Ok(Some((std::fs::read(p)?, name.clone())))
+        }
+        NpuRuntime::Standin => Ok(build_npu_standin()?.map(|b| (b, "rknn-standin".to_string()))),
+    }
+}
+
+/// HOOK (npu stand-in): the `rknn-standin` crate, cross-built, installed as librknnrt.so. Until
+/// that crate is in the workspace, the image is built without it and says so.
+fn build_npu_standin() -> Result<Option<Vec<u8>>> {
+    let manifest = crate::project_root().join("runtime/rknn-standin/Cargo.toml");
+    if !manifest.exists() {
+        println!(
+            "image: WARNING: NPU stand-in hook: {} is not in this checkout; the image has no \
+             /usr/lib/librknnrt.so",
+            manifest.display()
+        );
+        return Ok(None);
+    }
+    let tc = crate::doctor::cross_toolchain()?;
+    let sh = crate::shell()?;
+    tc.cargo(&sh)
+        .args([
+            "build",
+            "--locked",
+            "-p",
+            "rknn-standin",
+            "--release",
+            "--target",
+            crate::doctor::AARCH64,
+        ])
+        .run()
+        .context("cross-building the NPU stand-in (rknn-standin)")?;
+    let so = crate::target_dir()
+        .join(crate::doctor::AARCH64)
+        .join("release/librknn_standin.so");
+    Ok(Some(
+        std::fs::read(&so).with_context(|| format!("reading {}", so.display()))?,
+    ))
+}
+
+fn tree_hash(tree: &Tree) -> Sha256 {
+    let mut text = String::new();
+    for (p, n) in &tree.nodes {
+        let what = match &n.kind {
+            NodeKind::File(b) => format!("file {}", Sha256::of_bytes(b)),
+            NodeKind::Dir => "dir".into(),
+            NodeKind::Symlink(t) => format!("link {t}"),
+        };
+        text.push_str(&format!("{p} {:o} {what}\n", n.mode));
+    }
+    Sha256::of_bytes(text.as_bytes())
+}
+
+/// Per-path record of a tree for the manifest.
+fn tree_listing(tree: &Tree) -> Value {
+    let mut m = serde_json::Map::new();
+    for (p, n) in &tree.nodes {
+        let v = match &n.kind {
+            NodeKind::File(b) => {
+                json!({"mode": format!("{:o}", n.mode), "size": b.len(), "sha256": Sha256::of_bytes(b), "from": n.origin})
+            }
+            NodeKind::Dir => json!({"mode": format!("{:o}", n.mode), "dir": true}),
+            NodeKind::Symlink(t) => json!({"symlink": t, "from": n.origin}),
+        };
+        m.insert(format!("/{p}"), v);
+    }
+    Value::Object(m)
+}
+
+/// Assemble the initramfs tree.
+fn initramfs_tree(
+    inputs: &Inputs,
+    kiln: &[u8],
+    npu: &Option<(Vec<u8>, String)>,
+    board_toml: &str,
+) -> Result<Tree> {
+    let deb = |name: &str| -> Result<&PathBuf> {
+        inputs
+            .get(name)
+            .map(|(_, p)| p)
+            .with_context(|| format!("rootfs/packages.toml does not pin {name}"))
+    };
+    let mut t = Tree::default();
+    let bb = rootfs::deb_tree(deb("busybox-static")?, "busybox-static")?;
+    let busybox = bb
+        .nodes
+        .get("bin/busybox")
+        .context("busybox-static has no /bin/busybox")?;
+    t.add("bin/busybox", 0o755, busybox.kind.clone(), "busybox-static")?;
+    for (dir, applets) in rootfs::APPLETS {
+        let target = if *dir == "bin" {
+            "busybox"
+        } else {
+            "../bin/busybox"
+        };
+        for a in *applets {
+            t.add(
+                &format!("{dir}/{a}"),
+                0o777,
+                NodeKind::Symlink(target.into()),
+                "busybox applets",
+            )?;
+        }
+    }
+    for m in rootfs::MOUNTPOINTS {
+        t.add(
+            m,
+            if *m == "tmp" { 0o1777 } else { 0o755 },
+            NodeKind::Dir,
+            "kiln mountpoints",
+        )?;
+    }
+    t.add("usr/bin/kiln", 0o755, NodeKind::File(kiln.to_vec()), "kiln")?;
+    let mut roots = vec!["usr/bin/kiln"];
+    if let Some((lib, origin)) = npu {
+        t.add(
+            "usr/lib/librknnrt.so",
+            0o755,
+            NodeKind::File(lib.clone()),
+            origin,
+        )?;
+        roots.push("usr/lib/librknnrt.so");
+    }
+    t.add(
+        "etc/kiln/board.toml",
+        0o644,
+        NodeKind::File(board_toml.as_bytes().to_vec()),
+        "images/<board>.toml",
+    )?;
+    rootfs::add_host_tree(
+        &mut t,
+        &crate::project_root().join("rootfs/overlay"),
+        "rootfs/overlay",
+    )?;
+    if !t.nodes.contains_key("init") {
+        println!("image: WARNING: rootfs/overlay/init is missing: the kernel will find no /init");
+    }
+    let mut libs = Tree::default();
+    for (name, (input, p)) in inputs {
+        if matches!(input.source, pins::Source::Deb { .. })
+            && input.file.ends_with("rootfs/packages.toml")
+            && name != "busybox-static"
+        {
+            for (path, n) in rootfs::deb_tree(p, name)?.nodes {
+                if libs
+                    .nodes
+                    .get(&path)
+                    .is_none_or(|o| o.kind == NodeKind::Dir)
+                {
+                    libs.nodes.insert(path, n);
+                }
+            }
+        }
+    }
+    rootfs::add_shared_objects(&mut t, &libs, &roots)?;
+    Ok(t)
+}
+
+fn to_cpio(tree: &Tree) -> Vec<disk::cpio::CpioEntry> {
+    tree.nodes
+        .iter()
+        .map(|(p, n)| match &n.kind {
+            NodeKind::File(b) => disk::cpio::CpioEntry::file(p, n.mode, b.clone()),
+            NodeKind::Dir => disk::cpio::CpioEntry::dir(p, n.mode),
+            NodeKind::Symlink(t) => disk::cpio::CpioEntry::symlink(p, t),
+        })
+        .collect()
+}
+
+/// Copy the models partition's files into a staging folder with fixed modes (0644 files,
+/// 0755 folders), so the host's umask cannot reach the erofs image.
+fn stage_models(dir: &Path, models: &[Model], fixture: &[u8]) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    if dir.exists() {
+        std::fs::remove_dir_all(dir)?;
+    }
+    std::fs::create_dir_all(dir)?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))?;
+    let f = dir.join(fixture::FILE_NAME);
+    std::fs::write(&f, fixture)?;
+    std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o644))?;
+    for m in models {
+        let dst = dir.join(&m.name);
+        std::fs::copy(&m.path, &dst)
+            .with_context(|| format!("copying model {}", m.path.display()))?;
+        std::fs::set_permissions(&dst, std::fs::Permissions::from_mode(0o644))?;
+    }
+    Ok(())
+}
