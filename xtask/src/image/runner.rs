@@ -72,6 +72,10 @@ impl Runner {
         self.t0.elapsed().as_secs_f64()
     }
 
+    fn key_file(&self, step: &str) -> PathBuf {
+        self.keys.join(format!("{}.key", step.replace(' ', "-")))
+    }
+
     /// Reuse or make `step`; see the module comment.
     pub fn run(&mut self, step: Step) -> Result<Product> {
         let t = Instant::now();
@@ -130,7 +134,7 @@ impl Runner {
         })
     }
 
-    /// A step whose builder keeps its own cache (the kernel's, cargo's): logged and counted here.
+    /// A step whose builder keeps its own cache (the kernel's): logged and counted here.
     pub fn record(&mut self, name: &str, reused: bool, detail: &str, started: Instant) {
         let seconds = started.elapsed().as_secs_f64();
         if reused {
@@ -143,6 +147,24 @@ impl Runner {
             reused,
             seconds,
         });
+    }
+
+    /// A step that must run to know its product (cargo's build of the runtime): `key` is the
+    /// product's own hash, and the step counts as reused when it equals the recorded one.
+    pub fn observed(
+        &mut self,
+        name: &str,
+        key: &Sha256,
+        detail: &str,
+        started: Instant,
+    ) -> Result<()> {
+        let key_file = self.key_file(name);
+        let same = std::fs::read_to_string(&key_file).ok().as_deref() == Some(&key.to_string());
+        if !same {
+            write_atomic(&key_file, key.to_string().as_bytes())?;
+        }
+        self.record(name, same, detail, started);
+        Ok(())
     }
 
     /// The names of the reused steps, in order.

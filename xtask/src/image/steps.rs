@@ -2,7 +2,7 @@
 //! explicitly (the build's [`Ctx`] plus the products it uses) and gives one product: either a
 //! [`Step`] for the runner (key, files, how to make them) or, where a builder keeps its own cache
 //! (the kernel, cargo's build of the runtime), the product itself, counted with
-//! [`Runner::record`].
+//! [`Runner::record`] / [`Runner::observed`].
 
 use super::board::{Board, NpuRuntime};
 use super::runner::{key_of, Product, Runner, Step};
@@ -106,29 +106,34 @@ pub struct Runtime {
     pub npu: Option<(Vec<u8>, String)>,
 }
 
-/// Cross-build the runtime (cargo keeps its own cache) and take the NPU library.
+/// Cross-build the runtime (cargo keeps its own cache) and take the NPU library; the step counts
+/// as reused when their bytes are those of the last build.
 pub fn runtime(run: &mut Runner, ctx: &Ctx) -> Result<Runtime> {
     let t = Instant::now();
     let kiln_path = crate::build::build_runtime(true)?;
     let kiln = std::fs::read(&kiln_path)?;
     let kiln_sha = Sha256::of_bytes(&kiln);
     let npu = npu_library(&ctx.board, &ctx.inputs)?;
-    run.record(
+    let npu_sha = npu.as_ref().map(|(b, _)| Sha256::of_bytes(b));
+    let key = key_of(&[
+        "runtime-v1",
+        &kiln_sha.to_string(),
+        &npu_sha.map(|h| h.to_string()).unwrap_or_default(),
+    ]);
+    run.observed(
         "runtime",
-        false,
+        &key,
         &format!(
             "kiln {} (sha256 {}){}",
             kiln.len(),
             kiln_sha.short(),
             npu.as_ref()
-                .map(|(b, o)| format!(
-                    ", NPU library from {o} (sha256 {})",
-                    Sha256::of_bytes(b).short()
-                ))
+                .zip(npu_sha)
+                .map(|((_, o), h)| format!(", NPU library from {o} (sha256 {})", h.short()))
                 .unwrap_or_default()
         ),
         t,
-    );
+    )?;
     Ok(Runtime {
         kiln,
         kiln_sha,
