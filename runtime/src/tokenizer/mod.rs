@@ -45,7 +45,7 @@ enum Model {
         ranks: HashMap<(String, String), u32>,
         splits: Vec<Split>,
         ignore_merges: bool,
-        byte_chars: [char; 256],
+        byte_chars: Box<[char; 256]>,
         char_bytes: HashMap<char, u8>,
     },
     /// SentencePiece merged by score.
@@ -171,7 +171,7 @@ impl Tokenizer {
                     };
                     ranks.entry((first, second)).or_insert(i as u32);
                 }
-                let byte_chars = pretok::byte_to_char_table();
+                let byte_chars = Box::new(pretok::byte_to_char_table());
                 let char_bytes = byte_chars
                     .iter()
                     .enumerate()
@@ -419,7 +419,7 @@ impl Tokenizer {
         let has = |eog: &BTreeSet<u32>, name: &str| find_eog(eog, name).is_some();
         if let Some(end) = find_eog(&eog, "<|end|>") {
             let call = has(&eog, "<|call|>") || has(&eog, "<|calls|>");
-            if (has(&eog, "<|return|>") && call) || (call && has(&eog, "<|flush|>")) {
+            if call && (has(&eog, "<|return|>") || has(&eog, "<|flush|>")) {
                 eog.remove(&end);
                 attrs[end as usize] = ATTR_USER_DEFINED;
             }
@@ -1022,7 +1022,7 @@ fn clean_spaces(text: &mut Vec<u8>) {
                 total -= 1;
             } else if i + 2 < n3 {
                 let x2 = text[i + 2];
-                if (x1 == b'r' && x2 == b'e') || (x1 == b'v' && x2 == b'e') {
+                if x2 == b'e' && (x1 == b'r' || x1 == b'v') {
                     total -= 1;
                 }
             }

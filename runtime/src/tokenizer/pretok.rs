@@ -77,10 +77,10 @@ pub fn split(text: &str, splits: &[Split]) -> Vec<String> {
                 refine(&cpts, &offsets, |c, out| llama3(c, *max_digits, out))
             }
             Split::EachNumber => refine(&cpts, &offsets, |c, out| {
-                runs(c, out, |ch| is_number_collapsed(ch), false)
+                runs(c, out, is_number_collapsed, false)
             }),
             Split::NumberRuns => refine(&cpts, &offsets, |c, out| {
-                runs(c, out, |ch| is_number_collapsed(ch), true)
+                runs(c, out, is_number_collapsed, true)
             }),
             Split::PunctRuns => refine(&cpts, &offsets, |c, out| runs(c, out, is_punct_set, true)),
             Split::ThreeAsciiDigits => refine(&cpts, &offsets, three_digits),
@@ -242,10 +242,7 @@ fn gpt2(c: &[char], out: &mut Vec<usize>) {
             }
             if pos + 2 < end {
                 let nn = c[pos + 2];
-                if (next == 'r' && nn == 'e')
-                    || (next == 'v' && nn == 'e')
-                    || (next == 'l' && nn == 'l')
-                {
+                if matches!((next, nn), ('r', 'e') | ('v', 'e') | ('l', 'l')) {
                     pos += e.add(pos + 3);
                     continue;
                 }
@@ -317,10 +314,7 @@ fn llama3(c: &[char], max_digits: usize, out: &mut Vec<usize>) {
             }
             if pos + 2 < end {
                 let nn = c[pos + 2].to_ascii_lowercase();
-                if (next == 'r' && nn == 'e')
-                    || (next == 'v' && nn == 'e')
-                    || (next == 'l' && nn == 'l')
-                {
+                if matches!((next, nn), ('r', 'e') | ('v', 'e') | ('l', 'l')) {
                     pos += e.add(pos + 3);
                     continue;
                 }

@@ -33,6 +33,8 @@ emoji 😀🎉👍🏽 and combining e\u0301 a\u0308
 """
 
 SPECIALS_BPE = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+WHOLE_WORDS = ["hello", "Hello", " world", " the", "the", "123", "Straße", "   ", "\n\n", "naïve",
+               "中文", " f", "return", "'s", "...", "4567890123"]
 
 
 def byte_chars():
@@ -129,6 +131,14 @@ def make_bpe(kind, out, seed):
         if a + b not in seen:
             seen.add(a + b)
             tokens.append(a + b)
+            types.append(gguf.TokenType.NORMAL)
+    # Whole words that no merge sequence reaches: llama-bpe takes them whole (ignore_merges),
+    # qwen2 never produces them.
+    for word in WHOLE_WORDS:
+        t = "".join(enc[b] for b in word.encode())
+        if t not in seen:
+            seen.add(t)
+            tokens.append(t)
             types.append(gguf.TokenType.NORMAL)
     w = gguf.GGUFWriter(out, "llama")
     hparams(w)
