@@ -1,7 +1,8 @@
 //! kiln's tokenizer against llama.cpp itself (llama-cpp-python 0.3.36, which compiles llama.cpp
 //! from source): token ids, detokenised bytes, every token's piece, the end-of-generation set,
 //! BOS/EOS, on SmolLM2 and on synthetic seeded vocabularies written with gguf-py (SentencePiece
-//! `llama` with byte fallback and scores; byte-level `gpt2` with pre `qwen2` and `llama-bpe`),
+//! `llama` with byte fallback and scores; byte-level `gpt2` with pre `qwen2`, `llama-bpe`,
+//! `default`, `gpt-2`, `starcoder`),
 //! over a corpus of prose, numbers, code, whitespace runs, Unicode and special tokens, with and
 //! without add_special and parse_special.
 //!
@@ -375,6 +376,18 @@ fn llama_cpp_tokenize_synthetic_llama_bpe() {
     let dir = scratch("llama_cpp_tokenize_llama_bpe");
     for seed in [7, 8] {
         compare(&make_vocab("llama-bpe", seed, &dir), &corpus(seed, 300));
+    }
+}
+
+/// The other byte-level pre-tokenizers kiln implements: `default` (four expressions, three of
+/// them through llama.cpp's std::regex path), `gpt-2`, `starcoder` (smollm's split with space
+/// clean-up on decode).
+#[test]
+#[ignore = "needs llama-cpp-python: cargo xtask test --stage llama-cpp"]
+fn llama_cpp_tokenize_synthetic_default_gpt2_starcoder() {
+    let dir = scratch("llama_cpp_tokenize_other_pre");
+    for kind in ["default", "gpt-2", "starcoder"] {
+        compare(&make_vocab(kind, 9, &dir), &corpus(9, 300));
     }
 }
 

@@ -1,8 +1,9 @@
 """llama.cpp (through llama-cpp-python) as the reference for kiln's tokenizer.
 
     python llama_cpp_tokenize.py make-vocab KIND OUT.gguf SEED
-        KIND: spm (SentencePiece `llama`, byte-fallback tokens, scores), qwen2 or llama-bpe
-        (byte-level `gpt2` with merges learnt here by a small seeded BPE trainer). Written with
+        KIND: spm (SentencePiece `llama`, byte-fallback tokens, scores), or a byte-level `gpt2`
+        pre-tokenizer name (qwen2, llama-bpe, default, gpt-2, starcoder) with merges learnt here
+        by a small seeded BPE trainer. Written with
         gguf-py, llama.cpp's own GGUF package.
     python llama_cpp_tokenize.py reference MODEL.gguf < request.json
         request: {"cases": [{"text": str, "add_special": bool, "parse_special": bool}]}
@@ -262,7 +263,7 @@ def main():
         kind, out, seed = sys.argv[2], sys.argv[3], int(sys.argv[4])
         if kind == "spm":
             make_spm(out, seed)
-        elif kind in ("qwen2", "llama-bpe"):
+        elif kind in ("qwen2", "llama-bpe", "default", "gpt-2", "starcoder"):
             make_bpe(kind, out, seed)
         else:
             sys.exit(f"unknown vocabulary kind {kind!r}")
