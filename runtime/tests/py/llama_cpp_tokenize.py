@@ -31,6 +31,7 @@ Café naïve résumé façade Straße Übermut Ærøskøbing
 日本語のテキスト 中文文本 한국어 텍스트 Русский текст Ελληνικά
 emoji 😀🎉👍🏽 and combining e\u0301 a\u0308
 <|im_start|>user hello<|im_end|>
+$a = $b + $c; $d .= $e; a $f $g ~h ^i |j +k <l> x += y -> z => w
 """
 
 SPECIALS_BPE = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
