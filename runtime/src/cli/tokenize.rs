@@ -48,7 +48,15 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         let mut s = String::new();
         for id in &ids {
             let piece = tok.token_to_piece(*id);
-            let _ = writeln!(s, "{id:>7} {:?}", String::from_utf8_lossy(&piece));
+            // A piece that is part of a character shows its bytes escaped.
+            match std::str::from_utf8(&piece) {
+                Ok(p) => {
+                    let _ = writeln!(s, "{id:>7} {p:?}");
+                }
+                Err(_) => {
+                    let _ = writeln!(s, "{id:>7} b\"{}\"", piece.escape_ascii());
+                }
+            }
         }
         let _ = writeln!(s, "{} tokens", ids.len());
         s
