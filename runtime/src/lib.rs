@@ -6,6 +6,7 @@ pub mod ledger;
 pub mod quant;
 pub mod sched;
 pub mod selftest;
+pub mod tokenizer;
 
 #[cfg(test)]
 mod arch_tests {

@@ -23,6 +23,9 @@ enum Cli {
     /// console (between KILN-REPORT-BEGIN/END, then a KILN-SELFTEST verdict line) and, with
     /// --report-dir, to report.json and report.txt. Exits non-zero if any check failed.
     Selftest(cli::selftest::Args),
+    /// The token ids of a text as llama.cpp gives them (BOS/EOS as the file says, special tokens
+    /// parsed): one line per token with its piece, or `{"tokens":[…]}` with --json.
+    Tokenize(cli::tokenize::Args),
 }
 
 fn main() {
@@ -40,6 +43,7 @@ fn main() {
         Cli::Plan(a) => cli::plan::run(a),
         Cli::Matmul(a) => cli::matmul::run(a),
         Cli::Selftest(a) => cli::selftest::run(a),
+        Cli::Tokenize(a) => cli::tokenize::run(a),
     };
     if let Err(e) = result {
         // One line: the file, the byte offset and what was wrong travel in the chain.

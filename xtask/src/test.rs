@@ -28,6 +28,7 @@ const STAGES: &[(&str, StageFn)] = &[
     ("clippy", clippy),
     ("host-tests", host_tests),
     ("gguf-reference", gguf_reference),
+    ("llama-cpp", llama_cpp),
     ("npu-plan-smollm2", npu_plan_smollm2),
     ("aarch64-tests-cortex-a76", |_| {
         aarch64_tests("cortex-a76", true)
@@ -254,6 +255,56 @@ fn gguf_reference(_: &Args) -> Result<()> {
     .env("KILN_SMOLLM2", &model)
     .run()
     .context("gguf reference tests")
+}
+
+/// llama.cpp itself, through its Python binding, pinned. llama-cpp-python compiles llama.cpp
+/// from source when it is installed; numpy and gguf-py come with it.
+const LLAMA_CPP_PINS: &[&str] = &["llama-cpp-python==0.3.36", "gguf==0.19.0", "numpy==2.4.6"];
+
+/// kiln against llama.cpp (tokenizer, model): every `#[ignore]`d test named `llama_cpp_*`, with
+/// `KILN_LLAMA_PY` (the venv's python) and `KILN_SMOLLM2` set.
+fn llama_cpp(_: &Args) -> Result<()> {
+    doctor::ensure(&[&doctor::PYTHON_VENV])?;
+    let python = llama_cpp_venv()?;
+    let model = smollm2_model(&python)?;
+    let sh = crate::shell()?;
+    cmd!(
+        sh,
+        "cargo test --locked -p kiln-runtime --tests -- --ignored llama_cpp_"
+    )
+    .env("KILN_LLAMA_PY", &python)
+    .env("KILN_SMOLLM2", &model)
+    .run()
+    .context("kiln against llama.cpp")
+}
+
+/// A virtualenv under `target/` with `LLAMA_CPP_PINS`; returns its python.
+fn llama_cpp_venv() -> Result<std::path::PathBuf> {
+    let dir = crate::target_dir().join("kiln/llama-cpp-venv");
+    let python = dir.join("bin/python");
+    let stamp = dir.join("kiln-pins.txt");
+    let pins = LLAMA_CPP_PINS.join(" ");
+    if std::fs::read_to_string(&stamp).ok().as_deref() == Some(pins.as_str()) && python.exists() {
+        return Ok(python);
+    }
+    let sh = crate::shell()?;
+    println!(
+        "llama-cpp: installing {pins} into {}\n\
+         llama-cpp: the first install compiles llama.cpp from source (about 15 min on 2 cores, \
+         needs g++); pip's wheel cache makes later installs take seconds",
+        dir.display()
+    );
+    cmd!(sh, "python3 -m venv --clear {dir}")
+        .run()
+        .context("creating the llama-cpp virtualenv")?;
+    cmd!(
+        sh,
+        "{python} -m pip install --disable-pip-version-check --progress-bar off {LLAMA_CPP_PINS...}"
+    )
+    .run()
+    .with_context(|| format!("pip install {pins} (a compiler error here: is g++ installed?)"))?;
+    std::fs::write(&stamp, &pins).with_context(|| format!("writing {}", stamp.display()))?;
+    Ok(python)
 }
 
 /// `kiln plan` on the SmolLM2 model with rknn-standin as the NPU: the `#[ignore]`d test of

@@ -10,6 +10,7 @@ pub mod inspect;
 pub mod matmul;
 pub mod plan;
 pub mod selftest;
+pub mod tokenize;
 
 /// Which backend a command runs on, for tests and diagnosis (default: the board order).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
