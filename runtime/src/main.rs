@@ -23,6 +23,11 @@ enum Cli {
     /// console (between KILN-REPORT-BEGIN/END, then a KILN-SELFTEST verdict line) and, with
     /// --report-dir, to report.json and report.txt. Exits non-zero if any check failed.
     Selftest(cli::selftest::Args),
+    /// Generate a continuation of a prompt, streamed (--json: one object with the tokens, the
+    /// text and the prefill/decode speeds).
+    Run(cli::run::Args),
+    /// Mean negative log-likelihood and perplexity of a text, in windows of --ctx tokens.
+    Ppl(cli::ppl::Args),
 }
 
 fn main() {
@@ -40,6 +45,8 @@ fn main() {
         Cli::Plan(a) => cli::plan::run(a),
         Cli::Matmul(a) => cli::matmul::run(a),
         Cli::Selftest(a) => cli::selftest::run(a),
+        Cli::Run(a) => cli::run::run(a),
+        Cli::Ppl(a) => cli::ppl::run(a),
     };
     if let Err(e) = result {
         // One line: the file, the byte offset and what was wrong travel in the chain.

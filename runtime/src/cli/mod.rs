@@ -9,6 +9,8 @@ pub mod dequant;
 pub mod inspect;
 pub mod matmul;
 pub mod plan;
+pub mod ppl;
+pub mod run;
 pub mod selftest;
 
 /// Which backend a command runs on, for tests and diagnosis (default: the board order).
