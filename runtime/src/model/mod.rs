@@ -42,6 +42,19 @@ pub struct Options {
     pub threads: usize,
     /// Most rows per forward chunk (prefill), the largest M the plan is made for.
     pub ubatch: usize,
+    /// A deliberate fault, so the equality tests can show they catch it.
+    pub fault: Option<Fault>,
+}
+
+/// Faults the llama.cpp-equality tests inject to show that their comparison fails.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// Pair RoPE values the other architecture's way (NORM ↔ NEOX).
+    SwapRope,
+    /// Skip qwen3's per-head Q/K RMSNorm.
+    NoQkNorm,
+    /// Skip the Q/K/V biases.
+    NoBias,
 }
 
 impl Default for Options {
@@ -50,6 +63,7 @@ impl Default for Options {
             backend: BackendSel::Auto,
             threads: 0,
             ubatch: 512,
+            fault: None,
         }
     }
 }
@@ -90,6 +104,7 @@ pub struct Model<'m> {
     pub ledger: Ledger,
     threads: usize,
     ubatch: usize,
+    rope: RopeKind,
 }
 
 /// Which logits a forward pass returns.
@@ -246,7 +261,7 @@ impl<'m> Model<'m> {
             names.push((weight(&p("ffn_gate.weight"), e, hp.n_ff)?, None));
             names.push((weight(&p("ffn_up.weight"), e, hp.n_ff)?, None));
             names.push((weight(&p("ffn_down.weight"), hp.n_ff, e)?, None));
-            let (qn, kn) = if hp.arch.qk_norm() {
+            let (qn, kn) = if hp.arch.qk_norm() && opt.fault != Some(Fault::NoQkNorm) {
                 (
                     Some(vector(f, &p("attn_q_norm.weight"), hd)?),
                     Some(vector(f, &p("attn_k_norm.weight"), hd)?),
@@ -342,6 +357,16 @@ impl<'m> Model<'m> {
             }
         }
         let output = mats.pop().context("no output weight")?;
+        let rope = match (opt.fault, hp.arch.rope()) {
+            (Some(Fault::SwapRope), RopeKind::Norm) => RopeKind::Neox,
+            (Some(Fault::SwapRope), RopeKind::Neox) => RopeKind::Norm,
+            (_, r) => r,
+        };
+        if opt.fault == Some(Fault::NoBias) {
+            for m in &mut mats {
+                m.bias = None;
+            }
+        }
         let mut it = mats.into_iter();
         let mut layers = Vec::with_capacity(hp.n_layer);
         for (attn_norm, q_norm, k_norm, ffn_norm) in norms {
@@ -377,6 +402,7 @@ impl<'m> Model<'m> {
             ledger,
             threads,
             ubatch,
+            rope,
         })
     }
 
@@ -536,20 +562,8 @@ impl<'m> Model<'m> {
                     ops::rope_cache(pos0 + i, hp.n_rot, hp.freq_base, &mut s.cs);
                     let qd = hp.q_dim();
                     let kd = hp.kv_dim();
-                    ops::rope_heads(
-                        &mut q[i * qd..(i + 1) * qd],
-                        hd,
-                        hp.n_rot,
-                        hp.arch.rope(),
-                        &s.cs,
-                    );
-                    ops::rope_heads(
-                        &mut k[i * kd..(i + 1) * kd],
-                        hd,
-                        hp.n_rot,
-                        hp.arch.rope(),
-                        &s.cs,
-                    );
+                    ops::rope_heads(&mut q[i * qd..(i + 1) * qd], hd, hp.n_rot, self.rope, &s.cs);
+                    ops::rope_heads(&mut k[i * kd..(i + 1) * kd], hd, hp.n_rot, self.rope, &s.cs);
                     s.kv.write(
                         li,
                         pos0 + i,
