@@ -64,6 +64,9 @@ def synth(args):
     else:
         n_embd, n_head, n_kv, head_dim, n_ff = 256, 4, 1, 64, 512
     n_layer, n_vocab, n_ctx = 2, 384, 256
+    if args.shape:
+        n_embd, n_head, n_kv, head_dim, n_ff = 576, 9, 3, 64, 1536
+        n_layer = args.shape
     wtype = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q4_k": Q.Q4_K}[args.wtype]
 
     w = gguf.GGUFWriter(args.out, arch)
@@ -193,6 +196,7 @@ def main():
     s.add_argument("--wtype", required=True, choices=["q8_0", "q4_0", "q4_1", "q4_k"])
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--key-length", action="store_true")
+    s.add_argument("--shape", type=int, default=0, help="SmolLM2's shapes with this many layers")
     s.add_argument("--out", required=True)
     g = sub.add_parser("logits")
     g.add_argument("--model", required=True)
