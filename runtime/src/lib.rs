@@ -7,6 +7,7 @@ pub mod model;
 pub mod quant;
 pub mod sched;
 pub mod selftest;
+pub mod tokenizer;
 
 #[cfg(test)]
 mod arch_tests {

@@ -5,6 +5,7 @@ use anyhow::{Context, Result};
 use kiln_runtime::gguf::GgufFile;
 use kiln_runtime::model::sample::{Sampler, SamplerConfig};
 use kiln_runtime::model::{BackendSel, KvType, Model, Options, Want};
+use kiln_runtime::tokenizer::{StreamDecoder, Tokenizer};
 use std::io::Write as _;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -172,33 +173,49 @@ pub fn run(a: Args) -> Result<()> {
     Ok(())
 }
 
-/// The prompt's token ids, as `kiln tokenize` gives them (BOS per the file, specials parsed).
-pub fn encode_text(_f: &GgufFile, _text: &str) -> Result<Vec<u32>> {
-    anyhow::bail!("this build has no tokenizer yet: give the prompt as --ids")
+/// The prompt's token ids, as `kiln tokenize` gives them (BOS/EOS per the file, specials parsed).
+pub fn encode_text(f: &GgufFile, text: &str) -> Result<Vec<u32>> {
+    let tok = Tokenizer::from_gguf(f.gguf())
+        .with_context(|| format!("{}: tokenizer", f.path().display()))?;
+    tok.encode(text, true, true)
 }
 
 /// Token ids back to text for streaming, and the end-of-generation test.
-pub struct TextOut;
+pub struct TextOut {
+    tok: Tokenizer,
+}
 
 impl TextOut {
-    pub fn new(_f: &GgufFile) -> Result<TextOut> {
-        Ok(TextOut)
+    pub fn new(f: &GgufFile) -> Result<TextOut> {
+        let tok = Tokenizer::from_gguf(f.gguf())
+            .with_context(|| format!("{}: tokenizer", f.path().display()))?;
+        Ok(TextOut { tok })
     }
-    pub fn is_eog(&self, _t: u32) -> bool {
-        false
+
+    pub fn is_eog(&self, t: u32) -> bool {
+        self.tok.is_eog(t)
     }
-    pub fn stream(&self) -> Stream {
-        Stream
+
+    pub fn stream(&self) -> Stream<'_> {
+        Stream {
+            tok: &self.tok,
+            dec: StreamDecoder::new(),
+        }
     }
 }
 
-pub struct Stream;
+/// UTF-8-safe streaming of generated tokens.
+pub struct Stream<'t> {
+    tok: &'t Tokenizer,
+    dec: StreamDecoder,
+}
 
-impl Stream {
+impl Stream<'_> {
     pub fn push(&mut self, t: u32) -> String {
-        format!("[{t}]")
+        self.dec.push(&self.tok.token_to_piece(t))
     }
+
     pub fn finish(self) -> String {
-        String::new()
+        self.dec.finish()
     }
 }
