@@ -28,6 +28,9 @@ enum Cli {
     Run(cli::run::Args),
     /// Mean negative log-likelihood and perplexity of a text, in windows of --ctx tokens.
     Ppl(cli::ppl::Args),
+    /// Prefill and decode tok/s, weight bytes per decoded token as a fraction of the read
+    /// bandwidth measured in the same run, which backend ran what, anonymous vs mapped memory.
+    Bench(cli::bench::Args),
     /// The token ids of a text as llama.cpp gives them (BOS/EOS as the file says, special tokens
     /// parsed): one line per token with its piece, or `{"tokens":[…]}` with --json.
     Tokenize(cli::tokenize::Args),
@@ -50,6 +53,7 @@ fn main() {
         Cli::Selftest(a) => cli::selftest::run(a),
         Cli::Run(a) => cli::run::run(a),
         Cli::Ppl(a) => cli::ppl::run(a),
+        Cli::Bench(a) => cli::bench::run(a),
         Cli::Tokenize(a) => cli::tokenize::run(a),
     };
     if let Err(e) = result {

@@ -5,6 +5,7 @@ use anyhow::Context;
 use std::io::Write as _;
 use std::path::Path;
 
+pub mod bench;
 pub mod dequant;
 pub mod inspect;
 pub mod matmul;

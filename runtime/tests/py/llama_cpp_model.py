@@ -188,6 +188,39 @@ def logits(args):
     print()
 
 
+def bench(args):
+    """llama.cpp's prefill and decode tok/s for the same shape as `kiln bench` (f16 KV, no flash
+    attention, ids spread over the vocabulary, greedy decode)."""
+    import time
+
+    import llama_cpp
+
+    llm = llama_cpp.Llama(
+        model_path=args.model,
+        n_ctx=args.p + args.n + 8,
+        n_batch=512,
+        n_ubatch=512,
+        type_k=1,
+        type_v=1,
+        flash_attn=False,
+        n_threads=args.threads,
+        n_threads_batch=args.threads,
+        n_gpu_layers=0,
+        verbose=False,
+    )
+    n_vocab = llm.n_vocab()
+    ids = [(i * 7919 + 13) % n_vocab for i in range(args.p)]
+    t0 = time.perf_counter()
+    llm.eval(ids)
+    prefill = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    for i in range(args.n):
+        llm.eval([(i * 31 + 7) % n_vocab])
+    decode = time.perf_counter() - t1
+    json.dump({"prefill_tok_s": args.p / prefill, "decode_tok_s": args.n / decode}, sys.stdout)
+    print()
+
+
 def main():
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -205,8 +238,13 @@ def main():
     g.add_argument("--threads", type=int, default=2)
     g.add_argument("--kv", default="f16", choices=["f16", "f32"])
     g.add_argument("--greedy", type=int, default=0)
+    b = sub.add_parser("bench")
+    b.add_argument("--model", required=True)
+    b.add_argument("-p", type=int, default=128)
+    b.add_argument("-n", type=int, default=64)
+    b.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
-    {"synth": synth, "logits": logits}[a.cmd](a)
+    {"synth": synth, "logits": logits, "bench": bench}[a.cmd](a)
 
 
 if __name__ == "__main__":
