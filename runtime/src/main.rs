@@ -31,6 +31,9 @@ enum Cli {
     /// Prefill and decode tok/s, weight bytes per decoded token as a fraction of the read
     /// bandwidth measured in the same run, which backend ran what, anonymous vs mapped memory.
     Bench(cli::bench::Args),
+    /// Interactive console chat: the file's chat template (minijinja), the KV cache kept across
+    /// turns, each reply stopping at end-of-generation.
+    Chat(cli::chat::Args),
     /// The token ids of a text as llama.cpp gives them (BOS/EOS as the file says, special tokens
     /// parsed): one line per token with its piece, or `{"tokens":[…]}` with --json.
     Tokenize(cli::tokenize::Args),
@@ -54,6 +57,7 @@ fn main() {
         Cli::Run(a) => cli::run::run(a),
         Cli::Ppl(a) => cli::ppl::run(a),
         Cli::Bench(a) => cli::bench::run(a),
+        Cli::Chat(a) => cli::chat::run(a),
         Cli::Tokenize(a) => cli::tokenize::run(a),
     };
     if let Err(e) = result {

@@ -6,6 +6,7 @@ use std::io::Write as _;
 use std::path::Path;
 
 pub mod bench;
+pub mod chat;
 pub mod dequant;
 pub mod inspect;
 pub mod matmul;

@@ -192,6 +192,10 @@ impl TextOut {
         Ok(TextOut { tok })
     }
 
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tok
+    }
+
     pub fn is_eog(&self, t: u32) -> bool {
         self.tok.is_eog(t)
     }
