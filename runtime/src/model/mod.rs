@@ -298,7 +298,7 @@ impl<'m> Model<'m> {
         for (((w, bias), wp), owner_prep) in names
             .into_iter()
             .zip(&plan.weights)
-            .zip(plan.prepared.into_iter())
+            .zip(plan.prepared)
         {
             let mut owner_prep = owner_prep;
             let mut prepared: Vec<Option<Box<dyn PreparedWeight + 'm>>> = Vec::new();
