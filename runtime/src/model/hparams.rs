@@ -218,3 +218,57 @@ impl HParams {
         self.n_head_kv * self.head_dim
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::writer::GgufWriter;
+    use crate::gguf::Value;
+
+    fn parse(kv: &[(&str, Value)]) -> Result<HParams> {
+        let mut w = GgufWriter::new();
+        for (k, v) in kv {
+            w.add(*k, v.clone()).unwrap();
+        }
+        HParams::from_gguf(&Gguf::parse(&w.to_bytes()).unwrap())
+    }
+
+    fn llama() -> Vec<(&'static str, Value)> {
+        vec![
+            ("general.architecture", Value::String("llama".into())),
+            ("llama.block_count", Value::U32(2)),
+            ("llama.embedding_length", Value::U32(256)),
+            ("llama.feed_forward_length", Value::U32(512)),
+            ("llama.attention.head_count", Value::U32(8)),
+            ("llama.attention.head_count_kv", Value::U32(4)),
+            ("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
+            ("llama.context_length", Value::U32(128)),
+        ]
+    }
+
+    #[test]
+    fn reads_llama_and_defaults_as_llama_cpp() {
+        let h = parse(&llama()).unwrap();
+        assert_eq!((h.head_dim, h.n_rot, h.freq_base), (32, 32, 10000.0));
+        assert_eq!(h.arch.rope(), RopeKind::Norm);
+        let mut kv = llama();
+        kv.push(("llama.attention.key_length", Value::U32(64)));
+        assert_eq!(parse(&kv).unwrap().head_dim, 64);
+    }
+
+    #[test]
+    fn errors_name_the_key_or_the_architecture() {
+        let mut kv = llama();
+        kv.retain(|(k, _)| *k != "llama.embedding_length");
+        let e = format!("{:#}", parse(&kv).unwrap_err());
+        assert!(e.contains("llama.embedding_length is missing"), "{e}");
+        let mut kv = llama();
+        kv[5].1 = Value::U32(3);
+        let e = format!("{:#}", parse(&kv).unwrap_err());
+        assert!(e.contains("llama.attention.head_count_kv = 3"), "{e}");
+        let mut kv = llama();
+        kv[0].1 = Value::String("gpt2".into());
+        let e = format!("{:#}", parse(&kv).unwrap_err());
+        assert!(e.contains("\"gpt2\" is not supported"), "{e}");
+    }
+}

@@ -295,10 +295,7 @@ impl<'m> Model<'m> {
         let plan_text = plan.render();
         let mut ledger = plan.ledger.clone();
         let mut mats = Vec::with_capacity(names.len());
-        for (((w, bias), wp), owner_prep) in names
-            .into_iter()
-            .zip(&plan.weights)
-            .zip(plan.prepared)
+        for (((w, bias), wp), owner_prep) in names.into_iter().zip(&plan.weights).zip(plan.prepared)
         {
             let mut owner_prep = owner_prep;
             let mut prepared: Vec<Option<Box<dyn PreparedWeight + 'm>>> = Vec::new();
