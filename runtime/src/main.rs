@@ -23,6 +23,17 @@ enum Cli {
     /// console (between KILN-REPORT-BEGIN/END, then a KILN-SELFTEST verdict line) and, with
     /// --report-dir, to report.json and report.txt. Exits non-zero if any check failed.
     Selftest(cli::selftest::Args),
+    /// Generate a continuation of a prompt, streamed (--json: one object with the tokens, the
+    /// text and the prefill/decode speeds).
+    Run(cli::run::Args),
+    /// Mean negative log-likelihood and perplexity of a text, in windows of --ctx tokens.
+    Ppl(cli::ppl::Args),
+    /// Prefill and decode tok/s, weight bytes per decoded token as a fraction of the read
+    /// bandwidth measured in the same run, which backend ran what, anonymous vs mapped memory.
+    Bench(cli::bench::Args),
+    /// Interactive console chat: the file's chat template (minijinja), the KV cache kept across
+    /// turns, each reply stopping at end-of-generation.
+    Chat(cli::chat::Args),
     /// The token ids of a text as llama.cpp gives them (BOS/EOS as the file says, special tokens
     /// parsed): one line per token with its piece, or `{"tokens":[…]}` with --json.
     Tokenize(cli::tokenize::Args),
@@ -43,6 +54,10 @@ fn main() {
         Cli::Plan(a) => cli::plan::run(a),
         Cli::Matmul(a) => cli::matmul::run(a),
         Cli::Selftest(a) => cli::selftest::run(a),
+        Cli::Run(a) => cli::run::run(a),
+        Cli::Ppl(a) => cli::ppl::run(a),
+        Cli::Bench(a) => cli::bench::run(a),
+        Cli::Chat(a) => cli::chat::run(a),
         Cli::Tokenize(a) => cli::tokenize::run(a),
     };
     if let Err(e) = result {

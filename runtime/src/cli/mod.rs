@@ -5,10 +5,14 @@ use anyhow::Context;
 use std::io::Write as _;
 use std::path::Path;
 
+pub mod bench;
+pub mod chat;
 pub mod dequant;
 pub mod inspect;
 pub mod matmul;
 pub mod plan;
+pub mod ppl;
+pub mod run;
 pub mod selftest;
 pub mod tokenize;
 

@@ -1,0 +1,153 @@
+//! `kiln chat`: an interactive console chat (the board's serial console is a real use). Each turn
+//! renders the file's `tokenizer.chat_template` with minijinja over the whole conversation and
+//! feeds only the tokens the KV cache does not hold yet, so the cache is kept across turns; a
+//! reply stops at an end-of-generation token.
+
+use super::run::{ModelArgs, TextOut};
+use anyhow::{bail, Context, Result};
+use kiln_runtime::model::sample::{Sampler, SamplerConfig};
+use kiln_runtime::model::Want;
+use std::io::{BufRead, Write};
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    pub m: ModelArgs,
+    /// A system message for the conversation.
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Most tokens per reply.
+    #[arg(short = 'n', default_value_t = 256)]
+    pub n: usize,
+    /// Temperature; 0 = greedy.
+    #[arg(long, default_value_t = 0.7)]
+    pub temp: f32,
+    #[arg(long, default_value_t = 40)]
+    pub top_k: usize,
+    #[arg(long, default_value_t = 0.95)]
+    pub top_p: f32,
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+}
+
+/// The conversation rendered by the model's template.
+pub fn render(
+    template: &str,
+    messages: &[(String, String)],
+    bos: &str,
+    eos: &str,
+) -> Result<String> {
+    let mut env = minijinja::Environment::new();
+    env.add_template("chat", template)
+        .context("tokenizer.chat_template does not parse")?;
+    // Hugging Face templates call raise_exception(msg) for conversations they refuse.
+    env.add_function(
+        "raise_exception",
+        |msg: String| -> Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(
+                minijinja::ErrorKind::InvalidOperation,
+                msg,
+            ))
+        },
+    );
+    let msgs: Vec<_> = messages
+        .iter()
+        .map(|(role, content)| minijinja::context! { role => role, content => content })
+        .collect();
+    env.get_template("chat")
+        .and_then(|t| {
+            t.render(minijinja::context! {
+                messages => msgs,
+                add_generation_prompt => true,
+                bos_token => bos,
+                eos_token => eos,
+            })
+        })
+        .context("rendering tokenizer.chat_template")
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let f = a.m.open()?;
+    let model = a.m.load(&f)?;
+    let text = TextOut::new(&f)?;
+    let tok = text.tokenizer();
+    let Some(template) = tok.chat_template().map(str::to_string) else {
+        bail!(
+            "{}: no tokenizer.chat_template in the file",
+            a.m.model.display()
+        );
+    };
+    let piece = |id: Option<u32>| {
+        id.map(|t| String::from_utf8_lossy(&tok.token_to_piece(t)).into_owned())
+            .unwrap_or_default()
+    };
+    let (bos, eos) = (piece(tok.bos()), piece(tok.eos()));
+    let mut s = model.session(a.m.n_ctx(&model), a.m.kv)?;
+    let mut sampler = Sampler::new(SamplerConfig {
+        temp: a.temp,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        seed: a.seed,
+    });
+    let mut messages: Vec<(String, String)> = Vec::new();
+    if let Some(sys) = &a.system {
+        messages.push(("system".into(), sys.clone()));
+    }
+    // Every token the cache holds, in order: the next turn's prompt must start with them.
+    let mut held: Vec<u32> = Vec::new();
+    let stdin = std::io::stdin();
+    let mut out = std::io::stdout().lock();
+    eprintln!("kiln chat: type a message, an empty line or EOF ends the chat");
+    loop {
+        write!(out, "> ")
+            .and_then(|_| out.flush())
+            .context("stdout")?;
+        let mut line = String::new();
+        if stdin.lock().read_line(&mut line).context("stdin")? == 0 {
+            break;
+        }
+        let line = line.trim_end_matches(['\n', '\r']);
+        if line.is_empty() {
+            break;
+        }
+        messages.push(("user".into(), line.to_string()));
+        let prompt = render(&template, &messages, &bos, &eos)?;
+        let ids = tok.encode(&prompt, true, true)?;
+        // Reuse the cache as far as the new prompt agrees with what it holds.
+        let common = held.iter().zip(&ids).take_while(|(a, b)| a == b).count();
+        if common < held.len() {
+            // The template re-rendered earlier turns differently: start the cache over.
+            s.kv.clear();
+            held.clear();
+        }
+        let new = &ids[held.len()..];
+        if new.is_empty() {
+            bail!("the rendered conversation added no tokens");
+        }
+        let mut logits = model.forward(&mut s, new, Want::Last)?;
+        held.extend_from_slice(new);
+        let mut stream = text.stream();
+        let mut reply = String::new();
+        for _ in 0..a.n {
+            let t = sampler.sample(&logits);
+            if text.is_eog(t) {
+                // The template writes the end-of-turn itself; the cache keeps the EOG token.
+                model.forward(&mut s, &[t], Want::None)?;
+                held.push(t);
+                break;
+            }
+            let p = stream.push(t);
+            reply.push_str(&p);
+            write!(out, "{p}")
+                .and_then(|_| out.flush())
+                .context("stdout")?;
+            logits = model.forward(&mut s, &[t], Want::Last)?;
+            held.push(t);
+        }
+        let rest = stream.finish();
+        reply.push_str(&rest);
+        writeln!(out, "{rest}").context("stdout")?;
+        messages.push(("assistant".into(), reply));
+    }
+    Ok(())
+}

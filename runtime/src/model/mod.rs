@@ -1,0 +1,739 @@
+//! One decoder for llama / qwen2 / qwen3, parameterised by the architecture's flags (RoPE NORM or
+//! NEOX, per-head Q/K RMSNorm, Q/K/V biases, tied LM head, `key_length` head_dim, GQA).
+//!
+//! Every weight is a view into the mapping. Every matmul goes through the scheduler's plan and
+//! [`run_checked`]: per op, the first backend in board order that supports it at that M runs it
+//! (the NPU for prefill rows ≥ its minimum, the CPU otherwise), so what `kiln plan` prints is what
+//! runs. Attention, norms, RoPE and SwiGLU run on the CPU, rounded as ggml rounds them
+//! (`ops.rs`), attention threaded over heads.
+
+pub mod hparams;
+pub mod kv;
+pub mod ops;
+pub mod sample;
+
+use crate::backend::{cpu, npu, run_checked, Backend, MatmulOp, PreparedWeight, Weight};
+use crate::gguf::{GgufFile, TensorView};
+use crate::ledger::{Arrival, Ledger};
+use crate::quant::{dequantize_row, GgmlType};
+use crate::sched;
+use anyhow::{bail, ensure, Context, Result};
+pub use hparams::{Arch, HParams, RopeKind};
+pub use kv::{KvCache, KvType};
+use std::collections::BTreeMap;
+
+/// Which backends may run the matmuls.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+pub enum BackendSel {
+    /// The plan's choice per weight and M: NPU where it accepts the op, CPU otherwise.
+    Auto,
+    /// The CPU fast path only.
+    Cpu,
+    /// The scalar reference only.
+    CpuRef,
+    /// NPU wherever it accepts an op (an error if it is absent), CPU for what it declines.
+    Npu,
+}
+
+#[derive(Clone, Debug)]
+pub struct Options {
+    pub backend: BackendSel,
+    /// Threads for the CPU matmuls and the attention (0 = one per core).
+    pub threads: usize,
+    /// Most rows per forward chunk (prefill), the largest M the plan is made for.
+    pub ubatch: usize,
+    /// A deliberate fault, so the equality tests can show they catch it.
+    pub fault: Option<Fault>,
+}
+
+/// Faults the llama.cpp-equality tests inject to show that their comparison fails.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fault {
+    /// Pair RoPE values the other architecture's way (NORM ↔ NEOX).
+    SwapRope,
+    /// Skip qwen3's per-head Q/K RMSNorm.
+    NoQkNorm,
+    /// Skip the Q/K/V biases.
+    NoBias,
+}
+
+impl Default for Options {
+    fn default() -> Options {
+        Options {
+            backend: BackendSel::Auto,
+            threads: 0,
+            ubatch: 512,
+            fault: None,
+        }
+    }
+}
+
+/// A matmul weight with its optional bias and what each backend prepared for it.
+struct Mat<'m> {
+    w: Weight<'m>,
+    bias: Option<&'m [f32]>,
+    /// One slot per backend of [`Model::backends`]; `None` where the plan never sends it there.
+    prepared: Vec<Option<Box<dyn PreparedWeight + 'm>>>,
+}
+
+struct Layer<'m> {
+    attn_norm: &'m [f32],
+    q_norm: Option<&'m [f32]>,
+    k_norm: Option<&'m [f32]>,
+    wq: Mat<'m>,
+    wk: Mat<'m>,
+    wv: Mat<'m>,
+    wo: Mat<'m>,
+    ffn_norm: &'m [f32],
+    gate: Mat<'m>,
+    up: Mat<'m>,
+    down: Mat<'m>,
+}
+
+pub struct Model<'m> {
+    pub hp: HParams,
+    pub n_vocab: usize,
+    pub tied: bool,
+    file: &'m GgufFile,
+    tok_embd: TensorView<'m>,
+    layers: Vec<Layer<'m>>,
+    out_norm: &'m [f32],
+    output: Mat<'m>,
+    backends: Vec<Box<dyn Backend>>,
+    pub plan_text: String,
+    pub ledger: Ledger,
+    threads: usize,
+    ubatch: usize,
+    rope: RopeKind,
+}
+
+/// Which logits a forward pass returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Want {
+    None,
+    Last,
+    All,
+}
+
+/// Per-backend counts of what ran: ops and rows.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct RunStats {
+    pub ops: BTreeMap<String, (u64, u64)>,
+}
+
+/// The state of one conversation: the KV cache and reusable scratch buffers.
+pub struct Session {
+    pub kv: KvCache,
+    pub stats: RunStats,
+    x: Vec<f32>,
+    xn: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    att: Vec<f32>,
+    att_h: Vec<f32>,
+    o: Vec<f32>,
+    g: Vec<f32>,
+    u: Vec<f32>,
+    cs: Vec<(f32, f32)>,
+}
+
+/// An F32 tensor's values, borrowed from the mapping (tensors are 32-byte aligned in the file
+/// and the mapping is page-aligned, so the cast is checked, not assumed).
+fn f32_view<'m>(t: &TensorView<'m>) -> Result<&'m [f32]> {
+    ensure!(
+        t.ty == GgmlType::F32,
+        "tensor {} is {}, kiln reads norms and biases as F32",
+        t.name,
+        t.ty
+    );
+    ensure!(
+        cfg!(target_endian = "little"),
+        "F32 views need a little-endian host"
+    );
+    // SAFETY: any bit pattern is a valid f32; align_to only yields the aligned middle part,
+    // and we require it to be the whole slice.
+    let (pre, mid, post) = unsafe { t.data.align_to::<f32>() };
+    ensure!(
+        pre.is_empty() && post.is_empty(),
+        "tensor {} is not 4-byte aligned in the mapping",
+        t.name
+    );
+    Ok(mid)
+}
+
+fn tensor<'m>(f: &'m GgufFile, name: &str, dims: &[usize]) -> Result<TensorView<'m>> {
+    let t = f
+        .tensor(name)
+        .with_context(|| format!("{}: tensor {name} is missing", f.path().display()))?;
+    let got: Vec<u64> = t.ne[..t.n_dims as usize].to_vec();
+    let want: Vec<u64> = dims.iter().map(|&d| d as u64).collect();
+    ensure!(
+        got == want,
+        "{}: tensor {name} has shape {got:?}, the metadata implies {want:?}",
+        f.path().display()
+    );
+    Ok(t)
+}
+
+fn vector<'m>(f: &'m GgufFile, name: &str, n: usize) -> Result<&'m [f32]> {
+    f32_view(&tensor(f, name, &[n])?)
+}
+
+fn opt_vector<'m>(f: &'m GgufFile, name: &str, n: usize) -> Result<Option<&'m [f32]>> {
+    if f.tensor(name).is_none() {
+        return Ok(None);
+    }
+    vector(f, name, n).map(Some)
+}
+
+impl<'m> Model<'m> {
+    pub fn load(f: &'m GgufFile, opt: &Options) -> Result<Model<'m>> {
+        let hp = HParams::from_gguf(f.gguf())
+            .with_context(|| format!("{}: model hyper-parameters", f.path().display()))?;
+        let e = hp.n_embd;
+        let tok_embd = f.tensor("token_embd.weight").with_context(|| {
+            format!(
+                "{}: tensor token_embd.weight is missing",
+                f.path().display()
+            )
+        })?;
+        ensure!(
+            tok_embd.n_dims == 2 && tok_embd.ne[0] == e as u64,
+            "{}: token_embd.weight has shape {:?}, want [{e}, n_vocab]",
+            f.path().display(),
+            &tok_embd.ne[..tok_embd.n_dims as usize]
+        );
+        let n_vocab = tok_embd.ne[1] as usize;
+        let threads = if opt.threads == 0 {
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        } else {
+            opt.threads
+        };
+        let cpu_b = cpu::CpuBackend::new().with_threads(threads);
+        let backends: Vec<Box<dyn Backend>> = match opt.backend {
+            BackendSel::Cpu => vec![Box::new(cpu_b)],
+            BackendSel::CpuRef => vec![Box::new(cpu::CpuRefBackend)],
+            BackendSel::Auto => vec![Box::new(npu::NpuBackend::default()), Box::new(cpu_b)],
+            BackendSel::Npu => {
+                let n = npu::NpuBackend::default();
+                if let Err(d) = n.probe() {
+                    bail!("--backend npu: the NPU is not available: {d}");
+                }
+                vec![Box::new(n), Box::new(cpu_b)]
+            }
+        };
+        let weight = |name: &str, k: usize, n: usize| -> Result<Weight<'m>> {
+            let t = tensor(f, name, &[k, n])?;
+            t.as_weight()
+                .with_context(|| format!("tensor {name} as a matmul weight"))
+        };
+        let mut names: Vec<(Weight<'m>, Option<&'m [f32]>)> = Vec::new();
+        let mut norms = Vec::new();
+        let (qd, kvd, hd) = (hp.q_dim(), hp.kv_dim(), hp.head_dim);
+        for l in 0..hp.n_layer {
+            let p = |s: &str| format!("blk.{l}.{s}");
+            let bias = |s: &str, n: usize| -> Result<Option<&'m [f32]>> {
+                let b = opt_vector(f, &p(s), n)?;
+                if b.is_none() && hp.arch.qkv_bias_required() {
+                    bail!(
+                        "{}: tensor {} is missing ({} has Q/K/V biases)",
+                        f.path().display(),
+                        p(s),
+                        hp.arch.name()
+                    );
+                }
+                Ok(b)
+            };
+            names.push((
+                weight(&p("attn_q.weight"), e, qd)?,
+                bias("attn_q.bias", qd)?,
+            ));
+            names.push((
+                weight(&p("attn_k.weight"), e, kvd)?,
+                bias("attn_k.bias", kvd)?,
+            ));
+            names.push((
+                weight(&p("attn_v.weight"), e, kvd)?,
+                bias("attn_v.bias", kvd)?,
+            ));
+            names.push((weight(&p("attn_output.weight"), qd, e)?, None));
+            names.push((weight(&p("ffn_gate.weight"), e, hp.n_ff)?, None));
+            names.push((weight(&p("ffn_up.weight"), e, hp.n_ff)?, None));
+            names.push((weight(&p("ffn_down.weight"), hp.n_ff, e)?, None));
+            let (qn, kn) = if hp.arch.qk_norm() && opt.fault != Some(Fault::NoQkNorm) {
+                (
+                    Some(vector(f, &p("attn_q_norm.weight"), hd)?),
+                    Some(vector(f, &p("attn_k_norm.weight"), hd)?),
+                )
+            } else {
+                (None, None)
+            };
+            norms.push((
+                vector(f, &p("attn_norm.weight"), e)?,
+                qn,
+                kn,
+                vector(f, &p("ffn_norm.weight"), e)?,
+            ));
+        }
+        let tied = f.tensor("output.weight").is_none();
+        let out_w = if tied {
+            tok_embd
+                .as_weight()
+                .context("token_embd.weight as the tied LM head")?
+        } else {
+            weight("output.weight", e, n_vocab)?
+        };
+        names.push((out_w, None));
+        let out_norm = vector(f, "output_norm.weight", e)?;
+
+        // The plan: ownership at the largest M, ops per M; the owners' prepared weights kept.
+        let weights: Vec<Weight<'m>> = names.iter().map(|(w, _)| *w).collect();
+        let refs: Vec<&dyn Backend> = backends.iter().map(|b| b.as_ref()).collect();
+        let ubatch = opt.ubatch.max(1);
+        let plan = sched::plan(&refs, &weights, &[1, ubatch], true);
+        let plan_text = plan.render();
+        let mut ledger = plan.ledger.clone();
+        let mut mats = Vec::with_capacity(names.len());
+        for (((w, bias), wp), owner_prep) in names.into_iter().zip(&plan.weights).zip(plan.prepared)
+        {
+            let mut owner_prep = owner_prep;
+            let mut prepared: Vec<Option<Box<dyn PreparedWeight + 'm>>> = Vec::new();
+            for b in &backends {
+                // A backend gets a prepared weight when the plan sends it any op of this weight.
+                let used = wp
+                    .at_m
+                    .iter()
+                    .any(|a| a.backend.as_deref() == Some(b.name()))
+                    || wp.owner.as_deref() == Some(b.name());
+                let p = if wp.owner.as_deref() == Some(b.name()) && owner_prep.is_some() {
+                    owner_prep.take()
+                } else if used || b.name().starts_with("cpu") {
+                    // CPU prepares borrow; a CPU slot is always filled so that a size of M the
+                    // plan did not list still has a backend.
+                    match b.prepare(&w) {
+                        Ok(p) => Some(p),
+                        Err(e) if used => return Err(e.context(format!("preparing {}", w.name))),
+                        Err(_) => None,
+                    }
+                } else {
+                    None
+                };
+                prepared.push(p);
+            }
+            if wp.owner.is_none() {
+                bail!(
+                    "{}: no backend can run {} ({} {}×{}): {}",
+                    f.path().display(),
+                    w.name,
+                    w.ty,
+                    w.k,
+                    w.n,
+                    wp.declined
+                        .iter()
+                        .map(|d| format!("{}: {}", d.backend, d.decline))
+                        .collect::<Vec<_>>()
+                        .join("; ")
+                );
+            }
+            mats.push(Mat { w, bias, prepared });
+        }
+        // Everything else the model reads (norms, biases, the embedding rows) is borrowed by the
+        // CPU; the matmul weights are in the plan's ledger already.
+        let in_plan: std::collections::HashSet<&str> = weights.iter().map(|w| w.name).collect();
+        let map = f.bytes().as_ptr_range();
+        for t in f.tensors() {
+            let r = t.data.as_ptr_range();
+            ensure!(
+                map.start <= r.start && r.end <= map.end,
+                "tensor {} does not lie inside the mapping",
+                t.name
+            );
+            if !in_plan.contains(t.name) {
+                ledger.record("CPU", t.name, t.data.len() as u64, Arrival::Borrowed);
+            }
+        }
+        let output = mats.pop().context("no output weight")?;
+        let rope = match (opt.fault, hp.arch.rope()) {
+            (Some(Fault::SwapRope), RopeKind::Norm) => RopeKind::Neox,
+            (Some(Fault::SwapRope), RopeKind::Neox) => RopeKind::Norm,
+            (_, r) => r,
+        };
+        if opt.fault == Some(Fault::NoBias) {
+            for m in &mut mats {
+                m.bias = None;
+            }
+        }
+        let mut it = mats.into_iter();
+        let mut layers = Vec::with_capacity(hp.n_layer);
+        for (attn_norm, q_norm, k_norm, ffn_norm) in norms {
+            let mut next = || {
+                it.next()
+                    .context("internal: fewer matmul weights than layers")
+            };
+            layers.push(Layer {
+                attn_norm,
+                q_norm,
+                k_norm,
+                wq: next()?,
+                wk: next()?,
+                wv: next()?,
+                wo: next()?,
+                gate: next()?,
+                up: next()?,
+                down: next()?,
+                ffn_norm,
+            });
+        }
+        Ok(Model {
+            hp,
+            n_vocab,
+            tied,
+            file: f,
+            tok_embd,
+            layers,
+            out_norm,
+            output,
+            backends,
+            plan_text,
+            ledger,
+            threads,
+            ubatch,
+            rope,
+        })
+    }
+
+    pub fn file(&self) -> &'m GgufFile {
+        self.file
+    }
+
+    /// Bytes of matmul weights read per decoded token (every layer's and the LM head).
+    pub fn weight_bytes_per_token(&self) -> u64 {
+        let mut b = self.output.w.data.len() as u64;
+        for l in &self.layers {
+            for m in [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down] {
+                b += m.w.data.len() as u64;
+            }
+        }
+        b
+    }
+
+    /// A session with a KV cache for `n_ctx` tokens (allocated now, once).
+    pub fn session(&self, n_ctx: usize, kv: KvType) -> Result<Session> {
+        ensure!(n_ctx >= 1, "--ctx must be at least 1");
+        ensure!(
+            n_ctx <= self.hp.n_ctx_train,
+            "--ctx {n_ctx} exceeds the model's context_length {}",
+            self.hp.n_ctx_train
+        );
+        Ok(Session {
+            kv: KvCache::new(
+                kv,
+                self.hp.n_layer,
+                n_ctx,
+                self.hp.kv_dim(),
+                self.hp.head_dim,
+            ),
+            stats: RunStats::default(),
+            x: Vec::new(),
+            xn: Vec::new(),
+            q: Vec::new(),
+            k: Vec::new(),
+            v: Vec::new(),
+            att: Vec::new(),
+            att_h: Vec::new(),
+            o: Vec::new(),
+            g: Vec::new(),
+            u: Vec::new(),
+            cs: vec![(0.0, 0.0); self.hp.n_rot / 2],
+        })
+    }
+
+    /// `c = a·Wᵀ (+ bias)` for `m` rows on the first backend that accepts the op at this M.
+    fn matmul(
+        &self,
+        mat: &Mat<'m>,
+        a: &[f32],
+        m: usize,
+        c: &mut Vec<f32>,
+        st: &mut RunStats,
+    ) -> Result<()> {
+        c.resize(m * mat.w.n, 0.0);
+        let op = MatmulOp::for_weight(&mat.w, m);
+        let mut why = Vec::new();
+        for (b, p) in self.backends.iter().zip(&mat.prepared) {
+            let Some(p) = p else { continue };
+            if let Err(d) = b.supports(&op) {
+                why.push(format!("{}: {d}", b.name()));
+                continue;
+            }
+            run_checked(b.as_ref(), &mat.w, p.as_ref(), a, m, c)?;
+            let e = st.ops.entry(b.name().to_string()).or_default();
+            e.0 += 1;
+            e.1 += m as u64;
+            if let Some(bias) = mat.bias {
+                for row in c.chunks_exact_mut(mat.w.n) {
+                    for (o, &bv) in row.iter_mut().zip(bias) {
+                        *o += bv;
+                    }
+                }
+            }
+            return Ok(());
+        }
+        bail!(
+            "no backend runs {} at M={m}: {}",
+            mat.w.name,
+            why.join("; ")
+        )
+    }
+
+    /// Evaluate `tokens` at the next positions of the session's cache; returns the logits asked
+    /// for (`Want::All`: one row of n_vocab per token).
+    pub fn forward(&self, s: &mut Session, tokens: &[u32], want: Want) -> Result<Vec<f32>> {
+        s.kv.check_room(tokens.len())?;
+        let mut out = Vec::new();
+        let n = tokens.len();
+        let mut done = 0;
+        while done < n {
+            let m = (n - done).min(self.ubatch);
+            let w = match want {
+                Want::All => Want::All,
+                Want::Last if done + m == n => Want::Last,
+                _ => Want::None,
+            };
+            out.extend(self.forward_chunk(s, &tokens[done..done + m], w)?);
+            done += m;
+        }
+        Ok(out)
+    }
+
+    fn forward_chunk(&self, s: &mut Session, tokens: &[u32], want: Want) -> Result<Vec<f32>> {
+        let hp = &self.hp;
+        let (e, m) = (hp.n_embd, tokens.len());
+        let pos0 = s.kv.len;
+        let mut x = std::mem::take(&mut s.x);
+        x.resize(m * e, 0.0);
+        let row_bytes = self.tok_embd.data.len() / self.n_vocab;
+        for (i, &t) in tokens.iter().enumerate() {
+            let t = t as usize;
+            ensure!(
+                t < self.n_vocab,
+                "token id {t} is outside the vocabulary ({})",
+                self.n_vocab
+            );
+            dequantize_row(
+                self.tok_embd.ty,
+                &self.tok_embd.data[t * row_bytes..(t + 1) * row_bytes],
+                &mut x[i * e..(i + 1) * e],
+            )
+            .context("token_embd.weight row")?;
+        }
+        let mut xn = std::mem::take(&mut s.xn);
+        let (mut q, mut k, mut v) = (
+            std::mem::take(&mut s.q),
+            std::mem::take(&mut s.k),
+            std::mem::take(&mut s.v),
+        );
+        let (mut att, mut o, mut g, mut u) = (
+            std::mem::take(&mut s.att),
+            std::mem::take(&mut s.o),
+            std::mem::take(&mut s.g),
+            std::mem::take(&mut s.u),
+        );
+        let mut att_h = std::mem::take(&mut s.att_h);
+        xn.resize(m * e, 0.0);
+        let (hd, nh, nkv) = (hp.head_dim, hp.n_head, hp.n_head_kv);
+        let result = (|| -> Result<Vec<f32>> {
+            for (li, l) in self.layers.iter().enumerate() {
+                for (xr, yr) in x.chunks_exact(e).zip(xn.chunks_exact_mut(e)) {
+                    ops::rms_norm(xr, l.attn_norm, hp.eps, yr);
+                }
+                self.matmul(&l.wq, &xn, m, &mut q, &mut s.stats)?;
+                self.matmul(&l.wk, &xn, m, &mut k, &mut s.stats)?;
+                self.matmul(&l.wv, &xn, m, &mut v, &mut s.stats)?;
+                if let (Some(qn), Some(kn)) = (l.q_norm, l.k_norm) {
+                    ops::rms_norm_rows_inplace(&mut q, qn, hp.eps);
+                    ops::rms_norm_rows_inplace(&mut k, kn, hp.eps);
+                }
+                for i in 0..m {
+                    ops::rope_cache(pos0 + i, hp.n_rot, hp.freq_base, &mut s.cs);
+                    let qd = hp.q_dim();
+                    let kd = hp.kv_dim();
+                    ops::rope_heads(&mut q[i * qd..(i + 1) * qd], hd, hp.n_rot, self.rope, &s.cs);
+                    ops::rope_heads(&mut k[i * kd..(i + 1) * kd], hd, hp.n_rot, self.rope, &s.cs);
+                    s.kv.write(
+                        li,
+                        pos0 + i,
+                        &k[i * kd..(i + 1) * kd],
+                        &v[i * kd..(i + 1) * kd],
+                    );
+                }
+                self.attention(&s.kv, li, pos0, m, &q, &mut att_h);
+                att.resize(m * nh * hd, 0.0);
+                for h in 0..nh {
+                    for i in 0..m {
+                        att[i * nh * hd + h * hd..i * nh * hd + (h + 1) * hd]
+                            .copy_from_slice(&att_h[(h * m + i) * hd..(h * m + i + 1) * hd]);
+                    }
+                }
+                self.matmul(&l.wo, &att, m, &mut o, &mut s.stats)?;
+                for (a, &b) in x.iter_mut().zip(&o) {
+                    *a += b;
+                }
+                for (xr, yr) in x.chunks_exact(e).zip(xn.chunks_exact_mut(e)) {
+                    ops::rms_norm(xr, l.ffn_norm, hp.eps, yr);
+                }
+                self.matmul(&l.gate, &xn, m, &mut g, &mut s.stats)?;
+                self.matmul(&l.up, &xn, m, &mut u, &mut s.stats)?;
+                ops::swiglu_inplace(&mut g, &u);
+                self.matmul(&l.down, &g, m, &mut o, &mut s.stats)?;
+                for (a, &b) in x.iter_mut().zip(&o) {
+                    *a += b;
+                }
+                let _ = nkv;
+            }
+            let rows: std::ops::Range<usize> = match want {
+                Want::None => return Ok(Vec::new()),
+                Want::Last => m - 1..m,
+                Want::All => 0..m,
+            };
+            let r = rows.len();
+            for (xr, yr) in x[rows.start * e..rows.end * e]
+                .chunks_exact(e)
+                .zip(xn.chunks_exact_mut(e))
+            {
+                ops::rms_norm(xr, self.out_norm, hp.eps, yr);
+            }
+            let mut logits = Vec::new();
+            self.matmul(&self.output, &xn[..r * e], r, &mut logits, &mut s.stats)?;
+            Ok(logits)
+        })();
+        s.x = x;
+        s.xn = xn;
+        s.q = q;
+        s.k = k;
+        s.v = v;
+        s.att = att;
+        s.att_h = att_h;
+        s.o = o;
+        s.g = g;
+        s.u = u;
+        if result.is_ok() {
+            s.kv.len += m;
+        }
+        result
+    }
+
+    /// Causal GQA attention for rows at positions pos0..pos0+m (already in the cache), into
+    /// `out` laid out head-major (`[head][row][head_dim]`), threaded over heads. As ggml without
+    /// flash attention: with an f16 cache, Q is rounded to f16 before `K·Q`, and the softmax
+    /// weights to f16 before `V·softmax`.
+    fn attention(
+        &self,
+        kv: &KvCache,
+        layer: usize,
+        pos0: usize,
+        m: usize,
+        q: &[f32],
+        out: &mut Vec<f32>,
+    ) {
+        let hp = &self.hp;
+        let (hd, nh) = (hp.head_dim, hp.n_head);
+        let group = nh / hp.n_head_kv;
+        let f16 = kv.ty == KvType::F16;
+        out.clear();
+        out.resize(nh * m * hd, 0.0);
+        let threads = self.threads.min(nh).max(1);
+        let per = nh.div_ceil(threads);
+        let work = |h0: usize, chunk: &mut [f32]| {
+            let mut scores = vec![0.0f32; pos0 + m];
+            let mut qh = vec![0.0f32; hd];
+            for (hi, oh) in chunk.chunks_exact_mut(m * hd).enumerate() {
+                let h = h0 + hi;
+                let g = h / group;
+                for i in 0..m {
+                    let n_kv = pos0 + i + 1;
+                    let src = &q[i * nh * hd + h * hd..i * nh * hd + (h + 1) * hd];
+                    for (d, &s) in qh.iter_mut().zip(src) {
+                        *d = if f16 { ops::round_f16(s) } else { s };
+                    }
+                    let sc = &mut scores[..n_kv];
+                    for (j, s) in sc.iter_mut().enumerate() {
+                        *s = kv.k(layer, j, g).dot(&qh);
+                    }
+                    ops::softmax_scaled(sc, hp.kq_scale);
+                    let o = &mut oh[i * hd..(i + 1) * hd];
+                    o.fill(0.0);
+                    for (j, &p) in sc.iter().enumerate() {
+                        let p = if f16 { ops::round_f16(p) } else { p };
+                        kv.v(layer, j, g).axpy(o, p);
+                    }
+                }
+            }
+        };
+        if threads == 1 || m * (pos0 + m) < 64 {
+            work(0, out);
+            return;
+        }
+        std::thread::scope(|sc| {
+            let mut chunks = out.chunks_mut(per * m * hd).enumerate();
+            let first = chunks.next();
+            for (t, c) in chunks {
+                let work = &work;
+                sc.spawn(move || work(t * per, c));
+            }
+            if let Some((_, c)) = first {
+                work(0, c);
+            }
+        });
+    }
+
+    /// Names of the backends in board order.
+    pub fn backend_names(&self) -> Vec<&'static str> {
+        self.backends.iter().map(|b| b.name()).collect()
+    }
+}
+
+/// Mean negative log-likelihood of each window's tokens after its first, each predicted from all
+/// earlier tokens of the window; windows of `n_ctx` tokens, the cache cleared between them.
+/// Returns (scored, sum of NLL).
+pub fn nll_windows(
+    model: &Model<'_>,
+    s: &mut Session,
+    tokens: &[u32],
+    n_ctx: usize,
+) -> Result<(usize, f64)> {
+    let mut scored = 0usize;
+    let mut sum = 0.0f64;
+    for w in tokens.chunks(n_ctx) {
+        if w.len() < 2 {
+            continue;
+        }
+        s.kv.clear();
+        let logits = model.forward(s, &w[..w.len() - 1], Want::All)?;
+        for (i, row) in logits.chunks_exact(model.n_vocab).enumerate() {
+            sum += token_nll(row, w[i + 1]);
+            scored += 1;
+        }
+    }
+    Ok((scored, sum))
+}
+
+/// `logsumexp(logits) − logits[target]` in f64, as llama-perplexity computes it.
+pub fn token_nll(logits: &[f32], target: u32) -> f64 {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let sum: f64 = logits.iter().map(|&v| (v as f64 - max).exp()).sum();
+    sum.ln() + max - logits[target as usize] as f64
+}
+
+/// Resident memory by kind, from `/proc/self/status` (kB): (anonymous, file-backed).
+pub fn rss_kb() -> Option<(u64, u64)> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let field = |k: &str| {
+        s.lines()
+            .find(|l| l.starts_with(k))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+    };
+    Some((field("RssAnon:")?, field("RssFile:")?))
+}

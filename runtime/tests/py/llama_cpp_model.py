@@ -1,0 +1,251 @@
+"""llama.cpp's side of runtime/tests/llama_cpp_model.rs.
+
+  synth --arch A --wtype T --seed S --out F    write a seeded synthetic model with gguf-py
+  logits --model F --ids 1,2,3 --out F.f32 [--threads T] [--kv f16|f32] [--greedy N]
+      evaluate the ids with llama.cpp (llama-cpp-python, Llama.eval; KV cache type and flash
+      attention pinned), write per-position logits as raw little-endian f32 [n_ids, n_vocab] and
+      print {"n_vocab", "greedy"} as JSON.
+"""
+
+import argparse
+import json
+import sys
+
+import numpy as np
+
+
+def quantize_q4_k(x):
+    """A plain Q4_K quantiser (gguf-py only dequantises K-quants): per 32-value sub-block,
+    min and scale from its range, both as 6-bit multiples of the super-block's dmin and d."""
+    n, k = x.shape
+    sb = x.reshape(-1, 8, 32).astype(np.float32)
+    lo = np.minimum(sb.min(axis=2), 0.0)
+    scale = (sb.max(axis=2) - lo) / 15.0
+    d = np.maximum(scale.max(axis=1), 1e-8) / 63.0
+    dmin = np.maximum((-lo).max(axis=1), 1e-8) / 63.0
+    d16, dmin16 = d.astype(np.float16), dmin.astype(np.float16)
+    df, dminf = d16.astype(np.float32), dmin16.astype(np.float32)
+    sc = np.clip(np.rint(scale / df[:, None]), 1, 63).astype(np.int32)
+    m = np.clip(np.rint(-lo / dminf[:, None]), 0, 63).astype(np.int32)
+    eff_d = df[:, None] * sc
+    eff_m = dminf[:, None] * m
+    q = np.clip(np.rint((sb + eff_m[:, :, None]) / eff_d[:, :, None]), 0, 15).astype(np.uint8)
+    nb = sb.shape[0]
+    scales = np.zeros((nb, 12), dtype=np.uint8)
+    for j in range(4):
+        scales[:, j] = sc[:, j] & 63
+        scales[:, j + 4] = m[:, j] & 63
+    for j in range(4, 8):
+        scales[:, j + 4] = (sc[:, j] & 0xF) | ((m[:, j] & 0xF) << 4)
+        scales[:, j - 4] |= ((sc[:, j] >> 4) << 6).astype(np.uint8)
+        scales[:, j] |= ((m[:, j] >> 4) << 6).astype(np.uint8)
+    qs = np.zeros((nb, 128), dtype=np.uint8)
+    for c in range(4):
+        qs[:, 32 * c:32 * c + 32] = q[:, 2 * c, :] | (q[:, 2 * c + 1, :] << 4)
+    blk = np.concatenate(
+        [d16.view(np.uint8).reshape(nb, 2), dmin16.view(np.uint8).reshape(nb, 2), scales, qs],
+        axis=1,
+    )
+    return blk.reshape(n, k // 256 * 144)
+
+
+def synth(args):
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+
+    rng = np.random.default_rng(args.seed)
+    arch = args.arch
+    # Shapes: K of every matmul a multiple of 256 (Q4_K super-blocks).
+    if arch == "qwen3":
+        # key_length (64) != embedding_length / head_count (256 / 8 = 32); GQA 8/4.
+        n_embd, n_head, n_kv, head_dim, n_ff = 256, 8, 4, 64, 512
+    elif arch == "qwen2":
+        n_embd, n_head, n_kv, head_dim, n_ff = 256, 4, 2, 64, 512
+    else:
+        n_embd, n_head, n_kv, head_dim, n_ff = 256, 4, 1, 64, 512
+    n_layer, n_vocab, n_ctx = 2, 384, 256
+    if args.shape:
+        n_embd, n_head, n_kv, head_dim, n_ff = 576, 9, 3, 64, 1536
+        n_layer = args.shape
+    wtype = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q4_k": Q.Q4_K}[args.wtype]
+
+    w = gguf.GGUFWriter(args.out, arch)
+    w.add_context_length(n_ctx)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_layer_norm_rms_eps(1e-6 if arch != "llama" else 1e-5)
+    w.add_rope_freq_base(10000.0 if arch == "llama" else 1000000.0)
+    if arch == "qwen3" or args.key_length:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    # A SentencePiece vocabulary llama.cpp accepts: <unk> <s> </s>, the 256 byte tokens, fillers.
+    toks, scores, types = ["<unk>", "<s>", "</s>"], [0.0, 0.0, 0.0], [2, 3, 3]
+    for b in range(256):
+        toks.append("<0x%02X>" % b)
+        scores.append(0.0)
+        types.append(6)
+    while len(toks) < n_vocab:
+        toks.append("t%d" % len(toks))
+        scores.append(-float(len(toks)))
+        types.append(1)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(toks)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(False)
+
+    def mat(name, k, n, ty=wtype):
+        x = rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k)
+        if ty == Q.Q4_K:
+            w.add_tensor(name, quantize_q4_k(x), raw_dtype=Q.Q4_K)
+        elif ty == Q.F32:
+            w.add_tensor(name, x)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(x, ty), raw_dtype=ty)
+
+    def vec(name, n, around=1.0, spread=0.2):
+        w.add_tensor(name, (around + spread * rng.standard_normal(n)).astype(np.float32))
+
+    # token_embd doubles as the LM head when output.weight is absent (qwen2/qwen3 here).
+    # Scaled so that the tied head gives logits of a few units: peaked enough to have a clear
+    # top-1, flat enough that KL sees small differences.
+    emb = (rng.standard_normal((n_vocab, n_embd)) * 3.0 / np.sqrt(n_embd)).astype(np.float32)
+    if arch == "llama":
+        w.add_tensor("token_embd.weight", gguf.quants.quantize(emb, Q.Q8_0), raw_dtype=Q.Q8_0)
+    elif wtype == Q.Q4_K:
+        mat("token_embd.weight", n_embd, n_vocab)
+    else:
+        w.add_tensor("token_embd.weight", gguf.quants.quantize(emb, wtype), raw_dtype=wtype)
+    vec("output_norm.weight", n_embd)
+    if arch == "llama":
+        mat("output.weight", n_embd, n_vocab)
+    qd, kvd = n_head * head_dim, n_kv * head_dim
+    for l in range(n_layer):
+        p = "blk.%d." % l
+        vec(p + "attn_norm.weight", n_embd)
+        mat(p + "attn_q.weight", n_embd, qd)
+        mat(p + "attn_k.weight", n_embd, kvd)
+        mat(p + "attn_v.weight", n_embd, kvd)
+        if arch == "qwen2":
+            vec(p + "attn_q.bias", qd, 0.0, 0.5)
+            vec(p + "attn_k.bias", kvd, 0.0, 0.5)
+            vec(p + "attn_v.bias", kvd, 0.0, 0.5)
+        if arch == "qwen3":
+            vec(p + "attn_q_norm.weight", head_dim)
+            vec(p + "attn_k_norm.weight", head_dim)
+        mat(p + "attn_output.weight", qd, n_embd)
+        vec(p + "ffn_norm.weight", n_embd)
+        mat(p + "ffn_gate.weight", n_embd, n_ff)
+        mat(p + "ffn_up.weight", n_embd, n_ff)
+        mat(p + "ffn_down.weight", n_ff, n_embd)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def logits(args):
+    import llama_cpp
+
+    ids = [int(t) for t in args.ids.split(",") if t.strip()]
+    ty = {"f16": 1, "f32": 0}[args.kv]
+    n_ctx = len(ids) + args.greedy + 8
+    llm = llama_cpp.Llama(
+        model_path=args.model,
+        n_ctx=n_ctx,
+        n_batch=512,
+        n_ubatch=512,
+        logits_all=True,
+        type_k=ty,
+        type_v=ty,
+        flash_attn=False,
+        n_threads=args.threads,
+        n_threads_batch=args.threads,
+        n_gpu_layers=0,
+        verbose=False,
+    )
+    llm.eval(ids)
+    n_vocab = llm.n_vocab()
+    out = np.array(llm.scores[: len(ids), :n_vocab], dtype="<f4")
+    out.tofile(args.out)
+    greedy, gaps = [], []
+    for _ in range(args.greedy):
+        row = np.array(llm.scores[llm.n_tokens - 1, :n_vocab], dtype=np.float64)
+        t = int(np.argmax(row))
+        top2 = np.sort(row)[-2:]
+        greedy.append(t)
+        gaps.append(float(top2[1] - top2[0]))
+        llm.eval([t])
+    json.dump({"n_vocab": n_vocab, "greedy": greedy, "gaps": gaps}, sys.stdout)
+    print()
+
+
+def bench(args):
+    """llama.cpp's prefill and decode tok/s for the same shape as `kiln bench` (f16 KV, no flash
+    attention, ids spread over the vocabulary, greedy decode)."""
+    import time
+
+    import llama_cpp
+
+    llm = llama_cpp.Llama(
+        model_path=args.model,
+        n_ctx=args.p + args.n + 8,
+        n_batch=512,
+        n_ubatch=512,
+        type_k=1,
+        type_v=1,
+        flash_attn=False,
+        n_threads=args.threads,
+        n_threads_batch=args.threads,
+        n_gpu_layers=0,
+        verbose=False,
+    )
+    n_vocab = llm.n_vocab()
+    ids = [(i * 7919 + 13) % n_vocab for i in range(args.p)]
+    t0 = time.perf_counter()
+    llm.eval(ids)
+    prefill = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    for i in range(args.n):
+        llm.eval([(i * 31 + 7) % n_vocab])
+    decode = time.perf_counter() - t1
+    json.dump({"prefill_tok_s": args.p / prefill, "decode_tok_s": args.n / decode}, sys.stdout)
+    print()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("synth")
+    s.add_argument("--arch", required=True, choices=["llama", "qwen2", "qwen3"])
+    s.add_argument("--wtype", required=True, choices=["q8_0", "q4_0", "q4_1", "q4_k"])
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--key-length", action="store_true")
+    s.add_argument("--shape", type=int, default=0, help="SmolLM2's shapes with this many layers")
+    s.add_argument("--out", required=True)
+    g = sub.add_parser("logits")
+    g.add_argument("--model", required=True)
+    g.add_argument("--ids", required=True)
+    g.add_argument("--out", required=True)
+    g.add_argument("--threads", type=int, default=2)
+    g.add_argument("--kv", default="f16", choices=["f16", "f32"])
+    g.add_argument("--greedy", type=int, default=0)
+    b = sub.add_parser("bench")
+    b.add_argument("--model", required=True)
+    b.add_argument("-p", type=int, default=128)
+    b.add_argument("-n", type=int, default=64)
+    b.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    {"synth": synth, "logits": logits, "bench": bench}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    main()
