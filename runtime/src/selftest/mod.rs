@@ -63,7 +63,8 @@ impl Paths {
 /// from `kiln.inject=`), so that a boot test sees the check that must catch each one fail.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Inject {
-    /// Record the first weight of every model as [`crate::ledger::Arrival::Copied`].
+    /// The first usable backend copies every weight while declaring it borrowed (the ledger
+    /// must measure the copy).
     pub copy_weight: bool,
 }
 
