@@ -13,6 +13,7 @@ pub mod kernel;
 pub mod matmul;
 pub mod models;
 pub mod npu;
+pub mod oracle;
 pub mod report;
 
 use board::Board;
