@@ -9,6 +9,7 @@
 pub mod board;
 pub mod cli;
 pub mod cpu;
+pub mod image;
 pub mod kernel;
 pub mod matmul;
 pub mod models;
@@ -233,6 +234,8 @@ pub fn run_all(ctx: &Ctx) -> Report {
     ];
     checks.extend(matmul::checks(&[&cpu_ref, &cpu, &npu], Some(&cpu)));
     checks.push(timed("coverage", || models::coverage(ctx, &board_order)));
+    // After the NPU checks, so the library the backend loaded is in /proc/self/maps.
+    checks.push(timed("image.manifest", || image::manifest(ctx)));
     // Last, so that anything the other checks provoked (an NPU reset) is in the log it reads.
     checks.push(timed("kernel.log", || kernel::log(ctx)));
     Report::new(ctx, checks)
