@@ -412,6 +412,8 @@ mod tests {
         });
         let cpu = CpuRefBackend;
         let data = vec![0u8; 64 * 32 * 2];
+        // Stands for a model mapping: the ledger checks reads lie inside a registered one.
+        let _mapped = crate::ledger::register_mapping(&data, std::path::Path::new("test.gguf"));
         let ws = [
             Weight {
                 name: "a.weight",

@@ -35,10 +35,19 @@ fn selftest(root: &Path) -> (i32, String) {
 fn exit_code_console_and_files_agree() {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path();
+    // Features that allow the kernel the CPU backend picks here (cpu.features checks both).
+    let (features, pinned) = match kiln_runtime::backend::cpu::CpuBackend::new()
+        .kernel()
+        .name()
+    {
+        "neon+sdot" => ("fp asimd asimddp", "asimd"),
+        "neon" => ("fp asimd", "asimd"),
+        _ => ("fpu sse2", "sse2"),
+    };
     write(
         root,
         "etc/kiln/board.toml",
-        b"[board]\nname = \"qemu-virt\"\nnpu = false\n[expect]\nkernel_release = \"6.1.192-kiln\"\ncpu_features = [\"asimd\"]\nkernel_config = [\"CONFIG_X=y\"]\n",
+        format!("[board]\nname = \"qemu-virt\"\nnpu = false\n[expect]\nkernel_release = \"6.1.192-kiln\"\ncpu_features = [\"{pinned}\"]\nkernel_config = [\"CONFIG_X=y\"]\n").as_bytes(),
     );
     write(root, "proc/sys/kernel/osrelease", b"6.1.192-kiln\n");
     write(
@@ -46,7 +55,11 @@ fn exit_code_console_and_files_agree() {
         "boot/config-6.1.192-kiln",
         b"# Linux/arm64 6.1.192 Kernel Configuration\nCONFIG_LOCALVERSION=\"-kiln\"\nCONFIG_X=y\n",
     );
-    write(root, "proc/cpuinfo", b"Features\t: fp asimd\n");
+    write(
+        root,
+        "proc/cpuinfo",
+        format!("Features\t: {features}\n").as_bytes(),
+    );
     write(root, "dev/kmsg", b"6,1,0,-;Linux version 6.1.192-kiln\n");
     let mut w = kiln_runtime::gguf::writer::GgufWriter::new();
     w.tensor_f32("w", &[32, 4], &[0.5; 128]).unwrap();

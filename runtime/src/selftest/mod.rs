@@ -230,6 +230,7 @@ pub fn run_all(ctx: &Ctx) -> Report {
         timed("npu.runtime", || npu::runtime(ctx, &npu)),
         timed("cpu.features", || cpu::features(ctx, Some(&cpu_kernel))),
         timed("cpu.governors", || cpu::governors(ctx)),
+        timed("memory.bandwidth", || cpu::bandwidth(ctx)),
         timed("model.mmap", || models::mmap(ctx, &board_order)),
     ];
     checks.extend(matmul::checks(&[&cpu_ref, &cpu, &npu], Some(&cpu)));
