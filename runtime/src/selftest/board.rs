@@ -49,6 +49,9 @@ pub struct Expect {
     /// The DDR devfreq rate (`cur_freq`, Hz).
     #[serde(default)]
     pub ddr_hz: Option<u64>,
+    /// The check ids the report must hold (a report missing one is FAIL).
+    #[serde(default)]
+    pub checks: Vec<String>,
     /// The least memory read bandwidth `memory.bandwidth` may measure, GB/s.
     #[serde(default)]
     pub memory_read_gbs: Option<f64>,

@@ -239,6 +239,24 @@ pub fn run_all(ctx: &Ctx) -> Report {
     checks.push(timed("image.manifest", || image::manifest(ctx)));
     // Last, so that anything the other checks provoked (an NPU reset) is in the log it reads.
     checks.push(timed("kernel.log", || kernel::log(ctx)));
+    if let Some(b) = &ctx.board {
+        let required = &b.expect.checks;
+        let missing = report::missing_checks(&checks, required);
+        let o = if required.is_empty() {
+            Outcome::skip(format!("board {} names no required checks", b.board.name))
+        } else if missing.is_empty() {
+            Outcome::pass(vec![format!(
+                "all {} checks the board requires are in the report",
+                required.len()
+            )])
+        } else {
+            Outcome::fail(
+                format!("required check(s) missing: {}", missing.join(", ")),
+                vec![],
+            )
+        };
+        checks.push(CheckResult::new("report.required", o, 0.0));
+    }
     Report::new(ctx, checks)
 }
 

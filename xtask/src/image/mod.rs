@@ -474,11 +474,9 @@ pub fn build(args: &Args) -> Result<Built> {
         );
     }
     let fragment = kernel::parse_fragment(&std::fs::read_to_string(board.kernel.fragment_path())?)?;
-    let kernel_config: Vec<String> = fragment
-        .iter()
-        .filter(|o| o.value.is_some())
-        .map(|o| o.line())
-        .collect();
+    // Every option, `# CONFIG_X is not set` included: the self-check holds the running kernel to
+    // both kinds.
+    let kernel_config: Vec<String> = fragment.iter().map(|o| o.line()).collect();
 
     // Runtime and NPU library.
     let kiln_path = crate::build::build_runtime(true)?;
