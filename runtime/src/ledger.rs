@@ -285,7 +285,7 @@ impl Ledger {
                 } else if heap > PREPARE_ALLOWANCE {
                     t.copied_bytes += heap as u64;
                     t.copied_tensors.push(format!(
-                        "{tensor} (declared borrowed, but prepare left {} allocated)",
+                        "{tensor} (declared borrowed, but prepare left {heap} bytes ({}) allocated)",
                         smib(heap)
                     ));
                 } else {
@@ -436,9 +436,8 @@ mod tests {
             (t.mapped_tensors, t.reads_in_mapping, t.copied_tensors.len()),
             (1, 2, 3)
         );
-        assert!(
-            t.copied_tensors[0].starts_with("kept (declared borrowed, but prepare left +0.00 MiB")
-        );
+        assert!(t.copied_tensors[0]
+            .starts_with("kept (declared borrowed, but prepare left 4144 bytes (+0.00 MiB)"));
         assert!(t.copied_tensors[1].contains("outside every model mapping"));
         assert!(t.copied_tensors[2].contains("names no bytes it reads"));
         let line = &l.lines()[0];

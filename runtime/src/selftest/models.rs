@@ -283,9 +283,7 @@ mod tests {
         assert_eq!(o.status, Status::Fail, "{o:?}");
         let reason = o.reason.as_deref().unwrap();
         assert!(
-            reason.contains(
-                "blk.0.ffn_up.weight (declared borrowed, but prepare left +0.01 MiB allocated)"
-            ),
+            reason.contains("blk.0.ffn_up.weight (declared borrowed, but prepare left 8232 bytes (+0.01 MiB) allocated)"),
             "{o:?}"
         );
         assert!(
