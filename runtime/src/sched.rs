@@ -7,7 +7,7 @@
 //! records how its bytes arrived. Per M, the first backend that supports the op claims it.
 
 use crate::backend::{Backend, Capabilities, Decline, MatmulOp, PreparedWeight, Weight};
-use crate::ledger::Ledger;
+use crate::ledger::{Evidence, Ledger};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -110,14 +110,15 @@ pub fn plan<'w>(
                 });
                 continue;
             }
-            match b.prepare(w) {
+            let (prepared, measured) = crate::ledger::measure(|| b.prepare(w));
+            match prepared {
                 Ok(p) => {
-                    ledger.record(
-                        &ledger_name(b.name()),
-                        w.name,
-                        w.data.len() as u64,
-                        p.arrival(),
-                    );
+                    let ev = Evidence {
+                        declared: p.arrival(),
+                        reads: p.reads_from(),
+                        measured,
+                    };
+                    ledger.record(&ledger_name(b.name()), w.name, w.data.len() as u64, &ev);
                     wp.owner = Some(b.name().to_string());
                     if keep_prepared {
                         kept = Some(p);
@@ -411,6 +412,8 @@ mod tests {
         });
         let cpu = CpuRefBackend;
         let data = vec![0u8; 64 * 32 * 2];
+        // Stands for a model mapping: the ledger checks reads lie inside a registered one.
+        let _mapped = crate::ledger::register_mapping(&data, std::path::Path::new("test.gguf"));
         let ws = [
             Weight {
                 name: "a.weight",

@@ -20,9 +20,36 @@ npu = false
 [expect]
 kernel_release = "6.1.192-kiln"
 kernel_config = ["CONFIG_EROFS_FS=y", "# CONFIG_MODULES is not set"]
-cpu_features = ["asimd", "asimddp"]
 npu_runtime = "2.3.2"
+cpu_features = CPU_FEATURES
 "##;
+
+/// A `/proc/cpuinfo` whose features are the ones that allow the kernel the CPU backend picks on
+/// the machine the test runs on (cpu.features checks that they agree), and which holds the
+/// board's pinned `asimd asimddp` wherever sdot runs.
+fn cpuinfo_for_this_cpu() -> String {
+    let k = kiln_runtime::backend::cpu::CpuBackend::new()
+        .kernel()
+        .name();
+    let features = match k {
+        "neon+sdot" => "fp asimd fphp asimdhp asimddp",
+        "neon" => "fp asimd fphp asimdhp",
+        _ => "fpu sse2",
+    };
+    format!("processor\t: 0\nFeatures\t: {features}\n")
+}
+
+/// The board's pinned CPU features, as far as this machine can have them.
+fn pinned_features() -> &'static str {
+    match kiln_runtime::backend::cpu::CpuBackend::new()
+        .kernel()
+        .name()
+    {
+        "neon+sdot" => r#"["asimd", "asimddp"]"#,
+        "neon" => r#"["asimd"]"#,
+        _ => r#"["sse2"]"#,
+    }
+}
 
 fn write(root: &Path, rel: &str, bytes: &[u8]) {
     let p = root.join(rel);
@@ -30,26 +57,17 @@ fn write(root: &Path, rel: &str, bytes: &[u8]) {
     std::fs::write(p, bytes).unwrap();
 }
 
-fn fake_qemu_virt(root: &Path) {
+fn fake_qemu_virt(root: &Path, lib: &Path) {
     write(root, "proc/sys/kernel/osrelease", b"6.1.192-kiln\n");
     let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
     gz.write_all(b"# Linux/arm64 6.1.192 Kernel Configuration\nCONFIG_EROFS_FS=y\n# CONFIG_MODULES is not set\n")
         .unwrap();
     write(root, "proc/config.gz", &gz.finish().unwrap());
-    write(
-        root,
-        "proc/cpuinfo",
-        b"processor\t: 0\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp\n",
-    );
+    write(root, "proc/cpuinfo", cpuinfo_for_this_cpu().as_bytes());
     write(
         root,
         "dev/kmsg",
         b"6,1,0,-;Booting Linux on physical CPU 0x0000000000 [0x414fd0b0]\n6,2,10,-;Run /init as init process\n",
-    );
-    write(
-        root,
-        "boot/kiln/manifest.json",
-        b"{\"board\":\"qemu-virt\"}\n",
     );
     // A model the NPU can own (F16, Q8_0 with K % 32 == 0, N % 32 == 0) and the CPU the rest.
     let mut w = GgufWriter::new();
@@ -77,7 +95,41 @@ fn fake_qemu_virt(root: &Path) {
     )
     .unwrap();
     w.tensor_f32("output_norm.weight", &[64], &x[..64]).unwrap();
-    write(root, "models/kiln-selftest.gguf", &w.to_bytes());
+    let model = w.to_bytes();
+    write(root, "models/kiln-selftest.gguf", &model);
+
+    // What image.manifest compares: this process's own exe and maps (the stand-in it loads),
+    // the boot files, the model, the command line.
+    std::fs::create_dir_all(root.join("proc/self")).unwrap();
+    std::os::unix::fs::symlink("/proc/self/exe", root.join("proc/self/exe")).unwrap();
+    std::os::unix::fs::symlink("/proc/self/maps", root.join("proc/self/maps")).unwrap();
+    let extlinux =
+        "label kiln\n    kernel /Image\n    append console=ttyAMA0 panic=-1 ${kiln_args}\n";
+    write(root, "boot/extlinux/extlinux.conf", extlinux.as_bytes());
+    write(root, "boot/Image", b"kernel");
+    write(
+        root,
+        "proc/cmdline",
+        b"console=ttyAMA0 panic=-1 kiln.mode=test\n",
+    );
+    let sha = |b: &[u8]| hex::encode(<sha2::Sha256 as sha2::Digest>::digest(b));
+    let manifest = serde_json::json!({
+        "kiln_manifest": 1,
+        "board": "qemu-virt",
+        "runtime": {"path": "/usr/bin/kiln", "sha256": sha(&std::fs::read("/proc/self/exe").unwrap())},
+        "npu_runtime": {"path": "/usr/lib/librknnrt.so", "sha256": sha(&std::fs::read(lib).unwrap())},
+        "boot": {"files": {
+            "/Image": {"sha256": sha(b"kernel")},
+            "/extlinux/extlinux.conf": {"sha256": sha(extlinux.as_bytes())},
+        }},
+        "models": [],
+        "fixture": {"name": "kiln-selftest.gguf", "sha256": sha(&model)},
+    });
+    write(
+        root,
+        "boot/kiln/manifest.json",
+        &serde_json::to_vec_pretty(&manifest).unwrap(),
+    );
 }
 
 #[test]
@@ -85,10 +137,10 @@ fn healthy_board_passes_and_every_npu_fault_fails_its_checks() {
     let lib = npu_common::standin("KILN_RKNN_STANDIN");
     std::env::set_var("KILN_RKNN_LIB", &lib);
     let root = tempfile::tempdir().unwrap();
-    fake_qemu_virt(root.path());
+    fake_qemu_virt(root.path(), &lib);
     let ctx = Ctx {
         paths: Paths::under(root.path()),
-        board: Some(Board::parse(BOARD).unwrap()),
+        board: Some(Board::parse(&BOARD.replace("CPU_FEATURES", pinned_features())).unwrap()),
         inject: Inject::default(),
     };
 
@@ -105,6 +157,13 @@ fn healthy_board_passes_and_every_npu_fault_fails_its_checks() {
         .any(|c| c.id == "matmul.npu.f16" && c.simulated));
     assert!(r.checks.iter().any(|c| c.id == "matmul.npu.q8_0"));
     assert!(r.verdict_line().contains("image="), "{}", r.verdict_line());
+    let im = by_id("image.manifest");
+    assert!(
+        im.evidence
+            .iter()
+            .any(|e| e.contains("librknn_standin.so (loaded)")),
+        "{im:?}"
+    );
     let mm = by_id("model.mmap");
     assert!(
         mm.evidence.iter().any(|e| e.contains("weights on NPU")),
@@ -135,4 +194,21 @@ fn healthy_board_passes_and_every_npu_fault_fails_its_checks() {
     let r = run_all(&copy);
     assert_eq!(r.verdict, Verdict::Fail);
     assert_eq!(r.failed_ids(), ["model.mmap"], "{}", r.to_text());
+
+    // A manifest edited to another kiln hash: image.manifest, and nothing else, fails.
+    let mpath = root.path().join("boot/kiln/manifest.json");
+    let mut m: serde_json::Value = serde_json::from_slice(&std::fs::read(&mpath).unwrap()).unwrap();
+    m["runtime"]["sha256"] = "ab".repeat(32).into();
+    std::fs::write(&mpath, serde_json::to_vec(&m).unwrap()).unwrap();
+    let r = run_all(&ctx);
+    assert_eq!(r.failed_ids(), ["image.manifest"], "{}", r.to_text());
+    let im = r.checks.iter().find(|c| c.id == "image.manifest").unwrap();
+    assert!(
+        im.reason.as_deref().unwrap().contains("/usr/bin/kiln"),
+        "{im:?}"
+    );
+    // No manifest at all.
+    std::fs::remove_file(&mpath).unwrap();
+    let r = run_all(&ctx);
+    assert_eq!(r.failed_ids(), ["image.manifest"], "{}", r.to_text());
 }

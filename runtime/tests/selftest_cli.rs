@@ -35,10 +35,19 @@ fn selftest(root: &Path) -> (i32, String) {
 fn exit_code_console_and_files_agree() {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path();
+    // Features that allow the kernel the CPU backend picks here (cpu.features checks both).
+    let (features, pinned) = match kiln_runtime::backend::cpu::CpuBackend::new()
+        .kernel()
+        .name()
+    {
+        "neon+sdot" => ("fp asimd asimddp", "asimd"),
+        "neon" => ("fp asimd", "asimd"),
+        _ => ("fpu sse2", "sse2"),
+    };
     write(
         root,
         "etc/kiln/board.toml",
-        b"[board]\nname = \"qemu-virt\"\nnpu = false\n[expect]\nkernel_release = \"6.1.192-kiln\"\ncpu_features = [\"asimd\"]\nkernel_config = [\"CONFIG_X=y\"]\n",
+        format!("[board]\nname = \"qemu-virt\"\nnpu = false\n[expect]\nkernel_release = \"6.1.192-kiln\"\ncpu_features = [\"{pinned}\"]\nkernel_config = [\"CONFIG_X=y\"]\n").as_bytes(),
     );
     write(root, "proc/sys/kernel/osrelease", b"6.1.192-kiln\n");
     write(
@@ -46,12 +55,35 @@ fn exit_code_console_and_files_agree() {
         "boot/config-6.1.192-kiln",
         b"# Linux/arm64 6.1.192 Kernel Configuration\nCONFIG_LOCALVERSION=\"-kiln\"\nCONFIG_X=y\n",
     );
-    write(root, "proc/cpuinfo", b"Features\t: fp asimd\n");
+    write(
+        root,
+        "proc/cpuinfo",
+        format!("Features\t: {features}\n").as_bytes(),
+    );
     write(root, "dev/kmsg", b"6,1,0,-;Linux version 6.1.192-kiln\n");
-    write(root, "boot/kiln/manifest.json", b"{}");
     let mut w = kiln_runtime::gguf::writer::GgufWriter::new();
     w.tensor_f32("w", &[32, 4], &[0.5; 128]).unwrap();
-    write(root, "models/m.gguf", &w.to_bytes());
+    let model = w.to_bytes();
+    write(root, "models/m.gguf", &model);
+    // What image.manifest compares: the binary that runs (proc/self/exe), the boot files, the
+    // model, the command line.
+    let kiln = env!("CARGO_BIN_EXE_kiln");
+    std::fs::create_dir_all(root.join("proc/self")).unwrap();
+    std::os::unix::fs::symlink(kiln, root.join("proc/self/exe")).unwrap();
+    write(root, "proc/self/maps", b"");
+    let extlinux = "label kiln\n    append console=ttyAMA0 panic=-1 ${kiln_args}\n";
+    write(root, "boot/extlinux/extlinux.conf", extlinux.as_bytes());
+    write(root, "proc/cmdline", b"console=ttyAMA0 panic=-1\n");
+    let sha = |b: &[u8]| hex::encode(<sha2::Sha256 as sha2::Digest>::digest(b));
+    let manifest = serde_json::json!({
+        "kiln_manifest": 1,
+        "board": "qemu-virt",
+        "runtime": {"path": "/usr/bin/kiln", "sha256": sha(&std::fs::read(kiln).unwrap())},
+        "boot": {"files": {"/extlinux/extlinux.conf": {"sha256": sha(extlinux.as_bytes())}}},
+        "models": [{"name": "m.gguf", "sha256": sha(&model)}],
+    });
+    let manifest = serde_json::to_vec_pretty(&manifest).unwrap();
+    write(root, "boot/kiln/manifest.json", &manifest);
 
     let (code, stdout) = selftest(root);
     assert_eq!(code, 0, "{stdout}");
@@ -62,7 +94,8 @@ fn exit_code_console_and_files_agree() {
             .unwrap();
     assert_eq!(file, console);
     assert!(
-        line.ends_with("image=44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a")
+        line.ends_with(&format!("image={}", sha(&manifest))),
+        "{line}"
     );
     assert!(std::fs::read_to_string(root.join("boot/kiln/report.txt"))
         .unwrap()

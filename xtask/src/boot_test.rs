@@ -31,6 +31,10 @@ pub struct Args {
     /// Boot the existing image without running `cargo xtask image` first.
     #[arg(long)]
     pub no_build: bool,
+    /// Boot this image file instead of the board's built one (never built, always booted from
+    /// a copy), so a hand-edited or corrupted image is tested the same way.
+    #[arg(long)]
+    pub image: Option<PathBuf>,
     /// Seconds to wait for the verdict and the power-off.
     #[arg(long, default_value_t = 120)]
     pub timeout: u64,
@@ -160,8 +164,11 @@ pub fn boot(args: &Args) -> Result<Boot> {
         &doctor::UBOOT_QEMU,
         &doctor::UBOOT_TOOLS,
     ])?;
-    let image = image_path(&args.board);
-    if !args.no_build {
+    let image = args
+        .image
+        .clone()
+        .unwrap_or_else(|| image_path(&args.board));
+    if !args.no_build && args.image.is_none() {
         // In-process, not by re-running our own binary: a `cargo test` earlier in the same
         // `cargo xtask test` may have rebuilt (and so deleted) the running xtask executable.
         crate::image::run(crate::image::Args {

@@ -47,8 +47,29 @@ pub fn read_report(image: &Path) -> Result<(Vec<u8>, Report)> {
     Ok((bytes, report))
 }
 
+/// The check ids the board requires, from `kiln/manifest.json` on the same boot partition (the
+/// recipe's `[expect] checks`, as the build recorded it). No manifest: none can be required.
+pub fn required_checks(image: &Path) -> Result<Vec<String>> {
+    let boot = boot_partition(image)?;
+    let Ok(bytes) = fat::read_file(image, boot.start_bytes(), boot.size_bytes(), MANIFEST_PATH)
+    else {
+        return Ok(Vec::new());
+    };
+    let m: serde_json::Value = serde_json::from_slice(&bytes)
+        .with_context(|| format!("{MANIFEST_PATH} on {} is not JSON", image.display()))?;
+    Ok(m["expect"]["expect"]["checks"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|v| v.as_str().map(str::to_string))
+        .collect())
+}
+
+pub const MANIFEST_PATH: &str = "kiln/manifest.json";
+
 pub fn run(args: Args) -> Result<()> {
     let (bytes, report) = read_report(&args.image)?;
+    let required = required_checks(&args.image)?;
     let mut text = if args.json {
         String::from_utf8_lossy(&bytes).into_owned()
     } else {
@@ -62,11 +83,21 @@ pub fn run(args: Args) -> Result<()> {
         Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
         r => r.context("writing the report to stdout")?,
     }
-    if report.verdict == Verdict::Fail {
+    // The verdict is recounted from the checks, never taken from the stored field.
+    let (verdict, why) = report.recount(&required);
+    if verdict != report.verdict {
+        bail!(
+            "the report on {} says {:?} but its checks say {verdict:?}: {}",
+            args.image.display(),
+            report.verdict,
+            why.join("; ")
+        );
+    }
+    if verdict == Verdict::Fail {
         bail!(
             "the self-check on {} FAILED: {}",
             args.image.display(),
-            report.failed_ids().join(", ")
+            why.join("; ")
         );
     }
     Ok(())
@@ -159,9 +190,53 @@ pub(crate) mod tests {
         })
         .unwrap_err();
         assert!(format!("{e:#}").contains("matmul.npu.f16"), "{e:#}");
+        // A report whose stored verdict was edited to PASS is recounted: FAIL.
+        let mut edited = report(true);
+        edited.verdict = Verdict::Pass;
+        let dir2 = tempfile::tempdir().unwrap();
+        let img = disk_with(
+            dir2.path(),
+            &[(REPORT_PATH.into(), edited.to_json_pretty().into_bytes())],
+        );
+        let e = run(Args {
+            image: img,
+            json: false,
+        })
+        .unwrap_err();
+        assert!(
+            format!("{e:#}").contains("says Pass but its checks say Fail"),
+            "{e:#}"
+        );
         let other = tempfile::tempdir().unwrap();
         let img = disk_with(other.path(), &[("hello.txt".into(), b"hi".to_vec())]);
         let e = read_report(&img).unwrap_err();
         assert!(format!("{e:#}").contains("no self-check report"), "{e:#}");
+    }
+
+    #[test]
+    fn a_required_check_missing_from_a_report_fails() {
+        let dir = tempfile::tempdir().unwrap();
+        let r = report(false);
+        let manifest = serde_json::json!({"expect": {"expect": {"checks": ["kernel.release", "image.manifest"]}}});
+        let img = disk_with(
+            dir.path(),
+            &[
+                (REPORT_PATH.into(), r.to_json_pretty().into_bytes()),
+                (MANIFEST_PATH.into(), serde_json::to_vec(&manifest).unwrap()),
+            ],
+        );
+        assert_eq!(
+            required_checks(&img).unwrap(),
+            ["kernel.release", "image.manifest"]
+        );
+        let e = run(Args {
+            image: img,
+            json: false,
+        })
+        .unwrap_err();
+        assert!(
+            format!("{e:#}").contains("required check image.manifest is missing"),
+            "{e:#}"
+        );
     }
 }

@@ -197,6 +197,7 @@ fn boot_args(inject: Option<&str>) -> crate::boot_test::Args {
         board: "qemu-virt".into(),
         inject: inject.map(str::to_string),
         no_build: false,
+        image: None,
         timeout: 120,
     }
 }

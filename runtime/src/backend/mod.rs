@@ -100,7 +100,16 @@ pub struct Capabilities {
 /// A weight made ready for one backend. The CPU borrows the mapping; the NPU converts into its
 /// native layout. Either way the arrival is recorded in the ownership ledger.
 pub trait PreparedWeight: Send + Sync {
+    /// What the backend says about how the bytes arrived. The ledger does not take its word:
+    /// it measures (see [`crate::ledger`]).
     fn arrival(&self) -> Arrival;
+    /// The address range of the model bytes `run` will read, for a backend that reads the
+    /// weight where it lies. `None` (the default) for one that reads only its own converted
+    /// copy; a backend that declares [`Arrival::Borrowed`] and names no range is counted as a
+    /// copy.
+    fn reads_from(&self) -> Option<std::ops::Range<usize>> {
+        None
+    }
     fn as_any(&self) -> &dyn std::any::Any;
 }
 

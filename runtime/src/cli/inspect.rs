@@ -1,4 +1,6 @@
-//! `kiln inspect`: a GGUF file's header, metadata, tensor table and totals.
+//! `kiln inspect`: a GGUF file's header, metadata, tensor table and totals — facts of the file.
+//! It prepares nothing, so it says nothing about ownership: that is printed, measured, by what
+//! prepares the weights (`kiln plan`, `kiln selftest`).
 
 use kiln_runtime::gguf::{GgufFile, Value};
 use std::path::PathBuf;
@@ -91,11 +93,29 @@ fn inspect_text(f: &GgufFile) -> String {
             mib(bytes)
         );
     }
-    let _ = writeln!(s);
-    for line in f.ledger().lines() {
-        let _ = writeln!(s, "{line}");
-    }
+    let (tensor_bytes, span) = data_span(f);
+    let _ = writeln!(
+        s,
+        "\ndata section: {} tensors, {tensor_bytes} tensor bytes ({:.2} MiB) in {span} bytes from offset {} (the rest is alignment padding)",
+        g.tensor_infos().len(),
+        mib(tensor_bytes),
+        g.data_offset
+    );
     s
+}
+
+/// Bytes of all tensors, and the length of the data section from its start to the end of the
+/// last tensor.
+fn data_span(f: &GgufFile) -> (u64, u64) {
+    let g = f.gguf();
+    let bytes = g.tensor_infos().iter().map(|t| t.n_bytes).sum();
+    let end = g
+        .tensor_infos()
+        .iter()
+        .map(|t| t.offset + t.n_bytes)
+        .max()
+        .unwrap_or(0);
+    (bytes, end)
 }
 
 fn inspect_json(f: &GgufFile) -> serde_json::Value {
@@ -132,7 +152,7 @@ fn inspect_json(f: &GgufFile) -> serde_json::Value {
         .into_iter()
         .map(|(ty, n, bytes)| json!({ "type": ty.name(), "tensors": n, "bytes": bytes }))
         .collect();
-    let ledger = f.ledger();
+    let (tensor_bytes, span) = data_span(f);
     json!({
         "file": f.path().display().to_string(),
         "version": g.version,
@@ -142,7 +162,7 @@ fn inspect_json(f: &GgufFile) -> serde_json::Value {
         "metadata": metadata,
         "tensors": tensors,
         "totals_by_type": totals,
-        "ownership": ledger.lines(),
-        "ledger": ledger,
+        "tensor_bytes": tensor_bytes,
+        "data_span": span,
     })
 }

@@ -15,7 +15,6 @@ pub use parse::{ALIGNMENT_KEY, MAGIC};
 pub use value::{Value, ValueType};
 
 use crate::backend::Weight;
-use crate::ledger::{Arrival, Ledger};
 use crate::quant::{dequantize_row, GgmlType, QuantError};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -125,16 +124,6 @@ impl Gguf {
         })
     }
 
-    /// The ledger for the current placement: every tensor borrowed from the mapping by
-    /// [`DEFAULT_OWNER`].
-    pub fn ledger(&self) -> Ledger {
-        let mut l = Ledger::new();
-        for t in &self.tensors {
-            l.record(DEFAULT_OWNER, &t.name, t.n_bytes, Arrival::Borrowed);
-        }
-        l
-    }
-
     /// (type, tensors, bytes) per ggml type, by type id.
     pub fn totals_by_type(&self) -> Vec<(GgmlType, usize, u64)> {
         let mut m: std::collections::BTreeMap<GgmlType, (usize, u64)> = Default::default();
@@ -196,6 +185,8 @@ pub struct GgufFile {
     path: PathBuf,
     map: memmap2::Mmap,
     gguf: Gguf,
+    /// Keeps the mapping's address range known to the ownership ledger while it lives.
+    _registered: crate::ledger::MappingGuard,
 }
 
 impl std::fmt::Debug for GgufFile {
@@ -227,7 +218,13 @@ impl GgufFile {
             path: path.clone(),
             error,
         })?;
-        Ok(GgufFile { path, map, gguf })
+        let _registered = crate::ledger::register_mapping(&map, &path);
+        Ok(GgufFile {
+            path,
+            map,
+            gguf,
+            _registered,
+        })
     }
 
     pub fn path(&self) -> &Path {
@@ -259,10 +256,6 @@ impl GgufFile {
     pub fn tensor(&self, name: &str) -> Option<TensorView<'_>> {
         let info = self.gguf.tensor_info(name)?;
         self.gguf.view(&self.map, info)
-    }
-
-    pub fn ledger(&self) -> Ledger {
-        self.gguf.ledger()
     }
 }
 
@@ -319,7 +312,5 @@ mod tests {
         let end = (g.data_offset + cube.offset + cube.n_bytes) as usize;
         assert!(g.view(&b[..end], cube).is_some());
         assert!(g.view(&b[..end - 1], cube).is_none());
-        let l = g.ledger();
-        assert_eq!(l.totals(DEFAULT_OWNER).unwrap().mapped_tensors, 3);
     }
 }

@@ -5,7 +5,7 @@ use anyhow::{Context, Result};
 use serde::Deserialize;
 use std::path::Path;
 
-#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Deserialize, PartialEq)]
 pub struct Board {
     pub board: BoardInfo,
     #[serde(default)]
@@ -20,7 +20,7 @@ pub struct BoardInfo {
     pub npu: bool,
 }
 
-#[derive(Clone, Debug, Default, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
 pub struct Expect {
     /// `uname -r` of the kernel the build pinned, e.g. `6.1.192-kiln`.
     #[serde(default)]
@@ -43,6 +43,18 @@ pub struct Expect {
     /// The DDR devfreq (dmc) governor.
     #[serde(default)]
     pub ddr_governor: Option<String>,
+    /// cpufreq policy name → the rate it must run at (`scaling_cur_freq`, kHz).
+    #[serde(default)]
+    pub cpu_khz: std::collections::BTreeMap<String, u64>,
+    /// The DDR devfreq rate (`cur_freq`, Hz).
+    #[serde(default)]
+    pub ddr_hz: Option<u64>,
+    /// The check ids the report must hold (a report missing one is FAIL).
+    #[serde(default)]
+    pub checks: Vec<String>,
+    /// The least memory read bandwidth `memory.bandwidth` may measure, GB/s.
+    #[serde(default)]
+    pub memory_read_gbs: Option<f64>,
 }
 
 impl Board {

@@ -42,11 +42,34 @@ pub fn features(ctx: &Ctx, cpu_kernel: Option<&str>) -> Outcome {
             .collect::<Vec<_>>()
             .join(" ")
     )];
-    if let Some(k) = cpu_kernel {
-        ev.push(format!("CPU backend selected kernel: {k}"));
+    // The kernel the features allow: sdot needs asimddp, NEON needs asimd (x86: portable).
+    let allowed = if have.contains("asimddp") && have.contains("asimd") {
+        "neon+sdot"
+    } else if have.contains("asimd") {
+        "neon"
+    } else {
+        "portable"
+    };
+    let mut wrong_kernel = None;
+    match cpu_kernel {
+        Some(k) if k == allowed => ev.push(format!(
+            "CPU backend selected kernel: {k} (the one these features allow)"
+        )),
+        Some(k) => {
+            wrong_kernel = Some(format!(
+                "CPU backend selected kernel {k}, but these features allow {allowed}"
+            ));
+            ev.push(format!("CPU backend selected kernel: {k}"));
+        }
+        None => {
+            wrong_kernel = Some("the CPU backend's selected kernel is unknown".to_string());
+        }
     }
     if want.is_empty() {
         return Outcome::fail("the board file lists no cpu_features", ev);
+    }
+    if let Some(why) = wrong_kernel {
+        return Outcome::fail(why, ev);
     }
     if missing.is_empty() {
         Outcome::pass(ev)
@@ -88,44 +111,75 @@ pub fn governors(ctx: &Ctx) -> Outcome {
     let mut ev = Vec::new();
     let mut bad = Vec::new();
     let mut checked = 0;
-    match (&board.expect.governors, policies.is_empty()) {
-        (None, _) => ev.push("board pins no cpufreq governor".to_string()),
-        (Some(_), true) => ev.push("no cpufreq policies on this machine".to_string()),
-        (Some(want), false) => {
-            for p in &policies {
-                let name = p.file_name().unwrap_or_default().to_string_lossy();
-                match read_trim(&p.join("scaling_governor")) {
-                    Ok(g) if &g == want => ev.push(format!("{name}: {g}")),
-                    Ok(g) => bad.push(format!("{name}: {g}, want {want}")),
-                    Err(e) => bad.push(e),
-                }
-                checked += 1;
+    let e = &board.expect;
+    let cpu_pinned = e.governors.is_some() || !e.cpu_khz.is_empty();
+    let ddr_pinned = e.ddr_governor.is_some() || e.ddr_hz.is_some();
+    // A pinned expectation this machine cannot show is a failure, not a skip.
+    if cpu_pinned && policies.is_empty() {
+        bad.push("cpufreq governor/rate pinned but not measurable: no cpufreq policy".into());
+    }
+    if ddr_pinned && ddr.is_empty() {
+        bad.push("DDR governor/rate pinned but not measurable: no DDR devfreq (dmc)".into());
+    }
+    if !cpu_pinned {
+        ev.push("board pins no cpufreq governor or rate".to_string());
+    }
+    if !ddr_pinned {
+        ev.push("board pins no DDR governor or rate".to_string());
+    }
+    for p in policies.iter().filter(|_| cpu_pinned) {
+        let name = p.file_name().unwrap_or_default().to_string_lossy();
+        if let Some(want) = &e.governors {
+            match read_trim(&p.join("scaling_governor")) {
+                Ok(g) if &g == want => ev.push(format!("{name}: {g}")),
+                Ok(g) => bad.push(format!("{name}: {g}, want {want}")),
+                Err(e) => bad.push(e),
+            }
+        }
+        if let Some(want) = e.cpu_khz.get(name.as_ref()) {
+            match read_trim(&p.join("scaling_cur_freq")).map(|f| f.parse::<u64>()) {
+                Ok(Ok(f)) if f == *want => ev.push(format!("{name}: {f} kHz (pinned)")),
+                Ok(Ok(f)) => bad.push(format!("{name}: {f} kHz, pinned {want} kHz")),
+                Ok(Err(err)) => bad.push(format!("{name}: scaling_cur_freq: {err}")),
+                Err(err) => bad.push(err),
+            }
+        }
+        checked += 1;
+    }
+    if !e.cpu_khz.is_empty() {
+        for want in e.cpu_khz.keys() {
+            if !policies.is_empty() && !policies.iter().any(|p| p.ends_with(want)) {
+                bad.push(format!("{want}: pinned rate, but no such cpufreq policy"));
             }
         }
     }
-    match (&board.expect.ddr_governor, ddr.is_empty()) {
-        (None, _) => ev.push("board pins no DDR governor".to_string()),
-        (Some(_), true) => ev.push("no DDR devfreq (dmc) on this machine".to_string()),
-        (Some(want), false) => {
-            for d in &ddr {
-                let name = d.file_name().unwrap_or_default().to_string_lossy();
-                match read_trim(&d.join("governor")) {
-                    Ok(g) if &g == want => ev.push(format!("DDR {name}: {g}")),
-                    Ok(g) => bad.push(format!("DDR {name}: {g}, want {want}")),
-                    Err(e) => bad.push(e),
-                }
-                checked += 1;
+    for d in ddr.iter().filter(|_| ddr_pinned) {
+        let name = d.file_name().unwrap_or_default().to_string_lossy();
+        if let Some(want) = &e.ddr_governor {
+            match read_trim(&d.join("governor")) {
+                Ok(g) if &g == want => ev.push(format!("DDR {name}: {g}")),
+                Ok(g) => bad.push(format!("DDR {name}: {g}, want {want}")),
+                Err(e) => bad.push(e),
             }
         }
+        if let Some(want) = e.ddr_hz {
+            match read_trim(&d.join("cur_freq")).map(|f| f.parse::<u64>()) {
+                Ok(Ok(f)) if f == want => ev.push(format!("DDR {name}: {f} Hz (pinned)")),
+                Ok(Ok(f)) => bad.push(format!("DDR {name}: {f} Hz, pinned {want} Hz")),
+                Ok(Err(err)) => bad.push(format!("DDR {name}: cur_freq: {err}")),
+                Err(err) => bad.push(err),
+            }
+        }
+        checked += 1;
     }
     if !bad.is_empty() {
-        let reason = format!("{} governor(s) not as pinned", bad.len());
+        let reason = bad.join("; ");
         bad.extend(ev);
         return Outcome::fail(reason, bad);
     }
     if checked == 0 {
         let mut o = Outcome::skip(format!(
-            "{} has no cpufreq policies and no DDR devfreq",
+            "{} pins no governor or rate (and has no cpufreq policies and no DDR devfreq)",
             board.board.name
         ));
         o.evidence = ev;
@@ -196,12 +250,62 @@ npu_driver = "0.9.8"
     }
 
     #[test]
-    fn governors_skip_with_a_reason_where_there_are_none() {
+    fn pinned_but_not_measurable_fails_and_unpinned_skips() {
         let root = FakeRoot::new();
         root.file("sys/devices/system/cpu/online", "0-1\n");
         let o = governors(&ctx(&root));
+        assert_eq!(o.status, Status::Fail, "{o:?}");
+        assert!(o.reason.unwrap().contains("pinned but not measurable"));
+        let unpinned = Ctx {
+            board: Some(Board::parse("[board]\nname = \"qemu-virt\"\n").unwrap()),
+            ..ctx(&root)
+        };
+        let o = governors(&unpinned);
         assert_eq!(o.status, Status::Skip, "{o:?}");
-        assert!(o.reason.unwrap().contains("no cpufreq"));
+        assert!(o.reason.unwrap().contains("pins no governor"));
+    }
+
+    #[test]
+    fn frequencies_are_checked_against_their_pins() {
+        let root = FakeRoot::new();
+        rk3588_sysfs(&root);
+        let pinned = format!(
+            "{ROCK5B}ddr_hz = 2112000000\n[expect.cpu_khz]\npolicy0 = 1800000\npolicy4 = 2400000\npolicy6 = 2400000\n"
+        );
+        let c = Ctx {
+            board: Some(Board::parse(&pinned).unwrap()),
+            ..ctx(&root)
+        };
+        for (p, f) in [
+            ("policy0", "1800000"),
+            ("policy4", "2400000"),
+            ("policy6", "2400000"),
+        ] {
+            root.file(
+                &format!("sys/devices/system/cpu/cpufreq/{p}/scaling_cur_freq"),
+                f,
+            );
+        }
+        root.file("sys/class/devfreq/dmc/cur_freq", "2112000000\n");
+        let o = governors(&c);
+        assert_eq!(o.status, Status::Pass, "{o:?}");
+        // Fault: DDR at a third of the pinned rate, as users of slow boards report.
+        root.file("sys/class/devfreq/dmc/cur_freq", "528000000\n");
+        let o = governors(&c);
+        assert_eq!(o.status, Status::Fail, "{o:?}");
+        assert!(o
+            .reason
+            .unwrap()
+            .contains("528000000 Hz, pinned 2112000000"));
+        // Fault: an A76 cluster throttled.
+        root.file("sys/class/devfreq/dmc/cur_freq", "2112000000\n");
+        root.file(
+            "sys/devices/system/cpu/cpufreq/policy6/scaling_cur_freq",
+            "1200000",
+        );
+        let o = governors(&c);
+        assert_eq!(o.status, Status::Fail, "{o:?}");
+        assert!(o.reason.unwrap().contains("policy6: 1200000 kHz"));
     }
 
     #[test]
@@ -209,13 +313,110 @@ npu_driver = "0.9.8"
         let root = FakeRoot::new();
         let line = "processor\t: 0\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp\n";
         root.file("proc/cpuinfo", line);
-        let o = features(&ctx(&root), Some("neon-dotprod"));
+        let o = features(&ctx(&root), Some("neon+sdot"));
         assert_eq!(o.status, Status::Pass, "{o:?}");
-        assert!(o.evidence.iter().any(|e| e.contains("neon-dotprod")));
+        assert!(o.evidence.iter().any(|e| e.contains("neon+sdot")));
+        // Fault: the backend fell back to a slower kernel than the features allow.
+        let o = features(&ctx(&root), Some("portable"));
+        assert_eq!(o.status, Status::Fail, "{o:?}");
+        assert!(o.reason.unwrap().contains("allow neon+sdot"));
         // A cortex-a72 has no dotprod.
         root.file("proc/cpuinfo", line.replace(" asimddp", ""));
-        let o = features(&ctx(&root), None);
+        let o = features(&ctx(&root), Some("neon"));
         assert_eq!(o.status, Status::Fail, "{o:?}");
         assert!(o.reason.unwrap().contains("asimddp"));
+    }
+}
+
+/// `memory.bandwidth`: sequential read bandwidth over a buffer well past the caches, for at most
+/// [`BANDWIDTH_BUDGET_S`], against the board's pinned minimum (`memory_read_gbs`). A board that
+/// pins none gets a SKIP that still reports the figure.
+pub const BANDWIDTH_BUDGET_S: f64 = 0.2;
+
+/// GB/s read over `buf`, repeated until `budget_s` is spent (at least one pass).
+pub fn read_bandwidth(buf: &[u64], budget_s: f64) -> (f64, usize) {
+    let t = std::time::Instant::now();
+    let mut passes = 0;
+    let mut acc = 0u64;
+    loop {
+        // Four independent sums keep the loop memory-bound rather than add-latency-bound.
+        let (mut a, mut b, mut c, mut d) = (0u64, 0u64, 0u64, 0u64);
+        for q in buf.chunks_exact(4) {
+            a = a.wrapping_add(q[0]);
+            b = b.wrapping_add(q[1]);
+            c = c.wrapping_add(q[2]);
+            d = d.wrapping_add(q[3]);
+        }
+        acc = acc.wrapping_add(a ^ b ^ c ^ d);
+        passes += 1;
+        if t.elapsed().as_secs_f64() * (passes + 1) as f64 / passes as f64 > budget_s {
+            break;
+        }
+    }
+    std::hint::black_box(acc);
+    let bytes = (buf.len() * 8 * passes) as f64;
+    (bytes / t.elapsed().as_secs_f64() / 1e9, passes)
+}
+
+pub fn bandwidth(ctx: &Ctx) -> Outcome {
+    let board = match ctx.board() {
+        Ok(b) => b,
+        Err(skip) => return skip,
+    };
+    // 64 MiB: past any RK3588 L3 (3 MiB) and QEMU's host caches; touched once before timing so
+    // page faults are not measured.
+    let words = 8 << 20;
+    let buf: Vec<u64> = (0..words as u64).collect();
+    let (gbs, passes) = read_bandwidth(&buf, BANDWIDTH_BUDGET_S);
+    let ev = vec![format!(
+        "read {gbs:.2} GB/s ({passes} pass(es) over {} MiB, budget {BANDWIDTH_BUDGET_S} s)",
+        (words * 8) >> 20
+    )];
+    match board.expect.memory_read_gbs {
+        None => {
+            let mut o = Outcome::skip(format!(
+                "board {} pins no minimum read bandwidth (measured {gbs:.2} GB/s)",
+                board.board.name
+            ));
+            o.evidence = ev;
+            o
+        }
+        Some(min) if gbs >= min => {
+            Outcome::pass(ev).with_evidence(vec![format!("pinned minimum {min} GB/s")])
+        }
+        Some(min) => Outcome::fail(
+            format!("read bandwidth {gbs:.2} GB/s is below the pinned minimum {min} GB/s"),
+            ev,
+        ),
+    }
+}
+
+#[cfg(test)]
+mod bandwidth_tests {
+    use super::super::testutil::FakeRoot;
+    use super::super::{board::Board, Ctx, Paths, Status};
+    use super::*;
+
+    #[test]
+    fn bandwidth_is_measured_and_judged_against_the_pin() {
+        let root = FakeRoot::new();
+        let c = |extra: &str| Ctx {
+            paths: Paths::under(&root),
+            board: Some(
+                Board::parse(&format!("[board]\nname = \"b\"\n[expect]\n{extra}")).unwrap(),
+            ),
+            ..Ctx::default()
+        };
+        let o = bandwidth(&c(""));
+        assert_eq!(o.status, Status::Skip, "{o:?}");
+        assert!(o.reason.unwrap().contains("measured"));
+        assert!(o.evidence[0].contains("GB/s"));
+        // Fault: a pin no machine reaches.
+        let o = bandwidth(&c("memory_read_gbs = 1e9\n"));
+        assert_eq!(o.status, Status::Fail, "{o:?}");
+        assert_eq!(
+            bandwidth(&c("memory_read_gbs = 1e-9\n")).status,
+            Status::Pass
+        );
     }
 }

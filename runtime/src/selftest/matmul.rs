@@ -3,10 +3,12 @@
 //! result fails. Every run goes through `run_checked` (output poisoned first, status checked).
 //! The NPU is also held to the CPU on the same random inputs.
 //!
-//! The known answer is the scalar reference dequantisation of the weight, dotted in f64 with the
-//! activations: independent of every backend's kernels.
+//! The known answer comes from [`super::oracle`]: weights encoded there from power-of-two scales
+//! and small integer quants, integer activations, the product computed in i64 — no code shared
+//! with the backends or the reference dequantisation — and compared exactly. Beside it, the NPU
+//! is held to the CPU on a random weight (NMSE).
 
-use super::{CheckResult, Outcome};
+use super::{oracle, CheckResult, Outcome};
 use crate::backend::{run_checked, Backend, Decline, MatmulOp, Weight};
 use crate::quant::{dequantize_row, quantize_to_vec, GgmlType, QUANTIZABLE};
 use half::{bf16, f16};
@@ -148,30 +150,30 @@ pub fn claimed_types(b: &dyn Backend) -> Vec<GgmlType> {
         .collect()
 }
 
-/// One backend, one type: the known-answer runs, and (`cross`) the comparison with another
-/// backend on the same inputs.
+/// One backend, one type: the integer-oracle runs (exact, see [`super::oracle`]), and
+/// (`cross`) the comparison with another backend on the same random weight and activations.
 pub fn check_type(b: &dyn Backend, ty: GgmlType, cross: Option<&dyn Backend>) -> Outcome {
-    let Some(bytes) = weight_bytes(ty, K, N, ty.id() as u64 + 1) else {
-        return Outcome::skip(format!("no known-answer weight generator for {ty}"));
+    let Some(ow) = oracle::weight(ty, K, N, ty.id() as u64 + 1) else {
+        return Outcome::fail(
+            format!(
+                "{} claims {ty}, for which the integer oracle builds no weight",
+                b.name()
+            ),
+            vec![],
+        );
     };
-    let name = format!("selftest.{}", ty.name());
+    let name = format!("selftest.oracle.{}", ty.name());
     let w = Weight {
         name: &name,
         ty,
         k: K,
         n: N,
-        data: &bytes,
-    };
-    let bar = if b.name() == "cpu-ref" {
-        NMSE_BAR_REF
-    } else {
-        NMSE_BAR
+        data: &ow.bytes,
     };
     let prepared = match b.prepare(&w) {
         Ok(p) => p,
         Err(e) => return Outcome::fail(format!("prepare: {e:#}"), vec![]),
     };
-    let cross_prepared = cross.map(|c| (c, c.prepare(&w)));
     let mut ev = Vec::new();
     let mut bad = Vec::new();
     let mut ran = 0;
@@ -180,48 +182,44 @@ pub fn check_type(b: &dyn Backend, ty: GgmlType, cross: Option<&dyn Backend>) ->
             ev.push(format!("M={m}: declined ({d})"));
             continue;
         }
-        let mut line = format!("M={m}:");
+        let mut line = format!("M={m}: integer oracle");
         // Two runs with different activations: a backend that returns the previous result
         // (a stale activation cache) fails the second.
         for run in 0..2u64 {
-            let a = Values::new(1000 * m as u64 + run + 7).vec(m * K);
-            let want = match known_answer(&w, &a, m) {
-                Ok(x) => x,
-                Err(e) => return Outcome::fail(format!("{e:#}"), ev),
-            };
+            let ai = oracle::activations(m, K, 1000 * m as u64 + run + 7);
+            let a: Vec<f32> = ai.iter().map(|&x| x as f32).collect();
+            let want = oracle::answer(&ow, &ai, m, K, N);
             let mut c = vec![0f32; m * N];
             if let Err(e) = run_checked(b, &w, prepared.as_ref(), &a, m, &mut c) {
                 bad.push(format!("M={m} run {}: {e:#}", run + 1));
                 continue;
             }
             ran += 1;
-            let err = nmse(&c, &want);
-            line.push_str(&format!(" run{} NMSE {err:.2e}", run + 1));
-            if err.is_nan() || err > bar {
+            let wrong: Vec<usize> = (0..c.len()).filter(|&i| c[i] != want[i]).collect();
+            line.push_str(&format!(
+                " run{} exact {}/{}",
+                run + 1,
+                c.len() - wrong.len(),
+                c.len()
+            ));
+            if let Some(&i) = wrong.first() {
                 bad.push(format!(
-                    "M={m} run {}: NMSE {err:.3e} against the known answer exceeds {bar:.0e}",
-                    run + 1
+                    "M={m} run {}: {} of {} outputs differ from the exact integer answer \
+                     (first C[{}][{}] = {:e}, exact {:e})",
+                    run + 1,
+                    wrong.len(),
+                    c.len(),
+                    i / N,
+                    i % N,
+                    c[i],
+                    want[i]
                 ));
-            }
-            if let Some((cb, Ok(cp))) = &cross_prepared {
-                let mut cc = vec![0f32; m * N];
-                match run_checked(*cb, &w, cp.as_ref(), &a, m, &mut cc) {
-                    Ok(()) => {
-                        let x = nmse(&c, &cc);
-                        line.push_str(&format!(" (vs {} {x:.2e})", cb.name()));
-                        if x.is_nan() || x > NMSE_BAR {
-                            bad.push(format!(
-                                "M={m} run {}: NMSE {x:.3e} against {} exceeds {NMSE_BAR:.0e}",
-                                run + 1,
-                                cb.name()
-                            ));
-                        }
-                    }
-                    Err(e) => bad.push(format!("{} reference run: {e:#}", cb.name())),
-                }
             }
         }
         ev.push(line);
+    }
+    if let Some(cb) = cross {
+        cross_check(b, cb, ty, &mut ev, &mut bad);
     }
     if !bad.is_empty() {
         let reason = bad[0].clone();
@@ -235,6 +233,65 @@ pub fn check_type(b: &dyn Backend, ty: GgmlType, cross: Option<&dyn Backend>) ->
         );
     }
     Outcome::pass(ev)
+}
+
+/// `b` against `cb` on a random weight of `ty` and random activations, M = 1 and 8 (NMSE).
+fn cross_check(
+    b: &dyn Backend,
+    cb: &dyn Backend,
+    ty: GgmlType,
+    ev: &mut Vec<String>,
+    bad: &mut Vec<String>,
+) {
+    let Some(bytes) = weight_bytes(ty, K, N, ty.id() as u64 + 1) else {
+        bad.push(format!(
+            "no random weight generator for {ty} to compare with {}",
+            cb.name()
+        ));
+        return;
+    };
+    let name = format!("selftest.random.{}", ty.name());
+    let w = Weight {
+        name: &name,
+        ty,
+        k: K,
+        n: N,
+        data: &bytes,
+    };
+    let (p, cp) = match (b.prepare(&w), cb.prepare(&w)) {
+        (Ok(p), Ok(cp)) => (p, cp),
+        (Err(e), _) | (_, Err(e)) => {
+            bad.push(format!("random weight, prepare: {e:#}"));
+            return;
+        }
+    };
+    for &m in &MS {
+        if b.supports(&MatmulOp::for_weight(&w, m)).is_err() {
+            continue;
+        }
+        let a = Values::new(1000 * m as u64 + 7).vec(m * K);
+        let mut c = vec![0f32; m * N];
+        let mut cc = vec![0f32; m * N];
+        if let Err(e) = run_checked(b, &w, p.as_ref(), &a, m, &mut c) {
+            bad.push(format!("M={m} random weight: {e:#}"));
+            continue;
+        }
+        if let Err(e) = run_checked(cb, &w, cp.as_ref(), &a, m, &mut cc) {
+            bad.push(format!("{} reference run: {e:#}", cb.name()));
+            continue;
+        }
+        let x = nmse(&c, &cc);
+        ev.push(format!(
+            "M={m}: random weight vs {} NMSE {x:.2e}",
+            cb.name()
+        ));
+        if x.is_nan() || x > NMSE_BAR {
+            bad.push(format!(
+                "M={m} random weight: NMSE {x:.3e} against {} exceeds {NMSE_BAR:.0e}",
+                cb.name()
+            ));
+        }
+    }
 }
 
 /// Every claimed type of every backend, as `matmul.<backend>.<type>` checks. `reference` is the
@@ -325,6 +382,12 @@ mod tests {
                     c.iter_mut().for_each(|x| *x = -*x);
                     Ok(())
                 }
+                // One output one ulp off: far inside any NMSE bar, still not the answer.
+                "ulp" => {
+                    self.inner.run(w, p, a, m, c)?;
+                    c[c.len() / 2] = f32::from_bits(c[c.len() / 2].to_bits() + 1);
+                    Ok(())
+                }
                 "stale" => {
                     let mut last = self.last.lock().unwrap();
                     match last.as_ref().filter(|l| l.len() == c.len()) {
@@ -341,7 +404,7 @@ mod tests {
 
     #[test]
     fn every_backend_fault_fails_its_check() {
-        for fault in ["error", "untouched", "wrong", "stale"] {
+        for fault in ["error", "untouched", "wrong", "stale", "ulp"] {
             let b = Faulty {
                 inner: CpuRefBackend,
                 fault,

@@ -9,10 +9,12 @@
 pub mod board;
 pub mod cli;
 pub mod cpu;
+pub mod image;
 pub mod kernel;
 pub mod matmul;
 pub mod models;
 pub mod npu;
+pub mod oracle;
 pub mod report;
 
 use board::Board;
@@ -63,7 +65,8 @@ impl Paths {
 /// from `kiln.inject=`), so that a boot test sees the check that must catch each one fail.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Inject {
-    /// Record the first weight of every model as [`crate::ledger::Arrival::Copied`].
+    /// The first usable backend copies every weight while declaring it borrowed (the ledger
+    /// must measure the copy).
     pub copy_weight: bool,
 }
 
@@ -227,12 +230,33 @@ pub fn run_all(ctx: &Ctx) -> Report {
         timed("npu.runtime", || npu::runtime(ctx, &npu)),
         timed("cpu.features", || cpu::features(ctx, Some(&cpu_kernel))),
         timed("cpu.governors", || cpu::governors(ctx)),
+        timed("memory.bandwidth", || cpu::bandwidth(ctx)),
         timed("model.mmap", || models::mmap(ctx, &board_order)),
     ];
     checks.extend(matmul::checks(&[&cpu_ref, &cpu, &npu], Some(&cpu)));
     checks.push(timed("coverage", || models::coverage(ctx, &board_order)));
+    // After the NPU checks, so the library the backend loaded is in /proc/self/maps.
+    checks.push(timed("image.manifest", || image::manifest(ctx)));
     // Last, so that anything the other checks provoked (an NPU reset) is in the log it reads.
     checks.push(timed("kernel.log", || kernel::log(ctx)));
+    if let Some(b) = &ctx.board {
+        let required = &b.expect.checks;
+        let missing = report::missing_checks(&checks, required);
+        let o = if required.is_empty() {
+            Outcome::skip(format!("board {} names no required checks", b.board.name))
+        } else if missing.is_empty() {
+            Outcome::pass(vec![format!(
+                "all {} checks the board requires are in the report",
+                required.len()
+            )])
+        } else {
+            Outcome::fail(
+                format!("required check(s) missing: {}", missing.join(", ")),
+                vec![],
+            )
+        };
+        checks.push(CheckResult::new("report.required", o, 0.0));
+    }
     Report::new(ctx, checks)
 }
 

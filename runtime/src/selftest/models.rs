@@ -34,20 +34,24 @@ pub fn find_models(ctx: &Ctx) -> Vec<PathBuf> {
 }
 
 /// The self-check's own fault hook (`KILN_SELFTEST_INJECT=copy`): a backend that copies the
-/// weight into memory it owns instead of borrowing the mapping, and says so in the ledger.
+/// weight into memory it owns and *declares* it borrowed, even naming the mapping's address
+/// range as what it reads. Only the measurement can catch it: the copy is still allocated when
+/// `prepare` returns.
 pub struct CopyingBackend<'b> {
     pub inner: &'b dyn Backend,
 }
 
 struct CopiedWeight {
     bytes: Vec<u8>,
+    claimed: std::ops::Range<usize>,
 }
 
 impl PreparedWeight for CopiedWeight {
     fn arrival(&self) -> Arrival {
-        Arrival::Copied {
-            bytes: self.bytes.len() as u64,
-        }
+        Arrival::Borrowed
+    }
+    fn reads_from(&self) -> Option<std::ops::Range<usize>> {
+        Some(self.claimed.clone())
     }
     fn as_any(&self) -> &dyn std::any::Any {
         self
@@ -67,18 +71,27 @@ impl Backend for CopyingBackend<'_> {
     fn prepare<'w>(&self, w: &Weight<'w>) -> anyhow::Result<Box<dyn PreparedWeight + 'w>> {
         Ok(Box::new(CopiedWeight {
             bytes: w.data.to_vec(),
+            claimed: crate::ledger::address_range(w.data),
         }))
     }
     fn run(
         &self,
         w: &Weight<'_>,
-        _: &dyn PreparedWeight,
+        prepared: &dyn PreparedWeight,
         a: &[f32],
         m: usize,
         c: &mut [f32],
     ) -> anyhow::Result<()> {
-        let p = self.inner.prepare(w)?;
-        self.inner.run(w, p.as_ref(), a, m, c)
+        let copy = prepared
+            .as_any()
+            .downcast_ref::<CopiedWeight>()
+            .ok_or_else(|| anyhow::anyhow!("{} was not prepared by the copying backend", w.name))?;
+        let from_copy = Weight {
+            data: &copy.bytes,
+            ..*w
+        };
+        let p = self.inner.prepare(&from_copy)?;
+        self.inner.run(&from_copy, p.as_ref(), a, m, c)
     }
 }
 
@@ -258,10 +271,25 @@ mod tests {
                 .any(|e| e.contains("mapped 1/1 tensors, copied 0.00 MiB")),
             "{o:?}"
         );
+        assert!(
+            o.evidence
+                .iter()
+                .any(|e| e.contains("reads inside the model mapping 1/1, heap +0.00 MiB")),
+            "{o:?}"
+        );
+        // The fault declares Borrowed and names the mapping as what it reads: the copy is
+        // caught by what prepare left allocated, and the line shows it in MiB.
         let o = mmap(&ctx(&root, Inject::parse("copy").unwrap()), &[&cpu]);
         assert_eq!(o.status, Status::Fail, "{o:?}");
+        let reason = o.reason.as_deref().unwrap();
         assert!(
-            o.reason.as_deref().unwrap().contains("blk.0.ffn_up.weight"),
+            reason.contains("blk.0.ffn_up.weight (declared borrowed, but prepare left 8232 bytes (+0.01 MiB) allocated)"),
+            "{o:?}"
+        );
+        assert!(
+            o.evidence
+                .iter()
+                .any(|e| e.contains("NOT zero-copy") && e.contains("copied 0.01 MiB")),
             "{o:?}"
         );
     }

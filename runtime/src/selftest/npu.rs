@@ -158,7 +158,8 @@ pub fn driver(ctx: &Ctx) -> Outcome {
 }
 
 /// `npu.runtime`: librknnrt loads through the NPU backend, its matmul ABI is 2.x and its version
-/// is the pinned one. The stand-in passes, marked simulated.
+/// is the pinned one. The stand-in passes, marked simulated, only on a board without an NPU: on
+/// a board whose recipe has `npu = true` a simulated runtime is a FAIL, whatever its version.
 pub fn runtime(ctx: &Ctx, npu: &dyn crate::backend::Backend) -> Outcome {
     let board = match ctx.board() {
         Ok(b) => b,
@@ -189,7 +190,16 @@ pub fn runtime(ctx: &Ctx, npu: &dyn crate::backend::Backend) -> Outcome {
         .iter()
         .map(|(k, v)| format!("{k}: {v}"))
         .collect();
-    let mut o = if !abi.starts_with("2.") {
+    let mut o = if caps.simulated && board.board.npu {
+        Outcome::fail(
+            format!(
+                "board {} has an NPU, but librknnrt is a simulation (stand-in) whatever its \
+                 version {version:?} says",
+                board.board.name
+            ),
+            ev,
+        )
+    } else if !abi.starts_with("2.") {
         Outcome::fail(format!("matmul ABI {abi:?} is not 2.x"), ev)
     } else {
         match want {
@@ -264,6 +274,62 @@ mod tests {
         assert!(o.reason.unwrap().contains("no rknpu device"));
         root.remove("sys/class/drm/card1");
         assert_eq!(driver(&ctx(&root, true)).status, Status::Fail);
+    }
+
+    /// A backend that reports what a stand-in reports: simulated, ABI 2.x, the pinned version.
+    struct Simulated;
+    impl crate::backend::Backend for Simulated {
+        fn name(&self) -> &'static str {
+            "npu"
+        }
+        fn probe(&self) -> Result<crate::backend::Capabilities, crate::backend::Decline> {
+            Ok(crate::backend::Capabilities {
+                facts: vec![
+                    ("library version".into(), "2.3.2 (stand-in)".into()),
+                    ("matmul abi".into(), "2.x".into()),
+                ],
+                simulated: true,
+            })
+        }
+        fn supports(&self, _: &crate::backend::MatmulOp) -> Result<(), crate::backend::Decline> {
+            Ok(())
+        }
+        fn prepare<'w>(
+            &self,
+            _: &crate::backend::Weight<'w>,
+        ) -> anyhow::Result<Box<dyn crate::backend::PreparedWeight + 'w>> {
+            anyhow::bail!("not used")
+        }
+        fn run(
+            &self,
+            _: &crate::backend::Weight<'_>,
+            _: &dyn crate::backend::PreparedWeight,
+            _: &[f32],
+            _: usize,
+            _: &mut [f32],
+        ) -> anyhow::Result<()> {
+            anyhow::bail!("not used")
+        }
+    }
+
+    #[test]
+    fn a_simulated_runtime_fails_on_an_npu_board_and_passes_marked_elsewhere() {
+        let root = FakeRoot::new();
+        let pinned = |npu: bool| {
+            let text =
+                format!("[board]\nname = \"b\"\nnpu = {npu}\n[expect]\nnpu_runtime = \"2.3.2\"\n");
+            Ctx {
+                paths: Paths::under(&root),
+                board: Some(Board::parse(&text).unwrap()),
+                ..Ctx::default()
+            }
+        };
+        let o = runtime(&pinned(true), &Simulated);
+        assert_eq!(o.status, Status::Fail, "{o:?}");
+        assert!(o.reason.unwrap().contains("simulation"));
+        let o = runtime(&pinned(false), &Simulated);
+        assert_eq!(o.status, Status::Pass, "{o:?}");
+        assert!(o.simulated);
     }
 
     #[test]

@@ -53,6 +53,15 @@ pub fn sha256_file(path: &Path) -> Option<String> {
     Some(hex::encode(Sha256::digest(&bytes)))
 }
 
+/// The ids in `required` that no check in `checks` has.
+pub fn missing_checks(checks: &[CheckResult], required: &[String]) -> Vec<String> {
+    required
+        .iter()
+        .filter(|id| !checks.iter().any(|c| &c.id == *id))
+        .cloned()
+        .collect()
+}
+
 impl Report {
     pub fn new(ctx: &Ctx, checks: Vec<CheckResult>) -> Report {
         let count = |s: Status| checks.iter().filter(|c| c.status == s).count();
@@ -77,6 +86,28 @@ impl Report {
     /// Checks that ran (passed or failed); skipped ones are not counted in the verdict line.
     pub fn ran(&self) -> usize {
         self.passed + self.failed
+    }
+
+    /// The verdict recounted from the checks themselves, not the stored field: FAIL if any check
+    /// failed or a check in `required` is missing. Returns the verdict and every reason for a
+    /// FAIL (failed ids, missing ids).
+    pub fn recount(&self, required: &[String]) -> (Verdict, Vec<String>) {
+        let mut why: Vec<String> = self
+            .failed_ids()
+            .into_iter()
+            .map(|id| format!("{id} failed"))
+            .collect();
+        why.extend(
+            missing_checks(&self.checks, required)
+                .into_iter()
+                .map(|id| format!("required check {id} is missing from the report")),
+        );
+        let v = if why.is_empty() {
+            Verdict::Pass
+        } else {
+            Verdict::Fail
+        };
+        (v, why)
     }
 
     pub fn failed_ids(&self) -> Vec<&str> {

@@ -7,6 +7,9 @@
                                       what GGUFReader reads; with --dequant-dir, each tensor as
                                       gguf.quants.dequantize gives it, raw little-endian f32
   gguf_ref.py sizes OUT.json          GGML_QUANT_SIZES, by type id
+  gguf_ref.py kquants OUTDIR          random blocks (valid f16 scales) of every K-quant and the
+                                      IQ types below, each as raw bytes and as
+                                      gguf.quants.dequantize gives it (OUTDIR/kquants.json)
 """
 import json
 import os
@@ -137,6 +140,51 @@ def cmd_dump(path, out, dequant_dir=None, only=None):
         json.dump(doc, f)
 
 
+# K-quants and the IQ types whose blocks hold plain f16 scales: (type, byte offsets of the f16
+# fields in a block). Every other byte is random; the f16 fields are set to finite values so a
+# random NaN/inf scale does not make the comparison vacuous.
+KQUANT_SCALES = [
+    (Q.Q2_K, [80, 82]),
+    (Q.Q3_K, [108]),
+    (Q.Q4_K, [0, 2]),
+    (Q.Q5_K, [0, 2]),
+    (Q.Q6_K, [208]),
+    (Q.IQ4_NL, [0]),
+    (Q.IQ4_XS, [0]),
+    (Q.IQ2_XXS, [0]),
+    (Q.IQ2_XS, [0]),
+    (Q.IQ2_S, [0]),
+    (Q.IQ3_XXS, [0]),
+    (Q.IQ3_S, [0]),
+    (Q.IQ1_S, [0]),
+]
+
+
+def cmd_kquants(outdir, n_blocks=64, seed=3):
+    os.makedirs(outdir, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    entries = []
+    for qt, scale_at in KQUANT_SCALES:
+        _, type_size = gguf.GGML_QUANT_SIZES[qt]
+        raw = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
+        for off in scale_at:
+            # Both signs, magnitudes over six decades, a few exact zeros and subnormals.
+            mag = 10.0 ** rng.uniform(-6, 0, size=n_blocks)
+            sign = np.where(rng.integers(0, 2, size=n_blocks) == 0, -1.0, 1.0)
+            d = (mag * sign).astype(np.float16)
+            d[:2] = 0.0
+            raw[:, off:off + 2] = d.view(np.uint8).reshape(n_blocks, 2)
+        x = gguf.quants.dequantize(raw, qt)
+        assert np.isfinite(x).all(), qt.name
+        base = os.path.join(outdir, qt.name)
+        raw.tofile(base + ".bin")
+        np.ascontiguousarray(x, dtype="<f4").reshape(-1).tofile(base + ".f32")
+        entries.append({"type": int(qt), "name": qt.name, "blocks": n_blocks,
+                        "bytes": base + ".bin", "f32": base + ".f32"})
+    with open(os.path.join(outdir, "kquants.json"), "w") as f:
+        json.dump(entries, f)
+
+
 def cmd_sizes(out):
     with open(out, "w") as f:
         json.dump({str(int(t)): {"name": t.name, "block": b, "bytes": s}
@@ -159,6 +207,8 @@ def main(argv):
                 raise SystemExit(f"unknown option {rest[0]}")
             rest = rest[2:]
         cmd_dump(argv[1], argv[2], dq, only)
+    elif len(argv) >= 2 and argv[0] == "kquants":
+        cmd_kquants(argv[1])
     elif len(argv) >= 2 and argv[0] == "sizes":
         cmd_sizes(argv[1])
     else:

@@ -74,6 +74,17 @@ pub struct Expect {
     pub governors: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ddr_governor: Option<String>,
+    /// cpufreq policy → pinned rate (kHz); the DDR devfreq rate (Hz); the least read bandwidth
+    /// (GB/s) `memory.bandwidth` may measure.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub cpu_khz: std::collections::BTreeMap<String, u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ddr_hz: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub memory_read_gbs: Option<f64>,
+    /// The check ids the boot report must hold.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub checks: Vec<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -88,14 +88,11 @@ pub fn kernel(run: &mut Runner, ctx: &Ctx) -> Result<KernelOut> {
     Ok(k)
 }
 
-/// The fragment's options that the self-check looks for in the running kernel's config.
+/// The fragment's options that the self-check looks for in the running kernel's config: every
+/// option, `# CONFIG_X is not set` included, so the running kernel is held to both kinds.
 pub fn kernel_config(board: &Board) -> Result<Vec<String>> {
     let fragment = kernel::parse_fragment(&std::fs::read_to_string(board.kernel.fragment_path())?)?;
-    Ok(fragment
-        .iter()
-        .filter(|o| o.value.is_some())
-        .map(|o| o.line())
-        .collect())
+    Ok(fragment.iter().map(|o| o.line()).collect())
 }
 
 /// `kiln` for aarch64 and the board's NPU runtime library, as bytes.

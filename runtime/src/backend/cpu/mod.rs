@@ -21,17 +21,22 @@ use fast::{act_format, Activations, RowScratch};
 pub const CPU_TYPES: [GgmlType; 11] = DEQUANTIZABLE;
 
 /// What `prepare` hands back: the CPU reads the weight where it lies, so this only records the
-/// shape it was prepared for (checked again at run time) and that the bytes were borrowed.
+/// shape it was prepared for and the address range of the bytes (both checked again at run
+/// time, so the range the ledger checked against the mapping is the one that is read).
 #[derive(Debug)]
 pub struct CpuPrepared {
     pub ty: GgmlType,
     pub k: usize,
     pub n: usize,
+    pub data: std::ops::Range<usize>,
 }
 
 impl PreparedWeight for CpuPrepared {
     fn arrival(&self) -> Arrival {
         Arrival::Borrowed
+    }
+    fn reads_from(&self) -> Option<std::ops::Range<usize>> {
+        Some(self.data.clone())
     }
     fn as_any(&self) -> &dyn std::any::Any {
         self
@@ -57,6 +62,7 @@ fn cpu_prepare<'w>(backend: &str, w: &Weight<'w>) -> Result<Box<dyn PreparedWeig
         ty: w.ty,
         k: w.k,
         n: w.n,
+        data: crate::ledger::address_range(w.data),
     }))
 }
 
@@ -73,7 +79,18 @@ fn check_run(
 ) -> Result<usize> {
     let row = check_weight(backend, w)?;
     match prepared.as_any().downcast_ref::<CpuPrepared>() {
-        Some(p) if (p.ty, p.k, p.n) == (w.ty, w.k, w.n) => {}
+        Some(p) if (p.ty, p.k, p.n) == (w.ty, w.k, w.n) => {
+            if p.data != crate::ledger::address_range(w.data) {
+                bail!(
+                    "{backend}: {} was prepared over bytes at {:#x}..{:#x}, run over {:#x}..{:#x}",
+                    w.name,
+                    p.data.start,
+                    p.data.end,
+                    w.data.as_ptr() as usize,
+                    w.data.as_ptr() as usize + w.data.len()
+                );
+            }
+        }
         Some(p) => bail!(
             "{backend}: {} was prepared as {} {}×{}, run as {} {}×{}",
             w.name,

@@ -77,12 +77,22 @@ fn weight<'a>(ty: GgmlType, k: usize, n: usize, data: &'a [u8]) -> Weight<'a> {
 }
 
 fn run(backend: &dyn Backend, w: &Weight<'_>, a: &[f32], m: usize) -> Vec<f32> {
-    let p = backend.prepare(w).expect("prepare");
+    let (p, measured) = crate::ledger::measure(|| backend.prepare(w));
+    let p = p.expect("prepare");
     assert_eq!(
         p.arrival(),
         Arrival::Borrowed,
         "{} copied a weight",
         backend.name()
+    );
+    // Borrowed is measured, not taken on trust: the range it reads is the weight's, and
+    // prepare left no more than its bookkeeping allocated.
+    assert_eq!(p.reads_from(), Some(crate::ledger::address_range(w.data)));
+    assert!(
+        measured.heap_bytes <= crate::ledger::PREPARE_ALLOWANCE,
+        "{} prepare left {} bytes allocated",
+        backend.name(),
+        measured.heap_bytes
     );
     let mut c = vec![0.0f32; m * w.n];
     run_checked(backend, w, &*p, a, m, &mut c)
@@ -334,6 +344,14 @@ fn declines_and_bad_weights_are_named_errors() {
     // A prepared weight for another shape is refused.
     let w8 = weight(GgmlType::Q4_0, 64, 2, &good);
     assert!(cpu.run(&w8, &*p, &[0.0; 64], 1, &mut c[..2]).is_err());
+    // So is one prepared over other bytes: the range the ledger checked is the range read.
+    let other = good.clone();
+    let wo = weight(GgmlType::Q4_0, 32, 4, &other);
+    let err = cpu.run(&wo, &*p, &[0.0; 32], 1, &mut c).unwrap_err();
+    assert!(
+        format!("{err:#}").contains("was prepared over bytes at"),
+        "{err:#}"
+    );
 }
 
 #[test]

@@ -1,0 +1,402 @@
+//! `image.manifest`: the running system is the one the build recorded. The manifest
+//! (`/boot/kiln/manifest.json`) must be present and parse; then every file it pins is hashed as
+//! it is here and now and compared:
+//!
+//! - the runtime, through `/proc/self/exe` (the binary that is running, not a path's current
+//!   contents);
+//! - the NPU library actually loaded, found in `/proc/self/maps` (the manifest's path when this
+//!   process has not loaded one);
+//! - every file the manifest lists on the boot partition (`/Image`, the initramfs, the dtb,
+//!   `extlinux.conf`);
+//! - every model and the self-check fixture on `/models`, and no unlisted model there;
+//! - `/proc/cmdline`: the `append` line of the (hashed) `extlinux.conf`, word for word, with
+//!   only `kiln.*` words where `${kiln_args}` stands.
+//!
+//! A mismatch names the file and both hashes.
+
+use super::{Ctx, Outcome};
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+fn sha256_of(path: &Path) -> std::io::Result<String> {
+    let mut f = std::fs::File::open(path)?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(hex::encode(h.finalize()))
+}
+
+/// The file the NPU library this process mapped was loaded from, per `/proc/self/maps`: a
+/// mapped file named like the manifest's library or like what the backend loads
+/// (`KILN_RKNN_LIB`).
+fn loaded_npu_lib(maps: &Path, names: &[&str]) -> Option<PathBuf> {
+    let text = std::fs::read_to_string(maps).ok()?;
+    text.lines()
+        .filter_map(|l| l.split_whitespace().nth(5))
+        .find(|p| {
+            Path::new(p)
+                .file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| names.contains(&n))
+        })
+        .map(PathBuf::from)
+}
+
+struct Compare {
+    ok: Vec<String>,
+    bad: Vec<String>,
+}
+
+impl Compare {
+    fn file(&mut self, what: &str, path: &Path, want: Option<&str>) {
+        let Some(want) = want else {
+            self.bad
+                .push(format!("{what}: the manifest records no sha256 for it"));
+            return;
+        };
+        match sha256_of(path) {
+            Ok(got) if got == want => self.ok.push(format!("{what} sha256 {got}")),
+            Ok(got) => self.bad.push(format!(
+                "{what} ({}): sha256 {got}, manifest says {want}",
+                path.display()
+            )),
+            Err(e) => self
+                .bad
+                .push(format!("{what} ({}): cannot read: {e}", path.display())),
+        }
+    }
+}
+
+/// The words of `/proc/cmdline` must be the `append` line's, in order, with `${kiln_args}`
+/// standing for any number of `kiln.*` words.
+fn check_cmdline(extlinux: &str, cmdline: &str) -> Result<String, String> {
+    let append = extlinux
+        .lines()
+        .map(str::trim)
+        .find_map(|l| l.strip_prefix("append "))
+        .ok_or("extlinux.conf has no append line")?;
+    let want: Vec<&str> = append.split_whitespace().collect();
+    let got: Vec<&str> = cmdline.split_whitespace().collect();
+    let mut g = 0;
+    for w in &want {
+        if *w == "${kiln_args}" {
+            while g < got.len() && got[g].starts_with("kiln.") {
+                g += 1;
+            }
+            continue;
+        }
+        if got.get(g) != Some(w) {
+            return Err(format!(
+                "/proc/cmdline {cmdline:?} is not the pinned command line {append:?}: \
+                 word {} is {:?}, pinned {w:?}",
+                g + 1,
+                got.get(g).copied().unwrap_or("(end)")
+            ));
+        }
+        g += 1;
+    }
+    if g != got.len() {
+        return Err(format!(
+            "/proc/cmdline {cmdline:?} has words the pinned command line {append:?} does not: {:?}",
+            &got[g..]
+        ));
+    }
+    Ok(format!(
+        "/proc/cmdline {:?} is the pinned {append:?}",
+        cmdline.trim()
+    ))
+}
+
+pub fn manifest(ctx: &Ctx) -> Outcome {
+    if let Err(skip) = ctx.board() {
+        return skip;
+    }
+    let path = ctx.paths.manifest();
+    let m: Value = match std::fs::read(&path)
+        .map_err(|e| e.to_string())
+        .and_then(|b| serde_json::from_slice(&b).map_err(|e| e.to_string()))
+    {
+        Ok(v) => v,
+        Err(e) => {
+            return Outcome::fail(
+                format!("manifest {} is missing or unreadable: {e}", path.display()),
+                vec![],
+            )
+        }
+    };
+    if m["kiln_manifest"].as_u64() != Some(1) {
+        return Outcome::fail(
+            format!(
+                "{}: not a kiln manifest (kiln_manifest != 1)",
+                path.display()
+            ),
+            vec![],
+        );
+    }
+    let mut c = Compare {
+        ok: vec![format!(
+            "manifest {} (board {}, commit {})",
+            path.display(),
+            m["board"].as_str().unwrap_or("?"),
+            m["commit"].as_str().unwrap_or("?")
+        )],
+        bad: Vec::new(),
+    };
+
+    // The runtime that is running.
+    let runtime = m["runtime"]["path"].as_str().unwrap_or("/usr/bin/kiln");
+    c.file(
+        &format!("{runtime} (running, via /proc/self/exe)"),
+        &ctx.paths.proc.join("self/exe"),
+        m["runtime"]["sha256"].as_str(),
+    );
+
+    // The NPU library: the one this process loaded, else the manifest's path.
+    if let Some(npu) = m["npu_runtime"].as_object() {
+        let pinned = npu.get("path").and_then(Value::as_str).unwrap_or("");
+        let name = Path::new(pinned)
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or("librknnrt.so");
+        let want = npu.get("sha256").and_then(Value::as_str);
+        let backend_lib = crate::backend::npu::ffi::default_lib_path();
+        let backend_name = backend_lib
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or(name);
+        match loaded_npu_lib(&ctx.paths.proc.join("self/maps"), &[name, backend_name]) {
+            Some(p) => c.file(&format!("{} (loaded)", p.display()), &p, want),
+            None => c.file(
+                &format!("{pinned} (not loaded by this process)"),
+                &ctx.paths.root.join(pinned.trim_start_matches('/')),
+                want,
+            ),
+        }
+    }
+
+    // The boot partition's files.
+    match m["boot"]["files"].as_object() {
+        Some(files) if !files.is_empty() => {
+            for (rel, v) in files {
+                let p = ctx.paths.boot.join(rel.trim_start_matches('/'));
+                c.file(&format!("/boot{rel}"), &p, v["sha256"].as_str());
+            }
+        }
+        _ => c.bad.push("the manifest lists no boot files".into()),
+    }
+
+    // Models: every listed one present and equal, nothing unlisted.
+    let mut listed: Vec<(String, Option<String>)> = m["models"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|x| {
+            (
+                x["name"].as_str().unwrap_or("").to_string(),
+                x["sha256"].as_str().map(str::to_string),
+            )
+        })
+        .collect();
+    if let Some(name) = m["fixture"]["name"].as_str() {
+        listed.push((
+            name.to_string(),
+            m["fixture"]["sha256"].as_str().map(str::to_string),
+        ));
+    }
+    let models_dir = ctx
+        .paths
+        .models
+        .first()
+        .cloned()
+        .unwrap_or_else(|| ctx.paths.root.join("models"));
+    for (name, sha) in &listed {
+        c.file(
+            &format!("/models/{name}"),
+            &models_dir.join(name),
+            sha.as_deref(),
+        );
+    }
+    let on_disk = std::fs::read_dir(&models_dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.path().is_file())
+        .filter_map(|e| e.file_name().to_str().map(str::to_string));
+    for f in on_disk {
+        if !listed.iter().any(|(n, _)| *n == f) {
+            c.bad.push(format!(
+                "/models/{f} is not in the manifest (sha256 {})",
+                sha256_of(&models_dir.join(&f)).unwrap_or_else(|e| e.to_string())
+            ));
+        }
+    }
+
+    // The command line.
+    let extlinux = std::fs::read_to_string(ctx.paths.boot.join("extlinux/extlinux.conf"));
+    let cmdline = std::fs::read_to_string(ctx.paths.proc.join("cmdline"));
+    match (extlinux, cmdline) {
+        (Ok(e), Ok(cl)) => match check_cmdline(&e, &cl) {
+            Ok(line) => c.ok.push(line),
+            Err(why) => c.bad.push(why),
+        },
+        (Err(e), _) => c
+            .bad
+            .push(format!("/boot/extlinux/extlinux.conf: cannot read: {e}")),
+        (_, Err(e)) => c.bad.push(format!("/proc/cmdline: cannot read: {e}")),
+    }
+
+    if c.bad.is_empty() {
+        Outcome::pass(c.ok)
+    } else {
+        let reason = c.bad.join("; ");
+        c.bad.extend(c.ok);
+        Outcome::fail(reason, c.bad)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::board::Board;
+    use super::super::testutil::FakeRoot;
+    use super::super::{Ctx, Paths, Status};
+    use super::*;
+
+    fn hex_of(b: &[u8]) -> String {
+        hex::encode(Sha256::digest(b))
+    }
+
+    const EXTLINUX: &str = "default kiln\nlabel kiln\n    kernel /Image\n    append console=ttyAMA0 panic=-1 ${kiln_args}\n";
+
+    /// A fake booted system and the manifest that describes it.
+    fn system(root: &FakeRoot) -> Value {
+        let exe = root.file("usr/bin/kiln", b"the kiln binary");
+        std::fs::create_dir_all(root.join("proc/self")).unwrap();
+        std::os::unix::fs::symlink(&exe, root.join("proc/self/exe")).unwrap();
+        let lib = root.file("usr/lib/librknnrt.so", b"the npu library");
+        root.file(
+            "proc/self/maps",
+            format!(
+                "7f0000-7f1000 r-xp 00000000 00:00 1  {}\n7f2000-7f3000 rw-p 00000000 00:00 0 \n",
+                lib.display()
+            ),
+        );
+        root.file("proc/cmdline", "console=ttyAMA0 panic=-1 kiln.mode=test\n");
+        root.file("boot/Image", b"kernel");
+        root.file("boot/initramfs.cpio.gz", b"initramfs");
+        root.file("boot/extlinux/extlinux.conf", EXTLINUX);
+        root.file("models/model.gguf", b"weights");
+        root.file("models/selftest.gguf", b"fixture");
+        let m = serde_json::json!({
+            "kiln_manifest": 1, "board": "test", "commit": "abc",
+            "runtime": {"path": "/usr/bin/kiln", "sha256": hex_of(b"the kiln binary")},
+            "npu_runtime": {"path": "/usr/lib/librknnrt.so", "sha256": hex_of(b"the npu library")},
+            "boot": {"files": {
+                "/Image": {"sha256": hex_of(b"kernel")},
+                "/initramfs.cpio.gz": {"sha256": hex_of(b"initramfs")},
+                "/extlinux/extlinux.conf": {"sha256": hex_of(EXTLINUX.as_bytes())},
+            }},
+            "models": [{"name": "model.gguf", "sha256": hex_of(b"weights")}],
+            "fixture": {"name": "selftest.gguf", "sha256": hex_of(b"fixture")},
+        });
+        write_manifest(root, &m);
+        m
+    }
+
+    fn write_manifest(root: &FakeRoot, m: &Value) {
+        root.file(
+            "boot/kiln/manifest.json",
+            serde_json::to_vec_pretty(m).unwrap(),
+        );
+    }
+
+    fn ctx(root: &FakeRoot) -> Ctx {
+        Ctx {
+            paths: Paths::under(root),
+            board: Some(
+                Board::parse("[board]\nname = \"test\"\n").expect("minimal board file parses"),
+            ),
+            ..Ctx::default()
+        }
+    }
+
+    #[test]
+    fn the_system_the_manifest_describes_passes() {
+        let root = FakeRoot::new();
+        system(&root);
+        let o = manifest(&ctx(&root));
+        assert_eq!(o.status, Status::Pass, "{o:?}");
+        assert!(o.evidence.iter().any(|e| e.contains("(loaded)")), "{o:?}");
+        // Without a board there is nothing pinned: skip.
+        let host = Ctx {
+            paths: Paths::under(&root),
+            ..Ctx::default()
+        };
+        assert_eq!(manifest(&host).status, Status::Skip);
+    }
+
+    #[test]
+    fn each_difference_fails_naming_the_file_and_both_hashes() {
+        // A manifest edited to another kiln hash.
+        let root = FakeRoot::new();
+        let mut m = system(&root);
+        m["runtime"]["sha256"] = Value::from("00".repeat(32));
+        write_manifest(&root, &m);
+        let o = manifest(&ctx(&root));
+        assert_eq!(o.status, Status::Fail, "{o:?}");
+        let r = o.reason.unwrap();
+        assert!(
+            r.contains("/usr/bin/kiln")
+                && r.contains(&"00".repeat(32))
+                && r.contains(&hex_of(b"the kiln binary")),
+            "{r}"
+        );
+
+        // No manifest, and one that does not parse.
+        let root = FakeRoot::new();
+        system(&root);
+        root.remove("boot/kiln/manifest.json");
+        let o = manifest(&ctx(&root));
+        assert_eq!(o.status, Status::Fail, "{o:?}");
+        assert!(o.reason.unwrap().contains("missing or unreadable"));
+        root.file("boot/kiln/manifest.json", "{not json");
+        assert_eq!(manifest(&ctx(&root)).status, Status::Fail);
+
+        // A flipped byte in a model, an unlisted model, a changed kernel, another library.
+        for (what, rel, contents) in [
+            ("model", "models/model.gguf", &b"weightS"[..]),
+            ("unlisted", "models/extra.gguf", b"x"),
+            ("kernel", "boot/Image", b"kernel2"),
+            ("library", "usr/lib/librknnrt.so", b"the stand-in"),
+        ] {
+            let root = FakeRoot::new();
+            system(&root);
+            root.file(rel, contents);
+            let o = manifest(&ctx(&root));
+            assert_eq!(o.status, Status::Fail, "{what}: {o:?}");
+            let name = rel.rsplit('/').next().unwrap();
+            assert!(o.reason.unwrap().contains(name), "{what}");
+        }
+
+        // A command line with a word that is not pinned, or missing one.
+        for cl in [
+            "console=ttyAMA0 panic=-1 kiln.mode=test init=/bin/sh",
+            "console=ttyS0 panic=-1",
+            "console=ttyAMA0",
+        ] {
+            let root = FakeRoot::new();
+            system(&root);
+            root.file("proc/cmdline", cl);
+            let o = manifest(&ctx(&root));
+            assert_eq!(o.status, Status::Fail, "{cl}: {o:?}");
+            assert!(o.reason.unwrap().contains("/proc/cmdline"), "{cl}");
+        }
+    }
+}
