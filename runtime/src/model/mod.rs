@@ -350,7 +350,14 @@ impl<'m> Model<'m> {
                 t.name
             );
             if !in_plan.contains(t.name) {
-                ledger.record("CPU", t.name, t.data.len() as u64, Arrival::Borrowed);
+                // No prepare runs for these: the CPU reads the slice where it lies, and the
+                // ledger checks that address range against the registered mapping.
+                let ev = crate::ledger::Evidence {
+                    declared: Arrival::Borrowed,
+                    reads: Some(crate::ledger::address_range(t.data)),
+                    measured: crate::ledger::Measurement::default(),
+                };
+                ledger.record("CPU", t.name, t.data.len() as u64, &ev);
             }
         }
         let output = mats.pop().context("no output weight")?;
