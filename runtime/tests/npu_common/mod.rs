@@ -30,6 +30,7 @@ pub fn backend(lib_var: &str) -> NpuBackend {
         lib_path: standin(lib_var),
         devroot: no_devices(),
         min_m: 8,
+        budget: kiln_runtime::backend::npu::DEFAULT_BUDGET,
     })
 }
 
