@@ -124,6 +124,7 @@ pub fn plan<'w>(
             at_m: Vec::new(),
         };
         let mut kept = None;
+        let mut prepare_declines: Vec<Declined> = Vec::new();
         for b in backends {
             if let Err(decline) = b.supports(&MatmulOp::for_weight(w, own_m)) {
                 wp.declined.push(Declined {
@@ -149,10 +150,14 @@ pub fn plan<'w>(
                 }
                 // A refusal found while preparing (budget, range, layout) is a decline.
                 Err(e) => match e.downcast_ref::<Decline>() {
-                    Some(d) => wp.declined.push(Declined {
-                        backend: b.name().to_string(),
-                        decline: d.clone(),
-                    }),
+                    Some(d) => {
+                        let d = Declined {
+                            backend: b.name().to_string(),
+                            decline: d.clone(),
+                        };
+                        wp.declined.push(d.clone());
+                        prepare_declines.push(d);
+                    }
                     None => wp
                         .prepare_errors
                         .push((b.name().to_string(), format!("{e:#}"))),
@@ -166,6 +171,12 @@ pub fn plan<'w>(
                 declined: Vec::new(),
             };
             for b in backends {
+                // A backend that refused the weight when preparing it cannot run its ops.
+                let at_prepare = prepare_declines.iter().find(|d| d.backend == b.name());
+                if let Some(d) = at_prepare {
+                    at.declined.push(d.clone());
+                    continue;
+                }
                 match b.supports(&MatmulOp::for_weight(w, m)) {
                     Ok(()) => {
                         at.backend = Some(b.name().to_string());
@@ -615,6 +626,7 @@ mod tests {
             devroot: std::env::temp_dir(),
             min_m: 8,
             budget: crate::backend::npu::DEFAULT_BUDGET,
+            omit_sync: None,
         });
         let cpu = CpuRefBackend;
         let data = vec![0u8; 64 * 32 * 2];

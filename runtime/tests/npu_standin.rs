@@ -127,6 +127,7 @@ fn missing_library_is_no_device() {
         devroot: no_devices(),
         min_m: 8,
         budget: kiln_runtime::backend::npu::DEFAULT_BUDGET,
+        omit_sync: None,
     });
     assert_eq!(b.probe().unwrap_err().kind(), "NoDevice");
 }

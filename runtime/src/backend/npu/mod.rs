@@ -69,6 +69,20 @@ pub struct NpuConfig {
     /// Bytes of NPU memory converted weights may take (capped at [`IOMMU_DOMAIN`]):
     /// `KILN_NPU_BUDGET_MIB`, else [`DEFAULT_BUDGET`].
     pub budget: u64,
+    /// Fault injection for tests: skip this cache sync, as a backend that forgot it would (the
+    /// non-coherent stand-in then gives stale operands or results, which the run must catch).
+    pub omit_sync: Option<SyncPoint>,
+}
+
+/// The cache syncs a run depends on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SyncPoint {
+    /// TO_DEVICE after converting B (prepare).
+    B,
+    /// TO_DEVICE after writing A (every run).
+    A,
+    /// FROM_DEVICE before reading C (every run).
+    C,
 }
 
 /// `KILN_NPU_BUDGET_MIB` in bytes, else [`DEFAULT_BUDGET`]. A value that does not parse is an
@@ -92,6 +106,7 @@ impl Default for NpuConfig {
             min_m: DEFAULT_MIN_M,
             // A bad variable is reported by `kiln plan`, which reads it with `budget_from_env`.
             budget: budget_from_env().unwrap_or(DEFAULT_BUDGET),
+            omit_sync: None,
         }
     }
 }
@@ -764,11 +779,13 @@ impl Backend for NpuBackend {
                     blk.b = (l.lib.create_mem)(h.ctx, size);
                     let out = mem_bytes(blk.b, kc * nc * kind.elem(), "B").with_context(what)?;
                     layout::pack_native_into(out, &rows, kind.elem(), tile, (k0, kc), (n0, nc));
-                    check(
-                        "rknn_mem_sync(B, TO_DEVICE)",
-                        (l.lib.mem_sync)(h.ctx, blk.b, ffi::SYNC_TO_DEVICE),
-                    )
-                    .with_context(what)?;
+                    if self.cfg.omit_sync != Some(SyncPoint::B) {
+                        check(
+                            "rknn_mem_sync(B, TO_DEVICE)",
+                            (l.lib.mem_sync)(h.ctx, blk.b, ffi::SYNC_TO_DEVICE),
+                        )
+                        .with_context(what)?;
+                    }
                     check(
                         "rknn_matmul_set_io_mem(B)",
                         (l.lib.matmul_set_io_mem)(h.ctx, blk.b, &mut h.io.b),
@@ -908,11 +925,13 @@ impl Backend for NpuBackend {
                         }
                     }
                 }
-                check(
-                    "rknn_mem_sync(A, TO_DEVICE)",
-                    (p.lib.mem_sync)(mc.ctx, mc.a, ffi::SYNC_TO_DEVICE),
-                )
-                .with_context(|| where_.clone())?;
+                if self.cfg.omit_sync != Some(SyncPoint::A) {
+                    check(
+                        "rknn_mem_sync(A, TO_DEVICE)",
+                        (p.lib.mem_sync)(mc.ctx, mc.a, ffi::SYNC_TO_DEVICE),
+                    )
+                    .with_context(|| where_.clone())?;
+                }
                 // The library takes A in here, not at run: bind it after every write.
                 check(
                     "rknn_matmul_set_io_mem(A)",
@@ -930,11 +949,13 @@ impl Backend for NpuBackend {
                 .with_context(|| where_.clone())?;
                 check("rknn_matmul_run", (p.lib.matmul_run)(mc.ctx))
                     .with_context(|| where_.clone())?;
-                check(
-                    "rknn_mem_sync(C, FROM_DEVICE)",
-                    (p.lib.mem_sync)(mc.ctx, mc.c, ffi::SYNC_FROM_DEVICE),
-                )
-                .with_context(|| where_.clone())?;
+                if self.cfg.omit_sync != Some(SyncPoint::C) {
+                    check(
+                        "rknn_mem_sync(C, FROM_DEVICE)",
+                        (p.lib.mem_sync)(mc.ctx, mc.c, ffi::SYNC_FROM_DEVICE),
+                    )
+                    .with_context(|| where_.clone())?;
+                }
                 let cbuf = mem_bytes(mc.c, rows * blk_nc * 4, "C")?;
                 let word = |i: usize, j: usize| {
                     let o = (i * blk_nc + j) * 4;
