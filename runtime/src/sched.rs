@@ -627,6 +627,7 @@ mod tests {
             min_m: 8,
             budget: crate::backend::npu::DEFAULT_BUDGET,
             omit_sync: None,
+            int8_bar: crate::backend::npu::INT8_BAR,
         });
         let cpu = CpuRefBackend;
         let data = vec![0u8; 64 * 32 * 2];

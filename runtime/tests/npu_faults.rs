@@ -123,7 +123,10 @@ fn tile_and_memory_faults_are_caught() {
         data: &data,
     };
     let b = backend("KILN_RKNN_STANDIN");
-    let e = format!("{:#}", b.prepare(&w).err().expect("over the library's memory"));
+    let e = format!(
+        "{:#}",
+        b.prepare(&w).err().expect("over the library's memory")
+    );
     std::env::remove_var("KILN_RKNN_STANDIN_MEM_MIB");
     assert!(e.contains("rknn_create_mem for B returned NULL"), "{e}");
     assert!(e.contains("big.weight"), "{e}");

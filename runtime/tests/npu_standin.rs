@@ -128,6 +128,7 @@ fn missing_library_is_no_device() {
         min_m: 8,
         budget: kiln_runtime::backend::npu::DEFAULT_BUDGET,
         omit_sync: None,
+        int8_bar: kiln_runtime::backend::npu::INT8_BAR,
     });
     assert_eq!(b.probe().unwrap_err().kind(), "NoDevice");
 }

@@ -87,6 +87,12 @@ pub enum Decline {
     LayoutMismatch {
         why: String,
     },
+    /// The int8 path's estimated NMSE for this op (activation rows and weight requantised to
+    /// per-row int8) is above the bar; both as `{:.2e}` text.
+    Int8Accuracy {
+        estimate: String,
+        bar: String,
+    },
 }
 
 /// A decline is also an error, so that a run can refuse an op and the caller can tell a refusal
@@ -107,6 +113,7 @@ impl Decline {
             Decline::NpuMemory { .. } => "NpuMemory",
             Decline::Fp16Range { .. } => "Fp16Range",
             Decline::LayoutMismatch { .. } => "LayoutMismatch",
+            Decline::Int8Accuracy { .. } => "Int8Accuracy",
         }
     }
 }
@@ -132,6 +139,9 @@ impl fmt::Display for Decline {
             Decline::Fp16Range { max } if *max == u64::MAX => write!(f, "Fp16Range{{max: inf}}"),
             Decline::Fp16Range { max } => write!(f, "Fp16Range{{max: {max}, limit: 65504}}"),
             Decline::LayoutMismatch { why } => write!(f, "LayoutMismatch({why})"),
+            Decline::Int8Accuracy { estimate, bar } => {
+                write!(f, "Int8Accuracy{{estimated NMSE: {estimate}, bar: {bar}}}")
+            }
         }
     }
 }

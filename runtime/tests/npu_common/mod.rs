@@ -37,6 +37,7 @@ pub fn backend_with(lib_var: &str, f: impl FnOnce(&mut NpuConfig)) -> NpuBackend
         min_m: 8,
         budget: kiln_runtime::backend::npu::DEFAULT_BUDGET,
         omit_sync: None,
+        int8_bar: kiln_runtime::backend::npu::INT8_BAR,
     };
     f(&mut cfg);
     NpuBackend::new(cfg)

@@ -72,7 +72,14 @@ pub struct NpuConfig {
     /// Fault injection for tests: skip this cache sync, as a backend that forgot it would (the
     /// non-coherent stand-in then gives stale operands or results, which the run must catch).
     pub omit_sync: Option<SyncPoint>,
+    /// The int8 path's accuracy bar: an op whose estimated NMSE (the worst activation row's
+    /// int8 error plus the weight's requantisation error) is above it is declined as
+    /// `Int8Accuracy` and runs elsewhere. Default [`INT8_BAR`].
+    pub int8_bar: f64,
 }
+
+/// llama.cpp's MUL_MAT NMSE bar (test-backend-ops), the accuracy the int8 path must keep.
+pub const INT8_BAR: f64 = 5e-4;
 
 /// The cache syncs a run depends on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -107,6 +114,7 @@ impl Default for NpuConfig {
             // A bad variable is reported by `kiln plan`, which reads it with `budget_from_env`.
             budget: budget_from_env().unwrap_or(DEFAULT_BUDGET),
             omit_sync: None,
+            int8_bar: INT8_BAR,
         }
     }
 }
@@ -869,10 +877,28 @@ impl Backend for NpuBackend {
             Kind::I8 => {
                 let mut q = Vec::with_capacity(a.len());
                 let mut s = Vec::with_capacity(m);
+                let mut worst_row = 0f64;
                 for row in a.chunks_exact(k) {
                     let (qr, sr) = layout::quantize_sym(row);
+                    let (mut err, mut norm) = (0f64, 0f64);
+                    for (v, qv) in row.iter().zip(&qr) {
+                        err += (*v as f64 - *qv as f64 * sr as f64).powi(2);
+                        norm += (*v as f64).powi(2);
+                    }
+                    if norm > 0.0 {
+                        worst_row = worst_row.max(err / norm);
+                    }
                     q.extend(qr);
                     s.push(sr);
+                }
+                // Independent errors of A and B add in a dot product's relative error.
+                let estimate = worst_row + p.requant_nmse.unwrap_or(0.0);
+                if estimate > self.cfg.int8_bar {
+                    return Err(anyhow::Error::new(Decline::Int8Accuracy {
+                        estimate: format!("{estimate:.2e}"),
+                        bar: format!("{:.2e}", self.cfg.int8_bar),
+                    })
+                    .context(format!("npu declines {} at M={m}", w.name)));
                 }
                 (vec![], q, s)
             }
