@@ -5,12 +5,23 @@
 //! Ownership is decided at the largest M asked about (prefill is where locality matters): the
 //! first backend that supports the op there and prepares the weight owns it, and the ledger
 //! records how its bytes arrived. Per M, the first backend that supports the op claims it.
+//!
+//! A backend may also decline when preparing (the NPU: `NpuMemory` when its budget is spent,
+//! `Fp16Range`, `LayoutMismatch`) or when running (`Fp16Range` for activations beyond fp16):
+//! those are declines too, recorded with their reason, and the next backend takes the weight
+//! ([`plan`]) or the op ([`run_with_fallback`], counted in a [`RunLog`]).
+//!
+//! NPU memory policy: weights are prepared in the model's order (GGUF order: the embedding
+//! first, then layer by layer), and all of them stay prepared until the plan is complete, so
+//! each takes its converted bytes from what the earlier ones left; one that does not fit is
+//! declined with `NpuMemory { need, left }` and the next weight is tried.
 
 use crate::backend::{Backend, Capabilities, Decline, MatmulOp, PreparedWeight, Weight};
-use crate::ledger::{Evidence, Ledger};
+use crate::ledger::{Arrival, Evidence, Ledger};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
+use std::sync::Mutex;
 
 /// A backend that declined, and why.
 #[derive(Clone, Debug, Serialize)]
@@ -36,6 +47,10 @@ pub struct WeightPlan {
     pub n: usize,
     pub bytes: u64,
     pub owner: Option<String>,
+    /// Bytes the owner converted into its own layout (the NPU: converted B in NPU memory).
+    pub converted_bytes: u64,
+    /// NPU int8 path (Q8_0): NMSE of the per-row int8 requantisation against the weight.
+    pub int8_requant_nmse: Option<f64>,
     /// Why the backends before the owner did not take it.
     pub declined: Vec<Declined>,
     /// Backends that accepted the op but failed to prepare the weight.
@@ -56,6 +71,11 @@ pub struct Plan<'w> {
     pub probes: Vec<Probe>,
     pub weights: Vec<WeightPlan>,
     pub ledger: Ledger,
+    /// The NPU's memory budget in bytes, when the plan was made with one (see [`plan_report`]).
+    pub npu_budget: Option<u64>,
+    /// Declines at run time ([`run_with_fallback`]); part of the coverage table.
+    #[serde(skip)]
+    pub runs: RunLog,
     /// The owners' prepared weights, in `weights` order, when asked to keep them.
     #[serde(skip)]
     pub prepared: Vec<Option<Box<dyn PreparedWeight + 'w>>>,
@@ -97,11 +117,14 @@ pub fn plan<'w>(
             n: w.n,
             bytes: w.data.len() as u64,
             owner: None,
+            converted_bytes: 0,
+            int8_requant_nmse: None,
             declined: Vec::new(),
             prepare_errors: Vec::new(),
             at_m: Vec::new(),
         };
         let mut kept = None;
+        let mut prepare_declines: Vec<Declined> = Vec::new();
         for b in backends {
             if let Err(decline) = b.supports(&MatmulOp::for_weight(w, own_m)) {
                 wp.declined.push(Declined {
@@ -113,21 +136,38 @@ pub fn plan<'w>(
             let (prepared, measured) = crate::ledger::measure(|| b.prepare(w));
             match prepared {
                 Ok(p) => {
+                    let arrival = p.arrival();
                     let ev = Evidence {
-                        declared: p.arrival(),
+                        declared: arrival,
                         reads: p.reads_from(),
                         measured,
                     };
                     ledger.record(&ledger_name(b.name()), w.name, w.data.len() as u64, &ev);
-                    wp.owner = Some(b.name().to_string());
-                    if keep_prepared {
-                        kept = Some(p);
+                    if let Arrival::Converted { bytes } = arrival {
+                        wp.converted_bytes = bytes;
                     }
+                    wp.int8_requant_nmse = p
+                        .as_any()
+                        .downcast_ref::<crate::backend::npu::NpuPrepared>()
+                        .and_then(|n| n.requant_nmse());
+                    wp.owner = Some(b.name().to_string());
+                    kept = Some(p);
                     break;
                 }
-                Err(e) => wp
-                    .prepare_errors
-                    .push((b.name().to_string(), format!("{e:#}"))),
+                // A refusal found while preparing (budget, range, layout) is a decline.
+                Err(e) => match e.downcast_ref::<Decline>() {
+                    Some(d) => {
+                        let d = Declined {
+                            backend: b.name().to_string(),
+                            decline: d.clone(),
+                        };
+                        wp.declined.push(d.clone());
+                        prepare_declines.push(d);
+                    }
+                    None => wp
+                        .prepare_errors
+                        .push((b.name().to_string(), format!("{e:#}"))),
+                },
             }
         }
         for &m in &ms {
@@ -137,6 +177,12 @@ pub fn plan<'w>(
                 declined: Vec::new(),
             };
             for b in backends {
+                // A backend that refused the weight when preparing it cannot run its ops.
+                let at_prepare = prepare_declines.iter().find(|d| d.backend == b.name());
+                if let Some(d) = at_prepare {
+                    at.declined.push(d.clone());
+                    continue;
+                }
                 match b.supports(&MatmulOp::for_weight(w, m)) {
                     Ok(()) => {
                         at.backend = Some(b.name().to_string());
@@ -150,10 +196,13 @@ pub fn plan<'w>(
             }
             wp.at_m.push(at);
         }
-        if keep_prepared {
-            prepared.push(kept);
-        }
+        // Kept until the plan is complete either way: a prepared weight holds its backend's
+        // memory, and the next weight must see what is left.
+        prepared.push(kept);
         out.push(wp);
+    }
+    if !keep_prepared {
+        prepared.clear();
     }
     Plan {
         ms,
@@ -161,7 +210,84 @@ pub fn plan<'w>(
         probes,
         weights: out,
         ledger,
+        npu_budget: None,
+        runs: RunLog::default(),
         prepared,
+    }
+}
+
+/// Run-time counts: ops each backend ran, and declines by backend and reason.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct RunCounts {
+    pub ran: BTreeMap<String, u64>,
+    pub declined: BTreeMap<String, BTreeMap<String, u64>>,
+    /// The first decline of each backend and reason, with the weight: `weight: reason`.
+    pub examples: BTreeMap<String, String>,
+}
+
+/// What [`run_with_fallback`] counted; shared by the threads of a forward pass.
+#[derive(Debug, Default)]
+pub struct RunLog(Mutex<RunCounts>);
+
+impl RunLog {
+    pub fn counts(&self) -> RunCounts {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+    fn ran(&self, backend: &str) {
+        let mut c = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        *c.ran.entry(backend.to_string()).or_default() += 1;
+    }
+    fn declined(&self, backend: &str, weight: &str, d: &Decline) {
+        let mut c = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        *c.declined
+            .entry(backend.to_string())
+            .or_default()
+            .entry(d.kind().to_string())
+            .or_default() += 1;
+        c.examples
+            .entry(format!("{backend} {}", d.kind()))
+            .or_insert_with(|| format!("{weight}: {d}"));
+    }
+}
+
+/// Run one op on `primary` (through [`crate::backend::run_checked`]); if it refuses the op with
+/// a [`Decline`] (the NPU's `Fp16Range`), run it on `fallback` instead, preparing the weight
+/// there (the CPU borrows the mapping: no copy). The decline is counted in `log`; an error that
+/// is not a decline is returned as it is. Returns the name of the backend that ran the op.
+#[allow(clippy::too_many_arguments)]
+pub fn run_with_fallback(
+    primary: &dyn Backend,
+    prepared: &dyn PreparedWeight,
+    fallback: &dyn Backend,
+    w: &Weight<'_>,
+    a: &[f32],
+    m: usize,
+    c: &mut [f32],
+    log: &RunLog,
+) -> anyhow::Result<&'static str> {
+    use anyhow::Context;
+    match crate::backend::run_checked(primary, w, prepared, a, m, c) {
+        Ok(()) => {
+            log.ran(primary.name());
+            Ok(primary.name())
+        }
+        Err(e) => {
+            let Some(d) = e.downcast_ref::<Decline>() else {
+                return Err(e);
+            };
+            log.declined(primary.name(), w.name, d);
+            let fp = fallback.prepare(w).with_context(|| {
+                format!(
+                    "{} declined {} ({d}); {} cannot prepare it",
+                    primary.name(),
+                    w.name,
+                    fallback.name()
+                )
+            })?;
+            crate::backend::run_checked(fallback, w, fp.as_ref(), a, m, c)?;
+            log.ran(fallback.name());
+            Ok(fallback.name())
+        }
     }
 }
 
@@ -190,6 +316,11 @@ pub struct Table {
     pub coverage: BTreeMap<String, Coverage>,
     /// Backend name → reason kind → counts.
     pub declines: BTreeMap<String, BTreeMap<String, ReasonCount>>,
+    /// Ops run and declined at run time, if any ran through [`run_with_fallback`].
+    pub runs: RunCounts,
+    /// NPU memory: converted bytes of the weights the NPU owns, against its budget.
+    pub npu_bytes: u64,
+    pub npu_budget: Option<u64>,
 }
 
 impl Plan<'_> {
@@ -245,6 +376,14 @@ impl Plan<'_> {
             total_bytes: self.weights.iter().map(|w| w.bytes).sum(),
             coverage,
             declines,
+            runs: self.runs.counts(),
+            npu_bytes: self
+                .weights
+                .iter()
+                .filter(|w| w.owner.as_deref() == Some("npu"))
+                .map(|w| w.converted_bytes)
+                .sum(),
+            npu_budget: self.npu_budget,
         }
     }
 
@@ -333,6 +472,68 @@ impl Plan<'_> {
                 }
             }
         }
+        if !t.runs.ran.is_empty() || !t.runs.declined.is_empty() {
+            let _ = writeln!(s, "\nat run time:");
+            for (b, n) in &t.runs.ran {
+                let _ = writeln!(s, "  ran on {b:<8} {n:>8} ops");
+            }
+            for (b, reasons) in &t.runs.declined {
+                for (r, n) in reasons {
+                    let eg = t.runs.examples.get(&format!("{b} {r}"));
+                    let _ = writeln!(
+                        s,
+                        "  declined by {b} {r:<14} {n:>8} ops (fell back; e.g. {})",
+                        eg.map(String::as_str).unwrap_or("-")
+                    );
+                }
+            }
+        }
+        let npu_owned: Vec<&WeightPlan> = self
+            .weights
+            .iter()
+            .filter(|w| w.owner.as_deref() == Some("npu"))
+            .collect();
+        if !npu_owned.is_empty() || self.npu_budget.is_some() {
+            let _ = writeln!(s, "\nNPU memory (converted B, one copy per weight):");
+            for w in &npu_owned {
+                let _ = write!(
+                    s,
+                    "  {:<28} {:<5} K={:<6} N={:<6} {:>9.2} MiB",
+                    w.name,
+                    w.ty,
+                    w.k,
+                    w.n,
+                    mib(w.converted_bytes)
+                );
+                if let Some(e) = w.int8_requant_nmse {
+                    let _ = write!(s, "  int8 per-row requant NMSE {e:.2e}");
+                }
+                s.push('\n');
+            }
+            let declined_mem = self
+                .weights
+                .iter()
+                .filter(|w| w.declined.iter().any(|d| d.decline.kind() == "NpuMemory"))
+                .count();
+            let _ = write!(
+                s,
+                "  NPU total {:.2} MiB for {} weights",
+                mib(t.npu_bytes),
+                npu_owned.len()
+            );
+            match t.npu_budget {
+                Some(b) => {
+                    let _ = writeln!(
+                        s,
+                        " of budget {:.2} MiB ({:.2} MiB left; {declined_mem} weights declined \
+                         as NpuMemory)",
+                        mib(b),
+                        mib(b.saturating_sub(t.npu_bytes))
+                    );
+                }
+                None => s.push('\n'),
+            }
+        }
         let errors: Vec<&WeightPlan> = self
             .weights
             .iter()
@@ -370,17 +571,38 @@ pub fn matmul_weights(f: &crate::gguf::GgufFile) -> Vec<Weight<'_>> {
         .collect()
 }
 
-/// What `kiln plan` prints: the coverage table (or the plan as JSON) for `file` at `ms`.
+/// What `kiln plan` prints: the coverage table (or the plan as JSON) for `file` at `ms`, with
+/// the NPU budget from `KILN_NPU_BUDGET_MIB` (else 1 GiB).
 pub fn plan_report(file: &std::path::Path, ms: &[usize], json: bool) -> anyhow::Result<String> {
+    plan_report_with(file, ms, json, None)
+}
+
+/// [`plan_report`] with the NPU budget in bytes (`None`: `KILN_NPU_BUDGET_MIB`, else 1 GiB;
+/// capped at the 4 GiB IOMMU domain either way).
+pub fn plan_report_with(
+    file: &std::path::Path,
+    ms: &[usize],
+    json: bool,
+    npu_budget: Option<u64>,
+) -> anyhow::Result<String> {
+    use crate::backend::npu::{budget_from_env, NpuBackend, NpuConfig};
     use anyhow::Context;
     anyhow::ensure!(!ms.is_empty(), "--m needs at least one row count");
     anyhow::ensure!(ms.iter().all(|m| *m > 0), "--m values must be at least 1");
     let f = crate::gguf::GgufFile::open(file)?;
     let weights = matmul_weights(&f);
-    let npu = crate::backend::npu::NpuBackend::default();
+    let budget = match npu_budget {
+        Some(b) => b,
+        None => budget_from_env()?,
+    };
+    let npu = NpuBackend::new(NpuConfig {
+        budget,
+        ..NpuConfig::default()
+    });
     let cpu = crate::backend::cpu::CpuBackend::new();
     let backends: [&dyn Backend; 2] = [&npu, &cpu];
-    let p = plan(&backends, &weights, ms, false);
+    let mut p = plan(&backends, &weights, ms, false);
+    p.npu_budget = Some(npu.budget());
     if json {
         let v = serde_json::json!({
             "file": file.display().to_string(),
@@ -409,6 +631,9 @@ mod tests {
             lib_path: "/nonexistent/librknnrt.so".into(),
             devroot: std::env::temp_dir(),
             min_m: 8,
+            budget: crate::backend::npu::DEFAULT_BUDGET,
+            omit_sync: None,
+            int8_bar: crate::backend::npu::INT8_BAR,
         });
         let cpu = CpuRefBackend;
         let data = vec![0u8; 64 * 32 * 2];

@@ -126,6 +126,9 @@ fn missing_library_is_no_device() {
         lib_path: "/nonexistent/librknnrt.so".into(),
         devroot: no_devices(),
         min_m: 8,
+        budget: kiln_runtime::backend::npu::DEFAULT_BUDGET,
+        omit_sync: None,
+        int8_bar: kiln_runtime::backend::npu::INT8_BAR,
     });
     assert_eq!(b.probe().unwrap_err().kind(), "NoDevice");
 }
@@ -175,7 +178,7 @@ fn packer_agrees_with_the_library_conversion() {
         };
         assert_eq!(r, 0);
         assert_eq!(
-            layout::pack_native(&rows, es, int8, (0, k), (0, n)),
+            layout::pack_native(&rows, es, layout::sub_tile(int8), (0, k), (0, n)),
             out,
             "int8={int8}"
         );

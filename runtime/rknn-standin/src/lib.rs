@@ -7,10 +7,25 @@
 //!
 //! Faults, chosen per `rknn_matmul_run` by `KILN_RKNN_STANDIN_FAULT`:
 //! `error` (run returns `RKNN_ERR_FAIL`), `untouched` (success, C not written), `wrong` (one
-//! output perturbed), `stale` (C gets the previous run's output of that context).
+//! output perturbed), `stale` (C gets the previous run's output of that context); and at
+//! `rknn_matmul_create`, `tile` (B's native tile is reported, and read, as another size than
+//! RK3588's table: a library whose layout kiln does not know).
 //!
 //! Like the real library, A and B are taken in at `rknn_matmul_set_io_mem` time (the real one
 //! re-lays them out there), so a caller that writes A without calling it again computes on old A.
+//!
+//! Strict where the hardware is unforgiving:
+//! - The cache is not coherent. Every `rknn_tensor_mem` has a host side (`virt_addr`) and a
+//!   device side; `rknn_mem_sync` TO_DEVICE copies host → device, FROM_DEVICE device → host.
+//!   `set_io_mem` reads A and B from the device side, `run` writes C to the device side. A caller
+//!   that forgets a sync computes on stale (at first: zero) operands or reads a stale C.
+//! - B's tile (`io_attr.B.dims[2..4]`) comes from this library's own table (see [`tile`]).
+//! - `KILN_RKNN_STANDIN_MEM_MIB` caps the bytes of all live buffers: `rknn_create_mem` past it
+//!   returns NULL, as the real one does when the NPU's memory is spent.
+//! - fp16 is IEEE binary16 as the NPU takes it: a value the caller converted beyond ±65504 is
+//!   inf, and propagates to C (inf, or NaN where it meets a zero).
+//! - `kiln_standin_b_buffers`, `kiln_standin_mem_bytes` and `kiln_standin_contexts` let a test
+//!   count what is live (not part of librknnrt's API).
 
 #![allow(clippy::missing_safety_doc)]
 
@@ -152,14 +167,30 @@ impl Shape {
             2
         }
     }
-    /// (subN, subK) of the native B layout on RK3588.
+    /// (subN, subK) of the native B layout this library uses.
     fn sub(&self) -> (usize, usize) {
-        if self.int8 {
-            (32, 32)
-        } else {
-            (16, 32)
-        }
+        tile(self.int8)
     }
+}
+
+/// This library's native B tile (subN, subK): RK3588's table (MM.h: fp16 (N/16, K/32, 16, 32),
+/// int8 (N/32, K/32, 32, 32)), or under the `tile` fault a K tile of 16: the same sizes, another
+/// permutation, which only a caller that reads `B.dims` can notice.
+pub fn tile(int8: bool) -> (usize, usize) {
+    let sub_k = if fault() == "tile" { 16 } else { 32 };
+    (if int8 { 32 } else { 16 }, sub_k)
+}
+
+fn fault() -> String {
+    std::env::var("KILN_RKNN_STANDIN_FAULT").unwrap_or_default()
+}
+
+/// `KILN_RKNN_STANDIN_MEM_MIB`, in bytes; no limit when unset or unparsable.
+fn mem_limit() -> Option<usize> {
+    std::env::var("KILN_RKNN_STANDIN_MEM_MIB")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .map(|mib| mib << 20)
 }
 
 /// The operands as the NPU sees them after `set_io_mem` re-laid them out.
@@ -179,11 +210,20 @@ struct Ctx {
     last_output: Option<Vec<u8>>,
 }
 
+/// One `rknn_create_mem` buffer: the host side the caller sees, the device side the NPU sees.
+struct Mem {
+    ctx: u64,
+    host: Vec<u8>,
+    dev: Vec<u8>,
+    /// Bound as some context's B at least once.
+    is_b: bool,
+}
+
 struct State {
     next_ctx: u64,
     ctxs: BTreeMap<u64, Ctx>,
-    /// Memory handed out by `rknn_create_mem`, by `rknn_tensor_mem` address: (ctx, buffer).
-    mems: BTreeMap<usize, (u64, Vec<u8>)>,
+    /// Memory handed out by `rknn_create_mem`, by `rknn_tensor_mem` address.
+    mems: BTreeMap<usize, Mem>,
 }
 
 static STATE: Mutex<State> = Mutex::new(State {
@@ -354,9 +394,13 @@ pub unsafe extern "C" fn rknn_create_mem(ctx: u64, size: u32) -> *mut TensorMem 
     if !st.ctxs.contains_key(&ctx) || size == 0 {
         return std::ptr::null_mut();
     }
-    let mut buf = vec![0u8; size as usize];
+    let live: usize = st.mems.values().map(|m| m.host.len()).sum();
+    if mem_limit().is_some_and(|cap| live + size as usize > cap) {
+        return std::ptr::null_mut();
+    }
+    let mut host = vec![0u8; size as usize];
     let mem = Box::into_raw(Box::new(TensorMem {
-        virt_addr: buf.as_mut_ptr().cast(),
+        virt_addr: host.as_mut_ptr().cast(),
         phys_addr: 0,
         fd: -1,
         offset: 0,
@@ -364,7 +408,15 @@ pub unsafe extern "C" fn rknn_create_mem(ctx: u64, size: u32) -> *mut TensorMem 
         flags: 0,
         priv_data: std::ptr::null_mut(),
     }));
-    st.mems.insert(mem as usize, (ctx, buf));
+    st.mems.insert(
+        mem as usize,
+        Mem {
+            ctx,
+            host,
+            dev: vec![0u8; size as usize],
+            is_b: false,
+        },
+    );
     mem
 }
 
@@ -372,7 +424,7 @@ pub unsafe extern "C" fn rknn_create_mem(ctx: u64, size: u32) -> *mut TensorMem 
 pub unsafe extern "C" fn rknn_destroy_mem(ctx: u64, mem: *mut TensorMem) -> c_int {
     let mut st = state();
     match st.mems.get(&(mem as usize)) {
-        Some((owner, _)) if *owner == ctx => {}
+        Some(m) if m.ctx == ctx => {}
         _ => return RKNN_ERR_PARAM_INVALID,
     }
     st.mems.remove(&(mem as usize));
@@ -385,17 +437,46 @@ pub unsafe extern "C" fn rknn_destroy_mem(ctx: u64, mem: *mut TensorMem) -> c_in
     RKNN_SUCC
 }
 
-/// Cache maintenance is a no-op: the stand-in's memory is ordinary host memory.
+pub const RKNN_MEMORY_SYNC_TO_DEVICE: c_int = 1;
+pub const RKNN_MEMORY_SYNC_FROM_DEVICE: c_int = 2;
+pub const RKNN_MEMORY_SYNC_BIDIRECTIONAL: c_int = 3;
+
+/// Cache maintenance, modelled: TO_DEVICE makes the device side what the host wrote,
+/// FROM_DEVICE makes the host side what the device wrote (BIDIRECTIONAL: both, in that order).
 #[no_mangle]
 pub unsafe extern "C" fn rknn_mem_sync(ctx: u64, mem: *mut TensorMem, mode: c_int) -> c_int {
-    let st = state();
+    let mut st = state();
     if !st.ctxs.contains_key(&ctx) {
         return RKNN_ERR_CTX_INVALID;
     }
-    if !st.mems.contains_key(&(mem as usize)) || !(1..=3).contains(&mode) {
+    let Some(m) = st.mems.get_mut(&(mem as usize)) else {
         return RKNN_ERR_PARAM_INVALID;
+    };
+    match mode {
+        RKNN_MEMORY_SYNC_TO_DEVICE => m.dev.copy_from_slice(&m.host),
+        RKNN_MEMORY_SYNC_FROM_DEVICE => m.host.copy_from_slice(&m.dev),
+        RKNN_MEMORY_SYNC_BIDIRECTIONAL => m.dev.copy_from_slice(&m.host),
+        _ => return RKNN_ERR_PARAM_INVALID,
     }
     RKNN_SUCC
+}
+
+/// Live buffers that have been bound as B (a test asserts one per weight).
+#[no_mangle]
+pub extern "C" fn kiln_standin_b_buffers() -> u64 {
+    state().mems.values().filter(|m| m.is_b).count() as u64
+}
+
+/// Bytes of all live `rknn_create_mem` buffers.
+#[no_mangle]
+pub extern "C" fn kiln_standin_mem_bytes() -> u64 {
+    state().mems.values().map(|m| m.host.len() as u64).sum()
+}
+
+/// Live matmul contexts.
+#[no_mangle]
+pub extern "C" fn kiln_standin_contexts() -> u64 {
+    state().ctxs.len() as u64
 }
 
 #[no_mangle]
@@ -511,7 +592,8 @@ pub unsafe extern "C" fn rknn_matmul_set_io_mem(
     let (Some(m), Some(a)) = (mem.as_ref(), attr.as_ref()) else {
         return RKNN_ERR_PARAM_INVALID;
     };
-    let Some((owner, buf)) = st.mems.get(&(mem as usize)) else {
+    // A buffer from another context may be bound (one B shared by the contexts of every M).
+    let Some(mm) = st.mems.get_mut(&(mem as usize)) else {
         return RKNN_ERR_PARAM_INVALID;
     };
     let expect = io_attrs(&c.shape);
@@ -522,15 +604,18 @@ pub unsafe extern "C" fn rknn_matmul_set_io_mem(
         _ => return RKNN_ERR_PARAM_INVALID,
     };
     let off = m.offset.max(0) as usize;
-    if *owner != ctx
-        || a.size != want.size
+    if a.size != want.size
         || a.ty != want.ty
         || (m.size as usize) < want.size as usize
-        || off + want.size as usize > buf.len()
+        || off + want.size as usize > mm.dev.len()
     {
         return RKNN_ERR_PARAM_INVALID;
     }
-    let bytes = &buf[off..off + want.size as usize];
+    if name_of(a) == b"B" {
+        mm.is_b = true;
+    }
+    // The NPU reads what reached the device, not what sits in the CPU's cache.
+    let bytes = &mm.dev[off..off + want.size as usize];
     let s = c.shape;
     match name_of(a) {
         b"A" => c.a = Some(read_operand(bytes, s.int8, |i| i, s.m * s.k)),
@@ -580,7 +665,7 @@ fn compute(s: &Shape, a: &Operand, b: &Operand) -> Vec<u8> {
 
 #[no_mangle]
 pub unsafe extern "C" fn rknn_matmul_run(ctx: u64) -> c_int {
-    let fault = std::env::var("KILN_RKNN_STANDIN_FAULT").unwrap_or_default();
+    let fault = fault();
     let mut guard = state();
     let st = &mut *guard;
     let Some(c) = st.ctxs.get_mut(&ctx) else {
@@ -592,7 +677,7 @@ pub unsafe extern "C" fn rknn_matmul_run(ctx: u64) -> c_int {
     let Some(cmem) = c.c else {
         return RKNN_ERR_OUTPUT_INVALID;
     };
-    let Some((_, cbuf)) = st.mems.get_mut(&cmem) else {
+    let Some(cbuf) = st.mems.get_mut(&cmem).map(|m| &mut m.dev) else {
         return RKNN_ERR_OUTPUT_INVALID;
     };
     let off = (*(cmem as *const TensorMem)).offset.max(0) as usize;

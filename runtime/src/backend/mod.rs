@@ -48,14 +48,56 @@ impl MatmulOp {
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
 #[serde(tag = "reason")]
 pub enum Decline {
-    KNotAligned { k: usize, need: usize },
-    NNotAligned { n: usize, need: usize },
-    SmallM { m: usize, min: usize },
-    WeightType { ty: String },
-    NoDevice { why: String },
-    DriverTooOld { found: String, need: String },
-    RuntimeAbi { why: String },
+    KNotAligned {
+        k: usize,
+        need: usize,
+    },
+    NNotAligned {
+        n: usize,
+        need: usize,
+    },
+    SmallM {
+        m: usize,
+        min: usize,
+    },
+    WeightType {
+        ty: String,
+    },
+    NoDevice {
+        why: String,
+    },
+    DriverTooOld {
+        found: String,
+        need: String,
+    },
+    RuntimeAbi {
+        why: String,
+    },
+    /// The backend's memory budget cannot hold this weight: `need` bytes, `left` bytes free.
+    NpuMemory {
+        need: u64,
+        left: u64,
+    },
+    /// A value beyond fp16's ±65504 (it would be inf on the NPU); `max` is the largest magnitude,
+    /// rounded up (`u64::MAX` for inf).
+    Fp16Range {
+        max: u64,
+    },
+    /// The library reports a tensor layout (dims, type, tile) other than the one kiln converts to.
+    LayoutMismatch {
+        why: String,
+    },
+    /// The int8 path's estimated NMSE for this op (activation rows and weight requantised to
+    /// per-row int8) is above the bar; both as `{:.2e}` text.
+    Int8Accuracy {
+        estimate: String,
+        bar: String,
+    },
 }
+
+/// A decline is also an error, so that a run can refuse an op and the caller can tell a refusal
+/// (fall back to another backend) from a failure (`anyhow::Error::downcast_ref::<Decline>()`).
+impl std::error::Error for Decline {}
 
 impl Decline {
     /// The reason's name without its numbers, for coverage tables.
@@ -68,6 +110,10 @@ impl Decline {
             Decline::NoDevice { .. } => "NoDevice",
             Decline::DriverTooOld { .. } => "DriverTooOld",
             Decline::RuntimeAbi { .. } => "RuntimeAbi",
+            Decline::NpuMemory { .. } => "NpuMemory",
+            Decline::Fp16Range { .. } => "Fp16Range",
+            Decline::LayoutMismatch { .. } => "LayoutMismatch",
+            Decline::Int8Accuracy { .. } => "Int8Accuracy",
         }
     }
 }
@@ -84,6 +130,18 @@ impl fmt::Display for Decline {
                 write!(f, "DriverTooOld{{found: {found}, need: {need}}}")
             }
             Decline::RuntimeAbi { why } => write!(f, "RuntimeAbi({why})"),
+            Decline::NpuMemory { need, left } => write!(
+                f,
+                "NpuMemory{{need: {:.2} MiB, left: {:.2} MiB}}",
+                *need as f64 / (1 << 20) as f64,
+                *left as f64 / (1 << 20) as f64
+            ),
+            Decline::Fp16Range { max } if *max == u64::MAX => write!(f, "Fp16Range{{max: inf}}"),
+            Decline::Fp16Range { max } => write!(f, "Fp16Range{{max: {max}, limit: 65504}}"),
+            Decline::LayoutMismatch { why } => write!(f, "LayoutMismatch({why})"),
+            Decline::Int8Accuracy { estimate, bar } => {
+                write!(f, "Int8Accuracy{{estimated NMSE: {estimate}, bar: {bar}}}")
+            }
         }
     }
 }

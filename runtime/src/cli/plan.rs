@@ -1,4 +1,5 @@
-//! `kiln plan`: the coverage table of a model.
+//! `kiln plan`: the coverage table of a model, and the NPU memory each weight takes against the
+//! NPU's budget.
 
 use std::path::PathBuf;
 
@@ -10,9 +11,15 @@ pub struct Args {
     m: Vec<usize>,
     #[arg(long)]
     json: bool,
+    /// NPU memory for converted weights, in MiB (default: `KILN_NPU_BUDGET_MIB`, else 1024;
+    /// capped at the 4096 MiB of one IOMMU domain). Weights that do not fit, in model order,
+    /// are declined as `NpuMemory`.
+    #[arg(long)]
+    npu_budget_mib: Option<u64>,
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
-    let out = kiln_runtime::sched::plan_report(&a.file, &a.m, a.json)?;
+    let budget = a.npu_budget_mib.map(|mib| mib << 20);
+    let out = kiln_runtime::sched::plan_report_with(&a.file, &a.m, a.json, budget)?;
     super::print_all(&out)
 }

@@ -18,6 +18,10 @@ pub struct BoardInfo {
     /// True when the board has an RK3588-class NPU the checks must find.
     #[serde(default)]
     pub npu: bool,
+    /// NPU memory for converted weights, MiB (from the board recipe; else the NPU backend's
+    /// default, 1 GiB).
+    #[serde(default)]
+    pub npu_budget_mib: Option<u64>,
 }
 
 #[derive(Clone, Debug, Default, Deserialize, PartialEq)]

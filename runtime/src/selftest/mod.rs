@@ -214,10 +214,14 @@ pub fn run_all(ctx: &Ctx) -> Report {
     use crate::backend::cpu::{CpuBackend, CpuRefBackend};
     use crate::backend::npu::{NpuBackend, NpuConfig};
     use crate::backend::Backend;
-    let npu = NpuBackend::new(NpuConfig {
+    let mut npu_cfg = NpuConfig {
         devroot: ctx.paths.root.clone(),
         ..NpuConfig::default()
-    });
+    };
+    if let Some(mib) = ctx.board.as_ref().and_then(|b| b.board.npu_budget_mib) {
+        npu_cfg.budget = mib << 20;
+    }
+    let npu = NpuBackend::new(npu_cfg);
     let cpu = CpuBackend::new();
     let cpu_ref = CpuRefBackend;
     let cpu_kernel = cpu.kernel().name().to_string();

@@ -26,11 +26,30 @@ pub fn no_devices() -> PathBuf {
 }
 
 pub fn backend(lib_var: &str) -> NpuBackend {
-    NpuBackend::new(NpuConfig {
+    backend_with(lib_var, |_| {})
+}
+
+/// The stand-in backend with its config changed by `f` (budget, injected faults).
+pub fn backend_with(lib_var: &str, f: impl FnOnce(&mut NpuConfig)) -> NpuBackend {
+    let mut cfg = NpuConfig {
         lib_path: standin(lib_var),
         devroot: no_devices(),
         min_m: 8,
-    })
+        budget: kiln_runtime::backend::npu::DEFAULT_BUDGET,
+        omit_sync: None,
+        int8_bar: kiln_runtime::backend::npu::INT8_BAR,
+    };
+    f(&mut cfg);
+    NpuBackend::new(cfg)
+}
+
+/// A counter the stand-in exports for tests (`kiln_standin_b_buffers`, `_mem_bytes`,
+/// `_contexts`), read from the same loaded library the backend uses.
+pub fn standin_counter(name: &str) -> u64 {
+    let lib = unsafe { libloading::Library::new(standin("KILN_RKNN_STANDIN")) }.unwrap();
+    let f: libloading::Symbol<unsafe extern "C" fn() -> u64> =
+        unsafe { lib.get(name.as_bytes()) }.unwrap_or_else(|e| panic!("{name}: {e}"));
+    unsafe { f() }
 }
 
 /// Deterministic values in [-1, 1).

@@ -30,6 +30,9 @@ struct RawBoardTable {
     /// `standin` (the rknn-standin crate, built here), an input name (a supplied
     /// `librknnrt.so`), or `none`.
     npu_runtime: String,
+    /// NPU memory for converted weights, MiB (the runtime's default: 1024; cap 4096).
+    #[serde(default)]
+    npu_budget_mib: Option<u64>,
 }
 
 /// Partition sizes in MiB. The models partition is as large as its erofs image needs.
@@ -104,6 +107,7 @@ pub struct Board {
     pub kernel: KernelSpec,
     pub console: String,
     pub npu_runtime: NpuRuntime,
+    pub npu_budget_mib: Option<u64>,
     pub partitions: Partitions,
     pub raw: Vec<RawBlob>,
     pub expect: Expect,
@@ -168,6 +172,7 @@ impl Board {
             kernel,
             console: raw.board.console,
             npu_runtime,
+            npu_budget_mib: raw.board.npu_budget_mib,
             partitions: raw.partitions,
             raw: raw.raw,
             expect: raw.expect,
@@ -198,6 +203,8 @@ impl Board {
         struct BoardOut<'a> {
             name: &'a str,
             npu: bool,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            npu_budget_mib: Option<u64>,
         }
         let mut expect = self.expect.clone();
         expect.kernel_config = kernel_config;
@@ -205,6 +212,7 @@ impl Board {
             board: BoardOut {
                 name: &self.name,
                 npu: self.npu,
+                npu_budget_mib: self.npu_budget_mib,
             },
             expect,
         })?;
@@ -231,6 +239,7 @@ mod tests {
             vec![64, 16384]
         );
         assert!(r.expect.npu_driver.is_some());
+        assert_eq!(r.npu_budget_mib, Some(1024));
         assert!(Board::load("../etc").is_err());
     }
 

@@ -17,6 +17,10 @@ pub const TENSOR_FLOAT32: i32 = 0;
 pub const TENSOR_FLOAT16: i32 = 1;
 pub const TENSOR_INT8: i32 = 2;
 pub const TENSOR_INT32: i32 = 6;
+/// `rknn_mem_sync_mode`: clean the CPU cache so the NPU sees what the CPU wrote.
+pub const SYNC_TO_DEVICE: c_int = 1;
+/// `rknn_mem_sync_mode`: invalidate the CPU cache so the CPU sees what the NPU wrote.
+pub const SYNC_FROM_DEVICE: c_int = 2;
 /// `RKNN_NPU_CORE_AUTO`.
 pub const CORE_AUTO: c_int = 0;
 
@@ -167,6 +171,7 @@ type CtxFn = unsafe extern "C" fn(RknnCtx) -> c_int;
 type CoreMaskFn = unsafe extern "C" fn(RknnCtx, c_int) -> c_int;
 type CreateMemFn = unsafe extern "C" fn(RknnCtx, u32) -> *mut TensorMem;
 type DestroyMemFn = unsafe extern "C" fn(RknnCtx, *mut TensorMem) -> c_int;
+type MemSyncFn = unsafe extern "C" fn(RknnCtx, *mut TensorMem, c_int) -> c_int;
 
 /// Which matmul ABI the library presents.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -207,6 +212,9 @@ pub struct RknnLib {
     pub matmul_destroy: CtxFn,
     pub create_mem: CreateMemFn,
     pub destroy_mem: DestroyMemFn,
+    /// `rknn_mem_sync(ctx, mem, mode)`: `rknn_create_mem` memory is cacheable, so without it
+    /// the NPU reads stale A/B and the CPU stale C. A library without it is declined at load.
+    pub mem_sync: MemSyncFn,
     _lib: libloading::Library,
 }
 
@@ -297,6 +305,13 @@ impl RknnLib {
                 matmul_destroy: sym(&lib, "rknn_matmul_destroy").map_err(missing)?,
                 create_mem: sym(&lib, "rknn_create_mem").map_err(missing)?,
                 destroy_mem: sym(&lib, "rknn_destroy_mem").map_err(missing)?,
+                mem_sync: sym(&lib, "rknn_mem_sync").map_err(|e| {
+                    LoadError::Abi(format!(
+                        "{}: {e:#}: kiln cannot keep the CPU's cache and the NPU's view of \
+                         A, B and C coherent without it",
+                        path.display()
+                    ))
+                })?,
                 _lib: lib,
             })
         }

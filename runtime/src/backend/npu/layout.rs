@@ -5,6 +5,8 @@ use anyhow::{bail, Result};
 use half::f16;
 
 /// (subN, subK) of RK3588's native B layout: fp16 (N/16, K/32, 16, 32), int8 (N/32, K/32, 32, 32).
+/// Only the expected value: the tile kiln converts with is the one the library reports
+/// (`io_attr.B.dims[2..4]`), and a library that reports another is declined.
 pub fn sub_tile(int8: bool) -> (usize, usize) {
     if int8 {
         (32, 32)
@@ -54,17 +56,30 @@ pub fn quantize_sym(x: &[f32]) -> (Vec<i8>, f32) {
     (q, scale)
 }
 
-/// The block of columns `k0..k0+kc` and rows `n0..n0+nc` of W in native B layout.
-/// `row(n)` yields row n of W (K values) as the element type's little-endian bytes.
+/// The block of columns `k0..k0+kc` and rows `n0..n0+nc` of W in native B layout with the tile
+/// `(sub_n, sub_k)` the library reported. `rows[n]` is row n of W (K values) as the element
+/// type's little-endian bytes.
 pub fn pack_native(
     rows: &[Vec<u8>],
     elem: usize,
-    int8: bool,
+    tile: (usize, usize),
+    k: (usize, usize),
+    n: (usize, usize),
+) -> Vec<u8> {
+    let mut out = vec![0u8; k.1 * n.1 * elem];
+    pack_native_into(&mut out, rows, elem, tile, k, n);
+    out
+}
+
+/// [`pack_native`] into `out` (exactly `kc · nc · elem` bytes; the B buffer itself).
+pub fn pack_native_into(
+    out: &mut [u8],
+    rows: &[Vec<u8>],
+    elem: usize,
+    (sub_n, sub_k): (usize, usize),
     (k0, kc): (usize, usize),
     (n0, nc): (usize, usize),
-) -> Vec<u8> {
-    let (sub_n, sub_k) = sub_tile(int8);
-    let mut out = vec![0u8; kc * nc * elem];
+) {
     for nn in 0..nc {
         let row = &rows[n0 + nn];
         for kk in 0..kc {
@@ -73,7 +88,6 @@ pub fn pack_native(
             out[to..to + elem].copy_from_slice(&row[from..from + elem]);
         }
     }
-    out
 }
 
 #[cfg(test)]
@@ -87,8 +101,8 @@ mod tests {
             let rows: Vec<Vec<u8>> = (0..n)
                 .map(|r| (0..k).map(|c| (r * k + c) as u8).collect())
                 .collect();
-            let packed = pack_native(&rows, 1, int8, (0, k), (0, n));
             let (sn, sk) = sub_tile(int8);
+            let packed = pack_native(&rows, 1, (sn, sk), (0, k), (0, n));
             for (r, row) in rows.iter().enumerate() {
                 for (c, v) in row.iter().enumerate() {
                     assert_eq!(packed[native_index(c, r, k, sn, sk)], *v);

@@ -4,11 +4,27 @@
 //!
 //! Per weight: F16 runs as FLOAT16_MM_FLOAT16_TO_FLOAT32; Q8_0 is requantised to per-channel
 //! int8 and runs as INT8_MM_INT8_TO_INT32 with per-row int8 activations, the scales applied on
-//! the host. K is cut at 8192 and N at 4096, one context per block; B is converted once into the
-//! native layout at prepare time. Every run re-binds A with `rknn_matmul_set_io_mem` after writing
-//! it (the library re-lays A out there), poisons the device's C buffer, and carries one canary
-//! row whose answer the host knows, so an untouched, stale or misrouted result is an error
-//! (the field's dead gate, `test-ork-cache`, missed exactly that).
+//! the host. K is cut at 8192 and N at 4096, one block each.
+//!
+//! Memory: each block's B is converted once, at prepare time, into ONE `rknn_tensor_mem` (owned
+//! by the block's first context) that every context of that block binds with
+//! `rknn_matmul_set_io_mem`; contexts exist per M bucket (the next power of two of M + 1, the
+//! canary row), created lazily and at most [`MAX_CTXS`] per block. The NPU bytes of a weight (its
+//! converted B) are reserved against the budget ([`NpuConfig::budget`]) in the order weights are
+//! prepared; a weight that does not fit is declined with `NpuMemory { need, left }`.
+//!
+//! Layout: the tile used to convert B is the one the library reports in `io_attr.B.dims[2..4]`
+//! after `rknn_matmul_create`, and A, B and C's dims and types are checked against what kiln
+//! lays out; anything else is declined as `LayoutMismatch`.
+//!
+//! Coherence: `rknn_create_mem` memory is cacheable. `rknn_mem_sync` TO_DEVICE after the CPU
+//! writes B (once), A (every run) and C's poison; FROM_DEVICE before the CPU reads C.
+//!
+//! Every run re-binds A with `rknn_matmul_set_io_mem` after writing it (the library re-lays A
+//! out there), poisons C, and carries one canary row whose answer the host knows and padding rows
+//! (zero A) whose answer is exactly zero, so an untouched, stale or misrouted result is an error
+//! (the field's dead gate, `test-ork-cache`, missed exactly that). Activations beyond fp16's
+//! range are refused with `Fp16Range` (the caller falls back to the CPU), never sent as inf.
 
 pub mod driver;
 pub mod ffi;
@@ -33,6 +49,14 @@ pub const K_SPLIT: usize = 8192;
 pub const N_SPLIT: usize = 4096;
 /// Below this M the NPU loses to the CPU on RK3588 (decode is at parity or slower).
 pub const DEFAULT_MIN_M: usize = 8;
+/// NPU memory for converted weights when the board recipe names none: 1 GiB (rock-5b).
+pub const DEFAULT_BUDGET: u64 = 1 << 30;
+/// The hard cap: one IOMMU domain is a 4 GiB NPU address space, and kiln uses domain 0 only.
+pub const IOMMU_DOMAIN: u64 = 4 << 30;
+/// Contexts (M buckets) kept per block, the one that owns B included.
+pub const MAX_CTXS: usize = 8;
+/// fp16's largest finite value; beyond it a value is inf on the NPU.
+pub const FP16_MAX: f32 = 65504.0;
 
 #[derive(Clone, Debug)]
 pub struct NpuConfig {
@@ -42,6 +66,43 @@ pub struct NpuConfig {
     pub devroot: PathBuf,
     /// Smallest M the backend claims.
     pub min_m: usize,
+    /// Bytes of NPU memory converted weights may take (capped at [`IOMMU_DOMAIN`]):
+    /// `KILN_NPU_BUDGET_MIB`, else [`DEFAULT_BUDGET`].
+    pub budget: u64,
+    /// Fault injection for tests: skip this cache sync, as a backend that forgot it would (the
+    /// non-coherent stand-in then gives stale operands or results, which the run must catch).
+    pub omit_sync: Option<SyncPoint>,
+    /// The int8 path's accuracy bar: an op whose estimated NMSE (the worst activation row's
+    /// int8 error plus the weight's requantisation error) is above it is declined as
+    /// `Int8Accuracy` and runs elsewhere. Default [`INT8_BAR`].
+    pub int8_bar: f64,
+}
+
+/// llama.cpp's MUL_MAT NMSE bar (test-backend-ops), the accuracy the int8 path must keep.
+pub const INT8_BAR: f64 = 5e-4;
+
+/// The cache syncs a run depends on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SyncPoint {
+    /// TO_DEVICE after converting B (prepare).
+    B,
+    /// TO_DEVICE after writing A (every run).
+    A,
+    /// FROM_DEVICE before reading C (every run).
+    C,
+}
+
+/// `KILN_NPU_BUDGET_MIB` in bytes, else [`DEFAULT_BUDGET`]. A value that does not parse is an
+/// error that names the variable.
+pub fn budget_from_env() -> Result<u64> {
+    match std::env::var("KILN_NPU_BUDGET_MIB") {
+        Ok(v) => v
+            .trim()
+            .parse::<u64>()
+            .map(|mib| mib << 20)
+            .with_context(|| format!("KILN_NPU_BUDGET_MIB={v:?} is not a whole number of MiB")),
+        Err(_) => Ok(DEFAULT_BUDGET),
+    }
 }
 
 impl Default for NpuConfig {
@@ -50,6 +111,10 @@ impl Default for NpuConfig {
             lib_path: ffi::default_lib_path(),
             devroot: PathBuf::from("/"),
             min_m: DEFAULT_MIN_M,
+            // A bad variable is reported by `kiln plan`, which reads it with `budget_from_env`.
+            budget: budget_from_env().unwrap_or(DEFAULT_BUDGET),
+            omit_sync: None,
+            int8_bar: INT8_BAR,
         }
     }
 }
@@ -62,6 +127,8 @@ struct Loaded {
 pub struct NpuBackend {
     cfg: NpuConfig,
     loaded: OnceLock<Result<Loaded, Decline>>,
+    /// Bytes of the budget held by live prepared weights.
+    reserved: Arc<AtomicU64>,
 }
 
 impl NpuBackend {
@@ -69,11 +136,48 @@ impl NpuBackend {
         NpuBackend {
             cfg,
             loaded: OnceLock::new(),
+            reserved: Arc::new(AtomicU64::new(0)),
         }
     }
 
     pub fn config(&self) -> &NpuConfig {
         &self.cfg
+    }
+
+    /// The budget in force: the configured one, capped at one IOMMU domain.
+    pub fn budget(&self) -> u64 {
+        self.cfg.budget.min(IOMMU_DOMAIN)
+    }
+
+    /// Bytes of the budget that live prepared weights hold.
+    pub fn reserved(&self) -> u64 {
+        self.reserved.load(Ordering::SeqCst)
+    }
+
+    /// Take `need` bytes of the budget, or say how much is left.
+    fn reserve(&self, need: u64) -> Result<Reservation, Decline> {
+        let budget = self.budget();
+        let mut cur = self.reserved.load(Ordering::SeqCst);
+        loop {
+            let left = budget.saturating_sub(cur);
+            if need > left {
+                return Err(Decline::NpuMemory { need, left });
+            }
+            match self.reserved.compare_exchange(
+                cur,
+                cur + need,
+                Ordering::SeqCst,
+                Ordering::SeqCst,
+            ) {
+                Ok(_) => {
+                    return Ok(Reservation {
+                        pool: self.reserved.clone(),
+                        bytes: need,
+                    })
+                }
+                Err(now) => cur = now,
+            }
+        }
     }
 
     fn loaded(&self) -> Result<&Loaded, Decline> {
@@ -112,6 +216,18 @@ impl Default for NpuBackend {
     }
 }
 
+/// Budget bytes held by one prepared weight, given back when it is dropped.
+struct Reservation {
+    pool: Arc<AtomicU64>,
+    bytes: u64,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.pool.fetch_sub(self.bytes, Ordering::SeqCst);
+    }
+}
+
 /// The element kind an NPU context computes in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 enum Kind {
@@ -145,29 +261,40 @@ impl Kind {
             Kind::I8 => ffi::INT8_MM_INT8_TO_INT32,
         }
     }
+    fn in_type(self) -> i32 {
+        match self {
+            Kind::F16 => ffi::TENSOR_FLOAT16,
+            Kind::I8 => ffi::TENSOR_INT8,
+        }
+    }
+    fn out_type(self) -> i32 {
+        match self {
+            Kind::F16 => ffi::TENSOR_FLOAT32,
+            Kind::I8 => ffi::TENSOR_INT32,
+        }
+    }
 }
 
-/// One K×N block of the weight, in native layout.
-struct Block {
-    k0: usize,
-    kc: usize,
-    n0: usize,
-    nc: usize,
-    b: Vec<u8>,
+/// The M bucket (rows of the context) for `m` rows of activations: the canary row added, the
+/// next power of two, at least `floor`.
+pub fn bucket(m: usize, floor: usize) -> usize {
+    (m + 1).next_power_of_two().max(floor)
 }
 
-/// A context for one block at one row count, with its three buffers.
+/// A context for one block at one bucket, with its own A and C buffers (B is the block's).
 struct MmCtx {
     lib: Arc<RknnLib>,
     ctx: ffi::RknnCtx,
+    rows: usize,
     io: IoAttr,
     a: *mut TensorMem,
-    b: *mut TensorMem,
     c: *mut TensorMem,
+    /// The last run that used it (for evicting the least recently used).
+    used: u64,
 }
 
 // SAFETY: the context and its buffers are used by one thread at a time (behind the Mutex of
-// `NpuPrepared::ctxs`); librknnrt contexts are not tied to the creating thread.
+// `NpuPrepared::blocks`); librknnrt contexts are not tied to the creating thread.
 unsafe impl Send for MmCtx {}
 
 impl Drop for MmCtx {
@@ -175,7 +302,7 @@ impl Drop for MmCtx {
         // SAFETY: these came from this library for this context and are released once.
         // Errors on teardown have no one to report to; the context is gone either way.
         unsafe {
-            for m in [self.a, self.b, self.c] {
+            for m in [self.a, self.c] {
                 if !m.is_null() {
                     (self.lib.destroy_mem)(self.ctx, m);
                 }
@@ -205,68 +332,239 @@ unsafe fn mem_bytes<'a>(m: *mut TensorMem, need: usize, what: &str) -> Result<&'
     ))
 }
 
-impl MmCtx {
-    fn create(lib: &Arc<RknnLib>, kind: Kind, rows: usize, blk: &Block) -> Result<MmCtx> {
-        let mut info = MatmulInfo::zeroed();
-        info.m = rows as i32;
-        info.k = blk.kc as i32;
-        info.n = blk.nc as i32;
-        info.ty = kind.matmul_type();
-        info.b_layout = ffi::LAYOUT_NATIVE;
-        info.ac_layout = ffi::LAYOUT_NORM;
-        let mut io = IoAttr {
-            a: ffi::TensorAttr::zeroed(),
-            b: ffi::TensorAttr::zeroed(),
-            c: ffi::TensorAttr::zeroed(),
-        };
-        let mut ctx = 0;
-        // SAFETY: zeroed 64-byte info and 996-byte io_attr, as the 2.x ABI takes them.
-        check("rknn_matmul_create", unsafe {
-            (lib.matmul_create)(&mut ctx, &mut info, &mut io)
+fn dims(t: &ffi::TensorAttr) -> &[u32] {
+    &t.dims[..(t.n_dims as usize).min(t.dims.len())]
+}
+
+fn type_name(t: i32) -> &'static str {
+    match t {
+        ffi::TENSOR_FLOAT32 => "FLOAT32",
+        ffi::TENSOR_FLOAT16 => "FLOAT16",
+        ffi::TENSOR_INT8 => "INT8",
+        ffi::TENSOR_INT32 => "INT32",
+        _ => "another type",
+    }
+}
+
+/// What `io_attr` must say for a context of `rows`×`kc`×`nc`, with B in the tile `tile`
+/// (None: the first context of a block, whose reported tile is taken if it is RK3588's).
+/// Returns the tile B is laid out in; anything else is a `LayoutMismatch` decline.
+fn check_io(
+    io: &IoAttr,
+    kind: Kind,
+    rows: usize,
+    kc: usize,
+    nc: usize,
+    tile: Option<(usize, usize)>,
+) -> std::result::Result<(usize, usize), Decline> {
+    let bad = |why: String| Decline::LayoutMismatch { why };
+    let es = kind.elem();
+    let want_dims = |name: &str, t: &ffi::TensorAttr, want: &[u32], ty: i32, size: usize| {
+        if dims(t) != want {
+            return Err(bad(format!(
+                "{name} dims {:?}, kiln lays out {want:?}",
+                dims(t)
+            )));
+        }
+        if t.ty != ty {
+            return Err(bad(format!(
+                "{name} type {} ({}), kiln expects {} ({ty})",
+                type_name(t.ty),
+                t.ty,
+                type_name(ty)
+            )));
+        }
+        if t.size as usize != size {
+            return Err(bad(format!(
+                "{name} size {} bytes, kiln's layout needs {size}",
+                t.size
+            )));
+        }
+        Ok(())
+    };
+    want_dims(
+        "A",
+        &io.a,
+        &[rows as u32, kc as u32],
+        kind.in_type(),
+        rows * kc * es,
+    )?;
+    want_dims(
+        "C",
+        &io.c,
+        &[rows as u32, nc as u32],
+        kind.out_type(),
+        rows * nc * 4,
+    )?;
+    let b = dims(&io.b);
+    if b.len() != 4 || b[2] == 0 || b[3] == 0 {
+        return Err(bad(format!(
+            "B dims {b:?}, kiln expects [N/subN, K/subK, subN, subK]"
+        )));
+    }
+    let got = (b[2] as usize, b[3] as usize);
+    let expect = layout::sub_tile(kind == Kind::I8);
+    if got != tile.unwrap_or(expect) {
+        return Err(bad(format!(
+            "B tile (subN, subK) = {got:?}, kiln converts for {:?}",
+            tile.unwrap_or(expect)
+        )));
+    }
+    if kc % got.1 != 0 || nc % got.0 != 0 {
+        return Err(bad(format!("B tile {got:?} does not divide K={kc} N={nc}")));
+    }
+    want_dims(
+        "B",
+        &io.b,
+        &[
+            (nc / got.0) as u32,
+            (kc / got.1) as u32,
+            got.0 as u32,
+            got.1 as u32,
+        ],
+        kind.in_type(),
+        kc * nc * es,
+    )?;
+    Ok(got)
+}
+
+/// `rknn_matmul_create` for `rows`×`kc`×`nc`, its io_attr checked, and its A and C buffers.
+/// Errors that are a `Decline` (`LayoutMismatch`) say the library is not what kiln expects.
+fn create_ctx(
+    lib: &Arc<RknnLib>,
+    kind: Kind,
+    rows: usize,
+    kc: usize,
+    nc: usize,
+    tile: Option<(usize, usize)>,
+) -> Result<(MmCtx, (usize, usize))> {
+    let mut info = MatmulInfo::zeroed();
+    info.m = rows as i32;
+    info.k = kc as i32;
+    info.n = nc as i32;
+    info.ty = kind.matmul_type();
+    info.b_layout = ffi::LAYOUT_NATIVE;
+    info.ac_layout = ffi::LAYOUT_NORM;
+    let mut io = IoAttr {
+        a: ffi::TensorAttr::zeroed(),
+        b: ffi::TensorAttr::zeroed(),
+        c: ffi::TensorAttr::zeroed(),
+    };
+    let mut ctx = 0;
+    // SAFETY: zeroed 64-byte info and 996-byte io_attr, as the 2.x ABI takes them.
+    check("rknn_matmul_create", unsafe {
+        (lib.matmul_create)(&mut ctx, &mut info, &mut io)
+    })
+    .with_context(|| format!("M={rows} K={kc} N={nc} type {kind:?}"))?;
+    let mut mc = MmCtx {
+        lib: lib.clone(),
+        ctx,
+        rows,
+        io,
+        a: std::ptr::null_mut(),
+        c: std::ptr::null_mut(),
+        used: 0,
+    };
+    let tile = check_io(&mc.io, kind, rows, kc, nc, tile)?;
+    // SAFETY: ctx is live; the calls take it by value; the buffers are checked before use.
+    unsafe {
+        check(
+            "rknn_matmul_set_core_mask",
+            (lib.matmul_set_core_mask)(ctx, ffi::CORE_AUTO),
+        )?;
+        mc.a = (lib.create_mem)(ctx, mc.io.a.size);
+        mem_bytes(mc.a, mc.io.a.size as usize, "A")?;
+        mc.c = (lib.create_mem)(ctx, mc.io.c.size);
+        mem_bytes(mc.c, mc.io.c.size as usize, "C")?;
+        check(
+            "rknn_matmul_set_io_mem(C)",
+            (lib.matmul_set_io_mem)(ctx, mc.c, &mut mc.io.c),
+        )?;
+    }
+    Ok((mc, tile))
+}
+
+/// One K×N block of the weight: its B buffer (in the native layout, owned by `home`) and the
+/// contexts of every M bucket that bind it.
+struct Block {
+    k0: usize,
+    kc: usize,
+    n0: usize,
+    nc: usize,
+    /// The tile B was converted with, as the library reported it.
+    tile: (usize, usize),
+    /// The one B buffer, created in `home`'s context.
+    b: *mut TensorMem,
+    /// The first context (the smallest bucket): owns `b`, never evicted.
+    home: Option<MmCtx>,
+    /// Contexts of the other buckets, by rows; at most [`MAX_CTXS`] − 1.
+    others: HashMap<usize, MmCtx>,
+}
+
+// SAFETY: as for `MmCtx`: one thread at a time, behind `NpuPrepared::blocks`' Mutex.
+unsafe impl Send for Block {}
+
+impl Drop for Block {
+    fn drop(&mut self) {
+        // The contexts that bind B go first, then B, then the context that owns it.
+        self.others.clear();
+        if let Some(home) = self.home.take() {
+            if !self.b.is_null() {
+                // SAFETY: `b` came from `home`'s context and is released once, here.
+                unsafe { (home.lib.destroy_mem)(home.ctx, self.b) };
+            }
+        }
+    }
+}
+
+impl Block {
+    /// B(k, n) as the NPU multiplies it (f16 or int8, as f64), read back from the B buffer.
+    fn b_value(&self, kind: Kind, k: usize, n: usize) -> Result<f64> {
+        let i = layout::native_index(k, n, self.kc, self.tile.0, self.tile.1);
+        // SAFETY: `b` is live for as long as the block; the host side is only read here.
+        let b = unsafe { mem_bytes(self.b, self.kc * self.nc * kind.elem(), "B")? };
+        Ok(match kind {
+            Kind::F16 => f16::from_le_bytes([b[2 * i], b[2 * i + 1]]).to_f64(),
+            Kind::I8 => b[i] as i8 as f64,
         })
-        .with_context(|| format!("M={rows} K={} N={} type {kind:?}", blk.kc, blk.nc))?;
-        let mut mc = MmCtx {
-            lib: lib.clone(),
-            ctx,
-            io,
-            a: std::ptr::null_mut(),
-            b: std::ptr::null_mut(),
-            c: std::ptr::null_mut(),
-        };
-        let es = kind.elem();
-        let want = [
-            ("A", mc.io.a.size as usize, rows * blk.kc * es),
-            ("B", mc.io.b.size as usize, blk.b.len()),
-            ("C", mc.io.c.size as usize, rows * blk.nc * 4),
-        ];
-        for (name, got, need) in want {
-            ensure!(
-                got == need,
-                "rknn_matmul_create gave {name} a size of {got} bytes, kiln's layout needs {need}"
-            );
+    }
+
+    /// The context for `rows`, created (and B bound to it) if it does not exist yet; the least
+    /// recently used is dropped when the block would hold more than [`MAX_CTXS`].
+    fn ctx(&mut self, lib: &Arc<RknnLib>, kind: Kind, rows: usize, run: u64) -> Result<&mut MmCtx> {
+        let home_rows = self.home.as_ref().map(|h| h.rows);
+        if home_rows == Some(rows) {
+            let h = self
+                .home
+                .as_mut()
+                .context("block without its home context")?;
+            h.used = run;
+            return Ok(h);
         }
-        // SAFETY: ctx is live; the calls take it by value.
-        unsafe {
-            check(
-                "rknn_matmul_set_core_mask",
-                (lib.matmul_set_core_mask)(ctx, ffi::CORE_AUTO),
-            )?;
-            mc.a = (lib.create_mem)(ctx, mc.io.a.size);
-            mc.b = (lib.create_mem)(ctx, mc.io.b.size);
-            mc.c = (lib.create_mem)(ctx, mc.io.c.size);
-            mem_bytes(mc.b, blk.b.len(), "B")?.copy_from_slice(&blk.b);
-            check(
-                "rknn_matmul_set_io_mem(B)",
-                (lib.matmul_set_io_mem)(ctx, mc.b, &mut mc.io.b),
-            )?;
-            mem_bytes(mc.c, mc.io.c.size as usize, "C")?;
-            check(
-                "rknn_matmul_set_io_mem(C)",
-                (lib.matmul_set_io_mem)(ctx, mc.c, &mut mc.io.c),
-            )?;
-            mem_bytes(mc.a, mc.io.a.size as usize, "A")?;
+        if !self.others.contains_key(&rows) {
+            if self.others.len() + 1 >= MAX_CTXS {
+                if let Some(old) = self.others.values().min_by_key(|c| c.used).map(|c| c.rows) {
+                    self.others.remove(&old);
+                }
+            }
+            let (mut mc, _) = create_ctx(lib, kind, rows, self.kc, self.nc, Some(self.tile))?;
+            // SAFETY: `b` is live and already synced to the device; this context binds it.
+            check("rknn_matmul_set_io_mem(B, shared)", unsafe {
+                (lib.matmul_set_io_mem)(mc.ctx, self.b, &mut mc.io.b)
+            })?;
+            self.others.insert(rows, mc);
         }
-        Ok(mc)
+        let c = self
+            .others
+            .get_mut(&rows)
+            .context("context just inserted")?;
+        c.used = run;
+        Ok(c)
+    }
+
+    /// Live contexts of this block.
+    fn contexts(&self) -> usize {
+        self.others.len() + usize::from(self.home.is_some())
     }
 }
 
@@ -275,33 +573,51 @@ pub struct NpuPrepared {
     kind: Kind,
     k: usize,
     n: usize,
-    blocks: Vec<Block>,
+    /// The smallest bucket: the rows of each block's home context.
+    floor: usize,
+    blocks: Mutex<Vec<Block>>,
+    /// Bytes of converted B (the weight's NPU memory).
+    converted: u64,
     /// Q8_0: the per-channel scale of each of the N rows.
     b_scale: Vec<f32>,
-    ctxs: Mutex<HashMap<(usize, usize), MmCtx>>,
+    /// Q8_0: NMSE of the per-row int8 weight against the Q8_0 weight (the requantisation's
+    /// own loss, before any activation is quantised).
+    requant_nmse: Option<f64>,
     runs: AtomicU64,
+    _reservation: Reservation,
 }
 
 impl NpuPrepared {
-    fn converted_bytes(&self) -> u64 {
-        self.blocks.iter().map(|b| b.b.len() as u64).sum()
+    /// NPU bytes this weight holds: its converted B.
+    pub fn npu_bytes(&self) -> u64 {
+        self.converted
     }
 
-    /// B(k, n) of block `blk` in the value the NPU multiplies with (f16 or int8, as f64).
-    fn b_value(&self, blk: &Block, k: usize, n: usize) -> f64 {
-        let (sn, sk) = layout::sub_tile(self.kind == Kind::I8);
-        let i = layout::native_index(k, n, blk.kc, sn, sk);
-        match self.kind {
-            Kind::F16 => f16::from_le_bytes([blk.b[2 * i], blk.b[2 * i + 1]]).to_f64(),
-            Kind::I8 => blk.b[i] as i8 as f64,
-        }
+    /// Q8_0 only: NMSE of the per-row int8 requantisation against the Q8_0 weight.
+    pub fn requant_nmse(&self) -> Option<f64> {
+        self.requant_nmse
+    }
+
+    /// Live contexts over all blocks (bounded by [`MAX_CTXS`] per block).
+    pub fn contexts(&self) -> usize {
+        self.blocks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(Block::contexts)
+            .sum()
+    }
+
+    /// Blocks (K and N splits): one B buffer each.
+    pub fn blocks(&self) -> usize {
+        self.blocks.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
 }
 
 impl PreparedWeight for NpuPrepared {
     fn arrival(&self) -> Arrival {
         Arrival::Converted {
-            bytes: self.converted_bytes(),
+            bytes: self.converted,
         }
     }
     fn as_any(&self) -> &dyn std::any::Any {
@@ -309,15 +625,20 @@ impl PreparedWeight for NpuPrepared {
     }
 }
 
-/// How many contexts one prepared weight keeps (one per block and row count) before it drops
-/// them all and starts again.
-const CTX_CACHE: usize = 16;
-
 fn splits(total: usize, step: usize) -> Vec<(usize, usize)> {
     (0..total)
         .step_by(step)
         .map(|s| (s, step.min(total - s)))
         .collect()
+}
+
+/// The largest magnitude in `x`, as `Fp16Range` reports it (rounded up; inf as `u64::MAX`).
+fn range_max(x: f32) -> u64 {
+    if x.is_finite() {
+        x.abs().ceil() as u64
+    } else {
+        u64::MAX
+    }
 }
 
 impl Backend for NpuBackend {
@@ -393,12 +714,29 @@ impl Backend for NpuBackend {
             w.ty,
             row_bytes * w.n
         );
+        // The budget first: a weight that does not fit is declined before any work.
+        let converted = (w.k * w.n * kind.elem()) as u64;
+        let reservation = self
+            .reserve(converted)
+            .map_err(|d| anyhow::Error::new(d).context(format!("npu declines {}", w.name)))?;
         // Rows of W in the element type the NPU takes, and (Q8_0) the channel scales.
         let mut rows = Vec::with_capacity(w.n);
         let mut b_scale = Vec::new();
+        let (mut err, mut norm) = (0f64, 0f64);
         for n in 0..w.n {
             match kind {
-                Kind::F16 => rows.push(w.data[n * row_bytes..(n + 1) * row_bytes].to_vec()),
+                Kind::F16 => {
+                    let row = &w.data[n * row_bytes..(n + 1) * row_bytes];
+                    // A finite f16 is within ±65504 by construction; inf (or NaN) is not.
+                    let bad = row
+                        .chunks_exact(2)
+                        .any(|b| !f16::from_le_bytes([b[0], b[1]]).is_finite());
+                    if bad {
+                        return Err(anyhow::Error::new(Decline::Fp16Range { max: u64::MAX })
+                            .context(format!("npu declines {}: row {n}", w.name)));
+                    }
+                    rows.push(row.to_vec());
+                }
                 Kind::I8 => {
                     let x = layout::q8_0_row(w.data, w.k, n)?;
                     let (q, s) = layout::quantize_sym(&x);
@@ -407,17 +745,54 @@ impl Backend for NpuBackend {
                         "{}: row {n} holds a non-finite value",
                         w.name
                     );
+                    for (v, qv) in x.iter().zip(&q) {
+                        err += (*v as f64 - *qv as f64 * s as f64).powi(2);
+                        norm += (*v as f64).powi(2);
+                    }
                     rows.push(q.into_iter().map(|v| v as u8).collect());
                     b_scale.push(s);
                 }
             }
         }
+        let floor = bucket(self.cfg.min_m, 1);
         let mut blocks = Vec::new();
         for &(n0, nc) in &splits(w.n, N_SPLIT) {
             for &(k0, kc) in &splits(w.k, K_SPLIT) {
-                let b =
-                    layout::pack_native(&rows, kind.elem(), kind == Kind::I8, (k0, kc), (n0, nc));
-                blocks.push(Block { k0, kc, n0, nc, b });
+                let what = || format!("{}: block K {k0}+{kc} N {n0}+{nc}", w.name);
+                let (home, tile) =
+                    create_ctx(&l.lib, kind, floor, kc, nc, None).with_context(what)?;
+                let mut blk = Block {
+                    k0,
+                    kc,
+                    n0,
+                    nc,
+                    tile,
+                    b: std::ptr::null_mut(),
+                    home: Some(home),
+                    others: HashMap::new(),
+                };
+                let h = blk.home.as_mut().context("home context")?;
+                let size = h.io.b.size;
+                // SAFETY: the home context is live; B is written by the CPU, then cleaned to
+                // the device once, then bound; it is released in `Block::drop`.
+                unsafe {
+                    blk.b = (l.lib.create_mem)(h.ctx, size);
+                    let out = mem_bytes(blk.b, kc * nc * kind.elem(), "B").with_context(what)?;
+                    layout::pack_native_into(out, &rows, kind.elem(), tile, (k0, kc), (n0, nc));
+                    if self.cfg.omit_sync != Some(SyncPoint::B) {
+                        check(
+                            "rknn_mem_sync(B, TO_DEVICE)",
+                            (l.lib.mem_sync)(h.ctx, blk.b, ffi::SYNC_TO_DEVICE),
+                        )
+                        .with_context(what)?;
+                    }
+                    check(
+                        "rknn_matmul_set_io_mem(B)",
+                        (l.lib.matmul_set_io_mem)(h.ctx, blk.b, &mut h.io.b),
+                    )
+                    .with_context(what)?;
+                }
+                blocks.push(blk);
             }
         }
         Ok(Box::new(NpuPrepared {
@@ -425,10 +800,13 @@ impl Backend for NpuBackend {
             kind,
             k: w.k,
             n: w.n,
-            blocks,
+            floor,
+            blocks: Mutex::new(blocks),
+            converted,
             b_scale,
-            ctxs: Mutex::new(HashMap::new()),
+            requant_nmse: (kind == Kind::I8).then(|| if norm > 0.0 { err / norm } else { 0.0 }),
             runs: AtomicU64::new(0),
+            _reservation: reservation,
         }))
     }
 
@@ -460,13 +838,24 @@ impl Backend for NpuBackend {
             "A or C has the wrong length"
         );
         ensure!(
-            a.iter().all(|v| v.is_finite()),
-            "{}: activations hold a non-finite value",
+            !a.iter().any(|v| v.is_nan()),
+            "{}: activations hold a NaN",
             w.name
         );
+        if p.kind == Kind::F16 {
+            // Beyond ±65504 a value is inf in fp16: refuse, so the caller runs it elsewhere.
+            let amax = a.iter().fold(0f32, |m, v| m.max(v.abs()));
+            if amax > FP16_MAX {
+                return Err(anyhow::Error::new(Decline::Fp16Range {
+                    max: range_max(amax),
+                })
+                .context(format!("npu declines {} at M={m}", w.name)));
+            }
+        }
         let (k, n) = (w.k, w.n);
-        // One extra row: the canary, a multiple of one unit vector; its answer is a column of B.
-        let rows = m + 1;
+        // Rows m: the canary, a multiple of one unit vector, whose answer is a column of B;
+        // rows m+1..: padding up to the bucket, zero A, whose answer is exactly zero.
+        let rows = bucket(m, p.floor);
         let run_no = p.runs.fetch_add(1, Ordering::Relaxed);
         let canary_v = 1 + (run_no % 97) as i32;
 
@@ -480,46 +869,62 @@ impl Backend for NpuBackend {
             Kind::I8 => {
                 let mut q = Vec::with_capacity(a.len());
                 let mut s = Vec::with_capacity(m);
+                let mut worst_row = 0f64;
                 for row in a.chunks_exact(k) {
                     let (qr, sr) = layout::quantize_sym(row);
+                    let (mut err, mut norm) = (0f64, 0f64);
+                    for (v, qv) in row.iter().zip(&qr) {
+                        err += (*v as f64 - *qv as f64 * sr as f64).powi(2);
+                        norm += (*v as f64).powi(2);
+                    }
+                    if norm > 0.0 {
+                        worst_row = worst_row.max(err / norm);
+                    }
                     q.extend(qr);
                     s.push(sr);
+                }
+                // Independent errors of A and B add in a dot product's relative error.
+                let estimate = worst_row + p.requant_nmse.unwrap_or(0.0);
+                if estimate > self.cfg.int8_bar {
+                    return Err(anyhow::Error::new(Decline::Int8Accuracy {
+                        estimate: format!("{estimate:.2e}"),
+                        bar: format!("{:.2e}", self.cfg.int8_bar),
+                    })
+                    .context(format!("npu declines {} at M={m}", w.name)));
                 }
                 (vec![], q, s)
             }
         };
         let mut acc_f = vec![0f64; m * n];
 
-        let mut ctxs = p.ctxs.lock().unwrap_or_else(|e| e.into_inner());
-        if ctxs.len() >= CTX_CACHE * p.blocks.len() {
-            ctxs.clear();
-        }
-        for (bi, blk) in p.blocks.iter().enumerate() {
-            let mc = match ctxs.entry((bi, rows)) {
-                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-                std::collections::hash_map::Entry::Vacant(e) => {
-                    e.insert(MmCtx::create(&p.lib, p.kind, rows, blk).with_context(|| {
-                        format!(
-                            "{}: block K {}+{} N {}+{}",
-                            w.name, blk.k0, blk.kc, blk.n0, blk.nc
-                        )
-                    })?)
-                }
-            };
+        let mut blocks = p.blocks.lock().unwrap_or_else(|e| e.into_inner());
+        for blk in blocks.iter_mut() {
+            let where_ = format!(
+                "{}: block K {}+{} N {}+{} at M={m} (bucket {rows})",
+                w.name, blk.k0, blk.kc, blk.n0, blk.nc
+            );
             let es = p.kind.elem();
             let canary_col = (run_no as usize) % blk.kc;
-            // SAFETY: the buffers belong to `mc`, live, and are only touched under the lock.
+            let want_canary: Vec<f64> = (0..blk.nc)
+                .map(|j| Ok(canary_v as f64 * blk.b_value(p.kind, canary_col, j)?))
+                .collect::<Result<_>>()?;
+            let (blk_k0, blk_kc, blk_nc) = (blk.k0, blk.kc, blk.nc);
+            let mc = blk
+                .ctx(&p.lib, p.kind, rows, run_no)
+                .with_context(|| where_.clone())?;
+            // SAFETY: the buffers belong to `mc` (and B to the block), live, and are only
+            // touched under the lock.
             unsafe {
-                let abuf = mem_bytes(mc.a, rows * blk.kc * es, "A")?;
+                let abuf = mem_bytes(mc.a, rows * blk_kc * es, "A")?;
                 for i in 0..rows {
-                    for kk in 0..blk.kc {
-                        let at = (i * blk.kc + kk) * es;
-                        let src = i * k + blk.k0 + kk;
+                    for kk in 0..blk_kc {
+                        let at = (i * blk_kc + kk) * es;
+                        let src = i * k + blk_k0 + kk;
                         match p.kind {
                             Kind::F16 => {
                                 let bits = if i < m {
                                     a16[src]
-                                } else if kk == canary_col {
+                                } else if i == m && kk == canary_col {
                                     f16::from_f32(canary_v as f32).to_bits()
                                 } else {
                                     0
@@ -529,7 +934,7 @@ impl Backend for NpuBackend {
                             Kind::I8 => {
                                 abuf[at] = if i < m {
                                     a8[src] as u8
-                                } else if kk == canary_col {
+                                } else if i == m && kk == canary_col {
                                     canary_v as i8 as u8
                                 } else {
                                     0
@@ -538,39 +943,50 @@ impl Backend for NpuBackend {
                         }
                     }
                 }
+                if self.cfg.omit_sync != Some(SyncPoint::A) {
+                    check(
+                        "rknn_mem_sync(A, TO_DEVICE)",
+                        (p.lib.mem_sync)(mc.ctx, mc.a, ffi::SYNC_TO_DEVICE),
+                    )
+                    .with_context(|| where_.clone())?;
+                }
                 // The library takes A in here, not at run: bind it after every write.
                 check(
                     "rknn_matmul_set_io_mem(A)",
                     (p.lib.matmul_set_io_mem)(mc.ctx, mc.a, &mut mc.io.a),
                 )?;
-                let cbuf = mem_bytes(mc.c, rows * blk.nc * 4, "C")?;
+                let cbuf = mem_bytes(mc.c, rows * blk_nc * 4, "C")?;
                 for v in cbuf.chunks_exact_mut(4) {
                     v.copy_from_slice(&POISON_BITS.to_le_bytes());
                 }
-                check("rknn_matmul_run", (p.lib.matmul_run)(mc.ctx)).with_context(|| {
-                    format!(
-                        "{}: block K {}+{} N {}+{} at M={m}",
-                        w.name, blk.k0, blk.kc, blk.n0, blk.nc
+                // Clean the poison out of the cache, so no dirty line lands on the NPU's result.
+                check(
+                    "rknn_mem_sync(C, TO_DEVICE)",
+                    (p.lib.mem_sync)(mc.ctx, mc.c, ffi::SYNC_TO_DEVICE),
+                )
+                .with_context(|| where_.clone())?;
+                check("rknn_matmul_run", (p.lib.matmul_run)(mc.ctx))
+                    .with_context(|| where_.clone())?;
+                if self.cfg.omit_sync != Some(SyncPoint::C) {
+                    check(
+                        "rknn_mem_sync(C, FROM_DEVICE)",
+                        (p.lib.mem_sync)(mc.ctx, mc.c, ffi::SYNC_FROM_DEVICE),
                     )
-                })?;
-                let cbuf = mem_bytes(mc.c, rows * blk.nc * 4, "C")?;
+                    .with_context(|| where_.clone())?;
+                }
+                let cbuf = mem_bytes(mc.c, rows * blk_nc * 4, "C")?;
                 let word = |i: usize, j: usize| {
-                    let o = (i * blk.nc + j) * 4;
+                    let o = (i * blk_nc + j) * 4;
                     u32::from_le_bytes([cbuf[o], cbuf[o + 1], cbuf[o + 2], cbuf[o + 3]])
                 };
-                let untouched = (0..rows * blk.nc)
-                    .filter(|x| word(x / blk.nc, x % blk.nc) == POISON_BITS)
+                let untouched = (0..rows * blk_nc)
+                    .filter(|x| word(x / blk_nc, x % blk_nc) == POISON_BITS)
                     .count();
                 if untouched > 0 {
                     bail!(
                         "rknn_matmul_run returned success but left {untouched} of {} outputs \
-                         untouched ({}: block K {}+{} N {}+{})",
-                        rows * blk.nc,
-                        w.name,
-                        blk.k0,
-                        blk.kc,
-                        blk.n0,
-                        blk.nc
+                         untouched ({where_})",
+                        rows * blk_nc,
                     );
                 }
                 let value = |bits: u32| match p.kind {
@@ -583,31 +999,34 @@ impl Backend for NpuBackend {
                     Kind::F16 => canary_v as f64 * f64::powi(2.0, -14),
                     Kind::I8 => 0.0,
                 };
-                for j in 0..blk.nc {
-                    let want = canary_v as f64 * p.b_value(blk, canary_col, j);
+                for (j, want) in want_canary.iter().enumerate() {
                     let got = value(word(m, j));
                     let close = (got - want).abs() <= slack; // false for NaN too
                     if !close {
                         bail!(
                             "rknn_matmul_run returned success but its output is not this run's: \
                              canary row, column {j}, expected {want}, got {got} (stale or \
-                             misrouted result; {}: block K {}+{} N {}+{})",
-                            w.name,
-                            blk.k0,
-                            blk.kc,
-                            blk.n0,
-                            blk.nc
+                             misrouted result; {where_})"
+                        );
+                    }
+                }
+                for i in m + 1..rows {
+                    if let Some(j) = (0..blk_nc).find(|j| value(word(i, *j)) != 0.0) {
+                        bail!(
+                            "rknn_matmul_run returned success but padding row {i} (zero A) \
+                             gave {} at column {j}, not 0 (misrouted rows; {where_})",
+                            value(word(i, j))
                         );
                     }
                 }
                 for i in 0..m {
-                    for j in 0..blk.nc {
+                    for j in 0..blk_nc {
                         acc_f[i * n + blk.n0 + j] += value(word(i, j));
                     }
                 }
             }
         }
-        drop(ctxs);
+        drop(blocks);
         for i in 0..m {
             for j in 0..n {
                 let v = acc_f[i * n + j];
