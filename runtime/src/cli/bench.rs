@@ -105,6 +105,8 @@ pub fn run(a: Args) -> Result<()> {
             "fraction_of_bandwidth": weight_bps / bw,
             "prefill_ops": prefill_stats.ops,
             "decode_ops": decode_stats.ops,
+            "prefill_declined": prefill_stats.declined,
+            "decode_declined": decode_stats.declined,
             "kv_cache_bytes": kv_bytes,
             "rss_anon_kb": rss.map(|r| r.0),
             "rss_file_kb": rss.map(|r| r.1),
@@ -137,6 +139,9 @@ pub fn run(a: Args) -> Result<()> {
             .map(|(b, (ops, rows))| format!("{b}: {ops} matmuls, {rows} rows"))
             .collect();
         println!("{what} ran on: {}", parts.join("; "));
+        for (why, n) in &st.declined {
+            println!("{what}: {n} op(s) declined at run time and run by the next backend: {why}");
+        }
     }
     if let Some((anon, file)) = rss {
         println!(

@@ -115,10 +115,12 @@ pub enum Want {
     All,
 }
 
-/// Per-backend counts of what ran: ops and rows.
+/// Per-backend counts of what ran (ops and rows), and of the ops a backend refused at run time
+/// (by backend and reason) that the next one then ran.
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct RunStats {
     pub ops: BTreeMap<String, (u64, u64)>,
+    pub declined: BTreeMap<String, u64>,
 }
 
 /// The state of one conversation: the KV cache and reusable scratch buffers.
@@ -474,7 +476,18 @@ impl<'m> Model<'m> {
                 why.push(format!("{}: {d}", b.name()));
                 continue;
             }
-            run_checked(b.as_ref(), &mat.w, p.as_ref(), a, m, c)?;
+            // A refusal at run time (the NPU's `Fp16Range`, `Int8Accuracy`) is a decline: the
+            // next backend runs the op, and the refusal is counted. Any other error stands.
+            if let Err(e) = run_checked(b.as_ref(), &mat.w, p.as_ref(), a, m, c) {
+                match e.downcast_ref::<crate::backend::Decline>() {
+                    Some(d) => {
+                        why.push(format!("{}: {d}", b.name()));
+                        *st.declined.entry(format!("{}: {d}", b.name())).or_default() += 1;
+                        continue;
+                    }
+                    None => return Err(e),
+                }
+            }
             let e = st.ops.entry(b.name().to_string()).or_default();
             e.0 += 1;
             e.1 += m as u64;
