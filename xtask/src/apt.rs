@@ -136,19 +136,23 @@ impl Apt {
         Ok(())
     }
 
+    /// Are there package lists at all?
+    fn have_lists(&self) -> bool {
+        std::fs::read_dir(self.lists())
+            .map(|rd| {
+                rd.filter_map(|e| e.ok())
+                    .any(|e| e.file_name().to_string_lossy().contains("_Packages"))
+            })
+            .unwrap_or(false)
+    }
+
     /// Are the lists present and newer than every file in `pins` (the pins files they serve)?
     pub fn lists_fresh(&self, pins: &[&Path]) -> bool {
         let mtime = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
         let Some(stamp) = mtime(&self.stamp()) else {
             return false;
         };
-        let have_lists = std::fs::read_dir(self.lists())
-            .map(|rd| {
-                rd.filter_map(|e| e.ok())
-                    .any(|e| e.file_name().to_string_lossy().contains("_Packages"))
-            })
-            .unwrap_or(false);
-        have_lists
+        self.have_lists()
             && pins
                 .iter()
                 .all(|p| mtime(p).is_none_or(|t: SystemTime| t <= stamp))
@@ -198,13 +202,14 @@ impl Apt {
     /// Refresh the lists unless they are present and newer than `pins` (at most once per run).
     pub fn ensure_lists(&self, pins: &[&Path]) -> Result<()> {
         self.setup()?;
-        if self.lists_fresh(pins) || self.refreshed_this_run() {
+        let have = self.have_lists();
+        if self.lists_fresh(pins) || (have && self.refreshed_this_run()) {
             return Ok(());
         }
-        let why = if self.stamp().exists() {
-            "older than the pins"
-        } else {
+        let why = if !have {
             "none yet"
+        } else {
+            "older than the pins"
         };
         self.update(why)
     }
@@ -353,7 +358,7 @@ impl Apt {
 }
 
 /// `%2b` → `+` (apt prints URIs percent-encoded; the pins keep the plain path).
-fn percent_decode(s: &str) -> Result<String> {
+pub fn percent_decode(s: &str) -> Result<String> {
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;

@@ -105,9 +105,22 @@ pub fn stage() -> Result<()> {
     .context("debootstrap of the fresh bookworm root")?;
     let t_boot = t.elapsed().as_secs_f64();
     println!("fresh-machine: root bootstrapped in {t_boot:.0} s");
-    // The network configuration of the machine (DNS); nothing else of the host's.
+    // The network configuration of the machine (DNS, and the local CA certificates a TLS proxy
+    // on the way to crates.io may need); nothing else of the host's.
     std::fs::copy("/etc/resolv.conf", root.join("etc/resolv.conf"))
         .context("copying /etc/resolv.conf into the root")?;
+    let local_ca = Path::new("/usr/local/share/ca-certificates");
+    if local_ca.is_dir() {
+        let r = root.display().to_string();
+        cmd!(
+            sh,
+            "cp -a {local_ca}/. {r}/usr/local/share/ca-certificates/"
+        )
+        .run()?;
+        cmd!(sh, "chroot {r} update-ca-certificates")
+            .quiet()
+            .run()?;
+    }
 
     // The commit, cloned.
     let src = root.join("root/src/kiln");

@@ -44,7 +44,8 @@ fn serve(root: PathBuf) -> String {
                     break;
                 }
             }
-            let path = line.split_whitespace().nth(1).unwrap_or("/").to_string();
+            let raw = line.split_whitespace().nth(1).unwrap_or("/");
+            let path = crate::apt::percent_decode(raw).unwrap_or_else(|_| raw.to_string());
             let head = line.starts_with("HEAD ");
             let file = root.join(path.trim_start_matches('/'));
             let resp = match std::fs::read(&file) {
