@@ -63,7 +63,7 @@ fn stops_with_remedy(args: &[&str], tool: &str, package: &str) {
     assert!(l.contains(tool), "names the tool: {l}");
     assert!(l.contains(package), "names the package: {l}");
     assert!(
-        l.contains(&format!("apt-get install -y --no-install-recommends")),
+        l.contains("apt-get install -y --no-install-recommends"),
         "names the command: {l}"
     );
     assert!(
