@@ -224,6 +224,80 @@ pub const UBOOT_TOOLS: Tool = Tool {
     apt: &["u-boot-tools"],
 };
 
+pub const GIT: Tool = Tool {
+    name: "git",
+    why: "the commit is the image's SOURCE_DATE_EPOCH and seed",
+    probe: || version_of("git", &["--version"]),
+    apt: &["git"],
+};
+
+/// Where `debian-archive-keyring` puts the key that signs bookworm (on Debian and Ubuntu alike).
+pub const DEBIAN_KEYRING_PATH: &str = "/usr/share/keyrings/debian-archive-keyring.gpg";
+
+pub const DEBIAN_KEYRING: Tool = Tool {
+    name: "debian archive keyring",
+    why: "verifies the Debian archive that kiln's private apt configuration resolves pins from",
+    probe: || file_exists(DEBIAN_KEYRING_PATH),
+    apt: &["debian-archive-keyring"],
+};
+
+pub const APT_HELPER: Tool = Tool {
+    name: "apt-helper",
+    why: "fetches a pinned package from the snapshot service when the live archive dropped it",
+    probe: || file_exists("/usr/lib/apt/apt-helper"),
+    apt: &["apt"],
+};
+
+pub const DEBOOTSTRAP: Tool = Tool {
+    name: "debootstrap",
+    why: "the fresh-machine test stage bootstraps a minimal Debian root",
+    probe: || version_of("debootstrap", &["--version"]),
+    apt: &["debootstrap"],
+};
+
+/// The tools of each command that needs host tools, resolved by [`prepare`] before it runs.
+pub const FOR_BUILD: &[&Tool] = &[&CROSS_GCC];
+pub const FOR_PINS: &[&Tool] = &[&APT_DOWNLOAD, &APT_HELPER, &DEBIAN_KEYRING];
+pub const FOR_IMAGE: &[&Tool] = &[
+    &GIT,
+    &APT_DOWNLOAD,
+    &APT_HELPER,
+    &DEBIAN_KEYRING,
+    &CROSS_GCC,
+    &KERNEL_BUILD,
+    &MKFS_EROFS,
+    &MKE2FS,
+];
+pub const FOR_BOOT: &[&Tool] = &[&QEMU_SYSTEM_AARCH64, &UBOOT_QEMU, &UBOOT_TOOLS];
+pub const FOR_FLASH: &[&Tool] = &[&LSBLK];
+pub const FOR_BENCH_FLASH: &[&Tool] = &[&BMAPTOOL, &LOSETUP, &LSBLK];
+/// `report` parses GPT and FAT in-process: it needs no host tool.
+pub const FOR_REPORT: &[&Tool] = &[];
+
+/// The one entry to prerequisites: every command that needs host tools calls this first with
+/// exactly those tools (and `cross` when it cross-builds Rust), so that nothing fails later on a
+/// tool the doctor knows how to install.
+pub fn prepare(command: &str, tools: &[&Tool], cross: bool) -> Result<()> {
+    ensure(tools).with_context(|| format!("`cargo xtask {command}` cannot start"))?;
+    if cross {
+        cross_toolchain().with_context(|| format!("`cargo xtask {command}` cannot start"))?;
+    }
+    Ok(())
+}
+
+/// The one line for a tool that fails after [`prepare`] found it (or one a step forgot to
+/// require): the tool, its package, and the command that installs it.
+pub fn not_runnable(t: &Tool) -> String {
+    format!(
+        "{} is not runnable ({}; Debian package {}): run `sudo cargo xtask doctor` or \
+         `sudo apt-get install -y --no-install-recommends {}`",
+        t.name,
+        t.why,
+        t.apt.join(" "),
+        t.apt.join(" ")
+    )
+}
+
 /// Every tool any command needs, for `cargo xtask doctor`.
 pub fn all_tools() -> Vec<&'static Tool> {
     vec![
@@ -247,59 +321,24 @@ pub fn all_tools() -> Vec<&'static Tool> {
         &UBOOT_TOOLS,
         &KERNEL_BUILD,
         &APT_DOWNLOAD,
+        &APT_HELPER,
+        &DEBIAN_KEYRING,
+        &GIT,
+        &DEBOOTSTRAP,
     ]
 }
 
-/// Make sure apt can download packages of `arch`: a foreign architecture is added with
-/// `dpkg --add-architecture` and the package lists refreshed once.
-pub fn ensure_apt_arch(arch: &str) -> Result<()> {
-    ensure(&[&APT_DOWNLOAD])?;
-    let native = version_of("dpkg", &["--print-architecture"]).unwrap_or_default();
-    if arch == "all" || arch == native {
-        return Ok(());
-    }
-    let foreign = Command::new("dpkg")
-        .arg("--print-foreign-architectures")
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-        .unwrap_or_default();
-    let sh = xshell::Shell::new()?;
-    if !foreign.split_whitespace().any(|a| a == arch) {
-        if !(is_root() && can_apt()) {
-            bail!(
-                "apt cannot fetch {arch} packages: run `sudo dpkg --add-architecture {arch} && \
-                 sudo apt-get update`"
-            );
-        }
-        println!("doctor: running `dpkg --add-architecture {arch}`");
-        cmd!(sh, "dpkg --add-architecture {arch}").run()?;
-        APT_UPDATED.store(false, Ordering::SeqCst);
-    }
-    // The lists must name the arch's packages: probe one every Debian arch has.
-    let probe = format!("libc6:{arch}");
-    let listed = cmd!(sh, "apt-cache policy {probe}")
-        .quiet()
-        .read()
-        .map(|o| o.contains("Candidate:") && !o.contains("Candidate: (none)"))
-        .unwrap_or(false);
-    if !listed && !APT_UPDATED.swap(true, Ordering::SeqCst) {
-        if !(is_root() && can_apt()) {
-            bail!("apt has no {arch} package lists: run `sudo apt-get update`");
-        }
-        println!("doctor: running `apt-get update` (package lists for {arch})");
-        cmd!(sh, "apt-get update -qq")
-            .run()
-            .context("apt-get update")?;
-    }
-    Ok(())
-}
-
 fn is_root() -> bool {
-    version_of("id", &["-u"]).as_deref() == Some("0")
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() == 0 }
 }
 
+/// Whether this process may install host packages: root on an apt-based system, unless
+/// `KILN_NO_INSTALL=1` asks for the commands to be printed instead.
 fn can_apt() -> bool {
-    Path::new("/etc/debian_version").exists() && version_of("apt-get", &["--version"]).is_some()
+    std::env::var_os("KILN_NO_INSTALL").is_none_or(|v| v.is_empty() || v == "0")
+        && Path::new("/etc/debian_version").exists()
+        && version_of("apt-get", &["--version"]).is_some()
 }
 
 static APT_UPDATED: AtomicBool = AtomicBool::new(false);
@@ -311,7 +350,7 @@ pub fn apt_install(pkgs: &[&str], for_what: &str) -> Result<()> {
         pkgs.join(" ")
     );
     if !(is_root() && can_apt()) {
-        bail!("missing {for_what}: run `sudo {line}` (or your distribution's equivalent)");
+        bail!("missing {for_what}: run `sudo {line}` (or `sudo cargo xtask doctor`)");
     }
     let sh = xshell::Shell::new()?;
     sh.set_var("DEBIAN_FRONTEND", "noninteractive");
@@ -340,14 +379,18 @@ pub fn ensure(tools: &[&Tool]) -> Result<()> {
     let mut pkgs: Vec<&str> = missing.iter().flat_map(|t| t.apt.iter().copied()).collect();
     pkgs.sort();
     pkgs.dedup();
-    let names: Vec<&str> = missing.iter().map(|t| t.name).collect();
+    let names: Vec<String> = missing
+        .iter()
+        .map(|t| format!("{} (package {})", t.name, t.apt.join(" ")))
+        .collect();
     apt_install(&pkgs, &names.join(", "))?;
     for t in missing {
         if (t.probe)().is_none() {
             bail!(
-                "{} is still missing after installing {}: check the packages",
+                "{} is still missing after installing {}: is it on PATH ({})?",
                 t.name,
-                t.apt.join(" ")
+                t.apt.join(" "),
+                std::env::var("PATH").unwrap_or_default()
             );
         }
     }

@@ -286,7 +286,7 @@ pub fn build(
         parse_fragment(&fragment_text).with_context(|| frag_path.display().to_string())?;
     let gcc = format!("{}gcc", spec.cross_compile);
     let toolchain = crate::doctor::version_of(&gcc, &["--version"])
-        .with_context(|| format!("{gcc} is not runnable"))?;
+        .with_context(|| crate::doctor::not_runnable(&crate::doctor::CROSS_GCC))?;
     let key = build_key(spec, source_sha, &fragment_text, epoch, &toolchain);
     let out_dir = kernel_root().join(key.short());
     if let Some(k) = load_cached(&out_dir, &key)? {

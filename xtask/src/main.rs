@@ -1,6 +1,7 @@
 //! `cargo xtask`: kiln's host tool, in the cargo-xtask convention (one module per subcommand,
 //! external programs through `xshell::cmd!`, `anyhow` context at every step).
 
+mod apt;
 mod archive;
 mod atomic;
 mod bench;
@@ -10,6 +11,7 @@ mod build;
 mod disk;
 mod doctor;
 mod flash;
+mod fresh_machine;
 mod image;
 mod kernel;
 mod pins;
@@ -47,17 +49,57 @@ enum Cli {
     Bench(bench::Args),
 }
 
-fn main() -> anyhow::Result<()> {
-    match Cli::parse() {
+/// An expected error (a missing tool, a wrong pin) is one line: the cause chain and the remedy,
+/// never a backtrace. Backtraces are for bugs: panics keep theirs.
+fn main() {
+    if let Err(e) = dispatch(Cli::parse()) {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+/// Every command that needs host tools resolves exactly those through the doctor first.
+fn dispatch(cli: Cli) -> anyhow::Result<()> {
+    use doctor::prepare;
+    match cli {
         Cli::Doctor(a) => doctor::run(a),
-        Cli::Build(a) => build::run(a).map(|_| ()),
+        Cli::Build(a) => {
+            prepare("build", doctor::FOR_BUILD, true)?;
+            build::run(a).map(|_| ())
+        }
         Cli::Test(a) => test::run(a),
-        Cli::Report(a) => report::run(a),
-        Cli::BootTest(a) => boot_test::run(a),
-        Cli::Flash(a) => flash::run(a),
-        Cli::Image(a) => image::run(a),
-        Cli::Pins(a) => pins_cmd::run(a),
-        Cli::Bench(a) => bench::run(a),
+        Cli::Report(a) => {
+            prepare("report", doctor::FOR_REPORT, false)?;
+            report::run(a)
+        }
+        Cli::BootTest(a) => {
+            prepare("boot-test", doctor::FOR_BOOT, false)?;
+            if !a.no_build {
+                prepare("boot-test", doctor::FOR_IMAGE, true)?;
+            }
+            boot_test::run(a)
+        }
+        Cli::Flash(a) => {
+            prepare("flash", doctor::FOR_FLASH, false)?;
+            flash::run(a)
+        }
+        Cli::Image(a) => {
+            prepare("image", doctor::FOR_IMAGE, true)?;
+            image::run(a)
+        }
+        Cli::Pins(a) => {
+            prepare("pins", doctor::FOR_PINS, false)?;
+            pins_cmd::run(a)
+        }
+        Cli::Bench(a) => {
+            match a.what.as_str() {
+                "flash" => prepare("bench flash", doctor::FOR_BENCH_FLASH, false)?,
+                "image" => prepare("bench image", doctor::FOR_IMAGE, true)?,
+                "matmul" | "gguf" => prepare(&format!("bench {}", a.what), &[], false)?,
+                _ => {}
+            }
+            bench::run(a)
+        }
     }
 }
 

@@ -3,7 +3,7 @@
 //! re-verified on every use. Knows inputs, not boards: callers pass the pins files to act on
 //! (the command is `pins_cmd`).
 
-use crate::doctor;
+use crate::apt::{Apt, Download};
 use anyhow::{bail, Context, Result};
 use sha2::Digest;
 use std::collections::BTreeMap;
@@ -11,7 +11,6 @@ use std::fmt;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
-use xshell::cmd;
 
 /// A sha256 digest: parsed once from hex at the edge, printed as lowercase hex.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -104,6 +103,33 @@ pub struct RawInput {
     /// Empty for a `supplied` input that was never locked.
     #[serde(default)]
     pub sha256: String,
+    /// For `deb`: the snapshot.debian.org timestamp at which this version is served
+    /// (`YYYYMMDDTHHMMSSZ`), recorded by `pins update`.
+    pub snapshot: Option<String>,
+    /// For `deb`: the file under that snapshot (`<archive>/pool/…/<file>.deb`).
+    pub snapshot_path: Option<String>,
+}
+
+/// Where snapshot.debian.org serves a pinned package: `{base}/archive/{path's archive}/{timestamp}/{pool path}`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Snapshot {
+    pub timestamp: String,
+    /// The archive (`debian`, `debian-security`).
+    pub archive: String,
+    /// The path under the archive (`pool/main/…/x.deb`).
+    pub pool: String,
+}
+
+impl Snapshot {
+    pub fn url(&self, base: &str) -> String {
+        format!(
+            "{}/archive/{}/{}/{}",
+            base.trim_end_matches('/'),
+            self.archive,
+            self.timestamp,
+            self.pool
+        )
+    }
 }
 
 /// What a supplied file must contain to be accepted by `pins lock`.
@@ -137,6 +163,8 @@ pub struct Input {
     pub source: Source,
     /// `None` only for a supplied input not yet locked.
     pub sha256: Option<Sha256>,
+    /// Where the snapshot service keeps this version (deb inputs pinned by `pins update`).
+    pub snapshot: Option<Snapshot>,
     /// The pins file it was read from (for messages and for rewriting).
     pub file: PathBuf,
 }
@@ -188,11 +216,41 @@ impl Input {
         if matches!(source, Source::Deb { .. }) && sha256.is_none() {
             bail!("{}: a deb input must carry its sha256", ctx());
         }
+        let snapshot = match (&raw.snapshot, &raw.snapshot_path) {
+            (None, None) => None,
+            (Some(t), Some(p)) => {
+                let ok_time = t.len() == 16
+                    && t.as_bytes()[8] == b'T'
+                    && t.ends_with('Z')
+                    && t[..8]
+                        .bytes()
+                        .chain(t[9..15].bytes())
+                        .all(|b| b.is_ascii_digit());
+                if !ok_time {
+                    bail!("{}: snapshot {t:?} is not YYYYMMDDTHHMMSSZ", ctx());
+                }
+                let (archive, pool) = p
+                    .split_once('/')
+                    .filter(|(a, rest)| {
+                        !a.is_empty() && rest.starts_with("pool/") && !rest.contains("..")
+                    })
+                    .with_context(|| {
+                        format!("{}: snapshot_path {p:?} is not <archive>/pool/…", ctx())
+                    })?;
+                Some(Snapshot {
+                    timestamp: t.clone(),
+                    archive: archive.to_string(),
+                    pool: pool.to_string(),
+                })
+            }
+            _ => bail!("{}: `snapshot` and `snapshot_path` go together", ctx()),
+        };
         Ok(Input {
             name: raw.name,
             version: raw.version,
             source,
             sha256,
+            snapshot,
             file: file.to_path_buf(),
         })
     }
@@ -277,9 +335,8 @@ impl Cache {
         if let Some(want) = expected {
             if *want != got {
                 bail!(
-                    "{name}: sha256 mismatch: the pin says {want}, {} has {got}. If the new file \
-                     is the one you want, run `cargo xtask pins update` (Debian packages) or fix \
-                     the pin; otherwise it was corrupted or tampered with",
+                    "{name}: sha256 mismatch: the pin says {want}, {} has {got}: refused (the \
+                     file was corrupted or tampered with, or it is not the pinned one)",
                     src.display()
                 );
             }
@@ -298,43 +355,108 @@ impl Cache {
 /// Downloads an input into `dir` and returns the downloaded file.
 pub type Fetcher<'a> = &'a dyn Fn(&Input, &Path) -> Result<PathBuf>;
 
-/// The real fetcher: `apt-get download pkg:arch=version`.
+/// The default snapshot service (`KILN_SNAPSHOT_URL` overrides it, e.g. for a mirror).
+pub const SNAPSHOT_URL: &str = "https://snapshot.debian.org";
+
+/// Where deb inputs come from: kiln's private apt configuration (the live archive), then the
+/// snapshot service at the input's recorded timestamp.
+pub struct DebSource {
+    pub apt: Apt,
+    pub snapshot_base: String,
+}
+
+impl DebSource {
+    pub fn kiln() -> DebSource {
+        DebSource {
+            apt: Apt::kiln(),
+            snapshot_base: std::env::var("KILN_SNAPSHOT_URL")
+                .ok()
+                .filter(|s| !s.is_empty())
+                .unwrap_or_else(|| SNAPSHOT_URL.to_string()),
+        }
+    }
+
+    /// Download `input` into `dir`: the live archive (lists refreshed first when missing or
+    /// older than the pins file; on "not found" refreshed and retried once), then the snapshot
+    /// service. The caller verifies the sha256.
+    pub fn fetch(&self, input: &Input, dir: &Path) -> Result<PathBuf> {
+        let Source::Deb { package, arch } = &input.source else {
+            bail!("{} is supplied by the user, not downloaded", input.name);
+        };
+        let spec = format!("{package}:{arch}={}", input.version);
+        self.apt.ensure_lists(&[&input.file])?;
+        println!("pins: downloading {spec}");
+        let t = std::time::Instant::now();
+        let mut found = self.apt.download(&spec, dir)?;
+        if matches!(found, Download::NotFound(_)) && !self.apt.refreshed_this_run() {
+            self.apt.update(&format!(
+                "{spec} not found: refreshing, then trying once more"
+            ))?;
+            found = self.apt.download(&spec, dir)?;
+        }
+        let (deb, from) = match found {
+            Download::Got(deb) => (deb, "Debian's archive".to_string()),
+            Download::NotFound(apt_says) => {
+                let snap = match &input.snapshot {
+                    None => Err(format!(
+                        "no snapshot timestamp is recorded for it in {}",
+                        input.file.display()
+                    )),
+                    Some(sn) => {
+                        let url = sn.url(&self.snapshot_base);
+                        println!("pins: {spec} is not in the live archive: trying {url}");
+                        let name = sn.pool.rsplit('/').next().unwrap_or("snapshot.deb");
+                        let dest = dir.join(name);
+                        match self.apt.fetch_url(&url, &dest) {
+                            Ok(()) => Ok((dest, url)),
+                            Err(e) => Err(format!("{e:#}")),
+                        }
+                    }
+                };
+                match snap {
+                    Ok(got) => got,
+                    Err(why) => bail!("{}", self.not_served(input, &spec, &apt_says, &why)),
+                }
+            }
+        };
+        let size = std::fs::metadata(&deb)?.len();
+        println!(
+            "pins: downloaded {} from {from} ({:.1} MiB in {:.1} s)",
+            deb.file_name().unwrap_or_default().to_string_lossy(),
+            size as f64 / 1048576.0,
+            t.elapsed().as_secs_f64()
+        );
+        Ok(deb)
+    }
+
+    /// The version is served neither live nor by the snapshot: what the archive serves now and
+    /// both remedies.
+    fn not_served(&self, input: &Input, spec: &str, apt_says: &str, snapshot: &str) -> String {
+        let Source::Deb { package, arch } = &input.source else {
+            return String::new();
+        };
+        let now = match self.apt.versions(package, arch) {
+            Ok(v) if !v.is_empty() => v.join(", "),
+            Ok(_) => "no version of it".into(),
+            Err(e) => format!("(unknown: {e:#})"),
+        };
+        let suites: Vec<&str> = crate::apt::ARCHIVES.iter().map(|a| a.suite).collect();
+        format!(
+            "{spec} (sha256 {}) is not served: Debian's archive ({}, lists refreshed just now) \
+             says {:?} and serves {now}; the snapshot service: {snapshot}. Remedies: build with \
+             `--offline` from a download cache that holds it ($XDG_CACHE_HOME/kiln/sha256/{}), \
+             or change the pins deliberately with `cargo xtask pins update`",
+            input.sha256.map(|h| h.to_string()).unwrap_or_default(),
+            suites.join(", "),
+            apt_says.lines().last().unwrap_or(apt_says),
+            input.sha256.map(|h| h.to_string()).unwrap_or_default(),
+        )
+    }
+}
+
+/// The real fetcher: [`DebSource::kiln`].
 pub fn apt_fetch(input: &Input, dir: &Path) -> Result<PathBuf> {
-    let Source::Deb { package, arch } = &input.source else {
-        bail!("{} is supplied by the user, not downloaded", input.name);
-    };
-    doctor::ensure_apt_arch(arch)?;
-    // apt downloads as user _apt when it can write the folder (else it warns and runs as root).
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o777))?;
-    let sh = xshell::Shell::new()?;
-    sh.change_dir(dir);
-    let spec = format!("{package}:{arch}={}", input.version);
-    println!("pins: downloading {spec}");
-    let t = std::time::Instant::now();
-    cmd!(sh, "apt-get download -q {spec}")
-        .quiet()
-        .run()
-        .with_context(|| {
-            format!(
-                "`apt-get download {spec}` failed: the archive may have dropped version {} of {}; \
-             run `cargo xtask pins update` to re-pin to what it serves now",
-                input.version, input.name
-            )
-        })?;
-    let deb = std::fs::read_dir(dir)?
-        .filter_map(|e| e.ok())
-        .map(|e| e.path())
-        .find(|p| p.extension().is_some_and(|x| x == "deb"))
-        .with_context(|| format!("apt-get download {spec} produced no .deb"))?;
-    let size = std::fs::metadata(&deb)?.len();
-    println!(
-        "pins: downloaded {} ({:.1} MiB in {:.1} s)",
-        deb.file_name().unwrap_or_default().to_string_lossy(),
-        size as f64 / 1048576.0,
-        t.elapsed().as_secs_f64()
-    );
-    Ok(deb)
+    DebSource::kiln().fetch(input, dir)
 }
 
 /// The verified cached file of a pinned input: from the cache, else fetched (unless offline).
@@ -437,20 +559,24 @@ pub fn check(what: &str, files: &[PathBuf], offline: bool) -> Result<()> {
     Ok(())
 }
 
-/// What the archive serves now for `package:arch` (apt-cache policy's Candidate).
-fn apt_candidate(package: &str, arch: &str) -> Result<String> {
-    doctor::ensure_apt_arch(arch)?;
-    let sh = xshell::Shell::new()?;
-    let spec = format!("{package}:{arch}");
-    let out = cmd!(sh, "apt-cache policy {spec}").read()?;
-    out.lines()
-        .find_map(|l| {
-            l.trim()
-                .strip_prefix("Candidate:")
-                .map(|v| v.trim().to_string())
+/// Record where the snapshot service keeps an input's version (`snapshot`, `snapshot_path`).
+pub fn rewrite_snapshot(file: &Path, name: &str, snap: &Snapshot) -> Result<()> {
+    let text =
+        std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+    let mut doc: toml_edit::DocumentMut = text
+        .parse()
+        .with_context(|| format!("parsing {}", file.display()))?;
+    let t = doc
+        .get_mut("input")
+        .and_then(|i| i.as_array_of_tables_mut())
+        .and_then(|a| {
+            a.iter_mut()
+                .find(|t| t.get("name").and_then(|n| n.as_str()) == Some(name))
         })
-        .filter(|v| v != "(none)")
-        .with_context(|| format!("apt-cache policy {spec}: the archive offers no candidate"))
+        .with_context(|| format!("{} has no input {name:?}", file.display()))?;
+    t["snapshot"] = toml_edit::value(snap.timestamp.clone());
+    t["snapshot_path"] = toml_edit::value(format!("{}/{}", snap.archive, snap.pool));
+    crate::atomic::write_atomic(file, doc.to_string().as_bytes())
 }
 
 /// Rewrite `version` and `sha256` of the input `name` in a pins file, keeping its formatting.
@@ -477,6 +603,7 @@ pub fn rewrite_pin(file: &Path, name: &str, version: Option<&str>, sha: &Sha256)
 
 pub fn update() -> Result<()> {
     let cache = Cache::user()?;
+    let src = DebSource::kiln();
     let root = crate::project_root();
     let mut files = vec![root.join("rootfs/packages.toml")];
     for e in std::fs::read_dir(root.join("kernel-config"))? {
@@ -491,14 +618,33 @@ pub fn update() -> Result<()> {
             let Source::Deb { package, arch } = &input.source else {
                 continue;
             };
-            let now = apt_candidate(package, arch)?;
+            src.apt.ensure_lists(&[&f])?;
+            let now = src.apt.candidate(package, arch)?;
             let mut fresh = input.clone();
             fresh.version = now.clone();
+            fresh.snapshot = None;
             let tmp = tempfile::tempdir()?;
-            let deb = apt_fetch(&fresh, tmp.path())?;
+            let deb = src.fetch(&fresh, tmp.path())?;
             let (sha, _) = cache.put(&input.name, &deb, None)?;
+            let spec = format!("{package}:{arch}={now}");
+            let (archive, pool) = src.apt.pool_path(&spec)?;
+            let snap = Snapshot {
+                timestamp: src.apt.release_timestamp(&archive)?,
+                archive,
+                pool,
+            };
             if now == input.version && Some(sha) == input.sha256 {
-                println!("pins: {} {} unchanged", input.name, now);
+                if input.snapshot.is_none() {
+                    println!(
+                        "pins: {} {now} unchanged; recording its snapshot {}",
+                        input.name,
+                        snap.url(&src.snapshot_base)
+                    );
+                    rewrite_snapshot(&f, &input.name, &snap)?;
+                    changed += 1;
+                } else {
+                    println!("pins: {} {} unchanged", input.name, now);
+                }
                 continue;
             }
             println!("{}: [[input]] name = {:?}", f.display(), input.name);
@@ -509,7 +655,9 @@ pub fn update() -> Result<()> {
             );
             println!("+  version = {now:?}");
             println!("+  sha256 = {:?}", sha.to_string());
+            println!("+  snapshot = {:?}", snap.timestamp);
             rewrite_pin(&f, &input.name, Some(&now), &sha)?;
+            rewrite_snapshot(&f, &input.name, &snap)?;
             changed += 1;
         }
     }
@@ -677,6 +825,9 @@ pub fn rknpu_version_from_header(h: &str) -> Result<String> {
 }
 
 #[cfg(test)]
+mod archive_tests;
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use std::cell::Cell;
@@ -690,6 +841,7 @@ mod tests {
                 arch: "arm64".into(),
             },
             sha256: Some(sha),
+            snapshot: None,
             file: PathBuf::from("rootfs/packages.toml"),
         }
     }

@@ -12,9 +12,6 @@ pub struct Args {
     /// Run only the stages whose name contains one of these words (e.g. `--stage aarch64`).
     #[arg(long)]
     pub stage: Vec<String>,
-    /// Reuse slow cached artefacts (the kernel) where a stage allows it, and say so.
-    #[arg(long)]
-    pub quick: bool,
     /// List the stages and exit.
     #[arg(long)]
     pub list: bool,
@@ -40,9 +37,8 @@ const STAGES: &[(&str, StageFn)] = &[
     ("boot-qemu-npu-fault", boot_qemu_npu_fault),
     ("flash", flash),
     ("image-checks", |_| crate::image::checks::stage()),
-    ("image-reproducible", |a| {
-        crate::image::checks::reproducible(a.quick)
-    }),
+    ("pins-archive", pins_archive),
+    ("fresh-machine", |_| crate::fresh_machine::stage()),
 ];
 
 pub fn run(args: Args) -> Result<()> {
@@ -62,6 +58,8 @@ pub fn run(args: Args) -> Result<()> {
             args.stage
         );
     }
+    let names: Vec<&str> = chosen.iter().map(|(n, _)| *n).collect();
+    prepare_stages(&names)?;
     let mut results = Vec::new();
     for (name, f) in chosen {
         println!("\n==> stage {name}");
@@ -89,6 +87,61 @@ pub fn run(args: Args) -> Result<()> {
         bail!("{failed} stage(s) failed");
     }
     Ok(())
+}
+
+/// The host tools a stage needs and whether it cross-builds Rust for aarch64. A stage not named
+/// here gets every tool the doctor knows.
+fn stage_tools(stage: &str) -> (Vec<&'static doctor::Tool>, bool) {
+    use doctor::*;
+    let judges: &[&Tool] = &[
+        &SFDISK,
+        &FSCK_VFAT,
+        &FSCK_EROFS,
+        &E2FSCK,
+        &MTOOLS,
+        &CPIO,
+        &BMAPTOOL,
+    ];
+    match stage {
+        "fmt" | "clippy" => (vec![], false),
+        "host-tests" => {
+            let mut t = judges.to_vec();
+            t.extend([
+                &MKFS_EROFS,
+                &MKE2FS,
+                &LOSETUP,
+                &LSBLK,
+                &QEMU_SYSTEM_AARCH64,
+                &UBOOT_QEMU,
+                &APT_HELPER,
+            ]);
+            (t, false)
+        }
+        "gguf-reference" | "npu-plan-smollm2" => (vec![&PYTHON_VENV], false),
+        s if s.starts_with("aarch64-tests") => (vec![&QEMU_USER, &AARCH64_SYSROOT], true),
+        s if s.starts_with("boot-qemu") => ([FOR_IMAGE, FOR_BOOT].concat(), true),
+        "flash" => (vec![&BMAPTOOL, &LSBLK, &LOSETUP, &MKE2FS, &SFDISK], false),
+        "image-checks" => ([FOR_IMAGE, judges].concat(), true),
+        "pins-archive" => (FOR_PINS.to_vec(), false),
+        "fresh-machine" => ([FOR_IMAGE, FOR_BOOT, &[&DEBOOTSTRAP]].concat(), true),
+        _ => (all_tools(), true),
+    }
+}
+
+/// Resolve, before the first stage runs, every tool the chosen stages need.
+fn prepare_stages(names: &[&str]) -> Result<()> {
+    let mut tools: Vec<&doctor::Tool> = Vec::new();
+    let mut cross = false;
+    for n in names {
+        let (t, c) = stage_tools(n);
+        for t in t {
+            if !tools.iter().any(|k| k.name == t.name) {
+                tools.push(t);
+            }
+        }
+        cross |= c;
+    }
+    doctor::prepare("test", &tools, cross)
 }
 
 fn fmt(_: &Args) -> Result<()> {
@@ -454,4 +507,27 @@ fn flash(_: &Args) -> Result<()> {
     )
     .run()
     .context("flash end-to-end tests (loop devices)")
+}
+
+/// Pins against Debian's archive through kiln's private apt configuration: stale lists
+/// refreshed, the snapshot fallback against a local server (`pins::archive_tests`); the doctor
+/// as the one entry to prerequisites (`tests/doctor_path.rs`); and, as root, an empty host
+/// sources list (`tests/pins_host_sources.rs`).
+fn pins_archive(_: &Args) -> Result<()> {
+    let sh = crate::shell()?;
+    cmd!(
+        sh,
+        "cargo test --locked -p xtask --bin xtask -- --include-ignored apt:: pins::"
+    )
+    .run()
+    .context("pins and apt tests (Debian's archive, local snapshot server)")?;
+    cmd!(sh, "cargo test --locked -p xtask --test doctor_path")
+        .run()
+        .context("every command with one of its tools removed from PATH")?;
+    cmd!(
+        sh,
+        "cargo test --locked -p xtask --test pins_host_sources -- --include-ignored"
+    )
+    .run()
+    .context("pins with an empty host sources list")
 }

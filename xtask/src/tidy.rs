@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 /// The layers, lowest first; each names its top-level modules (`main` is the crate root, whose
 /// `project_root`, `target_dir` and `shell` are ground; its `main` only parses and dispatches).
 pub const LAYERS: &[(&str, &[&str])] = &[
-    ("ground", &["main", "atomic", "archive", "doctor"]),
+    ("ground", &["main", "atomic", "archive", "doctor", "apt"]),
     ("inputs", &["pins"]),
     ("builders", &["kernel", "rootfs", "disk", "bmap", "build"]),
     (
@@ -21,6 +21,7 @@ pub const LAYERS: &[(&str, &[&str])] = &[
             "bench",
             "test",
             "pins_cmd",
+            "fresh_machine",
             "tidy",
         ],
     ),

@@ -1,6 +1,6 @@
 //! Test stages of the image (`cargo xtask test --stage image`): independent tools judge the
-//! qemu-virt image (`image-checks`), and two builds from two clones must be byte-identical
-//! (`image-reproducible`).
+//! qemu-virt image (`image-checks`). Reproducibility across machines, paths, time zones, umasks
+//! and times is the `fresh-machine` stage's (`crate::fresh_machine`).
 
 use super::{board::Board, Args};
 use crate::doctor;
@@ -8,7 +8,7 @@ use crate::pins::{Cache, Sha256};
 use anyhow::{bail, ensure, Context, Result};
 use serde_json::Value;
 use std::io::{Read, Seek, SeekFrom, Write};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use xshell::cmd;
 
 fn qemu_args() -> Args {
@@ -19,7 +19,7 @@ fn qemu_args() -> Args {
     }
 }
 
-fn read_json(p: &Path) -> Result<Value> {
+pub fn read_json(p: &Path) -> Result<Value> {
     serde_json::from_slice(&std::fs::read(p).with_context(|| format!("reading {}", p.display()))?)
         .with_context(|| format!("parsing {}", p.display()))
 }
@@ -270,14 +270,8 @@ pub fn stage() -> Result<()> {
     Ok(())
 }
 
-fn git_in(dir: &Path, args: &[&str]) -> Result<String> {
-    let sh = xshell::Shell::new()?;
-    sh.change_dir(dir);
-    Ok(cmd!(sh, "git {args...}").quiet().read()?.trim().to_string())
-}
-
 /// Which leaves of two manifests differ (JSON paths), at most `max`.
-fn json_diff(a: &Value, b: &Value, path: &str, out: &mut Vec<String>, max: usize) {
+pub fn json_diff(a: &Value, b: &Value, path: &str, out: &mut Vec<String>, max: usize) {
     if out.len() >= max || a == b {
         return;
     }
@@ -300,94 +294,6 @@ fn json_diff(a: &Value, b: &Value, path: &str, out: &mut Vec<String>, max: usize
         }
         _ => out.push(format!("{path}: {a} vs {b}")),
     }
-}
-
-/// `image-reproducible`: clone HEAD twice into different folders, build the qemu-virt image in
-/// each with a different TZ and umask, seconds apart, the kernel rebuilt in both (`--quick`:
-/// reused from this checkout's cache, and said), and require identical sha256.
-pub fn reproducible(quick: bool) -> Result<()> {
-    let root = crate::project_root();
-    let head = git_in(&root, &["rev-parse", "HEAD"])?;
-    if !git_in(&root, &["status", "--porcelain", "--untracked-files=no"])?.is_empty() {
-        println!(
-            "image-reproducible: uncommitted changes are not in the clones: testing HEAD {}",
-            &head[..12]
-        );
-    }
-    let base = crate::target_dir().join("kiln/repro");
-    if base.exists() {
-        std::fs::remove_dir_all(&base)?;
-    }
-    std::fs::create_dir_all(&base)?;
-    let runs = [("one", "UTC", "022"), ("two", "Pacific/Chatham", "077")];
-    let mut results: Vec<(PathBuf, Sha256, Value)> = Vec::new();
-    for (i, (name, tz, umask)) in runs.iter().enumerate() {
-        if i > 0 {
-            std::thread::sleep(std::time::Duration::from_secs(2));
-        }
-        let dir = base.join(name).join("kiln");
-        let sh = xshell::Shell::new()?;
-        cmd!(sh, "git clone -q {root} {dir}").run()?;
-        sh.change_dir(&dir);
-        cmd!(sh, "git checkout -q --detach {head}").run()?;
-        if quick {
-            let from = crate::target_dir().join("kiln/kernel");
-            let to = dir.join("target/kiln/kernel");
-            std::fs::create_dir_all(&to)?;
-            let mut n = 0;
-            for e in std::fs::read_dir(&from)
-                .with_context(|| format!("--quick: no kernel cache in {}", from.display()))?
-            {
-                let p = e?.path();
-                if p.join("kernel.json").exists() {
-                    let dst = to.join(p.file_name().context("name")?);
-                    std::fs::create_dir_all(&dst)?;
-                    for f in std::fs::read_dir(&p)? {
-                        let f = f?.path();
-                        std::fs::copy(&f, dst.join(f.file_name().context("name")?))?;
-                    }
-                    n += 1;
-                }
-            }
-            println!("image-reproducible: --quick: reusing {n} cached kernel build(s) from {} (kernel NOT rebuilt)", from.display());
-        } else {
-            println!(
-                "image-reproducible: build {name}: the kernel is rebuilt from source in {}",
-                dir.display()
-            );
-        }
-        let script = format!("umask {umask} && exec cargo xtask image --board qemu-virt");
-        println!(
-            "image-reproducible: build {name} in {} (TZ={tz}, umask {umask})",
-            dir.display()
-        );
-        cmd!(sh, "sh -c {script}")
-            .env("TZ", tz)
-            .env_remove("CARGO_TARGET_DIR")
-            .run()
-            .with_context(|| format!("build {name} in {}", dir.display()))?;
-        let out = dir.join("target/images");
-        let text = std::fs::read_to_string(out.join("kiln-qemu-virt.img.sha256"))?;
-        let sha: Sha256 = text.split_whitespace().next().unwrap_or("").parse()?;
-        results.push((dir.clone(), sha, read_json(&out.join("manifest.json"))?));
-        println!("image-reproducible: build {name}: sha256 {sha}");
-    }
-    let (a, b) = (&results[0], &results[1]);
-    if a.1 == b.1 {
-        println!("image-reproducible: identical: {}", a.1);
-        std::fs::remove_dir_all(&base).ok();
-        return Ok(());
-    }
-    let mut diffs = Vec::new();
-    json_diff(&a.2, &b.2, "", &mut diffs, 40);
-    bail!(
-        "the two builds differ: {} vs {}; differing manifest entries (partition images, initramfs \
-         and boot files):\n  {}\n(builds kept in {} for inspection)",
-        a.1,
-        b.1,
-        diffs.join("\n  "),
-        base.display()
-    )
 }
 
 #[cfg(test)]

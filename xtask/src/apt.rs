@@ -1,0 +1,465 @@
+//! kiln's private apt configuration. Pinned Debian packages are resolved through their own sources
+//! list (the pinned suites, signed by Debian's archive keyring), their own package lists, cache
+//! and dpkg status under `target/kiln/apt/`, every setting passed as `-o` so that it wins over the
+//! host's `apt.conf.d`. The host's sources, lists, pinning and architectures are never consulted,
+//! so the same pins resolve on a Debian host with any sources, on Ubuntu, or with an empty
+//! sources list; the host's apt is only used to install host tools (`doctor`).
+
+use anyhow::{bail, Context, Result};
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::SystemTime;
+use xshell::cmd;
+
+/// The pinned suites: Debian 12 and its security suite (where kernel updates are served).
+pub const ARCHIVES: &[Archive] = &[
+    Archive {
+        name: "debian",
+        url: "http://deb.debian.org/debian",
+        suite: "bookworm",
+    },
+    Archive {
+        name: "debian-security",
+        url: "http://deb.debian.org/debian-security",
+        suite: "bookworm-security",
+    },
+];
+
+/// One Debian archive: its name on snapshot.debian.org, the live mirror and the pinned suite.
+pub struct Archive {
+    pub name: &'static str,
+    pub url: &'static str,
+    pub suite: &'static str,
+}
+
+/// Architectures the private lists carry: the root filesystem's arm64 packages (`all` comes
+/// with every arch's index).
+const ARCHS: &str = "arm64";
+
+/// Lists refreshed in this process (per configuration folder): at most one refresh per run.
+static REFRESHED: Mutex<Option<HashSet<PathBuf>>> = Mutex::new(None);
+
+/// A private apt configuration rooted at `dir`.
+pub struct Apt {
+    pub dir: PathBuf,
+}
+
+/// What `apt-get download` did.
+pub enum Download {
+    Got(PathBuf),
+    /// The lists do not know this version (apt's message kept).
+    NotFound(String),
+}
+
+impl Apt {
+    /// `target/kiln/apt`.
+    pub fn kiln() -> Apt {
+        Apt::at(crate::target_dir().join("kiln/apt"))
+    }
+
+    pub fn at(dir: PathBuf) -> Apt {
+        Apt { dir }
+    }
+
+    fn lists(&self) -> PathBuf {
+        self.dir.join("lists")
+    }
+
+    fn stamp(&self) -> PathBuf {
+        self.dir.join("lists-updated")
+    }
+
+    /// The configuration as apt options; each overrides the host's.
+    pub fn options(&self) -> Vec<String> {
+        let d = self.dir.display();
+        [
+            format!("Dir::Etc::SourceList={d}/sources.list"),
+            format!("Dir::Etc::SourceParts={d}/empty.d"),
+            format!("Dir::Etc::Preferences={d}/preferences"),
+            format!("Dir::Etc::PreferencesParts={d}/empty.d"),
+            format!("Dir::Etc::Trusted={d}/trusted.gpg"),
+            format!("Dir::Etc::TrustedParts={d}/empty.d"),
+            format!("Dir::State={d}/state"),
+            format!("Dir::State::Lists={d}/lists"),
+            format!("Dir::State::status={d}/status"),
+            format!("Dir::Cache={d}/cache"),
+            format!("APT::Architectures={ARCHS}"),
+            "APT::Default-Release=".into(),
+            "Acquire::Languages=none".into(),
+            // Only the Packages indexes: no AppStream or Contents files a host's apt.conf.d asks for.
+            "Acquire::IndexTargets::deb::DEP-11::DefaultEnabled=false".into(),
+            "Acquire::IndexTargets::deb::DEP-11-icons::DefaultEnabled=false".into(),
+            "Acquire::IndexTargets::deb::DEP-11-icons-small::DefaultEnabled=false".into(),
+            "Acquire::IndexTargets::deb::DEP-11-icons-hidpi::DefaultEnabled=false".into(),
+            "Acquire::IndexTargets::deb::Contents-deb::DefaultEnabled=false".into(),
+            "Acquire::IndexTargets::deb::Contents-udeb::DefaultEnabled=false".into(),
+            "APT::Get::List-Cleanup=true".into(),
+        ]
+        .into_iter()
+        .flat_map(|o| ["-o".to_string(), o])
+        .collect()
+    }
+
+    /// Write the sources list and make the folders (idempotent).
+    pub fn setup(&self) -> Result<()> {
+        let d = &self.dir;
+        for sub in [
+            "empty.d",
+            "state",
+            "lists/partial",
+            "cache/archives/partial",
+        ] {
+            std::fs::create_dir_all(d.join(sub))
+                .with_context(|| format!("creating {}", d.join(sub).display()))?;
+        }
+        let key = crate::doctor::DEBIAN_KEYRING_PATH;
+        let sources: String = ARCHIVES
+            .iter()
+            .map(|a| {
+                format!(
+                    "deb [arch={ARCHS} signed-by={key}] {} {} main\n",
+                    a.url, a.suite
+                )
+            })
+            .collect();
+        if std::fs::read_to_string(d.join("sources.list"))
+            .ok()
+            .as_deref()
+            != Some(&sources)
+        {
+            crate::atomic::write_atomic(&d.join("sources.list"), sources.as_bytes())?;
+        }
+        if !d.join("status").exists() {
+            crate::atomic::write_atomic(&d.join("status"), b"")?;
+        }
+        Ok(())
+    }
+
+    /// Are there package lists at all?
+    fn have_lists(&self) -> bool {
+        std::fs::read_dir(self.lists())
+            .map(|rd| {
+                rd.filter_map(|e| e.ok())
+                    .any(|e| e.file_name().to_string_lossy().contains("_Packages"))
+            })
+            .unwrap_or(false)
+    }
+
+    /// Are the lists present and newer than every file in `pins` (the pins files they serve)?
+    pub fn lists_fresh(&self, pins: &[&Path]) -> bool {
+        let mtime = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+        let Some(stamp) = mtime(&self.stamp()) else {
+            return false;
+        };
+        self.have_lists()
+            && pins
+                .iter()
+                .all(|p| mtime(p).is_none_or(|t: SystemTime| t <= stamp))
+    }
+
+    pub fn refreshed_this_run(&self) -> bool {
+        REFRESHED
+            .lock()
+            .map(|g| g.as_ref().is_some_and(|s| s.contains(&self.dir)))
+            .unwrap_or(false)
+    }
+
+    /// `apt-get update` over the private configuration.
+    pub fn update(&self, why: &str) -> Result<()> {
+        self.setup()?;
+        println!(
+            "pins: refreshing kiln's package lists ({why}): apt-get update over {} ({})",
+            self.dir.display(),
+            ARCHIVES
+                .iter()
+                .map(|a| a.suite)
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        let sh = xshell::Shell::new()?;
+        let opts = self.options();
+        cmd!(sh, "apt-get {opts...} -q update")
+            .run()
+            .with_context(|| {
+                format!(
+                    "refreshing kiln's package lists from {} failed: is the Debian archive \
+                     reachable? (`--offline` builds from the download cache alone)",
+                    ARCHIVES
+                        .iter()
+                        .map(|a| a.url)
+                        .collect::<Vec<_>>()
+                        .join(" and ")
+                )
+            })?;
+        crate::atomic::write_atomic(&self.stamp(), b"")?;
+        if let Ok(mut g) = REFRESHED.lock() {
+            g.get_or_insert_with(HashSet::new).insert(self.dir.clone());
+        }
+        Ok(())
+    }
+
+    /// Refresh the lists unless they are present and newer than `pins` (at most once per run).
+    pub fn ensure_lists(&self, pins: &[&Path]) -> Result<()> {
+        self.setup()?;
+        let have = self.have_lists();
+        if self.lists_fresh(pins) || (have && self.refreshed_this_run()) {
+            return Ok(());
+        }
+        let why = if !have {
+            "none yet"
+        } else {
+            "older than the pins"
+        };
+        self.update(why)
+    }
+
+    /// `apt-get download spec` into `dir` (made writable for apt's `_apt` user).
+    pub fn download(&self, spec: &str, dir: &Path) -> Result<Download> {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o777))?;
+        let sh = xshell::Shell::new()?;
+        sh.change_dir(dir);
+        let opts = self.options();
+        let out = cmd!(sh, "apt-get {opts...} -q download {spec}")
+            .quiet()
+            .ignore_status()
+            .output()
+            .with_context(|| format!("running apt-get download {spec}"))?;
+        let err = String::from_utf8_lossy(&out.stderr).trim().to_string();
+        if !out.status.success() {
+            if err.contains("was not found")
+                || err.contains("Unable to locate package")
+                || err.contains("Can't select")
+            {
+                return Ok(Download::NotFound(err));
+            }
+            bail!("`apt-get download {spec}` failed: {err}");
+        }
+        let deb = std::fs::read_dir(dir)?
+            .filter_map(|e| e.ok())
+            .map(|e| e.path())
+            .find(|p| p.extension().is_some_and(|x| x == "deb"))
+            .with_context(|| format!("apt-get download {spec} produced no .deb"))?;
+        Ok(Download::Got(deb))
+    }
+
+    /// The versions of `package:arch` the lists offer now, newest first (`apt-cache madison`).
+    pub fn versions(&self, package: &str, arch: &str) -> Result<Vec<String>> {
+        let sh = xshell::Shell::new()?;
+        let opts = self.options();
+        let spec = format!("{package}:{arch}");
+        let out = cmd!(sh, "apt-cache {opts...} madison {spec}")
+            .quiet()
+            .ignore_status()
+            .read()?;
+        Ok(out
+            .lines()
+            .filter_map(|l| l.split('|').nth(1).map(|v| v.trim().to_string()))
+            .collect())
+    }
+
+    /// What the archive serves now for `package:arch` (the candidate).
+    pub fn candidate(&self, package: &str, arch: &str) -> Result<String> {
+        let sh = xshell::Shell::new()?;
+        let opts = self.options();
+        let spec = format!("{package}:{arch}");
+        let out = cmd!(sh, "apt-cache {opts...} policy {spec}")
+            .quiet()
+            .read()?;
+        out.lines()
+            .find_map(|l| {
+                l.trim()
+                    .strip_prefix("Candidate:")
+                    .map(|v| v.trim().to_string())
+            })
+            .filter(|v| v != "(none)")
+            .with_context(|| {
+                format!("apt-cache policy {spec}: Debian's archive offers no candidate")
+            })
+    }
+
+    /// Where the live archive serves `spec`: (archive name, path under it, e.g.
+    /// `pool/main/b/busybox/busybox-static_1.35.0-4+deb12u1+b1_arm64.deb`).
+    pub fn pool_path(&self, spec: &str) -> Result<(String, String)> {
+        let sh = xshell::Shell::new()?;
+        let opts = self.options();
+        let out = cmd!(sh, "apt-get {opts...} download --print-uris {spec}")
+            .quiet()
+            .read()
+            .with_context(|| format!("apt-get download --print-uris {spec}"))?;
+        let url = out
+            .split_whitespace()
+            .next()
+            .map(|u| u.trim_matches('\''))
+            .with_context(|| format!("apt-get --print-uris {spec} printed nothing"))?;
+        for a in ARCHIVES {
+            if let Some(rest) = url.strip_prefix(&format!("{}/", a.url)) {
+                return Ok((a.name.to_string(), percent_decode(rest)?));
+            }
+        }
+        bail!("{spec} is served from {url}, outside kiln's archives")
+    }
+
+    /// A snapshot timestamp (`YYYYMMDDTHHMMSSZ`) for the state of the archive the pins were
+    /// resolved in: the `Date:` of its Release file in the lists plus 6 hours. snapshot.debian.org
+    /// serves its latest import at or before a timestamp, and imports follow the archive's updates
+    /// by up to that long, so the Date alone could name the import before this state.
+    pub fn release_timestamp(&self, archive: &str) -> Result<String> {
+        let a = ARCHIVES
+            .iter()
+            .find(|a| a.name == archive)
+            .with_context(|| format!("unknown archive {archive}"))?;
+        let host_path = a
+            .url
+            .trim_start_matches("http://")
+            .trim_start_matches("https://")
+            .replace('/', "_");
+        let f = self
+            .lists()
+            .join(format!("{host_path}_dists_{}_InRelease", a.suite));
+        let text =
+            std::fs::read_to_string(&f).with_context(|| format!("reading {}", f.display()))?;
+        let date = text
+            .lines()
+            .find_map(|l| l.strip_prefix("Date:"))
+            .with_context(|| format!("{} has no Date:", f.display()))?;
+        rfc2822_to_snapshot(date.trim(), 6 * 3600)
+    }
+
+    /// Fetch one URL to `dest` with apt's own transport (`apt-helper download-file`).
+    pub fn fetch_url(&self, url: &str, dest: &Path) -> Result<()> {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = dest
+            .parent()
+            .with_context(|| format!("{} has no folder", dest.display()))?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o777))?;
+        let sh = xshell::Shell::new()?;
+        let opts = self.options();
+        let out = cmd!(
+            sh,
+            "/usr/lib/apt/apt-helper {opts...} -o Acquire::Retries=0 download-file {url} {dest}"
+        )
+        .quiet()
+        .ignore_status()
+        .output()
+        .with_context(|| format!("running apt-helper download-file {url}"))?;
+        if !out.status.success() || !dest.exists() {
+            let err = String::from_utf8_lossy(&out.stderr);
+            let err = err
+                .lines()
+                .filter(|l| !l.trim().is_empty())
+                .collect::<Vec<_>>()
+                .join("; ");
+            bail!("fetching {url} failed: {err}");
+        }
+        Ok(())
+    }
+}
+
+/// `%2b` → `+` (apt prints URIs percent-encoded; the pins keep the plain path).
+pub fn percent_decode(s: &str) -> Result<String> {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' && i + 2 < b.len() {
+            let h = std::str::from_utf8(&b[i + 1..i + 3])?;
+            out.push(u8::from_str_radix(h, 16).with_context(|| format!("bad escape in {s}"))?);
+            i += 3;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    Ok(String::from_utf8(out)?)
+}
+
+/// Days since 1970-01-01 of a civil date (Howard Hinnant's algorithm).
+fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146097 + doe - 719468
+}
+
+/// The civil date of a day count since 1970-01-01.
+fn civil_from_days(z: i64) -> (i64, i64, i64) {
+    let z = z + 719468;
+    let era = z.div_euclid(146097);
+    let doe = z - era * 146097;
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    (
+        if m <= 2 {
+            yoe + era * 400 + 1
+        } else {
+            yoe + era * 400
+        },
+        m,
+        d,
+    )
+}
+
+/// `Sat, 28 Nov 2026 09:14:03 UTC` plus `add` seconds → `20261128T091403Z` (+ add).
+pub fn rfc2822_to_snapshot(date: &str, add: i64) -> Result<String> {
+    let w: Vec<&str> = date.split_whitespace().collect();
+    let bad = || format!("not an RFC 2822 UTC date: {date:?}");
+    anyhow::ensure!(
+        w.len() == 6 && (w[5] == "UTC" || w[5] == "+0000"),
+        "{}",
+        bad()
+    );
+    let day: u32 = w[1].parse().with_context(bad)?;
+    let months = [
+        "Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec",
+    ];
+    let month = months.iter().position(|m| *m == w[2]).with_context(bad)? + 1;
+    let year: u32 = w[3].parse().with_context(bad)?;
+    let t: Vec<u32> = w[4]
+        .split(':')
+        .map(|x| x.parse())
+        .collect::<std::result::Result<_, _>>()
+        .with_context(bad)?;
+    anyhow::ensure!(t.len() == 3, "{}", bad());
+    let secs = days_from_civil(year as i64, month as i64, day as i64) * 86400
+        + (t[0] * 3600 + t[1] * 60 + t[2]) as i64
+        + add;
+    let (y, m, d) = civil_from_days(secs.div_euclid(86400));
+    let s = secs.rem_euclid(86400);
+    Ok(format!(
+        "{y:04}{m:02}{d:02}T{:02}{:02}{:02}Z",
+        s / 3600,
+        s / 60 % 60,
+        s % 60
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn release_date_becomes_a_snapshot_timestamp() {
+        assert_eq!(
+            super::rfc2822_to_snapshot("Sun, 08 Nov 2026 09:14:03 UTC", 0).unwrap(),
+            "20261108T091403Z"
+        );
+        // Across a month and a leap day.
+        assert_eq!(
+            super::rfc2822_to_snapshot("Thu, 29 Feb 2024 20:00:00 UTC", 6 * 3600).unwrap(),
+            "20240301T020000Z"
+        );
+        assert!(super::rfc2822_to_snapshot("yesterday", 0).is_err());
+        assert_eq!(
+            super::percent_decode(
+                "pool/main/b/busybox/busybox-static_1.35.0-4%2bdeb12u1_arm64.deb"
+            )
+            .unwrap(),
+            "pool/main/b/busybox/busybox-static_1.35.0-4+deb12u1_arm64.deb"
+        );
+    }
+}

@@ -1,0 +1,221 @@
+//! The `fresh-machine` test stage: the README's first command on a machine that has only what
+//! the README says a fresh machine needs. A minimal Debian bookworm root is bootstrapped
+//! (`debootstrap --variant=minbase`, plus the prerequisites of running `cargo` at all: a C linker,
+//! git and CA certificates); only the Rust toolchain is bind-mounted into it (read-only
+//! `~/.rustup` and `~/.cargo/bin`: no registry, no target dir, no download cache, no apt lists
+//! of the host); the commit is cloned into it; and inside, as root, `cargo xtask image` exactly as
+//! the README writes it, then `cargo xtask boot-test`. The image's sha256 must equal the one
+//! built outside the root, in this checkout: reproducibility across machines, paths
+//! (`/root/src/kiln`), time zones (`TZ=CHAST-12:45CHADT`), umasks (077) and times.
+
+use crate::doctor;
+use crate::pins::Sha256;
+use anyhow::{bail, Context, Result};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+use xshell::cmd;
+
+/// What a fresh machine has besides Debian's minimal base: what `cargo` itself needs before any
+/// `cargo xtask` can run (a C linker for build scripts and the final link, git to clone, CA
+/// certificates for crates.io over HTTPS). Everything else is installed by the doctor.
+pub const FRESH_PACKAGES: &str = "ca-certificates,gcc,libc6-dev,git";
+
+/// The commands run inside the root, as the README writes them.
+const README_FIRST: &str = "cargo xtask image";
+const THEN: &str = "cargo xtask boot-test";
+
+fn root_dir() -> PathBuf {
+    crate::target_dir().join("kiln/fresh-machine")
+}
+
+/// Is anything mounted at or below `dir` (in this mount namespace)?
+fn mounted_below(dir: &Path) -> Result<Vec<String>> {
+    let info = std::fs::read_to_string("/proc/self/mountinfo")?;
+    let d = dir.to_string_lossy().to_string();
+    Ok(info
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(4).map(str::to_string))
+        .filter(|m| *m == d || m.starts_with(&format!("{d}/")))
+        .collect())
+}
+
+/// Remove a previous root, refusing if anything is still mounted inside it.
+fn clean(dir: &Path) -> Result<()> {
+    if !dir.exists() {
+        return Ok(());
+    }
+    let m = mounted_below(dir)?;
+    if !m.is_empty() {
+        bail!(
+            "{} still has mounts ({}): unmount them first",
+            dir.display(),
+            m.join(", ")
+        );
+    }
+    let sh = xshell::Shell::new()?;
+    cmd!(sh, "rm -rf --one-file-system {dir}")
+        .run()
+        .with_context(|| format!("removing {}", dir.display()))
+}
+
+pub fn stage() -> Result<()> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!(
+            "the fresh-machine stage needs root (debootstrap, chroot, mounts): run `sudo cargo \
+             xtask test --stage fresh-machine`"
+        );
+    }
+    doctor::ensure(&[&doctor::DEBOOTSTRAP, &doctor::DEBIAN_KEYRING, &doctor::GIT])?;
+    let t_all = Instant::now();
+    let proot = crate::project_root();
+    let sh = xshell::Shell::new()?;
+    sh.change_dir(&proot);
+    let head = cmd!(sh, "git rev-parse HEAD").quiet().read()?;
+    if !cmd!(sh, "git status --porcelain --untracked-files=no")
+        .quiet()
+        .read()?
+        .is_empty()
+    {
+        bail!(
+            "uncommitted changes: the root builds HEAD {} and the image outside would differ; \
+             commit first",
+            &head[..12]
+        );
+    }
+
+    // The root.
+    let base = root_dir();
+    clean(&base)?;
+    let root = base.join("root");
+    std::fs::create_dir_all(&root)?;
+    let t = Instant::now();
+    let keyring = format!("--keyring={}", doctor::DEBIAN_KEYRING_PATH);
+    let include = format!("--include={FRESH_PACKAGES}");
+    println!(
+        "fresh-machine: debootstrap --variant=minbase {include} bookworm {}",
+        root.display()
+    );
+    cmd!(
+        sh,
+        "debootstrap --variant=minbase {include} {keyring} bookworm {root} http://deb.debian.org/debian"
+    )
+    .quiet()
+    .run()
+    .context("debootstrap of the fresh bookworm root")?;
+    let t_boot = t.elapsed().as_secs_f64();
+    println!("fresh-machine: root bootstrapped in {t_boot:.0} s");
+    // The network configuration of the machine (DNS, and the local CA certificates a TLS proxy
+    // on the way to crates.io may need); nothing else of the host's.
+    std::fs::copy("/etc/resolv.conf", root.join("etc/resolv.conf"))
+        .context("copying /etc/resolv.conf into the root")?;
+    let local_ca = Path::new("/usr/local/share/ca-certificates");
+    if local_ca.is_dir() {
+        let r = root.display().to_string();
+        cmd!(
+            sh,
+            "cp -a {local_ca}/. {r}/usr/local/share/ca-certificates/"
+        )
+        .run()?;
+        cmd!(sh, "chroot {r} update-ca-certificates")
+            .quiet()
+            .run()?;
+    }
+
+    // The commit, cloned.
+    let src = root.join("root/src/kiln");
+    cmd!(sh, "git clone -q --no-hardlinks {proot} {src}").run()?;
+    {
+        let sh = xshell::Shell::new()?;
+        sh.change_dir(&src);
+        cmd!(sh, "git checkout -q --detach {head}").run()?;
+    }
+
+    // The toolchain, read-only; nothing else of the host's.
+    let home = PathBuf::from(std::env::var_os("HOME").context("HOME is not set")?);
+    let rustup = home.join(".rustup");
+    let cargo_bin = home.join(".cargo/bin");
+    for p in [&rustup, &cargo_bin] {
+        if !p.is_dir() {
+            bail!(
+                "{} is missing: the fresh-machine stage bind-mounts a rustup toolchain",
+                p.display()
+            );
+        }
+    }
+    std::fs::create_dir_all(root.join("root/.rustup"))?;
+    std::fs::create_dir_all(root.join("root/.cargo/bin"))?;
+    let r = root.display().to_string();
+    let inside = format!(
+        "umask 077 && cd /root/src/kiln && echo \"fresh-machine: inside: $ {README_FIRST}\" && \
+         {README_FIRST} && echo \"fresh-machine: inside: $ {THEN}\" && {THEN}"
+    );
+    // A private mount namespace: every mount goes away with the last process in it.
+    let script = format!(
+        "set -e\n\
+         mount --make-rprivate /\n\
+         mount -t proc proc '{r}/proc'\n\
+         mount -t sysfs sys '{r}/sys'\n\
+         mount --rbind /dev '{r}/dev'\n\
+         mount --bind '{ru}' '{r}/root/.rustup'\n\
+         mount -o remount,bind,ro '{r}/root/.rustup'\n\
+         mount --bind '{cb}' '{r}/root/.cargo/bin'\n\
+         mount -o remount,bind,ro '{r}/root/.cargo/bin'\n\
+         exec chroot '{r}' /usr/bin/env -i HOME=/root \
+           PATH=/root/.cargo/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+           TZ=CHAST-12:45CHADT LANG=C.UTF-8 TERM=dumb /bin/sh -c '{inside}'\n",
+        ru = rustup.display(),
+        cb = cargo_bin.display(),
+    );
+    let t = Instant::now();
+    let run = cmd!(sh, "unshare --mount --fork sh -c {script}").run();
+    let t_inside = t.elapsed().as_secs_f64();
+    run.with_context(|| {
+        format!("inside the fresh root: `{README_FIRST}` then `{THEN}` ({t_inside:.0} s)")
+    })?;
+    let left = mounted_below(&root)?;
+    if !left.is_empty() {
+        bail!("mounts left in the root after the run: {}", left.join(", "));
+    }
+    // The image outside the root, in this checkout (reused when it is up to date; built after
+    // the root's so that a failure inside shows first).
+    let t = Instant::now();
+    let outside = crate::image::build(&crate::image::Args {
+        board: "qemu-virt".into(),
+        models: Vec::new(),
+        offline: false,
+    })
+    .context("building the image outside the root")?;
+    println!(
+        "fresh-machine: outside the root: sha256 {} ({:.0} s)",
+        outside.sha256,
+        t.elapsed().as_secs_f64()
+    );
+
+    let sha_file = src.join("target/images/kiln-qemu-virt.img.sha256");
+    let text = std::fs::read_to_string(&sha_file)
+        .with_context(|| format!("reading {}", sha_file.display()))?;
+    let inside_sha: Sha256 = text.split_whitespace().next().unwrap_or("").parse()?;
+    println!(
+        "fresh-machine: bootstrap {t_boot:.0} s, `{README_FIRST}` + `{THEN}` inside {t_inside:.0} s, \
+         stage {:.0} s",
+        t_all.elapsed().as_secs_f64()
+    );
+    if inside_sha != outside.sha256 {
+        let a = crate::image::checks::read_json(&outside.manifest)?;
+        let b = crate::image::checks::read_json(&src.join("target/images/manifest.json"))?;
+        let mut diffs = Vec::new();
+        crate::image::checks::json_diff(&a, &b, "", &mut diffs, 40);
+        bail!(
+            "the image built on the fresh machine differs: {} outside vs {inside_sha} inside; \
+             differing manifest entries (outside vs inside):\n  {}\n(root kept in {} for \
+             inspection)",
+            outside.sha256,
+            diffs.join("\n  "),
+            base.display()
+        );
+    }
+    println!("fresh-machine: the fresh machine built the same image: {inside_sha}");
+    clean(&base)?;
+    Ok(())
+}

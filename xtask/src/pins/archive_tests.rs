@@ -1,0 +1,226 @@
+//! Resolution against the real Debian archive through kiln's private apt configuration, and the
+//! snapshot fallback against a local HTTP server serving a snapshot-shaped tree (the real
+//! snapshot.debian.org is not reachable from the build machines). These need the network to
+//! Debian's archive: `#[ignore]`d under plain `cargo test`, run by `cargo xtask test --stage
+//! pins-archive`.
+
+use super::*;
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpListener;
+use std::sync::Mutex;
+
+/// One private apt folder shared by these tests (its lists are big), used by one at a time.
+static APT_DIR: Mutex<()> = Mutex::new(());
+
+fn shared_apt() -> Apt {
+    Apt::at(crate::target_dir().join("kiln/apt-tests"))
+}
+
+/// The real pin of libgcc-s1 (small) from `rootfs/packages.toml`.
+fn libgcc_pin() -> Input {
+    read_inputs(&crate::project_root().join("rootfs/packages.toml"))
+        .unwrap()
+        .into_iter()
+        .find(|i| i.name == "libgcc-s1")
+        .expect("rootfs/packages.toml pins libgcc-s1")
+}
+
+/// A tiny HTTP/1.1 server on 127.0.0.1 serving files under `root` (404 otherwise), in a
+/// thread; returns its base URL.
+fn serve(root: PathBuf) -> String {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let base = format!("http://{}", l.local_addr().unwrap());
+    std::thread::spawn(move || {
+        for conn in l.incoming() {
+            let Ok(mut c) = conn else { continue };
+            let mut line = String::new();
+            let mut r = BufReader::new(c.try_clone().unwrap());
+            if r.read_line(&mut line).is_err() {
+                continue;
+            }
+            loop {
+                let mut h = String::new();
+                if r.read_line(&mut h).map(|n| n == 0).unwrap_or(true) || h.trim().is_empty() {
+                    break;
+                }
+            }
+            let raw = line.split_whitespace().nth(1).unwrap_or("/");
+            let path = crate::apt::percent_decode(raw).unwrap_or_else(|_| raw.to_string());
+            let head = line.starts_with("HEAD ");
+            let file = root.join(path.trim_start_matches('/'));
+            let resp = match std::fs::read(&file) {
+                Ok(body) if !path.contains("..") => {
+                    let mut v = format!(
+                        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nContent-Type: \
+                         application/vnd.debian.binary-package\r\nConnection: close\r\n\r\n",
+                        body.len()
+                    )
+                    .into_bytes();
+                    if !head {
+                        v.extend(body);
+                    }
+                    v
+                }
+                _ => b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                    .to_vec(),
+            };
+            let _ = c.write_all(&resp);
+        }
+    });
+    base
+}
+
+/// A pin of libgcc-s1 at a version the live archive does not serve (as after the archive moved
+/// on), whose snapshot copy is `pool/main/g/gcc-12/…` at a fixed timestamp.
+fn dropped_pin(sha: Sha256) -> Input {
+    let mut i = libgcc_pin();
+    i.version = "12.2.0-14+deb12u1~kiln.dropped1".into();
+    i.sha256 = Some(sha);
+    i.snapshot = Some(Snapshot {
+        timestamp: "20261101T000000Z".into(),
+        archive: "debian".into(),
+        pool: "pool/main/g/gcc-12/libgcc-s1_12.2.0-14+deb12u1~kiln.dropped1_arm64.deb".into(),
+    });
+    i
+}
+
+/// Put `bytes` where the snapshot service keeps the dropped pin, under `root`.
+fn snapshot_tree(root: &Path, input: &Input, bytes: &[u8]) {
+    let sn = input.snapshot.as_ref().unwrap();
+    let p = root
+        .join("archive")
+        .join(&sn.archive)
+        .join(&sn.timestamp)
+        .join(&sn.pool);
+    std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+    std::fs::write(p, bytes).unwrap();
+}
+
+fn resolve_with(src: &DebSource, cache: &Cache, input: &Input) -> Result<PathBuf> {
+    resolve(cache, input, false, &|i: &Input, d: &Path| src.fetch(i, d))
+}
+
+fn temp_cache(dir: &Path) -> Cache {
+    Cache {
+        dir: dir.join("sha256"),
+    }
+}
+
+#[test]
+#[ignore = "needs Debian's archive: cargo xtask test --stage pins-archive"]
+fn stale_lists_are_refreshed_then_the_pin_resolves() {
+    let _g = APT_DIR.lock().unwrap_or_else(|e| e.into_inner());
+    let src = DebSource {
+        apt: shared_apt(),
+        snapshot_base: "http://127.0.0.1:9".into(),
+    };
+    // The lists are gone (a machine that never ran `apt-get update`).
+    let _ = std::fs::remove_dir_all(src.apt.dir.join("lists"));
+    let _ = std::fs::remove_file(src.apt.dir.join("lists-updated"));
+    let pin = libgcc_pin();
+    assert!(!src.apt.lists_fresh(&[&pin.file]));
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = temp_cache(tmp.path());
+    let p = resolve_with(&src, &cache, &pin).unwrap();
+    assert_eq!(Sha256::of_file(&p).unwrap(), pin.sha256.unwrap());
+    assert!(
+        src.apt.lists_fresh(&[&pin.file]),
+        "the lists were refreshed"
+    );
+    // Lists older than the pins file count as stale too.
+    let old = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
+    std::fs::File::options()
+        .write(true)
+        .open(src.apt.dir.join("lists-updated"))
+        .unwrap()
+        .set_modified(old)
+        .unwrap();
+    let newer = tmp.path().join("pins.toml");
+    std::fs::write(&newer, "").unwrap();
+    assert!(!src.apt.lists_fresh(&[&newer]));
+}
+
+#[test]
+#[ignore = "needs Debian's archive: cargo xtask test --stage pins-archive"]
+fn dropped_version_comes_from_the_snapshot_and_is_verified() {
+    let _g = APT_DIR.lock().unwrap_or_else(|e| e.into_inner());
+    let tmp = tempfile::tempdir().unwrap();
+    let bytes = b"the pinned package, as the snapshot service keeps it".to_vec();
+    let pin = dropped_pin(Sha256::of_bytes(&bytes));
+    snapshot_tree(&tmp.path().join("snap"), &pin, &bytes);
+    let src = DebSource {
+        apt: shared_apt(),
+        snapshot_base: serve(tmp.path().join("snap")),
+    };
+    let cache = temp_cache(tmp.path());
+    let p = resolve_with(&src, &cache, &pin).unwrap();
+    assert_eq!(std::fs::read(&p).unwrap(), bytes);
+    assert_eq!(p, cache.path(&pin.sha256.unwrap()));
+}
+
+#[test]
+#[ignore = "needs Debian's archive: cargo xtask test --stage pins-archive"]
+fn snapshot_serving_other_bytes_is_refused_naming_both_hashes() {
+    let _g = APT_DIR.lock().unwrap_or_else(|e| e.into_inner());
+    let tmp = tempfile::tempdir().unwrap();
+    let good = b"the pinned package".to_vec();
+    let evil = b"not the pinned package".to_vec();
+    let pin = dropped_pin(Sha256::of_bytes(&good));
+    snapshot_tree(&tmp.path().join("snap"), &pin, &evil);
+    let src = DebSource {
+        apt: shared_apt(),
+        snapshot_base: serve(tmp.path().join("snap")),
+    };
+    let cache = temp_cache(tmp.path());
+    let err = format!("{:#}", resolve_with(&src, &cache, &pin).unwrap_err());
+    assert!(
+        err.contains(&Sha256::of_bytes(&good).to_string())
+            && err.contains(&Sha256::of_bytes(&evil).to_string()),
+        "{err}"
+    );
+    assert!(err.contains("refused"), "{err}");
+    assert!(!cache.path(&Sha256::of_bytes(&evil)).exists());
+    assert!(!cache.path(&Sha256::of_bytes(&good)).exists());
+}
+
+#[test]
+#[ignore = "needs Debian's archive: cargo xtask test --stage pins-archive"]
+fn unreachable_snapshot_names_the_url_and_the_remedies() {
+    let _g = APT_DIR.lock().unwrap_or_else(|e| e.into_inner());
+    let tmp = tempfile::tempdir().unwrap();
+    let pin = dropped_pin(Sha256::of_bytes(b"x"));
+    // A port nothing listens on.
+    let closed = TcpListener::bind("127.0.0.1:0").unwrap();
+    let base = format!("http://{}", closed.local_addr().unwrap());
+    drop(closed);
+    let src = DebSource {
+        apt: shared_apt(),
+        snapshot_base: base.clone(),
+    };
+    let cache = temp_cache(tmp.path());
+    let err = format!("{:#}", resolve_with(&src, &cache, &pin).unwrap_err());
+    let url = pin.snapshot.as_ref().unwrap().url(&base);
+    assert!(err.contains(&url), "{err}");
+    assert!(err.contains("--offline"), "{err}");
+    assert!(err.contains("cargo xtask pins update"), "{err}");
+    // What the archive serves now is named: the real pinned version is among it.
+    assert!(err.contains("12.2.0-14+deb12u1"), "{err}");
+}
+
+#[test]
+#[ignore = "needs Debian's archive: cargo xtask test --stage pins-archive"]
+fn pins_update_records_a_snapshot_for_the_served_version() {
+    let _g = APT_DIR.lock().unwrap_or_else(|e| e.into_inner());
+    let apt = shared_apt();
+    apt.ensure_lists(&[]).unwrap();
+    let pin = libgcc_pin();
+    let spec = format!("libgcc-s1:arm64={}", pin.version);
+    let (archive, pool) = apt.pool_path(&spec).unwrap();
+    assert_eq!(archive, "debian");
+    assert_eq!(
+        pool,
+        "pool/main/g/gcc-12/libgcc-s1_12.2.0-14+deb12u1_arm64.deb"
+    );
+    let ts = apt.release_timestamp(&archive).unwrap();
+    assert!(ts.len() == 16 && ts.ends_with('Z'), "{ts}");
+}
