@@ -333,7 +333,11 @@ impl Ledger {
                     mib(t.copied_bytes)
                 );
                 if t.converted_bytes > 0 {
-                    let _ = write!(line, ", converted {:.2} MiB", mib(t.converted_bytes));
+                    let _ = write!(
+                        line,
+                        ", {:.2} MiB in {name} memory",
+                        mib(t.converted_bytes)
+                    );
                 }
                 let _ = write!(
                     line,
@@ -468,7 +472,7 @@ mod tests {
         assert_eq!(
             l.lines(),
             ["weights on NPU via mmap, converted to native layout: 1.00 MiB (mapped 0/1 tensors, copied 0.00 MiB, \
-              converted 2.00 MiB; measured over prepare: reads inside the model mapping 0/1, heap +2.00 MiB \
+              2.00 MiB in NPU memory; measured over prepare: reads inside the model mapping 0/1, heap +2.00 MiB \
               [counting allocator], anonymous +0.00 MiB [test])"]
         );
     }
