@@ -101,7 +101,10 @@ fn fake_qemu_virt(root: &Path, lib: &Path) {
     // What image.manifest compares: this process's own exe and maps (the stand-in it loads),
     // the boot files, the model, the command line.
     std::fs::create_dir_all(root.join("proc/self")).unwrap();
-    std::os::unix::fs::symlink("/proc/self/exe", root.join("proc/self/exe")).unwrap();
+    // The test binary itself, not a link to "/proc/self/exe": under qemu-user the kernel would
+    // resolve that link to the emulator (only qemu's own open of "/proc/self/exe" is translated).
+    let exe = std::env::current_exe().unwrap();
+    std::os::unix::fs::symlink(&exe, root.join("proc/self/exe")).unwrap();
     std::os::unix::fs::symlink("/proc/self/maps", root.join("proc/self/maps")).unwrap();
     let extlinux =
         "label kiln\n    kernel /Image\n    append console=ttyAMA0 panic=-1 ${kiln_args}\n";
@@ -116,7 +119,7 @@ fn fake_qemu_virt(root: &Path, lib: &Path) {
     let manifest = serde_json::json!({
         "kiln_manifest": 1,
         "board": "qemu-virt",
-        "runtime": {"path": "/usr/bin/kiln", "sha256": sha(&std::fs::read("/proc/self/exe").unwrap())},
+        "runtime": {"path": "/usr/bin/kiln", "sha256": sha(&std::fs::read(&exe).unwrap())},
         "npu_runtime": {"path": "/usr/lib/librknnrt.so", "sha256": sha(&std::fs::read(lib).unwrap())},
         "boot": {"files": {
             "/Image": {"sha256": sha(b"kernel")},
