@@ -74,7 +74,8 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
         }
         Cli::BootTest(a) => {
             prepare("boot-test", doctor::FOR_BOOT, false)?;
-            if !a.no_build {
+            // A given image (--image) or the last build (--no-build) needs no build tools.
+            if !a.no_build && a.image.is_none() {
                 prepare("boot-test", doctor::FOR_IMAGE, true)?;
             }
             boot_test::run(a)
