@@ -10,7 +10,6 @@ use half::{bf16, f16};
 use kiln_runtime::backend::cpu::{CpuBackend, CpuRefBackend};
 use kiln_runtime::backend::{run_checked, Backend, Weight};
 use kiln_runtime::quant::{quantize_to_vec, GgmlType};
-use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 /// SplitMix64 for weights and activations: no dependency for random numbers.
@@ -40,39 +39,9 @@ fn make_weight(ty: GgmlType, vals: &[f32]) -> Vec<u8> {
     }
 }
 
-/// Multi-threaded sequential read bandwidth: each thread sums its slice of a buffer far larger
-/// than the caches; best of several passes, in GB/s.
+/// Read bandwidth in GB/s, the same measurement `kiln bench` makes.
 fn read_bandwidth(threads: usize) -> f64 {
-    let words: usize = (256 << 20) / 8; // 256 MiB of u64
-    let buf: Vec<u64> = (0..words as u64).collect();
-    let per = words.div_ceil(threads);
-    let mut best = f64::MAX;
-    for _ in 0..6 {
-        let t = Instant::now();
-        let total: u64 = std::thread::scope(|s| {
-            let hs: Vec<_> = buf
-                .chunks(per)
-                .map(|c| {
-                    s.spawn(move || {
-                        // Four independent sums so the adds do not serialise on one register.
-                        let mut acc = [0u64; 4];
-                        for q in c.chunks_exact(4) {
-                            for j in 0..4 {
-                                acc[j] = acc[j].wrapping_add(q[j]);
-                            }
-                        }
-                        acc.iter().fold(0u64, |a, b| a.wrapping_add(*b))
-                    })
-                })
-                .collect();
-            hs.into_iter()
-                .map(|h| h.join().unwrap_or(0))
-                .fold(0u64, u64::wrapping_add)
-        });
-        black_box(total);
-        best = best.min(t.elapsed().as_secs_f64());
-    }
-    (words * 8) as f64 / best / 1e9
+    kiln_runtime::membw::read_bandwidth(threads) / 1e9
 }
 
 /// The largest CPU cache (sysfs), if the kernel says: weights smaller than it are streamed from

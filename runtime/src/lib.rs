@@ -3,6 +3,7 @@
 pub mod backend;
 pub mod gguf;
 pub mod ledger;
+pub mod membw;
 pub mod model;
 pub mod quant;
 pub mod sched;

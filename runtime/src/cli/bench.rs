@@ -21,43 +21,6 @@ pub struct Args {
     pub json: bool,
 }
 
-/// Read bandwidth (bytes/s): `threads` threads summing disjoint parts of a 256 MiB buffer, best of
-/// three passes after one warm-up.
-fn read_bandwidth(threads: usize) -> f64 {
-    let words: usize = 32 << 20; // 256 MiB of u64
-    let buf: Vec<u64> = (0..words as u64).collect();
-    let threads = threads.max(1);
-    let per = words.div_ceil(threads);
-    let mut best = f64::MAX;
-    for pass in 0..4 {
-        let t = Instant::now();
-        let total: u64 = std::thread::scope(|s| {
-            let hs: Vec<_> = buf
-                .chunks(per)
-                .map(|c| {
-                    s.spawn(move || {
-                        let mut acc = [0u64; 8];
-                        for ch in c.chunks_exact(8) {
-                            for l in 0..8 {
-                                acc[l] = acc[l].wrapping_add(ch[l]);
-                            }
-                        }
-                        acc.iter().fold(0u64, |a, &b| a.wrapping_add(b))
-                    })
-                })
-                .collect();
-            hs.into_iter()
-                .map(|h| h.join().unwrap_or(0))
-                .fold(0u64, u64::wrapping_add)
-        });
-        std::hint::black_box(total);
-        if pass > 0 {
-            best = best.min(t.elapsed().as_secs_f64());
-        }
-    }
-    (words * 8) as f64 / best
-}
-
 pub fn run(a: Args) -> Result<()> {
     anyhow::ensure!(a.prompt >= 1 && a.n >= 1, "-p and -n must be at least 1");
     let f = a.m.open()?;
@@ -85,7 +48,7 @@ pub fn run(a: Args) -> Result<()> {
         a.m.threads
     };
     let rss = rss_kb();
-    let bw = read_bandwidth(threads);
+    let bw = kiln_runtime::membw::read_bandwidth(threads);
     let wbytes = model.weight_bytes_per_token();
     let prefill_tps = a.prompt as f64 / prefill_s;
     let decode_tps = a.n as f64 / decode_s;
