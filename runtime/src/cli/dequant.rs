@@ -18,13 +18,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
 
 fn dequant(file: &Path, tensor: &str, output: &Path) -> anyhow::Result<()> {
     let f = GgufFile::open(file)?;
-    let t = f.tensor(tensor).with_context(|| {
-        format!(
-            "{}: no tensor named {tensor:?} ({} tensors in the file)",
-            file.display(),
-            f.gguf().tensor_infos().len()
-        )
-    })?;
+    let t = super::tensor(&f, tensor)?;
     let at = f.gguf().data_offset + t.offset;
     let values = t.to_f32().with_context(|| {
         format!(

@@ -40,13 +40,7 @@ fn matmul(
 ) -> anyhow::Result<()> {
     use kiln_runtime::backend::{cpu, npu, run_checked, Backend, MatmulOp};
     let f = GgufFile::open(file)?;
-    let t = f.tensor(tensor).with_context(|| {
-        format!(
-            "{}: no tensor named {tensor:?} ({} tensors in the file)",
-            file.display(),
-            f.gguf().tensor_infos().len()
-        )
-    })?;
+    let t = super::tensor(&f, tensor)?;
     let w = t.as_weight().with_context(|| {
         format!(
             "{}: tensor {tensor:?} has {} dimensions, a matmul weight has 2",

@@ -33,6 +33,20 @@ pub fn print_all(out: &str) -> anyhow::Result<()> {
     }
 }
 
+/// The tensor `name` of an open file, or an error naming the file and how many tensors it has.
+pub fn tensor<'f>(
+    f: &'f kiln_runtime::gguf::GgufFile,
+    name: &str,
+) -> anyhow::Result<kiln_runtime::gguf::TensorView<'f>> {
+    f.tensor(name).with_context(|| {
+        format!(
+            "{}: no tensor named {name:?} ({} tensors in the file)",
+            f.path().display(),
+            f.gguf().tensor_infos().len()
+        )
+    })
+}
+
 /// Write `bytes` under `path` only when complete: a temp file beside it, then a rename.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
     let name = path
