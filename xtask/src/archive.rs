@@ -56,6 +56,14 @@ pub fn with_data_tar<T>(
     )
 }
 
+/// A tar entry's path as the archive names it, without the leading `./` that dpkg-deb writes.
+pub fn entry_path<R: Read>(e: &tar::Entry<'_, R>) -> Result<String> {
+    Ok(e.path()?
+        .to_string_lossy()
+        .trim_start_matches("./")
+        .to_string())
+}
+
 /// Run `f` on the contents of one member (`usr/src/…`) of a .deb's data.
 pub fn with_deb_member<T>(
     deb: &Path,
@@ -65,11 +73,7 @@ pub fn with_deb_member<T>(
     with_data_tar(deb, |tar| {
         for e in tar.entries()? {
             let mut e = e?;
-            let p = e
-                .path()?
-                .to_string_lossy()
-                .trim_start_matches("./")
-                .to_string();
+            let p = entry_path(&e)?;
             if p == member {
                 return f(&mut e);
             }

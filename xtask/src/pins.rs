@@ -761,11 +761,7 @@ fn kernel_identity_files(path: &Path) -> Result<(Option<String>, Option<String>)
     let (mut mk, mut drv) = (None, None);
     for e in ar.entries()? {
         let mut e = e?;
-        let p = e
-            .path()?
-            .to_string_lossy()
-            .trim_start_matches("./")
-            .to_string();
+        let p = crate::archive::entry_path(&e)?;
         let rel = match p.split_once('/') {
             Some((_, rest)) => rest.to_string(),
             None => p.clone(),

@@ -128,11 +128,7 @@ pub fn deb_tree(deb: &Path, origin: &str) -> Result<Tree> {
         let mut t = Tree::default();
         for e in tar.entries()? {
             let mut e = e?;
-            let p = e
-                .path()?
-                .to_string_lossy()
-                .trim_start_matches("./")
-                .to_string();
+            let p = crate::archive::entry_path(&e)?;
             if p.is_empty() || p == "." {
                 continue;
             }
