@@ -33,9 +33,9 @@ pub struct Archive {
     pub suite: &'static str,
 }
 
-/// Architectures the private lists carry: the root filesystem's arm64 packages (`all` comes
-/// with every arch's index).
-const ARCHS: &str = "arm64";
+/// Architectures the private lists carry: the root filesystem's arm64 packages and the tools
+/// root's amd64 ones (`all` comes with every arch's index).
+const ARCHS: &str = "arm64,amd64";
 
 /// Lists refreshed in this process (per configuration folder): at most one refresh per run.
 static REFRESHED: Mutex<Option<HashSet<PathBuf>>> = Mutex::new(None);
@@ -325,6 +325,114 @@ impl Apt {
             .find_map(|l| l.strip_prefix("Date:"))
             .with_context(|| format!("{} has no Date:", f.display()))?;
         rfc2822_to_snapshot(date.trim(), 6 * 3600)
+    }
+
+    /// What `apt-get install` of `specs` would install on an empty system, in apt's order:
+    /// `(package, version, arch)` of every `Inst` line of a simulation (the status is empty).
+    pub fn simulate_install(&self, specs: &[String]) -> Result<Vec<(String, String, String)>> {
+        let sh = xshell::Shell::new()?;
+        let opts = self.options();
+        let out = cmd!(
+            sh,
+            "apt-get {opts...} -s -q --no-install-recommends install {specs...}"
+        )
+        .quiet()
+        .read()
+        .context("apt-get -s install over kiln's lists")?;
+        let mut got = Vec::new();
+        for l in out.lines() {
+            let Some(rest) = l.strip_prefix("Inst ") else {
+                continue;
+            };
+            let (name, rest) = rest
+                .split_once(" (")
+                .with_context(|| format!("unexpected apt line {l:?}"))?;
+            let version = rest
+                .split_whitespace()
+                .next()
+                .with_context(|| format!("no version in apt line {l:?}"))?;
+            let arch = rest
+                .rsplit_once('[')
+                .and_then(|(_, a)| a.split(']').next())
+                .with_context(|| format!("no arch in apt line {l:?}"))?;
+            let name = name.split(':').next().unwrap_or(name);
+            got.push((name.to_string(), version.to_string(), arch.to_string()));
+        }
+        Ok(got)
+    }
+
+    /// The package names of `arch`'s Packages indexes in the lists whose stanza says
+    /// `Priority: required` or `Essential: yes` (what a minimal Debian root holds).
+    pub fn required_packages(&self, arch: &str) -> Result<Vec<String>> {
+        let mut out = std::collections::BTreeSet::new();
+        let suffix = format!("_binary-{arch}_Packages");
+        for e in std::fs::read_dir(self.lists())? {
+            let p = e?.path();
+            if !p.to_string_lossy().contains(&suffix) {
+                continue;
+            }
+            // The host's apt.conf may keep lists compressed (lz4, gz): apt reads them for us.
+            let sh = xshell::Shell::new()?;
+            let text = cmd!(sh, "/usr/lib/apt/apt-helper cat-file {p}")
+                .quiet()
+                .read()
+                .with_context(|| format!("reading {}", p.display()))?;
+            for stanza in text.split("\n\n") {
+                let mut name = None;
+                let mut wanted = false;
+                for l in stanza.lines() {
+                    if let Some(n) = l.strip_prefix("Package: ") {
+                        name = Some(n.trim());
+                    } else if l == "Priority: required" || l == "Essential: yes" {
+                        wanted = true;
+                    }
+                }
+                if let (Some(n), true) = (name, wanted) {
+                    out.insert(n.to_string());
+                }
+            }
+        }
+        if out.is_empty() {
+            bail!("no {arch} Packages index in {}", self.lists().display());
+        }
+        Ok(out.into_iter().collect())
+    }
+
+    /// `apt-get download` of many specs at once into `dir`.
+    pub fn download_all(&self, specs: &[String], dir: &Path) -> Result<()> {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o777))?;
+        let sh = xshell::Shell::new()?;
+        sh.change_dir(dir);
+        let opts = self.options();
+        cmd!(sh, "apt-get {opts...} -q download {specs...}")
+            .run()
+            .with_context(|| format!("apt-get download of {} packages", specs.len()))
+    }
+
+    /// Where the live archive serves each spec: `(archive, pool path, file name)`, in order.
+    pub fn pool_paths(&self, specs: &[String]) -> Result<Vec<(String, String, String)>> {
+        let sh = xshell::Shell::new()?;
+        let opts = self.options();
+        let out = cmd!(sh, "apt-get {opts...} download --print-uris {specs...}")
+            .quiet()
+            .read()
+            .context("apt-get download --print-uris")?;
+        let mut got = Vec::new();
+        for l in out.lines() {
+            let mut w = l.split_whitespace();
+            let (Some(url), Some(file)) = (w.next(), w.next()) else {
+                continue;
+            };
+            let url = url.trim_matches('\'');
+            let a = ARCHIVES
+                .iter()
+                .find(|a| url.starts_with(&format!("{}/", a.url)))
+                .with_context(|| format!("{url} is outside kiln's archives"))?;
+            let rest = &url[a.url.len() + 1..];
+            got.push((a.name.to_string(), percent_decode(rest)?, file.to_string()));
+        }
+        Ok(got)
     }
 
     /// Fetch one URL to `dest` with apt's own transport (`apt-helper download-file`).

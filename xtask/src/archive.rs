@@ -81,3 +81,35 @@ pub fn with_deb_member<T>(
         bail!("no {member}")
     })
 }
+
+/// The `control` file of a .deb (from its `control.tar.{xz,zst,gz}` member), as text.
+pub fn deb_control(deb: &Path) -> Result<String> {
+    let file = std::fs::File::open(deb).with_context(|| format!("opening {}", deb.display()))?;
+    let mut ar = ar::Archive::new(file);
+    while let Some(entry) = ar.next_entry() {
+        let mut entry =
+            entry.with_context(|| format!("reading the ar archive {}", deb.display()))?;
+        let name = String::from_utf8_lossy(entry.header().identifier()).to_string();
+        if !name.starts_with("control.tar") {
+            continue;
+        }
+        let mut head = Vec::with_capacity(6);
+        (&mut entry).take(6).read_to_end(&mut head)?;
+        let chained: Box<dyn Read + '_> = Box::new(std::io::Cursor::new(head.clone()).chain(entry));
+        let mut tar = tar::Archive::new(decompressor(&head, chained)?);
+        for e in tar.entries()? {
+            let mut e = e?;
+            if entry_path(&e)? == "control" {
+                let mut s = String::new();
+                e.read_to_string(&mut s)
+                    .with_context(|| format!("{name} of {}: control", deb.display()))?;
+                return Ok(s);
+            }
+        }
+        bail!("{name} of {} has no control file", deb.display());
+    }
+    bail!(
+        "{} has no control.tar member: not a Debian package",
+        deb.display()
+    )
+}

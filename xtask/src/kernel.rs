@@ -2,14 +2,16 @@
 //! `tinyconfig`), the fragment merged in, `olddefconfig`, then every fragment option checked in
 //! the final `.config` (Kconfig silently drops an option whose dependency is missing), then
 //! `make Image`. Reproducible (`KBUILD_BUILD_TIMESTAMP/_USER/_HOST/_VERSION` fixed) and cached
-//! under `target/kiln/kernel/<key>` by the hash of every input.
+//! under `target/kiln/kernel/<key>` by the hash of every input. Every `make` runs inside the
+//! tools root ([`crate::tools_root`]): its cross gcc, binutils, make, flex, bison, bc and perl,
+//! never the host's; the root's key is part of the build key.
 
 use crate::pins::Sha256;
+use crate::tools_root::ToolsRoot;
 use anyhow::{bail, Context, Result};
 use std::io::{BufRead, Read};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
-use xshell::cmd;
 
 /// `[kernel]` of `kernel-config/<name>/pins.toml`.
 #[derive(Clone, Debug, serde::Deserialize)]
@@ -262,11 +264,11 @@ pub fn build_key(
     source_sha: &Sha256,
     fragment: &str,
     epoch: i64,
-    toolchain: &str,
+    tools_root: &Sha256,
 ) -> Sha256 {
     let text = format!(
-        "kiln-kernel-v1\nsource={source_sha}\nbase={}\narch={}\ncross={}\ndtb={:?}\nepoch={epoch}\n\
-         toolchain={toolchain}\nfragment:\n{fragment}",
+        "kiln-kernel-v2\nsource={source_sha}\nbase={}\narch={}\ncross={}\ndtb={:?}\nepoch={epoch}\n\
+         tools_root={tools_root}\nfragment:\n{fragment}",
         spec.base, spec.arch, spec.cross_compile, spec.dtb
     );
     Sha256::of_bytes(text.as_bytes())
@@ -278,16 +280,14 @@ pub fn build(
     source: &Path,
     source_sha: &Sha256,
     epoch: i64,
+    tools: &ToolsRoot,
 ) -> Result<KernelOut> {
     let frag_path = spec.fragment_path();
     let fragment_text = std::fs::read_to_string(&frag_path)
         .with_context(|| format!("reading {}", frag_path.display()))?;
     let fragment =
         parse_fragment(&fragment_text).with_context(|| frag_path.display().to_string())?;
-    let gcc = format!("{}gcc", spec.cross_compile);
-    let toolchain = crate::doctor::version_of(&gcc, &["--version"])
-        .with_context(|| crate::doctor::not_runnable(&crate::doctor::CROSS_GCC))?;
-    let key = build_key(spec, source_sha, &fragment_text, epoch, &toolchain);
+    let key = build_key(spec, source_sha, &fragment_text, epoch, &tools.key);
     let out_dir = kernel_root().join(key.short());
     if let Some(k) = load_cached(&out_dir, &key)? {
         println!(
@@ -298,14 +298,21 @@ pub fn build(
         );
         return Ok(k);
     }
-    crate::doctor::ensure(&[&crate::doctor::KERNEL_BUILD, &crate::doctor::CROSS_GCC])?;
     let t0 = Instant::now();
+    let gcc = format!("{}gcc", spec.cross_compile);
     let src = unpack_source(spec, source, source_sha)?;
+    let toolchain = tools
+        .read(&src, &[], &[&gcc, "--version"])?
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .to_string();
     let bdir = kernel_root().join(format!("build-{}", spec.name));
     std::fs::create_dir_all(&bdir)?;
-    let sh = kbuild_shell(spec, &src, epoch)?;
+    let kb = Kbuild::new(spec, &src, epoch, tools);
     let o = format!("O={}", bdir.display());
-    configure(&sh, spec, &bdir, &fragment)
+    configure(&kb, spec, &bdir, &fragment)
         .with_context(|| format!("kernel {}: fragment {}", spec.name, frag_path.display()))?;
     let cfg_path = bdir.join(".config");
     let jobs = std::thread::available_parallelism()
@@ -320,13 +327,10 @@ pub fn build(
         "kernel: make -j{jobs} {} (a few minutes on 2 cores)",
         targets.join(" ")
     );
-    let c = cmd!(sh, "make -j{jobs} {o} {targets...}");
-    run_with_progress(c.into()).context("kernel build")?;
-    let release = cmd!(sh, "make -s {o} kernelrelease")
-        .quiet()
-        .read()?
-        .trim()
-        .to_string();
+    let mut argv = vec!["make".to_string(), format!("-j{jobs}"), o.clone()];
+    argv.extend(targets.iter().cloned());
+    run_with_progress(kb.command(&argv)).context("kernel build")?;
+    let release = kb.read(&["make", "-s", &o, "kernelrelease"])?.trim().to_string();
     let secs = t0.elapsed().as_secs_f64();
 
     let tmp = kernel_root().join(format!(".{}.tmp", key.short()));
@@ -373,11 +377,33 @@ pub fn build(
     Ok(out)
 }
 
-/// A shell in the kernel tree with the reproducibility variables set.
-fn kbuild_shell(spec: &KernelSpec, src: &Path, epoch: i64) -> Result<xshell::Shell> {
-    let sh = xshell::Shell::new()?;
-    sh.change_dir(src);
-    let env = [
+/// `make` in the kernel tree, inside the tools root, with the reproducibility variables set.
+struct Kbuild<'a> {
+    tools: &'a ToolsRoot,
+    src: PathBuf,
+    env: Vec<(&'static str, String)>,
+}
+
+impl Kbuild<'_> {
+    fn new<'a>(spec: &KernelSpec, src: &Path, epoch: i64, tools: &'a ToolsRoot) -> Kbuild<'a> {
+        Kbuild {
+            tools,
+            src: src.to_path_buf(),
+            env: kbuild_env(spec, epoch),
+        }
+    }
+
+    fn command(&self, argv: &[String]) -> std::process::Command {
+        self.tools.command(&self.src, &self.env, argv)
+    }
+
+    fn read(&self, argv: &[&str]) -> Result<String> {
+        self.tools.read(&self.src, &self.env, argv)
+    }
+}
+
+fn kbuild_env(spec: &KernelSpec, epoch: i64) -> Vec<(&'static str, String)> {
+    vec![
         ("ARCH", spec.arch.clone()),
         ("CROSS_COMPILE", spec.cross_compile.clone()),
         ("KBUILD_BUILD_TIMESTAMP", format!("@{epoch}")),
@@ -386,17 +412,13 @@ fn kbuild_shell(spec: &KernelSpec, src: &Path, epoch: i64) -> Result<xshell::She
         ("KBUILD_BUILD_VERSION", "1".into()),
         ("LC_ALL", "C".into()),
         ("TZ", "UTC".into()),
-    ];
-    for (k, v) in &env {
-        sh.set_var(k, v);
-    }
-    Ok(sh)
+    ]
 }
 
 /// `make <base>`, merge the fragment, `olddefconfig`, then check every fragment option in the
 /// final `.config` of `bdir`.
 fn configure(
-    sh: &xshell::Shell,
+    kb: &Kbuild,
     spec: &KernelSpec,
     bdir: &Path,
     fragment: &[FragmentOption],
@@ -404,17 +426,12 @@ fn configure(
     let o = format!("O={}", bdir.display());
     let base = &spec.base;
     println!("kernel: make {base} + {} + olddefconfig", spec.fragment);
-    cmd!(sh, "make -s {o} {base}")
-        .quiet()
-        .ignore_stdout()
-        .run()
+    kb.read(&["make", "-s", &o, base])
         .with_context(|| format!("make {base}"))?;
     let cfg_path = bdir.join(".config");
     let base_cfg = std::fs::read_to_string(&cfg_path)?;
     std::fs::write(&cfg_path, merge_fragment(&base_cfg, fragment))?;
-    cmd!(sh, "make -s {o} olddefconfig")
-        .quiet()
-        .run()
+    kb.read(&["make", "-s", &o, "olddefconfig"])
         .context("make olddefconfig")?;
     let final_cfg = std::fs::read_to_string(&cfg_path)?;
     check_fragment(fragment, &final_cfg)?;
@@ -432,13 +449,15 @@ pub fn check_config_only(
     source: &Path,
     source_sha: &Sha256,
     fragment_text: &str,
+    tools: &ToolsRoot,
 ) -> Result<()> {
-    crate::doctor::ensure(&[&crate::doctor::KERNEL_BUILD, &crate::doctor::CROSS_GCC])?;
     let fragment = parse_fragment(fragment_text)?;
     let src = unpack_source(spec, source, source_sha)?;
-    let scratch = tempfile::tempdir()?;
-    let sh = kbuild_shell(spec, &src, 0)?;
-    configure(&sh, spec, scratch.path(), &fragment)
+    // Under target/: the tools root sees the checkout and target/ only.
+    std::fs::create_dir_all(kernel_root())?;
+    let scratch = tempfile::tempdir_in(kernel_root())?;
+    let kb = Kbuild::new(spec, &src, 0, tools);
+    configure(&kb, spec, scratch.path(), &fragment)
 }
 
 /// A cached build, if its files still hash to what its record says.

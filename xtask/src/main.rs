@@ -21,6 +21,7 @@ mod rootfs;
 mod test;
 #[cfg(test)]
 mod tidy;
+mod tools_root;
 
 use clap::Parser;
 use std::path::{Path, PathBuf};

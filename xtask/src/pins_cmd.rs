@@ -24,6 +24,9 @@ pub enum PinsCmd {
     },
     /// Re-resolve the Debian packages to what the archive serves now and rewrite the pins.
     Update,
+    /// Re-resolve the tools root's closure (images/tools-root.toml) to what the archive serves
+    /// now, download every package into the cache and rewrite the pin list whole.
+    UpdateToolsRoot,
     /// Check a file you supply against its declared identity, record its sha256 and cache it.
     Lock {
         #[arg(long, default_value = "rock-5b")]
@@ -38,9 +41,12 @@ pub fn run(args: Args) -> Result<()> {
     match args.cmd {
         PinsCmd::Check { board, offline } => {
             let board = Board::load(&board)?;
-            pins::check(&board.name, &board.pin_files(), offline)
+            pins::check(&board.name, &board.pin_files(), offline)?;
+            let tools = crate::project_root().join(crate::tools_root::PINS);
+            pins::check("the tools root", &[tools], offline)
         }
         PinsCmd::Update => pins::update(),
+        PinsCmd::UpdateToolsRoot => crate::tools_root::update(),
         PinsCmd::Lock { board, inputs } => {
             let board = Board::load(&board)?;
             for spec in inputs {

@@ -1,46 +1,57 @@
 //! The models partition: an uncompressed erofs (so GGUF weights mmap straight from the page
 //! cache) made by `mkfs.erofs` with a fixed time, UUID and ownership. No Rust crate writes erofs.
 
-use super::{pinned_shell, AtomicOut, Guid};
+use super::{run_fs_tool, AtomicOut, Guid};
+use crate::tools_root::ToolsRoot;
 use crate::doctor;
 use anyhow::{ensure, Context, Result};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use xshell::cmd;
 
 /// Build an erofs image of `src_dir` at `out` (atomically): every time stamp `epoch`, UUID `uuid`,
 /// every file owned by root, no extended attributes (host SELinux labels would leak in), no
 /// compression. File modes come from `src_dir` as they are: stage it with explicit modes, or use
 /// [`build_files`], which does.
-pub fn build(out: &Path, src_dir: &Path, uuid: Guid, epoch: i64) -> Result<()> {
+pub fn build(
+    out: &Path,
+    src_dir: &Path,
+    uuid: Guid,
+    epoch: i64,
+    tools: Option<&ToolsRoot>,
+) -> Result<()> {
     ensure!(epoch >= 0, "erofs time {epoch} is before 1970");
     ensure!(
         src_dir.is_dir(),
         "erofs source {} is not a folder",
         src_dir.display()
     );
-    doctor::ensure(&[&doctor::MKFS_EROFS])?;
+    if tools.is_none() {
+        doctor::ensure(&[&doctor::MKFS_EROFS])?;
+    }
     let tmp = AtomicOut::new(out)?;
-    let sh = pinned_shell(epoch)?;
-    let t = format!("-T{epoch}");
-    let u = format!("-U{uuid}");
-    let dst = tmp.path();
-    cmd!(
-        sh,
-        "mkfs.erofs --quiet {t} {u} --all-root -x-1 {dst} {src_dir}"
-    )
-    .quiet()
-    .run()
-    .with_context(|| format!("mkfs.erofs of {} into {}", src_dir.display(), out.display()))?;
+    let argv: Vec<String> = [
+        "mkfs.erofs".to_string(),
+        "--quiet".into(),
+        format!("-T{epoch}"),
+        format!("-U{uuid}"),
+        "--all-root".into(),
+        "-x-1".into(),
+        tmp.path().display().to_string(),
+        src_dir.display().to_string(),
+    ]
+    .into();
+    run_fs_tool(tools, epoch, &[], &argv)
+        .with_context(|| format!("mkfs.erofs of {} into {}", src_dir.display(), out.display()))?;
     tmp.commit()
 }
 
-/// Build an erofs image at `out` holding `files` (`'/'`-separated path in the image, source file
-/// on the host), staged in a temp folder beside `out` with modes fixed (folders 0755, files 0644,
-/// or 0755 where the source is executable by its owner), so neither the sources' modes nor the
-/// umask reach the image. Sources are copied (a hard link would share, and let us change, the
-/// source's mode).
-pub fn build_files(out: &Path, files: &[(String, PathBuf)], uuid: Guid, epoch: i64) -> Result<()> {
+pub fn build_files(
+    out: &Path,
+    files: &[(String, PathBuf)],
+    uuid: Guid,
+    epoch: i64,
+    tools: Option<&ToolsRoot>,
+) -> Result<()> {
     let stage = AtomicOut::new(&out.with_extension("stage"))?;
     let root = stage.path().to_path_buf();
     let result = (|| -> Result<()> {
@@ -71,7 +82,7 @@ pub fn build_files(out: &Path, files: &[(String, PathBuf)], uuid: Guid, epoch: i
         for d in &dirs {
             std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755))?;
         }
-        build(out, &root, uuid, epoch)
+        build(out, &root, uuid, epoch, tools)
     })();
     let _ = std::fs::remove_dir_all(&root);
     drop(stage);

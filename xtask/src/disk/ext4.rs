@@ -1,11 +1,11 @@
 //! The data partition: an empty ext4 made by `mke2fs` with every input pinned. No mature Rust
 //! crate writes ext4. Empty on purpose: e2fsprogs 1.47.0's `-d` copies host ctimes into inodes.
 
-use super::{pinned_shell, AtomicOut, Guid};
+use super::{run_fs_tool, AtomicOut, Guid};
+use crate::tools_root::ToolsRoot;
 use crate::doctor;
 use anyhow::{ensure, Context, Result};
 use std::path::Path;
-use xshell::cmd;
 
 /// Our own `mke2fs.conf`, so the host's (whose defaults change between releases, e.g. 1.47's
 /// `orphan_file` that older e2fsck refuses) cannot change the features or geometry.
@@ -48,6 +48,7 @@ pub fn build_empty(
     hash_seed: Guid,
     label: &str,
     epoch: i64,
+    tools: Option<&ToolsRoot>,
 ) -> Result<()> {
     ensure!(epoch >= 0, "ext4 time {epoch} is before 1970");
     ensure!(
@@ -58,7 +59,9 @@ pub fn build_empty(
         label.len() <= 16,
         "ext4 label `{label}` is longer than 16 bytes"
     );
-    doctor::ensure(&[&doctor::MKE2FS])?;
+    if tools.is_none() {
+        doctor::ensure(&[&doctor::MKE2FS])?;
+    }
     let tmp = AtomicOut::new(out)?;
     let f = tmp.create()?;
     f.set_len(size)
@@ -68,20 +71,27 @@ pub fn build_empty(
     std::fs::write(conf.path(), MKE2FS_CONF)
         .with_context(|| format!("writing {}", conf.path().display()))?;
 
-    let sh = pinned_shell(epoch)?;
-    sh.set_var("MKE2FS_CONFIG", conf.path());
-    sh.set_var("E2FSPROGS_FAKE_TIME", epoch.to_string());
+    let env = [
+        ("MKE2FS_CONFIG", conf.path().display().to_string()),
+        ("E2FSPROGS_FAKE_TIME", epoch.to_string()),
+    ];
     let ext =
         format!("hash_seed={hash_seed},root_owner=0:0,lazy_itable_init=0,lazy_journal_init=0");
-    let u = uuid.to_string();
-    let dst = tmp.path();
-    cmd!(
-        sh,
-        "mke2fs -q -F -t ext4 -b 4096 -I 256 -m 0 -U {u} -L {label} -E {ext} {dst}"
-    )
-    .quiet()
-    .run()
-    .with_context(|| format!("mke2fs of {}", out.display()))?;
+    let argv: Vec<String> = [
+        "mke2fs", "-q", "-F", "-t", "ext4", "-b", "4096", "-I", "256", "-m", "0", "-U",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .chain([
+        uuid.to_string(),
+        "-L".into(),
+        label.to_string(),
+        "-E".into(),
+        ext,
+        tmp.path().display().to_string(),
+    ])
+    .collect();
+    run_fs_tool(tools, epoch, &env, &argv).with_context(|| format!("mke2fs of {}", out.display()))?;
     drop(conf);
     tmp.commit()
 }

@@ -198,13 +198,36 @@ fn read_full(f: &mut impl Read, buf: &mut [u8]) -> std::io::Result<usize> {
     Ok(n)
 }
 
-/// Versions of the external tools whose output goes into the image, for the manifest: the image
-/// bytes are reproducible for the same versions.
-pub fn tool_versions() -> Vec<(&'static str, Option<String>)> {
-    vec![
-        ("erofs-utils", (crate::doctor::MKFS_EROFS.probe)()),
-        ("e2fsprogs", (crate::doctor::MKE2FS.probe)()),
-    ]
+/// Run a filesystem tool (`argv`) under the pinned environment (`TZ=UTC`, `LC_ALL=C`,
+/// `SOURCE_DATE_EPOCH`, plus `env`): inside the tools root when given (the image build always
+/// gives it), else the host's (tests of our flags, over temporary folders the root cannot see).
+pub(crate) fn run_fs_tool(
+    tools: Option<&crate::tools_root::ToolsRoot>,
+    epoch: i64,
+    env: &[(&'static str, String)],
+    argv: &[String],
+) -> Result<()> {
+    let mut all: Vec<(&'static str, String)> = vec![
+        ("TZ", "UTC".into()),
+        ("LC_ALL", "C".into()),
+        ("SOURCE_DATE_EPOCH", epoch.to_string()),
+    ];
+    all.extend(env.iter().cloned());
+    match tools {
+        Some(t) => {
+            let a: Vec<&str> = argv.iter().map(|s| s.as_str()).collect();
+            t.read(std::path::Path::new("/"), &all, &a).map(|_| ())
+        }
+        None => {
+            let sh = pinned_shell(epoch)?;
+            for (k, v) in env {
+                sh.set_var(k, v);
+            }
+            let (prog, args) = argv.split_first().context("no program")?;
+            xshell::cmd!(sh, "{prog} {args...}").quiet().run()?;
+            Ok(())
+        }
+    }
 }
 
 /// The environment every filesystem tool runs under: no locale, clock zone or umask of the host.

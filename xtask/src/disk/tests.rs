@@ -135,7 +135,7 @@ fn build_all(dir: &Path, reversed: bool) -> Result<BTreeMap<String, String>> {
     let staged = dir.join("models-src");
     stage_models(&staged, reversed);
     let models = dir.join("models.erofs");
-    erofs::build(&models, &staged, guid_from_seed(SEED, "models-fs"), EPOCH)?;
+    erofs::build(&models, &staged, guid_from_seed(SEED, "models-fs"), EPOCH, None)?;
     let data = dir.join("data.ext4");
     ext4::build_empty(
         &data,
@@ -144,6 +144,7 @@ fn build_all(dir: &Path, reversed: bool) -> Result<BTreeMap<String, String>> {
         guid_from_seed(SEED, "data-hash"),
         "data",
         EPOCH,
+        None,
     )?;
     let initrd = dir.join("initramfs.cpio.gz");
     let mut entries = cpio_entries();
@@ -936,7 +937,7 @@ fn erofs_from_files_ignores_source_modes() {
             ("bin/tool".to_string(), tool),
             ("fixture.gguf".to_string(), model),
         ];
-        erofs::build_files(&out, &files, guid_from_seed(SEED, "models-fs"), EPOCH).unwrap();
+        erofs::build_files(&out, &files, guid_from_seed(SEED, "models-fs"), EPOCH, None).unwrap();
         images.push(out);
     }
     assert_eq!(sha256_file(&images[0]), sha256_file(&images[1]));

@@ -232,7 +232,8 @@ pub fn stage() -> Result<()> {
     let inputs = super::resolve_inputs(&board, &cache, true)?;
     let (src, path) = &inputs[&board.kernel.source];
     let sha = src.sha256.context("kernel source unpinned")?;
-    match crate::kernel::check_config_only(&board.kernel, path, &sha, &bad) {
+    let tools = crate::tools_root::ensure(true)?;
+    match crate::kernel::check_config_only(&board.kernel, path, &sha, &bad, &tools) {
         Ok(()) => bail!("the fragment check accepted a fragment Kconfig cannot satisfy"),
         Err(e) => {
             let e = format!("{e:#}");

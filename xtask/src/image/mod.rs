@@ -165,8 +165,15 @@ pub fn build(args: &Args) -> Result<Built> {
         inputs.len(),
         cache.dir.display()
     ));
+    let tools = crate::tools_root::ensure(args.offline)?;
+    run.say(&format!(
+        "tools root {} ({} pinned packages) verified",
+        tools.key.short(),
+        tools.packages.len()
+    ));
     let models = steps::models(&args.models)?;
     let ctx = steps::Ctx {
+        tools,
         seed: format!("{}:{}", board.name, commit.hash),
         epoch: commit.epoch,
         board,

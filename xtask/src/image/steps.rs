@@ -29,6 +29,8 @@ pub struct Ctx {
     pub inputs: Inputs,
     /// `target/kiln/image/<board>/`: the partitions and the initramfs.
     pub work: PathBuf,
+    /// Where the kernel build and `mkfs.*` run; its key is in every key of theirs.
+    pub tools: crate::tools_root::ToolsRoot,
 }
 
 /// A model for the models partition: its name there, where it is, its sha256.
@@ -70,7 +72,13 @@ pub fn kernel(run: &mut Runner, ctx: &Ctx) -> Result<KernelOut> {
         .get(&board.kernel.source)
         .with_context(|| format!("kernel source input {} not declared", board.kernel.source))?;
     let src_sha = src_input.sha256.context("kernel source not locked")?;
-    let k = kernel::build(&board.kernel, src_path, &src_sha, ctx.commit.kernel_epoch)?;
+    let k = kernel::build(
+        &board.kernel,
+        src_path,
+        &src_sha,
+        ctx.commit.kernel_epoch,
+        &ctx.tools,
+    )?;
     run.record(
         "kernel",
         k.reused,
@@ -200,7 +208,8 @@ pub fn initramfs<'a>(ctx: &'a Ctx, rt: &'a Runtime, board_toml: &'a str) -> Resu
 pub fn models_partition<'a>(ctx: &'a Ctx, models: &'a [Model], fixture: &'a [u8]) -> Step<'a> {
     let uuid = disk::guid_from_seed(&ctx.seed, "models-fs");
     let key = key_of(&[
-        "models-v1",
+        "models-v2",
+        &ctx.tools.key.to_string(),
         &ctx.epoch.to_string(),
         &uuid.to_string(),
         &Sha256::of_bytes(fixture).to_string(),
@@ -217,7 +226,7 @@ pub fn models_partition<'a>(ctx: &'a Ctx, models: &'a [Model], fixture: &'a [u8]
         make: Box::new(move |tmp: &[PathBuf]| {
             let stage = ctx.work.join("models-staging");
             stage_models(&stage, models, fixture)?;
-            disk::erofs::build(&tmp[0], &stage, uuid, ctx.epoch)?;
+            disk::erofs::build(&tmp[0], &stage, uuid, ctx.epoch, Some(&ctx.tools))?;
             std::fs::remove_dir_all(&stage)?;
             Ok(format!("erofs, {} model(s) and the fixture", models.len()))
         }),
@@ -230,7 +239,8 @@ pub fn data_partition(ctx: &Ctx) -> Step<'_> {
     let hash_seed = disk::guid_from_seed(&ctx.seed, "data-hash-seed");
     let size = ctx.board.partitions.data_mib << 20;
     let key = key_of(&[
-        "data-v1",
+        "data-v2",
+        &ctx.tools.key.to_string(),
         &ctx.epoch.to_string(),
         &uuid.to_string(),
         &hash_seed.to_string(),
@@ -241,7 +251,15 @@ pub fn data_partition(ctx: &Ctx) -> Step<'_> {
         key,
         outputs: vec![ctx.work.join("data.ext4")],
         make: Box::new(move |tmp: &[PathBuf]| {
-            disk::ext4::build_empty(&tmp[0], size, uuid, hash_seed, "data", ctx.epoch)?;
+            disk::ext4::build_empty(
+                &tmp[0],
+                size,
+                uuid,
+                hash_seed,
+                "data",
+                ctx.epoch,
+                Some(&ctx.tools),
+            )?;
             Ok(format!("ext4, empty, {} MiB", size >> 20))
         }),
     }
@@ -359,9 +377,8 @@ pub fn manifest(ctx: &Ctx, m: &ManifestOf) -> Result<Value> {
         "npu_runtime": npu.as_ref().map(|(b, o)| json!({"path": "/usr/lib/librknnrt.so", "from": o, "sha256": Sha256::of_bytes(b)})),
         "toolchain": {
             "rust": toolchain.rustc_version, "rust_std_from": toolchain.source, "cross_gcc": k.toolchain,
-            "mkfs.erofs": crate::doctor::version_of("mkfs.erofs", &["--version"]),
-            "mke2fs": crate::doctor::version_of("mke2fs", &["-V"]),
         },
+        "tools_root": ctx.tools.describe(),
         "disk": m.layout.describe(),
         "raw_blobs": m.blobs.iter().map(|b| json!({"input": b.input, "lba": b.lba, "sha256": b.sha256})).collect::<Vec<_>>(),
         "initramfs": {"sha256": initramfs_sha, "size": initramfs_size, "files": initramfs_files},

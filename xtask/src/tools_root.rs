@@ -1,0 +1,508 @@
+//! The tools root: a Debian bookworm amd64 root made from pinned packages only, in which every
+//! external program that writes a byte of the image runs (the kernel build's cross gcc,
+//! binutils, make, flex, bison, bc, perl; `mkfs.erofs`; `mke2fs`). The host's own versions of
+//! them no longer matter.
+//!
+//! - The pin list `images/tools-root.toml` is the full closure (name, version, sha256, snapshot)
+//!   of a minimal root plus [`TOOLS`], written by `cargo xtask pins update-tools-root` from kiln's
+//!   private apt lists and changed only deliberately.
+//! - Building: every pin resolved like any input (cache → live archive → snapshot, sha256
+//!   verified), a local `file:` repository of exactly those .debs (Packages from their own
+//!   control files, a Release over it), then `debootstrap --variant=minbase` from it, so nothing
+//!   unpinned can enter. Kept under `target/kiln/tools-root/<key>/`, keyed by [`key`] (the hash
+//!   of the pin list's packages), and checked at every use against the pins: the root's dpkg
+//!   status must list exactly the pinned packages at their pinned versions.
+//! - Running: as root, `unshare --mount` + bind mounts of the checkout and `target/` at the same
+//!   paths + `chroot`, with an empty environment plus what the caller passes. Non-root is not
+//!   supported (a user namespace could do it; not done).
+
+use crate::apt::Apt;
+use crate::pins::{self, Cache, Input, Sha256, Snapshot, Source};
+use anyhow::{bail, ensure, Context, Result};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+use xshell::cmd;
+
+/// The pin list, relative to the checkout.
+pub const PINS: &str = "images/tools-root.toml";
+
+/// The suite the root is made from (the private apt's `bookworm` lists).
+pub const SUITE: &str = "bookworm";
+pub const ARCH: &str = "amd64";
+
+/// The packages the root exists for (their dependencies and a minimal root come along): every
+/// external tool whose version shapes the image bytes.
+pub const TOOLS: &[&str] = &[
+    "gcc-aarch64-linux-gnu",
+    "binutils-aarch64-linux-gnu",
+    "make",
+    "gcc",
+    "libc6-dev",
+    "flex",
+    "bison",
+    "bc",
+    "perl",
+    "libelf-dev",
+    "libssl-dev",
+    "erofs-utils",
+    "e2fsprogs",
+];
+
+/// The programs whose versions the manifest records, with the package that provides each.
+pub const RECORDED: &[(&str, &str)] = &[
+    ("aarch64-linux-gnu-gcc", "gcc-12-aarch64-linux-gnu"),
+    ("aarch64-linux-gnu-ld", "binutils-aarch64-linux-gnu"),
+    ("gcc", "gcc-12"),
+    ("make", "make"),
+    ("flex", "flex"),
+    ("bison", "bison"),
+    ("bc", "bc"),
+    ("perl", "perl"),
+    ("libelf", "libelf-dev"),
+    ("openssl", "libssl-dev"),
+    ("mkfs.erofs", "erofs-utils"),
+    ("mke2fs", "e2fsprogs"),
+];
+
+fn pins_path() -> PathBuf {
+    crate::project_root().join(PINS)
+}
+
+/// A made tools root.
+pub struct ToolsRoot {
+    pub dir: PathBuf,
+    pub key: Sha256,
+    /// Pinned package → version.
+    pub packages: BTreeMap<String, String>,
+}
+
+/// The key of a pin list: its packages, versions and hashes (comments and order do not count).
+pub fn key_of(inputs: &[Input]) -> Sha256 {
+    let mut lines: Vec<String> = inputs
+        .iter()
+        .map(|i| {
+            let sha = i.sha256.map(|h| h.to_string()).unwrap_or_default();
+            format!("{} {} {}\n", i.name, i.version, sha)
+        })
+        .collect();
+    lines.sort();
+    let text = format!("kiln-tools-root-v1 {SUITE} {ARCH}\n{}", lines.concat());
+    Sha256::of_bytes(text.as_bytes())
+}
+
+/// The pinned inputs of the tools root.
+pub fn inputs() -> Result<Vec<Input>> {
+    let inputs = pins::read_inputs(&pins_path())?;
+    ensure!(
+        !inputs.is_empty(),
+        "{} pins no package: run `cargo xtask pins update-tools-root`",
+        PINS
+    );
+    for i in &inputs {
+        ensure!(
+            matches!(i.source, Source::Deb { .. }),
+            "{}: {} is not a deb pin",
+            PINS,
+            i.name
+        );
+    }
+    Ok(inputs)
+}
+
+/// The key of the committed pin list (cheap: reads one file).
+pub fn key() -> Result<Sha256> {
+    Ok(key_of(&inputs()?))
+}
+
+fn root_dir() -> PathBuf {
+    crate::target_dir().join("kiln/tools-root")
+}
+
+/// The tools root of the committed pin list: reused when made and still matching its pins,
+/// else made now (every pin resolved and verified first; `offline`: from the cache alone).
+pub fn ensure(offline: bool) -> Result<ToolsRoot> {
+    let inputs = inputs()?;
+    let key = key_of(&inputs);
+    let packages: BTreeMap<String, String> = inputs
+        .iter()
+        .map(|i| (i.name.clone(), i.version.clone()))
+        .collect();
+    let dir = root_dir().join(key.short());
+    let root = ToolsRoot {
+        dir,
+        key,
+        packages,
+    };
+    if root.dir.join(".kiln-tools-root").exists() {
+        root.verify()?;
+        return Ok(root);
+    }
+    make(&root, &inputs, offline)?;
+    root.verify()?;
+    Ok(root)
+}
+
+/// `Package: … / Version: … / Status: …` of a dpkg status file.
+fn dpkg_status(text: &str) -> Vec<(String, String, String)> {
+    text.split("\n\n")
+        .filter_map(|st| {
+            let field = |k: &str| {
+                st.lines()
+                    .find_map(|l| l.strip_prefix(k).map(|v| v.trim().to_string()))
+            };
+            Some((field("Package:")?, field("Version:")?, field("Status:")?))
+        })
+        .collect()
+}
+
+impl ToolsRoot {
+    /// The root's dpkg status must list exactly the pinned packages at their pinned versions,
+    /// each installed: anything else (a tampered or half-made root) is an error naming it.
+    pub fn verify(&self) -> Result<()> {
+        let status_path = self.dir.join("var/lib/dpkg/status");
+        let text = std::fs::read_to_string(&status_path)
+            .with_context(|| format!("tools root: reading {}", status_path.display()))?;
+        let mut wrong = Vec::new();
+        let mut seen = BTreeMap::new();
+        for (name, version, status) in dpkg_status(&text) {
+            match self.packages.get(&name) {
+                None => wrong.push(format!("{name} {version} is not pinned")),
+                Some(v) if *v != version => {
+                    wrong.push(format!("{name} is {version}, pinned {v}"))
+                }
+                Some(_) if status != "install ok installed" => {
+                    wrong.push(format!("{name} is `{status}`"))
+                }
+                Some(_) => {}
+            }
+            seen.insert(name, ());
+        }
+        for name in self.packages.keys() {
+            if !seen.contains_key(name) {
+                wrong.push(format!("{name} is pinned but not installed"));
+            }
+        }
+        if !wrong.is_empty() {
+            bail!(
+                "tools root {} does not match {PINS}: {}; remove it (`rm -rf {}`) and it is made \
+                 again",
+                self.dir.display(),
+                wrong.join("; "),
+                self.dir.display()
+            );
+        }
+        Ok(())
+    }
+
+    /// A command run inside the root: `unshare --mount` (private mounts), the checkout and
+    /// `target/` bound at their own paths, `/proc` mounted, then `chroot` with only `env` set
+    /// (plus `PATH`), in `cwd`.
+    pub fn command(&self, cwd: &Path, env: &[(&str, String)], argv: &[String]) -> std::process::Command {
+        let r = self.dir.display().to_string();
+        let mut binds = vec![crate::project_root(), crate::target_dir()];
+        binds.sort();
+        binds.dedup();
+        let binds: Vec<PathBuf> = binds
+            .iter()
+            .filter(|b| !binds.iter().any(|o| o != *b && b.starts_with(o)))
+            .cloned()
+            .collect();
+        let mut script = String::from("set -e; mount --make-rprivate /; ");
+        for b in &binds {
+            let b = quote(&b.display().to_string());
+            let r = quote(&r);
+            script.push_str(&format!(
+                "mkdir -p {r}{b}; mount --bind {b} {r}{b}; "
+            ));
+        }
+        script.push_str(&format!("mount -t proc proc {}/proc; ", quote(&r)));
+        script.push_str(&format!(
+            "exec chroot {} /usr/bin/env -i -C {} PATH=/usr/bin:/bin:/usr/sbin:/sbin HOME=/root",
+            quote(&r),
+            quote(&cwd.display().to_string())
+        ));
+        for (k, v) in env {
+            script.push(' ');
+            script.push_str(&quote(&format!("{k}={v}")));
+        }
+        for a in argv {
+            script.push(' ');
+            script.push_str(&quote(a));
+        }
+        let mut c = std::process::Command::new("unshare");
+        c.args(["--mount", "--fork", "--", "sh", "-c", &script]);
+        c
+    }
+
+    /// Run a command inside the root; its output must be success. Stdout is returned.
+    pub fn read(&self, cwd: &Path, env: &[(&str, String)], argv: &[&str]) -> Result<String> {
+        let argv: Vec<String> = argv.iter().map(|s| s.to_string()).collect();
+        let out = self
+            .command(cwd, env, &argv)
+            .output()
+            .with_context(|| format!("running {} in the tools root", argv.join(" ")))?;
+        if !out.status.success() {
+            bail!(
+                "`{}` in the tools root {} failed ({}): {}",
+                argv.join(" "),
+                self.dir.display(),
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// Run a command inside the root, its output shown.
+    pub fn run(&self, cwd: &Path, env: &[(&str, String)], argv: &[&str]) -> Result<()> {
+        let argv: Vec<String> = argv.iter().map(|s| s.to_string()).collect();
+        let st = self
+            .command(cwd, env, &argv)
+            .status()
+            .with_context(|| format!("running {} in the tools root", argv.join(" ")))?;
+        ensure!(
+            st.success(),
+            "`{}` in the tools root {} failed ({st})",
+            argv.join(" "),
+            self.dir.display()
+        );
+        Ok(())
+    }
+
+    /// For the manifest: the pin list's key and every recorded tool's package version.
+    pub fn describe(&self) -> serde_json::Value {
+        let tools: BTreeMap<&str, serde_json::Value> = RECORDED
+            .iter()
+            .map(|(tool, pkg)| {
+                (
+                    *tool,
+                    serde_json::json!({"package": pkg, "version": self.packages.get(*pkg)}),
+                )
+            })
+            .collect();
+        serde_json::json!({
+            "pins": PINS,
+            "key": self.key,
+            "suite": SUITE,
+            "arch": ARCH,
+            "packages": self.packages.len(),
+            "tools": tools,
+        })
+    }
+}
+
+/// Single-quote for `sh`.
+fn quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "'\\''"))
+}
+
+/// Make the root: resolve every pin, lay out a local repository, debootstrap from it.
+fn make(root: &ToolsRoot, inputs: &[Input], offline: bool) -> Result<()> {
+    crate::doctor::ensure(&[&crate::doctor::DEBOOTSTRAP])?;
+    let t0 = Instant::now();
+    println!(
+        "tools root: making {} ({} pinned packages of {PINS}; once per pin list)",
+        root.key.short(),
+        inputs.len()
+    );
+    let cache = Cache::user()?;
+    let mut debs = Vec::new();
+    let mut missing = Vec::new();
+    for (n, i) in inputs.iter().enumerate() {
+        if n % 25 == 0 {
+            println!("tools root: resolving pins {}/{}", n + 1, inputs.len());
+        }
+        match pins::resolve(&cache, i, offline, &pins::apt_fetch) {
+            Ok(p) => debs.push((i, p)),
+            Err(e) => missing.push(format!("{e:#}")),
+        }
+    }
+    if !missing.is_empty() {
+        bail!(
+            "cannot make the tools root: {} package(s) missing:\n  - {}",
+            missing.len(),
+            missing.join("\n  - ")
+        );
+    }
+    println!(
+        "tools root: {} packages resolved and verified in {:.1} s",
+        debs.len(),
+        t0.elapsed().as_secs_f64()
+    );
+    let base = root_dir();
+    std::fs::create_dir_all(&base)?;
+    let repo = base.join(format!(".repo-{}", root.key.short()));
+    let tmp = base.join(format!(".{}.tmp", root.key.short()));
+    for d in [&repo, &tmp] {
+        if d.exists() {
+            remove_tree(d)?;
+        }
+    }
+    let pool = repo.join("pool");
+    std::fs::create_dir_all(&pool)?;
+    let mut packages = String::new();
+    for (i, p) in &debs {
+        let file = format!("{}_{}.deb", i.name, i.sha256.map(|h| h.short()).unwrap_or_default());
+        let dst = pool.join(&file);
+        if std::fs::hard_link(p, &dst).is_err() {
+            std::fs::copy(p, &dst).with_context(|| format!("copying {}", p.display()))?;
+        }
+        let control = crate::archive::deb_control(p)?;
+        let size = std::fs::metadata(p)?.len();
+        packages.push_str(control.trim_end());
+        packages.push_str(&format!(
+            "\nFilename: pool/{file}\nSize: {size}\nSHA256: {}\n\n",
+            i.sha256.map(|h| h.to_string()).unwrap_or_default()
+        ));
+    }
+    let bin = repo.join(format!("dists/{SUITE}/main/binary-{ARCH}"));
+    std::fs::create_dir_all(&bin)?;
+    std::fs::write(bin.join("Packages"), &packages)?;
+    let release = format!(
+        "Origin: kiln\nLabel: kiln tools root\nSuite: {SUITE}\nCodename: {SUITE}\n\
+         Architectures: {ARCH}\nComponents: main\nSHA256:\n {} {} main/binary-{ARCH}/Packages\n",
+        Sha256::of_bytes(packages.as_bytes()),
+        packages.len()
+    );
+    std::fs::write(repo.join(format!("dists/{SUITE}/Release")), release)?;
+
+    let names: Vec<&str> = inputs.iter().map(|i| i.name.as_str()).collect();
+    let include = format!("--include={}", names.join(","));
+    let arch = format!("--arch={ARCH}");
+    let mirror = format!("file://{}", repo.display());
+    println!("tools root: debootstrap {SUITE} from the pinned packages into {}", tmp.display());
+    let sh = xshell::Shell::new()?;
+    sh.set_var("LC_ALL", "C");
+    cmd!(
+        sh,
+        "debootstrap --variant=minbase --no-check-gpg {arch} --components=main {include} {SUITE} {tmp} {mirror}"
+    )
+    .run()
+    .with_context(|| {
+        format!(
+            "debootstrap of the tools root failed (its log: {}/debootstrap/debootstrap.log)",
+            tmp.display()
+        )
+    })?;
+    let archives = tmp.join("var/cache/apt/archives");
+    if archives.is_dir() {
+        for e in std::fs::read_dir(&archives)? {
+            let p = e?.path();
+            if p.extension().is_some_and(|x| x == "deb") {
+                std::fs::remove_file(&p)?;
+            }
+        }
+    }
+    std::fs::write(
+        tmp.join(".kiln-tools-root"),
+        format!("{}\n", root.key),
+    )?;
+    if root.dir.exists() {
+        remove_tree(&root.dir)?;
+    }
+    std::fs::rename(&tmp, &root.dir)
+        .with_context(|| format!("renaming into {}", root.dir.display()))?;
+    remove_tree(&repo)?;
+    println!(
+        "tools root: made {} in {:.0} s",
+        root.dir.display(),
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+fn remove_tree(d: &Path) -> Result<()> {
+    let sh = xshell::Shell::new()?;
+    cmd!(sh, "rm -rf --one-file-system {d}")
+        .run()
+        .with_context(|| format!("removing {}", d.display()))
+}
+
+/// `cargo xtask pins update-tools-root`: the closure of a minimal root plus [`TOOLS`] as the
+/// private lists serve it now, every package downloaded into the cache and pinned with its
+/// sha256 and snapshot; the pin list rewritten whole. A deliberate change, like `pins update`.
+pub fn update() -> Result<()> {
+    let apt = Apt::kiln();
+    let file = pins_path();
+    apt.ensure_lists(&[&file])?;
+    let mut seed = apt.required_packages(ARCH)?;
+    seed.extend(TOOLS.iter().map(|s| s.to_string()));
+    let specs: Vec<String> = seed.iter().map(|s| format!("{s}:{ARCH}")).collect();
+    let mut closure = apt.simulate_install(&specs)?;
+    closure.sort();
+    closure.dedup();
+    println!(
+        "tools root: {} packages in the closure of {} required/essential + {} tools",
+        closure.len(),
+        seed.len() - TOOLS.len(),
+        TOOLS.len()
+    );
+    let specs: Vec<String> = closure
+        .iter()
+        .map(|(n, v, _)| format!("{n}:{ARCH}={v}"))
+        .collect();
+    let where_: Vec<(String, String, String)> = apt.pool_paths(&specs)?;
+    ensure!(
+        where_.len() == specs.len(),
+        "apt printed {} URIs for {} packages",
+        where_.len(),
+        specs.len()
+    );
+    let dl = tempfile::tempdir()?;
+    apt.download_all(&specs, dl.path())?;
+    let cache = Cache::user()?;
+    let mut stamps = BTreeMap::new();
+    let mut out = String::from(
+        "# The tools root: a Debian bookworm amd64 root made from exactly these packages (the\n\
+         # closure of a minimal root and the tools whose versions shape the image bytes), in which\n\
+         # the kernel build and mkfs.* run. Written by `cargo xtask pins update-tools-root`; edit\n\
+         # deliberately. Its key (the hash of these pins) keys the root and every step it runs.\n",
+    );
+    for ((name, version, _), (archive, pool, file)) in closure.iter().zip(&where_) {
+        let got = dl.path().join(file);
+        let (sha, _) = cache
+            .put(name, &got, None)
+            .with_context(|| format!("{name} {version}: downloaded {}", got.display()))?;
+        if !stamps.contains_key(archive) {
+            stamps.insert(archive.clone(), apt.release_timestamp(archive)?);
+        }
+        let snap = Snapshot {
+            timestamp: stamps[archive].clone(),
+            archive: archive.clone(),
+            pool: pool.clone(),
+        };
+        out.push_str(&format!(
+            "\n[[input]]\nname = {name:?}\nversion = {version:?}\nkind = \"deb\"\npackage = {name:?}\n\
+             arch = {ARCH:?}\nsha256 = \"{sha}\"\nsnapshot = {:?}\nsnapshot_path = \"{}/{}\"\n",
+            snap.timestamp, snap.archive, snap.pool
+        ));
+    }
+    crate::atomic::write_atomic(&file, out.as_bytes())?;
+    let inputs = pins::read_inputs(&file)?;
+    println!(
+        "tools root: wrote {} ({} packages, key {})",
+        file.display(),
+        inputs.len(),
+        key_of(&inputs).short()
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dpkg_status_reads_package_version_status() {
+        let s = "Package: a\nStatus: install ok installed\nVersion: 1\n\nPackage: b\nStatus: \
+                 deinstall ok config-files\nVersion: 2:3\n";
+        assert_eq!(
+            dpkg_status(s),
+            vec![
+                ("a".into(), "1".into(), "install ok installed".into()),
+                ("b".into(), "2:3".into(), "deinstall ok config-files".into())
+            ]
+        );
+    }
+}
