@@ -34,6 +34,8 @@ pub const ARCH: &str = "amd64";
 /// The packages the root exists for (their dependencies and a minimal root come along): every
 /// external tool whose version shapes the image bytes.
 pub const TOOLS: &[&str] = &[
+    // debootstrap's merged-/usr root asks for it (else apt picks `usrmerge`, which it cannot use).
+    "usr-is-merged",
     "gcc-aarch64-linux-gnu",
     "binutils-aarch64-linux-gnu",
     "make",
@@ -378,6 +380,7 @@ fn make(root: &ToolsRoot, inputs: &[Input], offline: bool) -> Result<()> {
         sh,
         "debootstrap --variant=minbase --no-check-gpg {arch} --components=main {include} {SUITE} {tmp} {mirror}"
     )
+    .quiet()
     .run()
     .with_context(|| {
         format!(
