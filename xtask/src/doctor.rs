@@ -174,41 +174,6 @@ pub const CPIO: Tool = Tool {
     apt: &["cpio"],
 };
 
-fn all_present(cmds: &[&str], files: &[&str]) -> Option<String> {
-    for c in cmds {
-        version_of("sh", &["-c", &format!("command -v {c}")])?;
-    }
-    for f in files {
-        file_exists(f)?;
-    }
-    Some(
-        format!("{} {}", cmds.join(" "), files.join(" "))
-            .trim()
-            .to_string(),
-    )
-}
-
-pub const KERNEL_BUILD: Tool = Tool {
-    name: "kernel build tools",
-    why: "cross-build the kernel from source (make, gcc, flex, bison, bc, libelf, libssl)",
-    probe: || {
-        all_present(
-            &["make", "gcc", "flex", "bison", "bc", "perl"],
-            &["/usr/include/libelf.h", "/usr/include/openssl/ssl.h"],
-        )
-    },
-    apt: &[
-        "make",
-        "gcc",
-        "libc6-dev",
-        "flex",
-        "bison",
-        "bc",
-        "perl",
-        "libelf-dev",
-        "libssl-dev",
-    ],
-};
 
 pub const APT_DOWNLOAD: Tool = Tool {
     name: "apt-get",
@@ -250,7 +215,8 @@ pub const APT_HELPER: Tool = Tool {
 
 pub const DEBOOTSTRAP: Tool = Tool {
     name: "debootstrap",
-    why: "the fresh-machine test stage bootstraps a minimal Debian root",
+    why: "makes the tools root (the pinned Debian root the kernel build and mkfs.* run in); \
+          the fresh-machine test stage bootstraps its Debian 13 root",
     probe: || version_of("debootstrap", &["--version"]),
     apt: &["debootstrap"],
 };
@@ -258,15 +224,15 @@ pub const DEBOOTSTRAP: Tool = Tool {
 /// The tools of each command that needs host tools, resolved by [`prepare`] before it runs.
 pub const FOR_BUILD: &[&Tool] = &[&CROSS_GCC];
 pub const FOR_PINS: &[&Tool] = &[&APT_DOWNLOAD, &APT_HELPER, &DEBIAN_KEYRING];
+/// The image needs no kernel build tool and no mkfs of the host's: those run in the tools root,
+/// which the host makes with debootstrap (and apt for the pinned packages).
 pub const FOR_IMAGE: &[&Tool] = &[
     &GIT,
     &APT_DOWNLOAD,
     &APT_HELPER,
     &DEBIAN_KEYRING,
     &CROSS_GCC,
-    &KERNEL_BUILD,
-    &MKFS_EROFS,
-    &MKE2FS,
+    &DEBOOTSTRAP,
 ];
 pub const FOR_BOOT: &[&Tool] = &[&QEMU_SYSTEM_AARCH64, &UBOOT_QEMU, &UBOOT_TOOLS];
 pub const FOR_FLASH: &[&Tool] = &[&LSBLK];
@@ -283,19 +249,6 @@ pub fn prepare(command: &str, tools: &[&Tool], cross: bool) -> Result<()> {
         cross_toolchain().with_context(|| format!("`cargo xtask {command}` cannot start"))?;
     }
     Ok(())
-}
-
-/// The one line for a tool that fails after [`prepare`] found it (or one a step forgot to
-/// require): the tool, its package, and the command that installs it.
-pub fn not_runnable(t: &Tool) -> String {
-    format!(
-        "{} is not runnable ({}; Debian package {}): run `sudo cargo xtask doctor` or \
-         `sudo apt-get install -y --no-install-recommends {}`",
-        t.name,
-        t.why,
-        t.apt.join(" "),
-        t.apt.join(" ")
-    )
 }
 
 /// Every tool any command needs, for `cargo xtask doctor`.
@@ -319,7 +272,6 @@ pub fn all_tools() -> Vec<&'static Tool> {
         &QEMU_SYSTEM_AARCH64,
         &UBOOT_QEMU,
         &UBOOT_TOOLS,
-        &KERNEL_BUILD,
         &APT_DOWNLOAD,
         &APT_HELPER,
         &DEBIAN_KEYRING,

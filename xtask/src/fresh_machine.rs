@@ -1,12 +1,16 @@
-//! The `fresh-machine` test stage: the README's first command on a machine that has only what
-//! the README says a fresh machine needs. A minimal Debian bookworm root is bootstrapped
-//! (`debootstrap --variant=minbase`, plus the prerequisites of running `cargo` at all: a C linker,
-//! git and CA certificates); only the Rust toolchain is bind-mounted into it (read-only
-//! `~/.rustup` and `~/.cargo/bin`: no registry, no target dir, no download cache, no apt lists
-//! of the host); the commit is cloned into it; and inside, as root, `cargo xtask image` exactly as
-//! the README writes it, then `cargo xtask boot-test`. The image's sha256 must equal the one
-//! built outside the root, in this checkout: reproducibility across machines, paths
-//! (`/root/src/kiln`), time zones (`TZ=CHAST-12:45CHADT`), umasks (077) and times.
+//! The `fresh-machine` test stage, the cross-distribution proof: the README's first command on a
+//! machine of another Debian release than the tools root's, with only what the README says a
+//! fresh machine needs. A minimal Debian 13 (trixie) root is bootstrapped (`debootstrap
+//! --variant=minbase`, plus the prerequisites of running `cargo` at all: a C linker, git and CA
+//! certificates); the doctor inside installs the rest from trixie's own apt (debootstrap, qemu, …).
+//! Bind-mounted read-only: the Rust toolchain (`~/.rustup`, `~/.cargo/bin`) and the download
+//! cache (`~/.cache/kiln/sha256`, content-addressed and re-verified on every use: sharing it saves
+//! downloads, it is not what the stage proves). No registry, no target dir, no tools root, no apt
+//! lists of the host. The commit is cloned to `/home/kiln/src/kiln` under another `$HOME`; inside, as
+//! root, `cargo xtask image` exactly as the README writes it (which makes the bookworm tools root
+//! inside trixie and builds the kernel in it), then `cargo xtask boot-test`. The image's sha256
+//! must equal the one built outside, in this checkout: the same bytes across distribution
+//! releases, host compilers, paths, time zones (`TZ=CHAST-12:45CHADT`), umasks (077) and times.
 
 use crate::doctor;
 use crate::pins::Sha256;
@@ -23,6 +27,10 @@ pub const FRESH_PACKAGES: &str = "ca-certificates,gcc,libc6-dev,git";
 /// The commands run inside the root, as the README writes them.
 const README_FIRST: &str = "cargo xtask image";
 const THEN: &str = "cargo xtask boot-test";
+
+/// The fresh machine's release: not the tools root's (bookworm), so that nothing of the host's
+/// compilers or mkfs can shape the image unnoticed.
+pub const SUITE: &str = "trixie";
 
 fn root_dir() -> PathBuf {
     crate::target_dir().join("kiln/fresh-machine")
@@ -93,16 +101,18 @@ pub fn stage() -> Result<()> {
     let keyring = format!("--keyring={}", doctor::DEBIAN_KEYRING_PATH);
     let include = format!("--include={FRESH_PACKAGES}");
     println!(
-        "fresh-machine: debootstrap --variant=minbase {include} bookworm {}",
+        "fresh-machine: debootstrap --variant=minbase {include} {SUITE} {}",
         root.display()
     );
     cmd!(
         sh,
-        "debootstrap --variant=minbase {include} {keyring} bookworm {root} http://deb.debian.org/debian"
+        "debootstrap --variant=minbase {include} {keyring} {SUITE} {root} http://deb.debian.org/debian"
     )
     .quiet()
     .run()
-    .context("debootstrap of the fresh bookworm root")?;
+    .with_context(|| format!("debootstrap of the fresh {SUITE} root"))?;
+    let release = std::fs::read_to_string(root.join("etc/debian_version")).unwrap_or_default();
+    println!("fresh-machine: the root is Debian {}", release.trim());
     let t_boot = t.elapsed().as_secs_f64();
     println!("fresh-machine: root bootstrapped in {t_boot:.0} s");
     // The network configuration of the machine (DNS, and the local CA certificates a TLS proxy
@@ -123,7 +133,7 @@ pub fn stage() -> Result<()> {
     }
 
     // The commit, cloned.
-    let src = root.join("root/src/kiln");
+    let src = root.join("home/kiln/src/kiln");
     cmd!(sh, "git clone -q --no-hardlinks {proot} {src}").run()?;
     {
         let sh = xshell::Shell::new()?;
@@ -143,29 +153,36 @@ pub fn stage() -> Result<()> {
             );
         }
     }
-    std::fs::create_dir_all(root.join("root/.rustup"))?;
-    std::fs::create_dir_all(root.join("root/.cargo/bin"))?;
+    std::fs::create_dir_all(root.join("home/kiln/.rustup"))?;
+    std::fs::create_dir_all(root.join("home/kiln/.cargo/bin"))?;
+    let cache = crate::pins::Cache::user()?;
+    std::fs::create_dir_all(&cache.dir)?;
+    std::fs::create_dir_all(root.join("home/kiln/.cache/kiln/sha256"))?;
     let r = root.display().to_string();
     let inside = format!(
-        "umask 077 && cd /root/src/kiln && echo \"fresh-machine: inside: $ {README_FIRST}\" && \
+        "umask 077 && cd /home/kiln/src/kiln && echo \"fresh-machine: inside: $ {README_FIRST}\" && \
          {README_FIRST} && echo \"fresh-machine: inside: $ {THEN}\" && {THEN}"
     );
     // A private mount namespace: every mount goes away with the last process in it.
     let script = format!(
         "set -e\n\
          mount --make-rprivate /\n\
+         mount --bind '{r}' '{r}'\n\
          mount -t proc proc '{r}/proc'\n\
          mount -t sysfs sys '{r}/sys'\n\
          mount --rbind /dev '{r}/dev'\n\
-         mount --bind '{ru}' '{r}/root/.rustup'\n\
-         mount -o remount,bind,ro '{r}/root/.rustup'\n\
-         mount --bind '{cb}' '{r}/root/.cargo/bin'\n\
-         mount -o remount,bind,ro '{r}/root/.cargo/bin'\n\
-         exec chroot '{r}' /usr/bin/env -i HOME=/root \
-           PATH=/root/.cargo/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+         mount --bind '{ru}' '{r}/home/kiln/.rustup'\n\
+         mount -o remount,bind,ro '{r}/home/kiln/.rustup'\n\
+         mount --bind '{cb}' '{r}/home/kiln/.cargo/bin'\n\
+         mount -o remount,bind,ro '{r}/home/kiln/.cargo/bin'\n\
+         mount --bind '{kc}' '{r}/home/kiln/.cache/kiln/sha256'\n\
+         mount -o remount,bind,ro '{r}/home/kiln/.cache/kiln/sha256'\n\
+         exec chroot '{r}' /usr/bin/env -i HOME=/home/kiln \
+           PATH=/home/kiln/.cargo/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
            TZ=CHAST-12:45CHADT LANG=C.UTF-8 TERM=dumb /bin/sh -c '{inside}'\n",
         ru = rustup.display(),
         cb = cargo_bin.display(),
+        kc = cache.dir.display(),
     );
     let t = Instant::now();
     let run = cmd!(sh, "unshare --mount --fork sh -c {script}").run();

@@ -112,11 +112,6 @@ pub fn inputs() -> Result<Vec<Input>> {
     Ok(inputs)
 }
 
-/// The key of the committed pin list (cheap: reads one file).
-pub fn key() -> Result<Sha256> {
-    Ok(key_of(&inputs()?))
-}
-
 fn root_dir() -> PathBuf {
     crate::target_dir().join("kiln/tools-root")
 }
@@ -210,7 +205,9 @@ impl ToolsRoot {
             .filter(|b| !binds.iter().any(|o| o != *b && b.starts_with(o)))
             .cloned()
             .collect();
-        let mut script = String::from("set -e; mount --make-rprivate /; ");
+        // `unshare --mount` makes every mount private; in a chroot, `/` must be a mount point for
+        // that (the fresh-machine stage binds its root onto itself).
+        let mut script = String::from("set -e; ");
         for b in &binds {
             let b = quote(&b.display().to_string());
             let r = quote(&r);
@@ -254,22 +251,6 @@ impl ToolsRoot {
             );
         }
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-    }
-
-    /// Run a command inside the root, its output shown.
-    pub fn run(&self, cwd: &Path, env: &[(&str, String)], argv: &[&str]) -> Result<()> {
-        let argv: Vec<String> = argv.iter().map(|s| s.to_string()).collect();
-        let st = self
-            .command(cwd, env, &argv)
-            .status()
-            .with_context(|| format!("running {} in the tools root", argv.join(" ")))?;
-        ensure!(
-            st.success(),
-            "`{}` in the tools root {} failed ({st})",
-            argv.join(" "),
-            self.dir.display()
-        );
-        Ok(())
     }
 
     /// For the manifest: the pin list's key and every recorded tool's package version.
