@@ -352,8 +352,7 @@ pub fn ensure(tools: &[&Tool]) -> Result<()> {
 /// Which compiler builds for aarch64, and how it got its standard library.
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct CrossToolchain {
-    /// How the aarch64 std was found: `rustup (already installed)`, `rustup target add`,
-    /// `debian rustc-web + libstd-rust-web-dev:arm64`.
+    /// How the aarch64 std was found: `rustup (target already installed)`, `rustup target add`.
     pub source: String,
     /// `RUSTC` for cargo, when it is not the one on PATH.
     pub rustc: Option<PathBuf>,
@@ -366,9 +365,13 @@ impl CrossToolchain {
     /// A `cargo` command for aarch64 builds with the linker and (if needed) RUSTC set.
     pub fn cargo<'a>(&self, sh: &'a xshell::Shell) -> xshell::Cmd<'a> {
         let cargo = &self.cargo;
+        // Paths that end up in the binary (panic locations, debug info) must not depend on where
+        // the checkout or the user's cargo home is: the checkout becomes /kiln, the crates'
+        // sources /cargo.
         let remap = format!(
-            "--remap-path-prefix={}=/kiln",
-            crate::project_root().display()
+            "--remap-path-prefix={}=/kiln --remap-path-prefix={}=/cargo",
+            crate::project_root().display(),
+            cargo_home().display()
         );
         let mut c = cmd!(sh, "{cargo}")
             .env(
@@ -383,8 +386,19 @@ impl CrossToolchain {
     }
 }
 
+/// `$CARGO_HOME` as cargo resolves it (default `~/.cargo`), without symlinks, as rustc sees the
+/// crates' source paths.
+pub fn cargo_home() -> PathBuf {
+    let p = std::env::var_os("CARGO_HOME")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo")))
+        .unwrap_or_else(|| PathBuf::from("/root/.cargo"));
+    p.canonicalize().unwrap_or(p)
+}
+
 fn rustup_has_target() -> bool {
-    let Some(sysroot) = version_of("rustc", &["--print", "sysroot"]) else {
+    let Some(sysroot) = rustc_in_project(&["--print", "sysroot"]) else {
         return false;
     };
     Path::new(&sysroot)
@@ -394,15 +408,69 @@ fn rustup_has_target() -> bool {
         .is_dir()
 }
 
+/// `rustc ARGS` run from the project root, so rustup's proxy reads `rust-toolchain.toml` whatever
+/// folder `cargo xtask` was started from.
+fn rustc_in_project(args: &[&str]) -> Option<String> {
+    let out = Command::new("rustc")
+        .args(args)
+        .current_dir(crate::project_root())
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+/// The Rust release `rust-toolchain.toml` pins (its `toolchain.channel`).
+pub fn pinned_rust() -> Result<String> {
+    let path = crate::project_root().join("rust-toolchain.toml");
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let doc: toml::Value =
+        toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    doc.get("toolchain")
+        .and_then(|t| t.get("channel"))
+        .and_then(|c| c.as_str())
+        .map(str::to_string)
+        .with_context(|| format!("{}: no toolchain.channel", path.display()))
+}
+
+/// The rustc that will build kiln must be the pinned release: another rustc makes another `kiln`
+/// binary, so another initramfs and image. Returns its `--version` line.
+fn ensure_pinned_rustc() -> Result<String> {
+    let pinned = pinned_rust()?;
+    let install = format!(
+        "rustup toolchain install {pinned} --profile minimal --component rustfmt,clippy \
+         --target {AARCH64}"
+    );
+    let Some(found) = rustc_in_project(&["--version"]) else {
+        bail!("no rustc on PATH: install rustup (https://rustup.rs), then run `{install}`");
+    };
+    if !found.starts_with(&format!("rustc {pinned} ")) {
+        let why = match std::env::var("RUSTUP_TOOLCHAIN") {
+            Ok(t) if !t.is_empty() => format!(" (RUSTUP_TOOLCHAIN={t} overrides it)"),
+            _ => String::new(),
+        };
+        bail!(
+            "`{found}` is not the pinned Rust {pinned} of rust-toolchain.toml{why}: with rustup, \
+             run `{install}` and start `cargo xtask` without `+toolchain`; without rustup, \
+             install rustup (https://rustup.rs) — a distribution's rustc builds other bytes"
+        );
+    }
+    Ok(found)
+}
+
 fn toolchain_record() -> PathBuf {
     crate::target_dir().join("kiln/toolchain.json")
 }
 
-/// Find (or install) an aarch64 std, in the order: rustup's toolchain already has it; `rustup
-/// target add`; Debian's rustc-web with `libstd-rust-web-dev:arm64`; `cross` where a container
-/// engine answers. The one used is printed and recorded in `target/kiln/toolchain.json`.
+/// The pinned rustc (`rust-toolchain.toml`) with its aarch64 std: rustup's toolchain already has
+/// it, else `rustup target add`. Debian's `rustc-web` is not a way any more: it is another
+/// release, so it would build other bytes. The one used is printed and recorded in
+/// `target/kiln/toolchain.json`.
 pub fn cross_toolchain() -> Result<CrossToolchain> {
     ensure(&[&CROSS_GCC])?;
+    let rustc_version = ensure_pinned_rustc()?;
     let rustup_cargo = || -> PathBuf {
         std::env::var_os("CARGO")
             .map(PathBuf::from)
@@ -413,33 +481,19 @@ pub fn cross_toolchain() -> Result<CrossToolchain> {
             source: "rustup (target already installed)".into(),
             rustc: None,
             cargo: rustup_cargo(),
-            rustc_version: version_of("rustc", &["--version"]).unwrap_or_default(),
+            rustc_version,
         }
     } else if version_of("rustup", &["--version"]).is_some() && {
         println!("doctor: aarch64 std missing: running `rustup target add {AARCH64}`");
-        let sh = xshell::Shell::new()?;
+        let sh = crate::shell()?;
         cmd!(sh, "rustup target add {AARCH64}").run().is_ok() && rustup_has_target()
     } {
         CrossToolchain {
             source: "rustup target add".into(),
             rustc: None,
             cargo: rustup_cargo(),
-            rustc_version: version_of("rustc", &["--version"]).unwrap_or_default(),
+            rustc_version,
         }
-    } else if debian_rustc_web()? {
-        CrossToolchain {
-            source: "debian rustc-web + libstd-rust-web-dev:arm64".into(),
-            rustc: Some("/usr/bin/rustc".into()),
-            cargo: "/usr/bin/cargo".into(),
-            rustc_version: version_of("/usr/bin/rustc", &["--version"]).unwrap_or_default(),
-        }
-    } else if version_of("cross", &["--version"]).is_some()
-        && (version_of("docker", &["info"]).is_some() || version_of("podman", &["info"]).is_some())
-    {
-        bail!(
-            "only `cross` with a container engine can build for {AARCH64} here, and kiln does not \
-             drive it: run `rustup target add {AARCH64}`"
-        );
     } else {
         bail!("no aarch64 Rust std: run `rustup target add {AARCH64}`");
     };
@@ -459,26 +513,6 @@ pub fn cross_toolchain() -> Result<CrossToolchain> {
         std::fs::rename(&tmp, &rec).with_context(|| format!("renaming to {}", rec.display()))?;
     }
     Ok(tc)
-}
-
-/// Debian's rustc-web and its arm64 std must come from the same source version.
-fn debian_rustc_web() -> Result<bool> {
-    let std_dir = Path::new("/usr/lib/rustlib").join(AARCH64).join("lib");
-    if std_dir.is_dir() && Path::new("/usr/bin/rustc").exists() {
-        return Ok(true);
-    }
-    if !(is_root() && can_apt()) {
-        return Ok(false);
-    }
-    let sh = xshell::Shell::new()?;
-    println!("doctor: running `dpkg --add-architecture arm64`");
-    cmd!(sh, "dpkg --add-architecture arm64").run()?;
-    APT_UPDATED.store(false, Ordering::SeqCst);
-    apt_install(
-        &["rustc-web", "cargo-web", "libstd-rust-web-dev:arm64"],
-        "Debian's rustc-web with the arm64 std",
-    )?;
-    Ok(std_dir.is_dir())
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -503,8 +537,7 @@ pub fn run(args: Args) -> Result<()> {
     let std_line = if rustup_has_target() {
         "found    rustup toolchain".to_string()
     } else {
-        "MISSING  (resolved on first cross build: rustup target add, then Debian rustc-web)"
-            .to_string()
+        "MISSING  (resolved on first cross build: rustup target add)".to_string()
     };
     println!("{:<28} {std_line}", format!("rust std {AARCH64}"));
     if args.check {

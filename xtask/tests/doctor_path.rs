@@ -153,3 +153,67 @@ fn with_every_tool_the_commands_get_past_the_doctor() {
     );
     assert_eq!(err.lines().count(), 1, "{err}");
 }
+
+/// Another rustc than `rust-toolchain.toml` pins (a distribution's, or `cargo +toolchain`) would
+/// build another `kiln` and so another image: the cross build refuses it in one line that names
+/// the pinned release and the rustup command.
+#[test]
+fn build_with_another_rustc_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let fake = tmp.path().join("fake");
+    std::fs::create_dir_all(&fake).unwrap();
+    let rustc = fake.join("rustc");
+    std::fs::write(
+        &rustc,
+        "#!/bin/sh\ncase \"$1\" in --version) echo 'rustc 1.80.0 (051478957 2024-07-21)';; \
+         *) echo /nonexistent;; esac\n",
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&rustc, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let path = std::env::join_paths(std::iter::once(fake.clone()).chain(std::env::split_paths(
+        &std::env::var_os("PATH").unwrap_or_default(),
+    )))
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_xtask"))
+        .arg("build")
+        .env("PATH", &path)
+        .env("KILN_NO_INSTALL", "1")
+        .env("RUST_BACKTRACE", "1")
+        .env_remove("RUSTUP_TOOLCHAIN")
+        .env("CARGO_TARGET_DIR", tmp.path().join("target"))
+        .env("XDG_CACHE_HOME", tmp.path().join("cache"))
+        .output()
+        .expect("xtask runs");
+    let err = String::from_utf8_lossy(&out.stderr);
+    eprintln!("{}{err}", String::from_utf8_lossy(&out.stdout));
+    assert!(!out.status.success(), "built with rustc 1.80.0");
+    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "one line, got:\n{err}");
+    let pinned = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../rust-toolchain.toml"
+    ))
+    .unwrap()
+    .lines()
+    .find_map(|l| {
+        l.strip_prefix("channel = \"")
+            .map(|r| r.trim_end_matches('"').to_string())
+    })
+    .expect("rust-toolchain.toml names a channel");
+    assert!(
+        lines[0].contains("rustc 1.80.0"),
+        "names the rustc found: {}",
+        lines[0]
+    );
+    assert!(
+        lines[0].contains(&format!("pinned Rust {pinned}")),
+        "names the pin: {}",
+        lines[0]
+    );
+    assert!(
+        lines[0].contains(&format!("rustup toolchain install {pinned}")),
+        "names the command: {}",
+        lines[0]
+    );
+}
