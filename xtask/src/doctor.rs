@@ -361,6 +361,18 @@ pub struct CrossToolchain {
     pub rustc_version: String,
 }
 
+/// The aarch64 linker of cross builds when it is not the host's `aarch64-linux-gnu-gcc`: the image
+/// links `kiln` with the tools root's ([`link_with`]), since the linker and the crt objects it adds
+/// are bytes of the image.
+static CROSS_LINKER: std::sync::Mutex<Option<PathBuf>> = std::sync::Mutex::new(None);
+
+/// Link every later cross build of this process with `linker`.
+pub fn link_with(linker: PathBuf) {
+    if let Ok(mut g) = CROSS_LINKER.lock() {
+        *g = Some(linker);
+    }
+}
+
 impl CrossToolchain {
     /// A `cargo` command for aarch64 builds with the linker and (if needed) RUSTC set.
     pub fn cargo<'a>(&self, sh: &'a xshell::Shell) -> xshell::Cmd<'a> {
@@ -373,11 +385,13 @@ impl CrossToolchain {
             crate::project_root().display(),
             cargo_home().display()
         );
+        let linker = CROSS_LINKER
+            .lock()
+            .ok()
+            .and_then(|g| g.clone())
+            .unwrap_or_else(|| PathBuf::from("aarch64-linux-gnu-gcc"));
         let mut c = cmd!(sh, "{cargo}")
-            .env(
-                "CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER",
-                "aarch64-linux-gnu-gcc",
-            )
+            .env("CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER", linker)
             .env("CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUSTFLAGS", remap);
         if let Some(rustc) = &self.rustc {
             c = c.env("RUSTC", rustc);
@@ -395,6 +409,13 @@ pub fn cargo_home() -> PathBuf {
         .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo")))
         .unwrap_or_else(|| PathBuf::from("/root/.cargo"));
     p.canonicalize().unwrap_or(p)
+}
+
+/// The sysroot of the project's rustc (`rustc --print sysroot` from the project root).
+pub fn rust_sysroot() -> Result<PathBuf> {
+    rustc_in_project(&["--print", "sysroot"])
+        .map(PathBuf::from)
+        .context("`rustc --print sysroot` failed in the project root")
 }
 
 fn rustup_has_target() -> bool {

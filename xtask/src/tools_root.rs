@@ -253,6 +253,49 @@ impl ToolsRoot {
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
+    /// A linker for cargo (`CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER`) that runs the root's
+    /// `aarch64-linux-gnu-gcc`: the checkout, `target/`, the Rust sysroot (std's rlibs), cargo's
+    /// home and `/tmp` (rustc's link temporaries) bound at their own paths, the caller's folder
+    /// kept. Written once per root as `target/kiln/tools-root/<key>.link`.
+    pub fn linker(&self, rust_sysroot: &Path, cargo_home: &Path) -> Result<PathBuf> {
+        let r = self.dir.display().to_string();
+        let mut binds = vec![
+            crate::project_root(),
+            crate::target_dir(),
+            rust_sysroot.to_path_buf(),
+            cargo_home.to_path_buf(),
+            PathBuf::from("/tmp"),
+        ];
+        binds.sort();
+        binds.dedup();
+        let mut inner = String::from("set -e\n");
+        for b in binds.iter().filter(|b| b.is_dir()) {
+            let b = quote(&b.display().to_string());
+            let rq = quote(&r);
+            inner.push_str(&format!("mkdir -p {rq}{b}\nmount --bind {b} {rq}{b}\n"));
+        }
+        inner.push_str(&format!(
+            "mount -t proc proc {}/proc\nd=\"$1\"; shift\nexec chroot {} /usr/bin/env -i -C \"$d\" \
+             PATH=/usr/bin:/bin LC_ALL=C TZ=UTC aarch64-linux-gnu-gcc \"$@\"\n",
+            quote(&r),
+            quote(&r)
+        ));
+        let base = root_dir();
+        let inner_path = base.join(format!("{}.link.sh", self.key.short()));
+        let outer_path = base.join(format!("{}.link", self.key.short()));
+        crate::atomic::write_atomic(&inner_path, inner.as_bytes())?;
+        let outer = format!(
+            "#!/bin/sh\n# aarch64-linux-gnu-gcc of the kiln tools root {}\nexec unshare --mount \
+             --fork -- sh {} \"$PWD\" \"$@\"\n",
+            self.key,
+            quote(&inner_path.display().to_string())
+        );
+        crate::atomic::write_atomic(&outer_path, outer.as_bytes())?;
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&outer_path, std::fs::Permissions::from_mode(0o755))?;
+        Ok(outer_path)
+    }
+
     /// For the manifest: the pin list's key and every recorded tool's package version.
     pub fn describe(&self) -> serde_json::Value {
         let tools: BTreeMap<&str, serde_json::Value> = RECORDED

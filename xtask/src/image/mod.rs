@@ -171,6 +171,8 @@ pub fn build(args: &Args) -> Result<Built> {
         tools.key.short(),
         tools.packages.len()
     ));
+    let sysroot = crate::doctor::rust_sysroot()?;
+    crate::doctor::link_with(tools.linker(&sysroot, &crate::doctor::cargo_home())?);
     let models = steps::models(&args.models)?;
     let ctx = steps::Ctx {
         tools,

@@ -377,6 +377,7 @@ pub fn manifest(ctx: &Ctx, m: &ManifestOf) -> Result<Value> {
         "npu_runtime": npu.as_ref().map(|(b, o)| json!({"path": "/usr/lib/librknnrt.so", "from": o, "sha256": Sha256::of_bytes(b)})),
         "toolchain": {
             "rust": toolchain.rustc_version, "rust_std_from": toolchain.source, "cross_gcc": k.toolchain,
+            "linker": "aarch64-linux-gnu-gcc of the tools root",
         },
         "tools_root": ctx.tools.describe(),
         "disk": m.layout.describe(),
