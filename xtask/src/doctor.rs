@@ -174,7 +174,6 @@ pub const CPIO: Tool = Tool {
     apt: &["cpio"],
 };
 
-
 pub const APT_DOWNLOAD: Tool = Tool {
     name: "apt-get",
     why: "downloads the pinned Debian packages (kernel source, busybox, glibc)",

@@ -330,7 +330,10 @@ pub fn build(
     let mut argv = vec!["make".to_string(), format!("-j{jobs}"), o.clone()];
     argv.extend(targets.iter().cloned());
     run_with_progress(kb.command(&argv)).context("kernel build")?;
-    let release = kb.read(&["make", "-s", &o, "kernelrelease"])?.trim().to_string();
+    let release = kb
+        .read(&["make", "-s", &o, "kernelrelease"])?
+        .trim()
+        .to_string();
     let secs = t0.elapsed().as_secs_f64();
 
     let tmp = kernel_root().join(format!(".{}.tmp", key.short()));

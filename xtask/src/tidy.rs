@@ -10,7 +10,10 @@ use std::path::{Path, PathBuf};
 pub const LAYERS: &[(&str, &[&str])] = &[
     ("ground", &["main", "atomic", "archive", "doctor", "apt"]),
     ("inputs", &["pins"]),
-    ("builders", &["tools_root", "kernel", "rootfs", "disk", "bmap", "build"]),
+    (
+        "builders",
+        &["tools_root", "kernel", "rootfs", "disk", "bmap", "build"],
+    ),
     (
         "pipelines and commands",
         &[

@@ -126,11 +126,7 @@ pub fn ensure(offline: bool) -> Result<ToolsRoot> {
         .map(|i| (i.name.clone(), i.version.clone()))
         .collect();
     let dir = root_dir().join(key.short());
-    let root = ToolsRoot {
-        dir,
-        key,
-        packages,
-    };
+    let root = ToolsRoot { dir, key, packages };
     if root.dir.join(".kiln-tools-root").exists() {
         root.verify()?;
         return Ok(root);
@@ -165,9 +161,7 @@ impl ToolsRoot {
         for (name, version, status) in dpkg_status(&text) {
             match self.packages.get(&name) {
                 None => wrong.push(format!("{name} {version} is not pinned")),
-                Some(v) if *v != version => {
-                    wrong.push(format!("{name} is {version}, pinned {v}"))
-                }
+                Some(v) if *v != version => wrong.push(format!("{name} is {version}, pinned {v}")),
                 Some(_) if status != "install ok installed" => {
                     wrong.push(format!("{name} is `{status}`"))
                 }
@@ -195,7 +189,12 @@ impl ToolsRoot {
     /// A command run inside the root: `unshare --mount` (private mounts), the checkout and
     /// `target/` bound at their own paths, `/proc` mounted, then `chroot` with only `env` set
     /// (plus `PATH`), in `cwd`.
-    pub fn command(&self, cwd: &Path, env: &[(&str, String)], argv: &[String]) -> std::process::Command {
+    pub fn command(
+        &self,
+        cwd: &Path,
+        env: &[(&str, String)],
+        argv: &[String],
+    ) -> std::process::Command {
         let r = self.dir.display().to_string();
         let mut binds = vec![crate::project_root(), crate::target_dir()];
         binds.sort();
@@ -211,9 +210,7 @@ impl ToolsRoot {
         for b in &binds {
             let b = quote(&b.display().to_string());
             let r = quote(&r);
-            script.push_str(&format!(
-                "mkdir -p {r}{b}; mount --bind {b} {r}{b}; "
-            ));
+            script.push_str(&format!("mkdir -p {r}{b}; mount --bind {b} {r}{b}; "));
         }
         script.push_str(&format!("mount -t proc proc {}/proc; ", quote(&r)));
         script.push_str(&format!(
@@ -256,7 +253,7 @@ impl ToolsRoot {
     /// A linker for cargo (`CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER`) that runs the root's
     /// `aarch64-linux-gnu-gcc`: the checkout, `target/`, the Rust sysroot (std's rlibs), cargo's
     /// home and `/tmp` (rustc's link temporaries) bound at their own paths, the caller's folder
-    /// kept. Written once per root as `target/kiln/tools-root/<key>.link`.
+    /// kept. Written as `target/kiln/tools-root/<key>-aarch64-linux-gnu-gcc`.
     pub fn linker(&self, rust_sysroot: &Path, cargo_home: &Path) -> Result<PathBuf> {
         let r = self.dir.display().to_string();
         let mut binds = vec![
@@ -281,8 +278,9 @@ impl ToolsRoot {
             quote(&r)
         ));
         let base = root_dir();
-        let inner_path = base.join(format!("{}.link.sh", self.key.short()));
-        let outer_path = base.join(format!("{}.link", self.key.short()));
+        let inner_path = base.join(format!("{}-link.sh", self.key.short()));
+        // Named `…-gcc`: rustc infers the linker flavor from the name.
+        let outer_path = base.join(format!("{}-aarch64-linux-gnu-gcc", self.key.short()));
         crate::atomic::write_atomic(&inner_path, inner.as_bytes())?;
         let outer = format!(
             "#!/bin/sh\n# aarch64-linux-gnu-gcc of the kiln tools root {}\nexec unshare --mount \
@@ -369,7 +367,11 @@ fn make(root: &ToolsRoot, inputs: &[Input], offline: bool) -> Result<()> {
     std::fs::create_dir_all(&pool)?;
     let mut packages = String::new();
     for (i, p) in &debs {
-        let file = format!("{}_{}.deb", i.name, i.sha256.map(|h| h.short()).unwrap_or_default());
+        let file = format!(
+            "{}_{}.deb",
+            i.name,
+            i.sha256.map(|h| h.short()).unwrap_or_default()
+        );
         let dst = pool.join(&file);
         if std::fs::hard_link(p, &dst).is_err() {
             std::fs::copy(p, &dst).with_context(|| format!("copying {}", p.display()))?;
@@ -397,7 +399,10 @@ fn make(root: &ToolsRoot, inputs: &[Input], offline: bool) -> Result<()> {
     let include = format!("--include={}", names.join(","));
     let arch = format!("--arch={ARCH}");
     let mirror = format!("file://{}", repo.display());
-    println!("tools root: debootstrap {SUITE} from the pinned packages into {}", tmp.display());
+    println!(
+        "tools root: debootstrap {SUITE} from the pinned packages into {}",
+        tmp.display()
+    );
     let sh = xshell::Shell::new()?;
     sh.set_var("LC_ALL", "C");
     cmd!(
@@ -421,10 +426,7 @@ fn make(root: &ToolsRoot, inputs: &[Input], offline: bool) -> Result<()> {
             }
         }
     }
-    std::fs::write(
-        tmp.join(".kiln-tools-root"),
-        format!("{}\n", root.key),
-    )?;
+    std::fs::write(tmp.join(".kiln-tools-root"), format!("{}\n", root.key))?;
     if root.dir.exists() {
         remove_tree(&root.dir)?;
     }

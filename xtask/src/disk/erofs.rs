@@ -2,8 +2,8 @@
 //! cache) made by `mkfs.erofs` with a fixed time, UUID and ownership. No Rust crate writes erofs.
 
 use super::{run_fs_tool, AtomicOut, Guid};
-use crate::tools_root::ToolsRoot;
 use crate::doctor;
+use crate::tools_root::ToolsRoot;
 use anyhow::{ensure, Context, Result};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};

@@ -2,8 +2,8 @@
 //! crate writes ext4. Empty on purpose: e2fsprogs 1.47.0's `-d` copies host ctimes into inodes.
 
 use super::{run_fs_tool, AtomicOut, Guid};
-use crate::tools_root::ToolsRoot;
 use crate::doctor;
+use crate::tools_root::ToolsRoot;
 use anyhow::{ensure, Context, Result};
 use std::path::Path;
 
@@ -91,7 +91,8 @@ pub fn build_empty(
         tmp.path().display().to_string(),
     ])
     .collect();
-    run_fs_tool(tools, epoch, &env, &argv).with_context(|| format!("mke2fs of {}", out.display()))?;
+    run_fs_tool(tools, epoch, &env, &argv)
+        .with_context(|| format!("mke2fs of {}", out.display()))?;
     drop(conf);
     tmp.commit()
 }

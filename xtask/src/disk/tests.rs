@@ -135,7 +135,13 @@ fn build_all(dir: &Path, reversed: bool) -> Result<BTreeMap<String, String>> {
     let staged = dir.join("models-src");
     stage_models(&staged, reversed);
     let models = dir.join("models.erofs");
-    erofs::build(&models, &staged, guid_from_seed(SEED, "models-fs"), EPOCH, None)?;
+    erofs::build(
+        &models,
+        &staged,
+        guid_from_seed(SEED, "models-fs"),
+        EPOCH,
+        None,
+    )?;
     let data = dir.join("data.ext4");
     ext4::build_empty(
         &data,
