@@ -522,6 +522,84 @@ pub fn update() -> Result<()> {
 mod tests {
     use super::*;
 
+    fn root_with(status: &str) -> (tempfile::TempDir, ToolsRoot) {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(d.path().join("var/lib/dpkg")).unwrap();
+        std::fs::write(d.path().join("var/lib/dpkg/status"), status).unwrap();
+        let packages = [("make", "4.3-4.1"), ("erofs-utils", "1.5-1")]
+            .iter()
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+            .collect();
+        let r = ToolsRoot {
+            dir: d.path().to_path_buf(),
+            key: Sha256::of_bytes(b"k"),
+            packages,
+        };
+        (d, r)
+    }
+
+    const OK: &str = "Package: make\nStatus: install ok installed\nVersion: 4.3-4.1\n\n\
+                      Package: erofs-utils\nStatus: install ok installed\nVersion: 1.5-1\n";
+
+    /// The root is checked against its pins: each kind of drift is refused and named.
+    #[test]
+    fn verify_refuses_a_root_that_drifted_from_its_pins() {
+        root_with(OK).1.verify().unwrap();
+        let cases = [
+            (
+                OK.replace("1.5-1", "1.7.1-1"),
+                "erofs-utils is 1.7.1-1, pinned 1.5-1",
+            ),
+            (
+                format!("{OK}\nPackage: mtools\nStatus: install ok installed\nVersion: 4\n"),
+                "mtools 4 is not pinned",
+            ),
+            (
+                OK.split("\n\n").next().unwrap().to_string(),
+                "erofs-utils is pinned but not installed",
+            ),
+            (
+                OK.replacen("install ok installed", "install ok unpacked", 1),
+                "make is `install ok unpacked`",
+            ),
+        ];
+        for (status, want) in cases {
+            let e = format!("{:#}", root_with(&status).1.verify().unwrap_err());
+            assert!(e.contains(want), "{want}: {e}");
+        }
+    }
+
+    #[test]
+    fn key_follows_versions_and_hashes_not_order() {
+        let f = Path::new("images/tools-root.toml");
+        let mk = |name: &str, v: &str, sha: &str| {
+            Input::parse(
+                toml::from_str(&format!(
+                    "name = {name:?}\nversion = {v:?}\nkind = \"deb\"\narch = \"amd64\"\nsha256 = {sha:?}\n"
+                ))
+                .unwrap(),
+                f,
+            )
+            .unwrap()
+        };
+        let h1 = "11".repeat(32);
+        let h2 = "22".repeat(32);
+        let a = mk("make", "4.3", &h1);
+        let b = mk("bc", "1.07", &h2);
+        assert_eq!(
+            key_of(&[a.clone(), b.clone()]),
+            key_of(&[b.clone(), a.clone()])
+        );
+        assert_ne!(
+            key_of(&[a.clone(), b.clone()]),
+            key_of(&[mk("make", "4.4", &h1), b.clone()])
+        );
+        assert_ne!(
+            key_of(&[a.clone(), b.clone()]),
+            key_of(&[mk("make", "4.3", &h2), b])
+        );
+    }
+
     #[test]
     fn dpkg_status_reads_package_version_status() {
         let s = "Package: a\nStatus: install ok installed\nVersion: 1\n\nPackage: b\nStatus: \
