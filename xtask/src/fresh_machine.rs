@@ -158,6 +158,24 @@ pub fn stage() -> Result<()> {
     let cache = crate::pins::Cache::user()?;
     std::fs::create_dir_all(&cache.dir)?;
     std::fs::create_dir_all(root.join("home/kiln/.cache/kiln/sha256"))?;
+    // rustup may keep a toolchain as a symlink to an absolute path under the host's home (e.g.
+    // `1.95.0-… -> /root/.rustup/toolchains/stable-…`): bind each such target read-only at its
+    // own path too, or the toolchain is missing inside and rustup tries to download it.
+    let mut extra_binds = String::new();
+    for e in std::fs::read_dir(rustup.join("toolchains"))? {
+        let p = e?.path();
+        if let Ok(t) = std::fs::read_link(&p) {
+            if t.is_absolute() && t.is_dir() {
+                let inside = root.join(t.strip_prefix("/").unwrap_or(&t));
+                std::fs::create_dir_all(&inside)?;
+                extra_binds.push_str(&format!(
+                    "mount --bind '{t}' '{i}'\nmount -o remount,bind,ro '{i}'\n",
+                    t = t.display(),
+                    i = inside.display()
+                ));
+            }
+        }
+    }
     let r = root.display().to_string();
     let inside = format!(
         "umask 077 && cd /home/kiln/src/kiln && echo \"fresh-machine: inside: $ {README_FIRST}\" && \
@@ -177,6 +195,7 @@ pub fn stage() -> Result<()> {
          mount -o remount,bind,ro '{r}/home/kiln/.cargo/bin'\n\
          mount --bind '{kc}' '{r}/home/kiln/.cache/kiln/sha256'\n\
          mount -o remount,bind,ro '{r}/home/kiln/.cache/kiln/sha256'\n\
+         {extra_binds}\
          exec chroot '{r}' /usr/bin/env -i HOME=/home/kiln \
            PATH=/home/kiln/.cargo/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
            TZ=CHAST-12:45CHADT LANG=C.UTF-8 TERM=dumb /bin/sh -c '{inside}'\n",

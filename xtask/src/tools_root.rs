@@ -37,6 +37,9 @@ pub const TOOLS: &[&str] = &[
     // debootstrap's merged-/usr root asks for it (else apt picks `usrmerge`, which it cannot use).
     "usr-is-merged",
     "gcc-aarch64-linux-gnu",
+    // The aarch64 glibc headers, crt objects and libc.so the link of `kiln` needs; the kernel's
+    // Kconfig also probes them (CONFIG_CC_CAN_LINK), so without them the .config differs.
+    "libc6-dev-arm64-cross",
     "binutils-aarch64-linux-gnu",
     "make",
     "gcc",
@@ -55,6 +58,7 @@ pub const TOOLS: &[&str] = &[
 pub const RECORDED: &[(&str, &str)] = &[
     ("aarch64-linux-gnu-gcc", "gcc-12-aarch64-linux-gnu"),
     ("aarch64-linux-gnu-ld", "binutils-aarch64-linux-gnu"),
+    ("aarch64 glibc (crt, libc.so)", "libc6-dev-arm64-cross"),
     ("gcc", "gcc-12"),
     ("make", "make"),
     ("flex", "flex"),
