@@ -309,7 +309,19 @@ pub fn build(
         .trim()
         .to_string();
     let bdir = kernel_root().join(format!("build-{}", spec.name));
+    // An incremental build over another key's objects is not a clean build: kbuild does not
+    // redo the built-in initramfs when only KBUILD_BUILD_TIMESTAMP changes, so it kept an earlier
+    // epoch's mtime (seen: two Images 31 bytes apart). The folder is for one key only.
+    let stamp = bdir.join(".kiln-key");
+    if bdir.exists() && std::fs::read_to_string(&stamp).ok().as_deref() != Some(&*key.to_string()) {
+        println!(
+            "kernel: {} holds another build's objects: starting clean",
+            bdir.display()
+        );
+        std::fs::remove_dir_all(&bdir).with_context(|| format!("removing {}", bdir.display()))?;
+    }
     std::fs::create_dir_all(&bdir)?;
+    std::fs::write(&stamp, key.to_string())?;
     let kb = Kbuild::new(spec, &src, epoch, tools);
     let o = format!("O={}", bdir.display());
     configure(&kb, spec, &bdir, &fragment)
