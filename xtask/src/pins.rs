@@ -521,8 +521,8 @@ pub fn missing_message(input: &Input) -> String {
                 Identity::Contains(s) => format!("a file containing {s:?}"),
                 Identity::Magic(m) => format!("a file starting with bytes {}", hex::encode(m)),
                 Identity::Librknnrt(v) => format!(
-                    "Rockchip's librknnrt.so {v} (aarch64 ELF exporting the rknn matmul API, not \
-                     kiln's stand-in)"
+                    "Rockchip's librknnrt.so: an aarch64 ELF exporting the rknn matmul API, \
+                     containing \"librknnrt version: {v}\", not kiln's stand-in"
                 ),
                 Identity::RockchipIdb => {
                     "an idbloader with the Rockchip v2 boot header (magic RKNS)".into()
