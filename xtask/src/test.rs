@@ -690,6 +690,53 @@ fn boot_qemu_faults(_: &Args) -> Result<()> {
         Ok(())
     };
 
+    let sh = crate::shell()?;
+    let mtools_img = |img: &std::path::Path| format!("{}@@{}", img.display(), boot.start_bytes());
+
+    // 0. The unedited copy PASSes; its report, with a required check removed, fails
+    //    `cargo xtask report`'s recount.
+    let r = boot_copy("none", &|_| Ok(()))?;
+    ensure!(
+        r.verdict == crate::boot_test::Verdict::Pass,
+        "the unedited copy FAILed: {:?}",
+        r.failed_ids()
+    );
+    let booted = crate::target_dir().join("boot-test/disk.img");
+    crate::report::run(crate::report::Args {
+        image: booted.clone(),
+        json: false,
+    })
+    .context("cargo xtask report on the clean boot's disk")?;
+    let mut stored: serde_json::Value =
+        serde_json::from_slice(&crate::report::read_report(&booted)?.0)?;
+    let checks = stored["checks"]
+        .as_array_mut()
+        .context("report.json has no checks")?;
+    let before = checks.len();
+    checks.retain(|c| c["id"] != "model.matmul.cpu");
+    ensure!(
+        checks.len() + 1 == before,
+        "the report has no model.matmul.cpu to remove"
+    );
+    let edited_report = dir.join("report-without-model-matmul-cpu.json");
+    crate::atomic::write_atomic(&edited_report, &serde_json::to_vec_pretty(&stored)?)?;
+    let i = mtools_img(&booted);
+    cmd!(sh, "mcopy -o -i {i} {edited_report} ::kiln/report.json")
+        .env("MTOOLS_SKIP_CHECK", "1")
+        .run()?;
+    let e = crate::report::run(crate::report::Args {
+        image: booted.clone(),
+        json: false,
+    })
+    .err()
+    .context("cargo xtask report PASSed a report missing the required model.matmul.cpu")?;
+    let e = format!("{e:#}");
+    ensure!(
+        e.contains("required check model.matmul.cpu is missing"),
+        "cargo xtask report failed for another reason: {e}"
+    );
+    println!("boot-qemu-faults: `report-missing-check`: cargo xtask report FAIL: {e}");
+
     // 1. One byte flipped inside a tensor of SmolLM2 on the models partition.
     let known: Vec<kiln_runtime::selftest::model_matmul::KnownMatmul> =
         serde_json::from_value(manifest["known_answers"]["matmul"].clone())
@@ -770,8 +817,6 @@ fn boot_qemu_faults(_: &Args) -> Result<()> {
     let other = crate::pins::Sha256::of_bytes(b"not the kiln that was built").to_string();
     let text = String::from_utf8(manifest_bytes.clone())?.replace(&kiln_sha, &other);
     crate::atomic::write_atomic(&edited_path, text.as_bytes())?;
-    let sh = crate::shell()?;
-    let mtools_img = |img: &std::path::Path| format!("{}@@{}", img.display(), boot.start_bytes());
     let edit = |img: &std::path::Path| -> Result<()> {
         let i = mtools_img(img);
         cmd!(sh, "mcopy -o -i {i} {edited_path} ::kiln/manifest.json")
@@ -798,6 +843,93 @@ fn boot_qemu_faults(_: &Args) -> Result<()> {
     let r = boot_copy("no-manifest", &remove)?;
     reason_of(&r, "image.manifest").context("image.manifest did not FAIL")?;
     reason_of(&r, "model.matmul.cpu").context("model.matmul.cpu did not FAIL")?;
+
+    // 4. The board file edited: `npu = true` (the stand-in is simulated), a pinned governor
+    //    (qemu-virt has no cpufreq), and `# CONFIG_SMP is not set` (the kernel has SMP). A second
+    //    gzip'd cpio appended to the initramfs replaces /etc/kiln/board.toml as the kernel
+    //    unpacks it; image.manifest sees the initramfs changed too.
+    let initramfs = fat::read_file(
+        &image,
+        boot.start_bytes(),
+        boot.size_bytes(),
+        "initramfs.cpio.gz",
+    )?;
+    let board_toml = {
+        use std::io::Read;
+        let mut all = Vec::new();
+        flate2::read::MultiGzDecoder::new(&initramfs[..]).read_to_end(&mut all)?;
+        // The newc entry: a 110-byte header ("070701", then 8-hex-digit fields; the file size
+        // at byte 54), the NUL-ended name, padding to 4, the data.
+        let name = b"etc/kiln/board.toml\0";
+        let at = find_bytes(&all, name).context("no etc/kiln/board.toml in the initramfs")?;
+        let head = at.checked_sub(110).context("cpio entry cut")?;
+        ensure!(
+            &all[head..head + 6] == b"070701",
+            "not a newc entry at byte {head}"
+        );
+        let size = usize::from_str_radix(std::str::from_utf8(&all[head + 54..head + 62])?, 16)?;
+        let data = (at + name.len()).div_ceil(4) * 4;
+        String::from_utf8(
+            all.get(data..data + size)
+                .context("cpio data cut")?
+                .to_vec(),
+        )?
+    };
+    ensure!(
+        board_toml.contains("npu = false") && board_toml.contains("\"CONFIG_SMP=y\""),
+        "the board file is not the one this edit expects:\n{board_toml}"
+    );
+    let edited = board_toml
+        .replace("npu = false", "npu = true")
+        .replace("\"CONFIG_SMP=y\"", "\"# CONFIG_SMP is not set\"")
+        .replace("[expect]\n", "[expect]\ngovernors = \"performance\"\n");
+    let overlay = dir.join("board-overlay.cpio.gz");
+    crate::disk::cpio::write_newc_gz(
+        &overlay,
+        &[
+            crate::disk::cpio::CpioEntry::dir("etc", 0o755),
+            crate::disk::cpio::CpioEntry::dir("etc/kiln", 0o755),
+            crate::disk::cpio::CpioEntry::file("etc/kiln/board.toml", 0o644, edited.into_bytes()),
+        ],
+        0,
+    )?;
+    let new_initramfs = dir.join("initramfs.cpio.gz");
+    crate::atomic::write_atomic(
+        &new_initramfs,
+        &[initramfs, std::fs::read(&overlay)?].concat(),
+    )?;
+    let board_edit = |img: &std::path::Path| -> Result<()> {
+        let i = mtools_img(img);
+        cmd!(sh, "mcopy -o -i {i} {new_initramfs} ::initramfs.cpio.gz")
+            .env("MTOOLS_SKIP_CHECK", "1")
+            .run()?;
+        Ok(())
+    };
+    let r = boot_copy("board", &board_edit)?;
+    for (id, says) in [
+        ("npu.runtime", "simulated"),
+        ("cpu.governors", "pinned but not measurable"),
+        ("kernel.config", "CONFIG_SMP"),
+    ] {
+        let why = reason_of(&r, id).with_context(|| format!("{id} did not FAIL"))?;
+        ensure!(
+            why.contains(says),
+            "{id} FAILed without saying {says:?}: {why}"
+        );
+    }
+    only(
+        &r,
+        &[
+            "npu.runtime",
+            "cpu.governors",
+            "kernel.config",
+            "image.manifest",
+        ],
+    )?;
     println!("boot-qemu-faults: each injected fault FAILed its check");
     Ok(())
+}
+
+fn find_bytes(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
 }
