@@ -908,20 +908,34 @@ fn boot_qemu_faults(_: &Args) -> Result<()> {
     };
     let r = boot_copy("board", &board_edit)?;
     for (id, says) in [
-        ("npu.runtime", "simulated"),
+        ("npu.runtime", "is a simulation (stand-in)"),
         ("cpu.governors", "pinned but not measurable"),
-        ("kernel.config", "CONFIG_SMP"),
+        (
+            "kernel.config",
+            "CONFIG_SMP: fragment wants n, running kernel has y",
+        ),
     ] {
-        let why = reason_of(&r, id).with_context(|| format!("{id} did not FAIL"))?;
+        let c = r
+            .checks
+            .iter()
+            .find(|c| c.id == id && c.status == kiln_runtime::selftest::Status::Fail)
+            .with_context(|| format!("{id} did not FAIL"))?;
+        let said = format!(
+            "{} {}",
+            c.reason.as_deref().unwrap_or(""),
+            c.evidence.join(" ")
+        );
         ensure!(
-            why.contains(says),
-            "{id} FAILed without saying {says:?}: {why}"
+            said.contains(says),
+            "{id} FAILed without saying {says:?}: {said}"
         );
     }
+    // npu.driver: an NPU board whose file pins no driver version FAILs as well.
     only(
         &r,
         &[
             "npu.runtime",
+            "npu.driver",
             "cpu.governors",
             "kernel.config",
             "image.manifest",
