@@ -209,7 +209,7 @@ pub fn gguf() -> Result<Vec<u8>> {
     }
     let norm: Vec<f32> = (0..e).map(|_| 1.0 + 0.25 * r.unit()).collect();
     add_tensor(&mut g, "output_norm.weight", GgmlType::F32, &[e], &norm)?;
-    let w = weights(&mut r, e, N_VOCAB, 6.0);
+    let w = weights(&mut r, e, N_VOCAB, 3.0);
     add_tensor(&mut g, "output.weight", GgmlType::F16, &[e, N_VOCAB], &w)?;
     Ok(g.to_bytes())
 }
