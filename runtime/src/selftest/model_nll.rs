@@ -229,8 +229,8 @@ pub fn check(
                 String::new()
             }
         );
-        // NaN compares false, so a NaN NLL fails here too.
-        if !(d <= a.tolerance) {
+        // A NaN NLL (or tolerance) fails too.
+        if d.is_nan() || a.tolerance.is_nan() || d > a.tolerance {
             failures.push(format!(
                 "{} [{config}]: mean NLL {:.6}, the build recorded {:.6} (|Δ| {:.3e} > {})",
                 a.model, m.mean_nll, a.mean_nll, d, a.tolerance
