@@ -18,17 +18,24 @@ use anyhow::{ensure, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
-/// Mean NLL a backend configuration may differ from the `cpu-ref` answer by, in nats.
-///
-/// Measured (see ARCHITECTURE.md, `model.nll`): the CPU fast path (activations quantised to 8
-/// bits for quantised weights, as ggml does) and the NPU (fp16 / int8 with the backend's own
-/// 5e-4 NMSE bar per op) moved the mean NLL by at most ~1e-3 nats on the fixture and SmolLM2.
-/// 0.02 leaves an order of magnitude above that; the faults it must catch move it by far more
-/// (the stand-in's `wrong` output, a flipped exponent bit in a weight: see the tests).
-pub const TOLERANCE: f64 = 0.02;
-pub const WHY: &str = "|Δ mean NLL| vs cpu-ref: the CPU fast path's 8-bit activations and the \
-    NPU's fp16/int8 (≤5e-4 NMSE per op) measured ≤1e-3 nats; 0.02 is that ×20, far below what a \
-    wrong matmul or a flipped weight byte does";
+/// The part of the tolerance (nats of mean NLL vs `cpu-ref`) every model gets: the NPU's fp16 /
+/// int8 operands (each op within the backend's 5e-4 NMSE bar) and f32 summation order. Measured
+/// on the fixture: NPU stand-in 1.3e-4 to 4.2e-3, the CPU fast path 4.5e-4 to 1.9e-3.
+pub const TOLERANCE_FLOOR: f64 = 0.02;
+/// The fast CPU path quantises activations to 8 bits (as ggml's `vec_dot_type`), the reference
+/// does not: a gap that grows with depth (SmolLM2's 30 Q4_1 layers: 0.026 nats). It is measured
+/// at build time on the host and added to the floor this many times over; the board's CPU path
+/// computes the same integer dots and differs from the host's only in f32 summation order.
+pub const FAST_PATH_GAP_FACTOR: f64 = 2.0;
+pub const WHY: &str = "|Δ mean NLL| vs cpu-ref ≤ 0.02 (NPU fp16/int8 operands within 5e-4 NMSE \
+    per op, f32 summation order: ≤ 4.2e-3 measured) + 2 × the gap between the host's fast CPU \
+    path (8-bit activations, as ggml) and cpu-ref measured at build time; a wrong NPU output or \
+    a flipped weight exponent moves it by whole nats";
+
+/// The tolerance for a model whose fast CPU path differs from `cpu-ref` by `gap` on the host.
+pub fn tolerance(gap: f64) -> f64 {
+    TOLERANCE_FLOOR + FAST_PATH_GAP_FACTOR * gap.abs()
+}
 
 /// One recorded known answer, as the manifest holds it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -43,6 +50,8 @@ pub struct NllAnswer {
     pub mean_nll: f64,
     /// The path that computed `mean_nll` at build time.
     pub backend: String,
+    /// The host's fast CPU path on the same tokens, at build time (sets the tolerance).
+    pub host_cpu_mean_nll: f64,
     pub kv: String,
     pub tolerance: f64,
     pub why: String,
@@ -89,6 +98,19 @@ pub fn measure(f: &GgufFile, text: &str, backends: Vec<Box<dyn Backend>>) -> Res
 pub fn record(path: &Path, name: &str, text: &str) -> Result<NllAnswer> {
     let f = GgufFile::open(path).with_context(|| format!("opening {}", path.display()))?;
     let m = measure(&f, text, vec![Box::new(crate::backend::cpu::CpuRefBackend)])?;
+    let fast = measure(
+        &f,
+        text,
+        vec![Box::new(crate::backend::cpu::CpuBackend::new())],
+    )?;
+    ensure!(
+        fast.tokens == m.tokens && fast.mean_nll.is_finite() && m.mean_nll.is_finite(),
+        "{}: the fast CPU path and cpu-ref disagree on tokens or give a non-finite NLL \
+         ({} vs {})",
+        path.display(),
+        fast.mean_nll,
+        m.mean_nll
+    );
     Ok(NllAnswer {
         model: name.to_string(),
         text: text.to_string(),
@@ -96,8 +118,9 @@ pub fn record(path: &Path, name: &str, text: &str) -> Result<NllAnswer> {
         scored: m.scored,
         mean_nll: m.mean_nll,
         backend: "cpu-ref".into(),
+        host_cpu_mean_nll: fast.mean_nll,
         kv: "f16".into(),
-        tolerance: TOLERANCE,
+        tolerance: tolerance(fast.mean_nll - m.mean_nll),
         why: WHY.into(),
     })
 }
@@ -214,7 +237,7 @@ pub fn check(
         let declined: u64 = m.stats.declined.values().sum();
         let line = format!(
             "{} [{config}]: {} tokens equal, mean NLL {:.6} vs recorded {:.6} ({}), |Δ| {:.2e} \
-             (tolerance {}); ran: {}{}",
+             (tolerance {:.4}); ran: {}{}",
             a.model,
             m.tokens.len(),
             m.mean_nll,
@@ -232,7 +255,7 @@ pub fn check(
         // A NaN NLL (or tolerance) fails too.
         if d.is_nan() || a.tolerance.is_nan() || d > a.tolerance {
             failures.push(format!(
-                "{} [{config}]: mean NLL {:.6}, the build recorded {:.6} (|Δ| {:.3e} > {})",
+                "{} [{config}]: mean NLL {:.6}, the build recorded {:.6} (|Δ| {:.3e} > {:.4})",
                 a.model, m.mean_nll, a.mean_nll, d, a.tolerance
             ));
         }

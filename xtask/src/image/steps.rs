@@ -287,9 +287,12 @@ pub fn known_answers_nll<'a>(
                 let a = model_nll::record(path, name, known_text())
                     .with_context(|| format!("known answer of {name}"))?;
                 println!(
-                    "    {name}: {} tokens, mean NLL {:.6} on cpu-ref ({:.1} s)",
+                    "    {name}: {} tokens, mean NLL {:.6} on cpu-ref, {:.6} on the host's fast \
+                     CPU path, tolerance {:.4} ({:.1} s)",
                     a.tokens.len(),
                     a.mean_nll,
+                    a.host_cpu_mean_nll,
+                    a.tolerance,
                     t.elapsed().as_secs_f64()
                 );
                 answers.push(a);
@@ -830,9 +833,12 @@ mod tests {
             let t = Instant::now();
             let a = model_nll::record(Path::new(&p), "smollm2.gguf", known_text()).unwrap();
             eprintln!(
-                "SmolLM2: {} tokens, mean NLL {:.6} on cpu-ref in {:.1} s",
+                "SmolLM2: {} tokens, mean NLL {:.6} on cpu-ref, {:.6} on the fast CPU path, \
+                 tolerance {:.4}, in {:.1} s",
                 a.tokens.len(),
                 a.mean_nll,
+                a.host_cpu_mean_nll,
+                a.tolerance,
                 t.elapsed().as_secs_f64()
             );
             answers.push(a);
