@@ -32,9 +32,10 @@ pub const WHY: &str = "|Δ mean NLL| vs cpu-ref ≤ 0.02 (NPU fp16/int8 operands
     path (8-bit activations, as ggml) and cpu-ref measured at build time; a wrong NPU output or \
     a flipped weight exponent moves it by whole nats";
 
-/// The tolerance for a model whose fast CPU path differs from `cpu-ref` by `gap` on the host.
+/// The tolerance for a model whose fast CPU path differs from `cpu-ref` by `gap` on the host,
+/// rounded up to 1e-4 so the manifest shows a short number.
 pub fn tolerance(gap: f64) -> f64 {
-    TOLERANCE_FLOOR + FAST_PATH_GAP_FACTOR * gap.abs()
+    ((TOLERANCE_FLOOR + FAST_PATH_GAP_FACTOR * gap.abs()) * 1e4).ceil() / 1e4
 }
 
 /// One recorded known answer, as the manifest holds it.

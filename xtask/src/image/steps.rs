@@ -865,7 +865,15 @@ mod tests {
         );
         let back: Vec<model_nll::NllAnswer> =
             serde_json::from_value(m["known_answers"]["nll"].clone()).unwrap();
-        assert_eq!(back, answers);
+        // JSON keeps each number to within an ulp; the tokens and names exactly.
+        assert_eq!(back.len(), answers.len());
+        for (b, a) in back.iter().zip(&answers) {
+            assert_eq!(
+                (&b.model, &b.tokens, &b.text),
+                (&a.model, &a.tokens, &a.text)
+            );
+            assert!((b.mean_nll - a.mean_nll).abs() < 1e-12 && b.tolerance == a.tolerance);
+        }
         assert_eq!(
             m["fixtures"][0]["sha256"],
             json!(Sha256::of_bytes(&llama).to_string())
