@@ -383,3 +383,62 @@ fn llama_cpp_smollm2_logits_nll() {
         "smollm2: a swapped RoPE went unnoticed: {d:?}"
     );
 }
+
+/// The seeded llama fixture the image carries for `model.nll`, on the text the image records:
+/// llama.cpp loads it, gives the same token ids, and the same per-position distributions and
+/// mean NLL within the tolerances above (kiln's CPU path and its cpu-ref path, which computes
+/// the recorded answer).
+#[test]
+#[ignore = "needs llama-cpp-python (KILN_LLAMA_PY); run by the llama-cpp stage"]
+fn llama_cpp_selftest_fixture_tokens_and_nll() {
+    use kiln_runtime::model::fixture;
+    let dir = scratch("llama_cpp_fixture");
+    let model = dir.join(fixture::FILE_NAME);
+    std::fs::write(&model, fixture::gguf().unwrap()).unwrap();
+    let text = include_str!("../../xtask/src/image/known-answer.txt").trim_end();
+    let text_file = dir.join("text.txt");
+    std::fs::write(&text_file, text).unwrap();
+    let theirs: Vec<u32> = serde_json::from_str(&py(&[
+        "tokenize",
+        "--model",
+        model.to_str().unwrap(),
+        "--text-file",
+        text_file.to_str().unwrap(),
+    ]))
+    .unwrap();
+    let f = GgufFile::open(&model).unwrap();
+    let tok = kiln_runtime::tokenizer::Tokenizer::from_gguf(f.gguf()).unwrap();
+    let ours = tok.encode(text, true, true).unwrap();
+    assert_eq!(ours, theirs, "fixture: token ids differ from llama.cpp's");
+    let r = reference(&model, &ours, &dir, 0, KvType::F16);
+    let d = compare(&kiln_logits(&f, &ours, None, KvType::F16), &r, &ours);
+    eprintln!("fixture ({} tokens) cpu: {d:?}", ours.len());
+    assert!(
+        d.ok(KvType::F16),
+        "fixture: kiln differs from llama.cpp: {d:?}"
+    );
+    let m = Model::load(
+        &f,
+        &Options {
+            backend: BackendSel::CpuRef,
+            ..Options::default()
+        },
+    )
+    .unwrap();
+    let mut s = m.session(ours.len(), KvType::F16).unwrap();
+    let d = compare(&m.forward(&mut s, &ours, Want::All).unwrap(), &r, &ours);
+    eprintln!("fixture cpu-ref: {d:?}");
+    assert!(
+        d.ok(KvType::F16),
+        "fixture cpu-ref: differs from llama.cpp: {d:?}"
+    );
+    let d = compare(
+        &kiln_logits(&f, &ours, Some(Fault::SwapRope), KvType::F16),
+        &r,
+        &ours,
+    );
+    assert!(
+        !d.ok(KvType::F16),
+        "fixture: a swapped RoPE went unnoticed: {d:?}"
+    );
+}

@@ -7,11 +7,15 @@
 mod npu_common;
 
 use kiln_runtime::gguf::writer::GgufWriter;
+use kiln_runtime::model::fixture;
 use kiln_runtime::quant::{quantize_to_vec, GgmlType};
 use kiln_runtime::selftest::report::Verdict;
-use kiln_runtime::selftest::{board::Board, run_all, Ctx, Inject, Paths, Status};
+use kiln_runtime::selftest::{board::Board, model_nll, run_all, Ctx, Inject, Paths, Status};
 use std::io::Write as _;
 use std::path::Path;
+
+const NLL_TEXT: &str = "The kiln board reads this text at every boot, and the model gives the \
+    same numbers the build said it would.";
 
 const BOARD: &str = r##"
 [board]
@@ -97,6 +101,16 @@ fn fake_qemu_virt(root: &Path, lib: &Path) {
     w.tensor_f32("output_norm.weight", &[64], &x[..64]).unwrap();
     let model = w.to_bytes();
     write(root, "models/kiln-selftest.gguf", &model);
+    // The seeded llama fixture and its known answer, recorded on the reference path as the
+    // image build records it.
+    let llama = fixture::gguf().unwrap();
+    write(root, &format!("models/{}", fixture::FILE_NAME), &llama);
+    let answer = model_nll::record(
+        &root.join("models").join(fixture::FILE_NAME),
+        fixture::FILE_NAME,
+        NLL_TEXT,
+    )
+    .unwrap();
 
     // What image.manifest compares: this process's own exe and maps (the stand-in it loads),
     // the boot files, the model, the command line.
@@ -127,6 +141,8 @@ fn fake_qemu_virt(root: &Path, lib: &Path) {
         }},
         "models": [],
         "fixture": {"name": "kiln-selftest.gguf", "sha256": sha(&model)},
+        "fixtures": [{"name": fixture::FILE_NAME, "sha256": sha(&llama)}],
+        "known_answers": {"nll": [answer]},
     });
     write(
         root,
@@ -172,6 +188,15 @@ fn healthy_board_passes_and_every_npu_fault_fails_its_checks() {
         mm.evidence.iter().any(|e| e.contains("weights on NPU")),
         "{mm:?}"
     );
+    // The model-level known answer in both configurations, the NPU running some of the
+    // model's matmuls in the second.
+    for id in ["model.nll.cpu", "model.nll.npu"] {
+        let c = by_id(id);
+        assert_eq!(c.status, Status::Pass, "{c:?}");
+        eprintln!("{id}: {}", c.evidence.join(" | "));
+    }
+    assert!(by_id("model.nll.npu").simulated);
+    assert!(by_id("model.nll.npu").evidence[0].contains("npu "));
 
     for fault in ["error", "untouched", "stale", "wrong"] {
         std::env::set_var("KILN_RKNN_STANDIN_FAULT", fault);
@@ -183,10 +208,30 @@ fn healthy_board_passes_and_every_npu_fault_fails_its_checks() {
             failed.contains(&"matmul.npu.f16") && failed.contains(&"matmul.npu.q8_0"),
             "{fault}: {failed:?}"
         );
+        // The model's forward pass on the NPU: an error (error, untouched) or a wrong NLL
+        // (wrong). `stale` replays a context's previous output, and the known answer runs each
+        // weight's context once (one prefill of a freshly loaded model): nothing to replay, so
+        // it is the matmul checks (two runs each) that must catch it.
+        if fault == "stale" {
+            continue;
+        }
+        assert!(failed.contains(&"model.nll.npu"), "{fault}: {failed:?}");
         assert!(
-            failed.iter().all(|id| id.starts_with("matmul.npu.")),
+            failed
+                .iter()
+                .all(|id| id.starts_with("matmul.npu.") || *id == "model.nll.npu"),
             "{fault} failed an unrelated check: {failed:?}"
         );
+        let c = r.checks.iter().find(|c| c.id == "model.nll.npu").unwrap();
+        let why = c.reason.as_deref().unwrap();
+        assert!(
+            why.contains(fixture::FILE_NAME) && why.contains("[npu+cpu]"),
+            "{why}"
+        );
+        if fault == "wrong" {
+            assert!(why.contains("the build recorded"), "{why}");
+        }
+        eprintln!("fault {fault}: model.nll.npu FAIL: {why}");
     }
 
     // The self-check's own fault: a weight copied instead of mapped.
@@ -210,8 +255,13 @@ fn healthy_board_passes_and_every_npu_fault_fails_its_checks() {
         im.reason.as_deref().unwrap().contains("/usr/bin/kiln"),
         "{im:?}"
     );
-    // No manifest at all.
+    // No manifest at all: nothing to compare the files nor the model's answer with.
     std::fs::remove_file(&mpath).unwrap();
     let r = run_all(&ctx);
-    assert_eq!(r.failed_ids(), ["image.manifest"], "{}", r.to_text());
+    assert_eq!(
+        r.failed_ids(),
+        ["model.nll.cpu", "model.nll.npu", "image.manifest"],
+        "{}",
+        r.to_text()
+    );
 }

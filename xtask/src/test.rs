@@ -327,7 +327,9 @@ fn boot_qemu_clean(_: &Args) -> Result<()> {
 }
 
 /// The NPU stand-in leaves its output untouched: the boot's verdict must be FAIL, on the NPU's
-/// matmul checks and nothing else. A PASS here means the check is dead.
+/// matmul checks and the model's known answer in the npu+cpu configuration (`model.nll.npu`:
+/// the NPU runs the fixture's prefill matmuls), and nothing else. A PASS here means the check
+/// is dead.
 fn boot_qemu_npu_fault(_: &Args) -> Result<()> {
     let b = crate::boot_test::boot(&boot_args(Some("untouched")))?;
     crate::boot_test::print_boot(&b);
@@ -340,9 +342,14 @@ fn boot_qemu_npu_fault(_: &Args) -> Result<()> {
     }
     if let Some(other) = failed
         .iter()
-        .find(|id| !id.starts_with("matmul.npu.") && **id != "model.matmul.npu")
+        .find(|id| {
+            !id.starts_with("matmul.npu.") && **id != "model.matmul.npu" && **id != "model.nll.npu"
+        })
     {
         bail!("injected NPU fault failed an unrelated check {other} (failed: {failed:?})");
+    }
+    if !failed.contains(&"model.nll.npu") {
+        bail!("injected NPU fault `untouched` did not fail model.nll.npu (failed: {failed:?})");
     }
     println!("boot-qemu-npu-fault: the verdict is FAIL on {failed:?}, as it must be");
     Ok(())

@@ -7,6 +7,7 @@
 //! runs. Attention, norms, RoPE and SwiGLU run on the CPU, rounded as ggml rounds them
 //! (`ops.rs`), attention threaded over heads.
 
+pub mod fixture;
 pub mod hparams;
 pub mod kv;
 pub mod ops;
@@ -191,6 +192,31 @@ fn opt_vector<'m>(f: &'m GgufFile, name: &str, n: usize) -> Result<Option<&'m [f
 
 impl<'m> Model<'m> {
     pub fn load(f: &'m GgufFile, opt: &Options) -> Result<Model<'m>> {
+        let threads = resolve_threads(opt.threads);
+        let cpu_b = cpu::CpuBackend::new().with_threads(threads);
+        let backends: Vec<Box<dyn Backend>> = match opt.backend {
+            BackendSel::Cpu => vec![Box::new(cpu_b)],
+            BackendSel::CpuRef => vec![Box::new(cpu::CpuRefBackend)],
+            BackendSel::Auto => vec![Box::new(npu::NpuBackend::default()), Box::new(cpu_b)],
+            BackendSel::Npu => {
+                let n = npu::NpuBackend::default();
+                if let Err(d) = n.probe() {
+                    bail!("--backend npu: the NPU is not available: {d}");
+                }
+                vec![Box::new(n), Box::new(cpu_b)]
+            }
+        };
+        Model::load_with(f, opt, backends)
+    }
+
+    /// [`Model::load`] with the given backends in board order (`opt.backend` is not read): the
+    /// self-check passes the board's NPU configuration, and tests a faulty backend.
+    pub fn load_with(
+        f: &'m GgufFile,
+        opt: &Options,
+        backends: Vec<Box<dyn Backend>>,
+    ) -> Result<Model<'m>> {
+        ensure!(!backends.is_empty(), "a model needs at least one backend");
         let hp = HParams::from_gguf(f.gguf())
             .with_context(|| format!("{}: model hyper-parameters", f.path().display()))?;
         let e = hp.n_embd;
@@ -207,24 +233,7 @@ impl<'m> Model<'m> {
             &tok_embd.ne[..tok_embd.n_dims as usize]
         );
         let n_vocab = tok_embd.ne[1] as usize;
-        let threads = if opt.threads == 0 {
-            std::thread::available_parallelism().map_or(1, |n| n.get())
-        } else {
-            opt.threads
-        };
-        let cpu_b = cpu::CpuBackend::new().with_threads(threads);
-        let backends: Vec<Box<dyn Backend>> = match opt.backend {
-            BackendSel::Cpu => vec![Box::new(cpu_b)],
-            BackendSel::CpuRef => vec![Box::new(cpu::CpuRefBackend)],
-            BackendSel::Auto => vec![Box::new(npu::NpuBackend::default()), Box::new(cpu_b)],
-            BackendSel::Npu => {
-                let n = npu::NpuBackend::default();
-                if let Err(d) = n.probe() {
-                    bail!("--backend npu: the NPU is not available: {d}");
-                }
-                vec![Box::new(n), Box::new(cpu_b)]
-            }
-        };
+        let threads = resolve_threads(opt.threads);
         let weight = |name: &str, k: usize, n: usize| -> Result<Weight<'m>> {
             let t = tensor(f, name, &[k, n])?;
             t.as_weight()
@@ -711,6 +720,15 @@ impl<'m> Model<'m> {
     /// Names of the backends in board order.
     pub fn backend_names(&self) -> Vec<&'static str> {
         self.backends.iter().map(|b| b.name()).collect()
+    }
+}
+
+/// Threads to use: `n`, or one per core for 0.
+fn resolve_threads(n: usize) -> usize {
+    if n == 0 {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    } else {
+        n
     }
 }
 

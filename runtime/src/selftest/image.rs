@@ -8,7 +8,8 @@
 //!   process has not loaded one);
 //! - every file the manifest lists on the boot partition (`/Image`, the initramfs, the dtb,
 //!   `extlinux.conf`);
-//! - every model and the self-check fixture on `/models`, and no unlisted model there;
+//! - every model and the self-check fixtures (`fixture`, `fixtures[]`) on `/models`, and no
+//!   unlisted model there;
 //! - `/proc/cmdline`: the `append` line of the (hashed) `extlinux.conf`, word for word, with
 //!   only `kiln.*` words where `${kiln_args}` stands.
 //!
@@ -209,6 +210,13 @@ pub fn manifest(ctx: &Ctx) -> Outcome {
         listed.push((
             name.to_string(),
             m["fixture"]["sha256"].as_str().map(str::to_string),
+        ));
+    }
+    // Further fixtures (the seeded llama model of `model.nll`), listed the same way.
+    for x in m["fixtures"].as_array().into_iter().flatten() {
+        listed.push((
+            x["name"].as_str().unwrap_or("").to_string(),
+            x["sha256"].as_str().map(str::to_string),
         ));
     }
     let models_dir = ctx

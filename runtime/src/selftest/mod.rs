@@ -13,6 +13,7 @@ pub mod image;
 pub mod kernel;
 pub mod matmul;
 pub mod model_matmul;
+pub mod model_nll;
 pub mod models;
 pub mod npu;
 pub mod oracle;
@@ -222,7 +223,7 @@ pub fn run_all(ctx: &Ctx) -> Report {
     if let Some(mib) = ctx.board.as_ref().and_then(|b| b.board.npu_budget_mib) {
         npu_cfg.budget = mib << 20;
     }
-    let npu = NpuBackend::new(npu_cfg);
+    let npu = NpuBackend::new(npu_cfg.clone());
     let cpu = CpuBackend::new();
     let cpu_ref = CpuRefBackend;
     let cpu_kernel = cpu.kernel().name().to_string();
@@ -245,6 +246,29 @@ pub fn run_all(ctx: &Ctx) -> Report {
         let id = format!("model.matmul.{}", b.name());
         checks.push(timed(&id, || model_matmul::check(ctx, b)));
     }
+    // The model-level known answer, per backend configuration the board offers.
+    let cpu_only = || -> Vec<Box<dyn Backend>> { vec![Box::new(CpuBackend::new())] };
+    checks.push(timed("model.nll.cpu", || {
+        model_nll::check(ctx, "cpu", &cpu_only, None)
+    }));
+    let npu_cpu = || -> Vec<Box<dyn Backend>> {
+        vec![
+            Box::new(NpuBackend::new(npu_cfg.clone())),
+            Box::new(CpuBackend::new()),
+        ]
+    };
+    checks.push(timed("model.nll.npu", || match npu.probe() {
+        Ok(caps) => {
+            let mut o = model_nll::check(ctx, "npu+cpu", &npu_cpu, Some(npu.name()));
+            o.simulated = caps.simulated;
+            o
+        }
+        Err(d) if ctx.board.as_ref().is_some_and(|b| b.board.npu) => Outcome::fail(
+            format!("the board has an NPU but its backend is absent: {d}"),
+            vec![],
+        ),
+        Err(d) => Outcome::skip(format!("no NPU runtime on this board: {d}")),
+    }));
     // After the NPU checks, so the library the backend loaded is in /proc/self/maps.
     checks.push(timed("image.manifest", || image::manifest(ctx)));
     // Last, so that anything the other checks provoked (an NPU reset) is in the log it reads.

@@ -5,6 +5,7 @@
       evaluate the ids with llama.cpp (llama-cpp-python, Llama.eval; KV cache type and flash
       attention pinned), write per-position logits as raw little-endian f32 [n_ids, n_vocab] and
       print {"n_vocab", "greedy"} as JSON.
+  tokenize --model F --text-file T    llama.cpp's token ids of the text, as JSON
 """
 
 import argparse
@@ -188,6 +189,16 @@ def logits(args):
     print()
 
 
+def tokenize(args):
+    """llama.cpp's token ids of a text (BOS as the file says, specials parsed), as JSON."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=args.model, vocab_only=True, verbose=False)
+    text = open(args.text_file, encoding="utf-8").read()
+    json.dump(llm.tokenize(text.encode("utf-8"), add_bos=True, special=True), sys.stdout)
+    print()
+
+
 def bench(args):
     """llama.cpp's prefill and decode tok/s for the same shape as `kiln bench` (f16 KV, no flash
     attention, ids spread over the vocabulary, greedy decode)."""
@@ -238,13 +249,16 @@ def main():
     g.add_argument("--threads", type=int, default=2)
     g.add_argument("--kv", default="f16", choices=["f16", "f32"])
     g.add_argument("--greedy", type=int, default=0)
+    t = sub.add_parser("tokenize")
+    t.add_argument("--model", required=True)
+    t.add_argument("--text-file", required=True)
     b = sub.add_parser("bench")
     b.add_argument("--model", required=True)
     b.add_argument("-p", type=int, default=128)
     b.add_argument("-n", type=int, default=64)
     b.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
-    {"synth": synth, "logits": logits, "bench": bench}[a.cmd](a)
+    {"synth": synth, "logits": logits, "tokenize": tokenize, "bench": bench}[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -190,7 +190,9 @@ pub fn build(args: &Args) -> Result<Built> {
     let board_toml = ctx.board.board_toml(steps::kernel_config(&ctx.board)?)?;
     let initramfs = run.run(steps::initramfs(&ctx, &runtime, &board_toml)?)?;
     let fixture = fixture::gguf().context("writing the self-check fixture")?;
-    let models_part = run.run(steps::models_partition(&ctx, &models, &fixture))?;
+    let llama = kiln_runtime::model::fixture::gguf().context("writing the llama fixture")?;
+    let models_part = run.run(steps::models_partition(&ctx, &models, &fixture, &llama))?;
+    let nll = run.run(steps::known_answers_nll(&ctx, &models, &llama)?)?;
     let data_part = run.run(steps::data_partition(&ctx))?;
     let layout = steps::layout(&ctx, &models_part)?;
     let blobs = steps::blobs(&ctx)?;
@@ -216,6 +218,7 @@ pub fn build(args: &Args) -> Result<Built> {
         fixture::FILE_NAME,
     ))?;
     known::add_matmul(&mut manifest, &known_matmul)?;
+    steps::manifest_known_answers_nll(&mut manifest, &nll, &llama)?;
     let boot_part = run.run(steps::boot_partition(&ctx, boot_files, &manifest)?)?;
     let parts = [&boot_part, &models_part, &data_part];
     let out_dir = crate::target_dir().join("images");

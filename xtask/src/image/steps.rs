@@ -18,6 +18,8 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use kiln_runtime::model::fixture as llama_fixture;
+
 /// What every step of one build may read: the recipe, the commit and the resolved inputs.
 pub struct Ctx {
     pub board: Board,
@@ -49,7 +51,10 @@ pub fn models(paths: &[PathBuf]) -> Result<Vec<Model>> {
             .and_then(|n| n.to_str())
             .with_context(|| format!("model {} has no UTF-8 file name", m.display()))?
             .to_string();
-        if name == fixture::FILE_NAME || models.iter().any(|x| x.name == name) {
+        if name == fixture::FILE_NAME
+            || name == llama_fixture::FILE_NAME
+            || models.iter().any(|x| x.name == name)
+        {
             bail!("two models named {name} on the models partition");
         }
         let sha256 = Sha256::of_file(m).with_context(|| format!("model {}", m.display()))?;
@@ -204,8 +209,14 @@ pub fn initramfs<'a>(ctx: &'a Ctx, rt: &'a Runtime, board_toml: &'a str) -> Resu
     })
 }
 
-/// The models partition (erofs): the self-check's fixture and the given models.
-pub fn models_partition<'a>(ctx: &'a Ctx, models: &'a [Model], fixture: &'a [u8]) -> Step<'a> {
+/// The models partition (erofs): the self-check's fixtures (the matmul fixture and the seeded
+/// llama model of `model.nll`) and the given models.
+pub fn models_partition<'a>(
+    ctx: &'a Ctx,
+    models: &'a [Model],
+    fixture: &'a [u8],
+    llama: &'a [u8],
+) -> Step<'a> {
     let uuid = disk::guid_from_seed(&ctx.seed, "models-fs");
     let key = key_of(&[
         "models-v2",
@@ -213,6 +224,7 @@ pub fn models_partition<'a>(ctx: &'a Ctx, models: &'a [Model], fixture: &'a [u8]
         &ctx.epoch.to_string(),
         &uuid.to_string(),
         &Sha256::of_bytes(fixture).to_string(),
+        &Sha256::of_bytes(llama).to_string(),
         &models
             .iter()
             .map(|m| format!("{}={}", m.name, m.sha256))
@@ -226,11 +238,92 @@ pub fn models_partition<'a>(ctx: &'a Ctx, models: &'a [Model], fixture: &'a [u8]
         make: Box::new(move |tmp: &[PathBuf]| {
             let stage = ctx.work.join("models-staging");
             stage_models(&stage, models, fixture)?;
+            stage_file(&stage.join(llama_fixture::FILE_NAME), llama)?;
             disk::erofs::build(&tmp[0], &stage, uuid, ctx.epoch, Some(&ctx.tools))?;
             std::fs::remove_dir_all(&stage)?;
-            Ok(format!("erofs, {} model(s) and the fixture", models.len()))
+            Ok(format!(
+                "erofs, {} model(s) and the fixtures ({} KiB llama)",
+                models.len(),
+                llama.len() >> 10
+            ))
         }),
     }
+}
+
+/// The text whose token ids and mean NLL every model's known answer records (committed, so
+/// the answer depends on nothing but the commit).
+pub fn known_text() -> &'static str {
+    include_str!("known-answer.txt").trim_end()
+}
+
+/// `known-answers-nll.json`: the model-level known answers (`model.nll` at boot). For the llama
+/// fixture and every `--model`, the token ids of [`known_text`] from the host build of the
+/// runtime's tokenizer and its mean NLL on the `cpu-ref` path. Keyed by this xtask binary too,
+/// since the runtime code that computes the answer is linked into it.
+pub fn known_answers_nll<'a>(
+    ctx: &'a Ctx,
+    models: &'a [Model],
+    llama: &'a [u8],
+) -> Result<Step<'a>> {
+    let exe = std::env::current_exe().context("locating the xtask binary")?;
+    let exe_sha = Sha256::of_file(&exe).with_context(|| format!("hashing {}", exe.display()))?;
+    let key = key_of(&[
+        "known-answers-nll-v1",
+        &exe_sha.to_string(),
+        &Sha256::of_bytes(known_text().as_bytes()).to_string(),
+        &Sha256::of_bytes(llama).to_string(),
+        &models
+            .iter()
+            .map(|m| format!("{}={}", m.name, m.sha256))
+            .collect::<Vec<_>>()
+            .join(","),
+    ]);
+    Ok(Step {
+        name: "known answers (nll)",
+        key,
+        outputs: vec![ctx.work.join("known-answers-nll.json")],
+        make: Box::new(move |tmp: &[PathBuf]| {
+            use kiln_runtime::selftest::model_nll;
+            // The fixture is read from a file, mapped, as the board will read it.
+            let dir = tempfile::tempdir_in(&ctx.work).context("temp dir for the llama fixture")?;
+            let lp = dir.path().join(llama_fixture::FILE_NAME);
+            std::fs::write(&lp, llama).with_context(|| format!("writing {}", lp.display()))?;
+            let mut list: Vec<(&str, &Path)> = vec![(llama_fixture::FILE_NAME, &lp)];
+            list.extend(models.iter().map(|m| (m.name.as_str(), m.path.as_path())));
+            let mut answers = Vec::new();
+            for (name, path) in list {
+                let t = Instant::now();
+                let a = model_nll::record(path, name, known_text())
+                    .with_context(|| format!("known answer of {name}"))?;
+                println!(
+                    "    {name}: {} tokens, mean NLL {:.6} on cpu-ref, {:.6} on the host's fast \
+                     CPU path, tolerance {:.4} ({:.1} s)",
+                    a.tokens.len(),
+                    a.mean_nll,
+                    a.host_cpu_mean_nll,
+                    a.tolerance,
+                    t.elapsed().as_secs_f64()
+                );
+                answers.push(a);
+            }
+            write_atomic(&tmp[0], &serde_json::to_vec_pretty(&answers)?)?;
+            Ok(format!("{} model(s)", answers.len()))
+        }),
+    })
+}
+
+/// Add the model-level known answers to the manifest: `known_answers.nll` (from the
+/// [`known_answers_nll`] step) and the llama fixture under `fixtures` (so `image.manifest`
+/// hashes it like every model).
+pub fn manifest_known_answers_nll(manifest: &mut Value, nll: &Product, llama: &[u8]) -> Result<()> {
+    let answers: Value = serde_json::from_slice(
+        &std::fs::read(nll.path()).with_context(|| format!("reading {}", nll.path().display()))?,
+    )
+    .with_context(|| format!("parsing {}", nll.path().display()))?;
+    manifest["known_answers"]["nll"] = answers;
+    manifest["fixtures"] =
+        json!([{"name": llama_fixture::FILE_NAME, "sha256": Sha256::of_bytes(llama)}]);
+    Ok(())
 }
 
 /// The data partition (ext4, empty, writable on the board).
@@ -721,9 +814,7 @@ fn stage_models(dir: &Path, models: &[Model], fixture: &[u8]) -> Result<()> {
     }
     std::fs::create_dir_all(dir)?;
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))?;
-    let f = dir.join(fixture::FILE_NAME);
-    std::fs::write(&f, fixture)?;
-    std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o644))?;
+    stage_file(&dir.join(fixture::FILE_NAME), fixture)?;
     for m in models {
         let dst = dir.join(&m.name);
         std::fs::copy(&m.path, &dst)
@@ -731,4 +822,79 @@ fn stage_models(dir: &Path, models: &[Model], fixture: &[u8]) -> Result<()> {
         std::fs::set_permissions(&dst, std::fs::Permissions::from_mode(0o644))?;
     }
     Ok(())
+}
+
+/// One file of the models partition, mode 0644.
+fn stage_file(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::write(path, bytes).with_context(|| format!("writing {}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o644))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kiln_runtime::selftest::model_nll;
+
+    /// The known answers the image records: the llama fixture (and SmolLM2 when
+    /// `KILN_SMOLLM2` names it, as the test stages do) on the committed text, into the manifest.
+    #[test]
+    fn known_answers_are_recorded_in_the_manifest() {
+        let dir = tempfile::tempdir().unwrap();
+        let llama = llama_fixture::gguf().unwrap();
+        let lp = dir.path().join(llama_fixture::FILE_NAME);
+        std::fs::write(&lp, &llama).unwrap();
+        let mut answers =
+            vec![model_nll::record(&lp, llama_fixture::FILE_NAME, known_text()).unwrap()];
+        if let Some(p) = std::env::var_os("KILN_SMOLLM2") {
+            let t = Instant::now();
+            let a = model_nll::record(Path::new(&p), "smollm2.gguf", known_text()).unwrap();
+            eprintln!(
+                "SmolLM2: {} tokens, mean NLL {:.6} on cpu-ref, {:.6} on the fast CPU path, \
+                 tolerance {:.4}, in {:.1} s",
+                a.tokens.len(),
+                a.mean_nll,
+                a.host_cpu_mean_nll,
+                a.tolerance,
+                t.elapsed().as_secs_f64()
+            );
+            answers.push(a);
+        }
+        let a = &answers[0];
+        assert_eq!(a.tokens[0], 1, "BOS first");
+        assert!(a.mean_nll.is_finite() && a.tolerance > 0.0, "{a:?}");
+        eprintln!(
+            "fixture: {} tokens, mean NLL {:.6}",
+            a.tokens.len(),
+            a.mean_nll
+        );
+        let f = dir.path().join("known-answers-nll.json");
+        std::fs::write(&f, serde_json::to_vec(&answers).unwrap()).unwrap();
+        let product = Product {
+            paths: vec![f],
+            key: Sha256::of_bytes(b"test"),
+        };
+        let mut m = json!({"kiln_manifest": 1, "known_answers": {"matmul": []}});
+        manifest_known_answers_nll(&mut m, &product, &llama).unwrap();
+        assert!(
+            m["known_answers"]["matmul"].is_array(),
+            "other answers kept"
+        );
+        let back: Vec<model_nll::NllAnswer> =
+            serde_json::from_value(m["known_answers"]["nll"].clone()).unwrap();
+        // JSON keeps each number to within an ulp; the tokens and names exactly.
+        assert_eq!(back.len(), answers.len());
+        for (b, a) in back.iter().zip(&answers) {
+            assert_eq!(
+                (&b.model, &b.tokens, &b.text),
+                (&a.model, &a.tokens, &a.text)
+            );
+            assert!((b.mean_nll - a.mean_nll).abs() < 1e-12 && b.tolerance == a.tolerance);
+        }
+        assert_eq!(
+            m["fixtures"][0]["sha256"],
+            json!(Sha256::of_bytes(&llama).to_string())
+        );
+    }
 }

@@ -1,0 +1,257 @@
+//! A small seeded llama model for the boot self-check's known answer (`model.nll`): 2 layers,
+//! embedding 64, 4 query heads over 2 KV heads (GQA), a SentencePiece (`llama`) vocabulary of 512
+//! pieces with byte fallback, and weights in F16, Q8_0 and Q4_0 (the types the backends claim),
+//! quantised with ggml's reference quantisers. Its bytes depend on nothing but this code: `xtask`
+//! writes it onto the models partition at image build time, and tests build the same bytes.
+//!
+//! It lives in the runtime crate (not in `xtask`) so that the runtime's own tests can load the
+//! very file the image carries.
+
+use crate::gguf::writer::GgufWriter;
+use crate::gguf::{Value, ValueType};
+use crate::quant::{quantize_to_vec, GgmlType};
+use anyhow::{Context, Result};
+use half::f16;
+use std::collections::BTreeSet;
+
+/// File name on the models partition (`/models/kiln-llama-fixture.gguf` on the board).
+pub const FILE_NAME: &str = "kiln-llama-fixture.gguf";
+
+const N_EMBD: usize = 64;
+const N_HEAD: usize = 4;
+const N_HEAD_KV: usize = 2;
+const HEAD_DIM: usize = N_EMBD / N_HEAD;
+const N_FF: usize = 128;
+const N_LAYER: usize = 2;
+/// A multiple of 64, so the LM head's N suits every NPU element type.
+const N_VOCAB: usize = 512;
+const N_CTX: usize = 256;
+
+/// Words whose SentencePiece pieces (`▁word` and every prefix of it) the vocabulary holds.
+const WORDS: &[&str] = &[
+    "the", "a", "of", "and", "to", "in", "is", "it", "that", "at", "every", "boot", "board",
+    "model", "kiln", "image", "check", "checks", "self", "build", "said", "what", "runs", "number",
+    "numbers", "if", "not", "this", "text", "reads", "small", "same", "tokens", "known", "answer",
+    "each", "backend", "gives", "was", "on", "by", "with", "from", "be",
+];
+
+/// xorshift32: a deterministic stream with no dependency.
+struct Rng(u32);
+impl Rng {
+    fn next(&mut self) -> u32 {
+        let mut x = self.0;
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        self.0 = x;
+        x
+    }
+    /// Uniform in [-1, 1).
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 8) as f32 / (1u32 << 23) as f32 - 1.0
+    }
+}
+
+/// The vocabulary: (piece, score, token type) in id order. Types as llama.cpp numbers them:
+/// 1 normal, 2 unknown, 3 control, 6 byte.
+fn vocab() -> Vec<(String, f32, i32)> {
+    let mut v: Vec<(String, f32, i32)> = vec![
+        ("<unk>".into(), 0.0, 2),
+        ("<s>".into(), 0.0, 3),
+        ("</s>".into(), 0.0, 3),
+    ];
+    for b in 0..=255u8 {
+        v.push((format!("<0x{b:02X}>"), 0.0, 6));
+    }
+    let mut seen: BTreeSet<String> = v.iter().map(|t| t.0.clone()).collect();
+    let mut pieces: Vec<String> = vec!["\u{2581}".into()];
+    for c in (b'!'..=b'~').map(char::from) {
+        pieces.push(c.to_string());
+    }
+    for w in WORDS {
+        let full = format!("\u{2581}{w}");
+        let chars: Vec<char> = full.chars().collect();
+        for n in 2..=chars.len() {
+            pieces.push(chars[..n].iter().collect());
+        }
+    }
+    // Fill to N_VOCAB with letter pairs: real merges too, so no id is dead weight.
+    'fill: for a in 'a'..='z' {
+        for b in 'a'..='z' {
+            pieces.push(format!("{a}{b}"));
+            if pieces.len() > 4 * N_VOCAB {
+                break 'fill;
+            }
+        }
+    }
+    for p in pieces {
+        if v.len() == N_VOCAB {
+            break;
+        }
+        if seen.insert(p.clone()) {
+            // Longer pieces score higher, so whole words win the merges; ties by id.
+            let score = p.chars().count() as f32 - v.len() as f32 * 1e-3;
+            v.push((p, score, 1));
+        }
+    }
+    v
+}
+
+/// `n` weights of a `k`-input matrix: uniform, scaled by `gain / sqrt(k)`.
+fn weights(r: &mut Rng, k: usize, n: usize, gain: f32) -> Vec<f32> {
+    let s = gain / (k as f32).sqrt();
+    (0..k * n).map(|_| r.unit() * s).collect()
+}
+
+fn add_tensor(
+    g: &mut GgufWriter,
+    name: &str,
+    ty: GgmlType,
+    dims: &[usize],
+    w: &[f32],
+) -> Result<()> {
+    let d: Vec<u64> = dims.iter().map(|&x| x as u64).collect();
+    match ty {
+        GgmlType::F32 => {
+            g.tensor_f32(name, &d, w)?;
+        }
+        GgmlType::F16 => {
+            let b: Vec<u8> = w
+                .iter()
+                .flat_map(|x| f16::from_f32(*x).to_bits().to_le_bytes())
+                .collect();
+            g.tensor(name, ty, &d, b)?;
+        }
+        _ => {
+            let q = quantize_to_vec(ty, w).with_context(|| format!("quantising {name} as {ty}"))?;
+            g.tensor(name, ty, &d, q)?;
+        }
+    }
+    Ok(())
+}
+
+/// The fixture's bytes.
+pub fn gguf() -> Result<Vec<u8>> {
+    let mut g = GgufWriter::new();
+    let u32v = |x: usize| Value::U32(x as u32);
+    g.add("general.architecture", Value::String("llama".into()))?
+        .add(
+            "general.name",
+            Value::String("kiln llama fixture (seeded, for the boot known answer)".into()),
+        )?
+        .alignment(32)?
+        .add("llama.block_count", u32v(N_LAYER))?
+        .add("llama.context_length", u32v(N_CTX))?
+        .add("llama.embedding_length", u32v(N_EMBD))?
+        .add("llama.feed_forward_length", u32v(N_FF))?
+        .add("llama.attention.head_count", u32v(N_HEAD))?
+        .add("llama.attention.head_count_kv", u32v(N_HEAD_KV))?
+        .add("llama.rope.dimension_count", u32v(HEAD_DIM))?
+        .add("llama.rope.freq_base", Value::F32(10000.0))?
+        .add("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5))?
+        .add("llama.vocab_size", u32v(N_VOCAB))?;
+    let v = vocab();
+    g.add("tokenizer.ggml.model", Value::String("llama".into()))?
+        .add("tokenizer.ggml.pre", Value::String("default".into()))?
+        .add(
+            "tokenizer.ggml.tokens",
+            Value::Array(
+                ValueType::String,
+                v.iter().map(|t| Value::String(t.0.clone())).collect(),
+            ),
+        )?
+        .add(
+            "tokenizer.ggml.scores",
+            Value::Array(ValueType::F32, v.iter().map(|t| Value::F32(t.1)).collect()),
+        )?
+        .add(
+            "tokenizer.ggml.token_type",
+            Value::Array(ValueType::I32, v.iter().map(|t| Value::I32(t.2)).collect()),
+        )?
+        .add("tokenizer.ggml.bos_token_id", Value::U32(1))?
+        .add("tokenizer.ggml.eos_token_id", Value::U32(2))?
+        .add("tokenizer.ggml.unknown_token_id", Value::U32(0))?
+        .add("tokenizer.ggml.add_bos_token", Value::Bool(true))?
+        .add("tokenizer.ggml.add_eos_token", Value::Bool(false))?;
+
+    let mut r = Rng(0x6c6c616d); // "llam"
+    let (e, kvd, ff) = (N_EMBD, N_HEAD_KV * HEAD_DIM, N_FF);
+    add_tensor(
+        &mut g,
+        "token_embd.weight",
+        GgmlType::Q8_0,
+        &[e, N_VOCAB],
+        &weights(&mut r, 1, e * N_VOCAB, 1.0),
+    )?;
+    // Layer 0: attention F16, FFN Q8_0; layer 1: attention Q8_0, FFN Q4_0.
+    let types = [
+        (GgmlType::F16, GgmlType::Q8_0),
+        (GgmlType::Q8_0, GgmlType::Q4_0),
+    ];
+    for (l, (att, ffn)) in types.iter().enumerate() {
+        let p = |s: &str| format!("blk.{l}.{s}");
+        let norm: Vec<f32> = (0..e).map(|_| 1.0 + 0.25 * r.unit()).collect();
+        add_tensor(&mut g, &p("attn_norm.weight"), GgmlType::F32, &[e], &norm)?;
+        for (name, n) in [("attn_q", e), ("attn_k", kvd), ("attn_v", kvd)] {
+            let w = weights(&mut r, e, n, 2.0);
+            add_tensor(&mut g, &p(&format!("{name}.weight")), *att, &[e, n], &w)?;
+        }
+        let w = weights(&mut r, e, e, 1.0);
+        add_tensor(&mut g, &p("attn_output.weight"), *att, &[e, e], &w)?;
+        let norm: Vec<f32> = (0..e).map(|_| 1.0 + 0.25 * r.unit()).collect();
+        add_tensor(&mut g, &p("ffn_norm.weight"), GgmlType::F32, &[e], &norm)?;
+        for name in ["ffn_gate", "ffn_up"] {
+            let w = weights(&mut r, e, ff, 1.5);
+            add_tensor(&mut g, &p(&format!("{name}.weight")), *ffn, &[e, ff], &w)?;
+        }
+        let w = weights(&mut r, ff, e, 1.0);
+        add_tensor(&mut g, &p("ffn_down.weight"), *ffn, &[ff, e], &w)?;
+    }
+    let norm: Vec<f32> = (0..e).map(|_| 1.0 + 0.25 * r.unit()).collect();
+    add_tensor(&mut g, "output_norm.weight", GgmlType::F32, &[e], &norm)?;
+    let w = weights(&mut r, e, N_VOCAB, 3.0);
+    add_tensor(&mut g, "output.weight", GgmlType::F16, &[e, N_VOCAB], &w)?;
+    Ok(g.to_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::GgufFile;
+    use crate::model::{nll_windows, BackendSel, KvType, Model, Options};
+    use crate::tokenizer::Tokenizer;
+
+    #[test]
+    fn fixture_is_deterministic_small_and_runs() {
+        let a = gguf().unwrap();
+        assert_eq!(a, gguf().unwrap(), "the fixture's bytes must not vary");
+        assert!(a.len() < 1 << 20, "{} bytes", a.len());
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join(FILE_NAME);
+        std::fs::write(&p, &a).unwrap();
+        let f = GgufFile::open(&p).unwrap();
+        let types: BTreeSet<String> = f.tensors().map(|t| t.ty.to_string()).collect();
+        for t in ["F16", "Q8_0", "Q4_0"] {
+            assert!(types.contains(t), "{t} missing from {types:?}");
+        }
+        let tok = Tokenizer::from_gguf(f.gguf()).unwrap();
+        let ids = tok
+            .encode("The kiln board reads this text at every boot.", true, true)
+            .unwrap();
+        assert_eq!(ids[0], 1, "BOS first: {ids:?}");
+        assert!(ids.len() < 20, "whole-word pieces expected: {ids:?}");
+        let opt = Options {
+            backend: BackendSel::CpuRef,
+            ..Options::default()
+        };
+        let m = Model::load(&f, &opt).unwrap();
+        let mut s = m.session(ids.len(), KvType::F16).unwrap();
+        let (scored, sum) = nll_windows(&m, &mut s, &ids, ids.len()).unwrap();
+        let mean = sum / scored as f64;
+        // A seeded random model: not uniform (ln 512 = 6.24), not degenerate.
+        assert!(
+            mean.is_finite() && mean > 0.5 && (mean - (N_VOCAB as f64).ln()).abs() > 0.05,
+            "{mean}"
+        );
+    }
+}
