@@ -460,6 +460,12 @@ fn llama_cpp_smollm2_logits_nll_greedy() {
     }
 }
 
+/// |Δ mean NLL| allowed between the aarch64 build (NEON/dotprod, under qemu) and the host
+/// build. kiln's kernels do the same integer dots and the same f32 operations in the same order on
+/// both (Rust never contracts or reorders float ops), so the two agree to the last bit — measured
+/// Δ = 0 on every model here; this leaves room for libm differences only.
+const AARCH64_NLL_MAX: f64 = 1e-4;
+
 /// A paragraph of ordinary prose (ASCII, digits, punctuation, a Unicode word).
 const PARAGRAPH: &str = "The lighthouse keeper climbed the 137 steps every evening at dusk. \
 He checked the lamp, wiped the salt from the glass, and wrote the wind's direction in a worn \
@@ -598,7 +604,7 @@ fn llama_cpp_paragraph_nll() {
                 "{name}: the aarch64 build tokenises differently"
             );
             assert!(
-                (a_nll - nll).abs() <= NLL_DIFF_MAX,
+                (a_nll - nll).abs() <= AARCH64_NLL_MAX,
                 "{name}: aarch64 NLL {a_nll} vs host {nll}"
             );
         }
