@@ -27,12 +27,12 @@ use std::process::Command;
 /// Tolerances (nats), the same for both KV cache types: mean KL per position, largest KL at one
 /// position, |Δ mean NLL|; and the share of positions whose top-1 may differ by more than a tie.
 ///
-/// Measured (see the closing note of the branch): with Q4_0 and Q4_K weights and an f32 cache
-/// kiln equals llama.cpp to KL ≈ 1e-12 (the same integer dots, the same f32 order); Q8_0 gives
-/// ≈ 1e-6. Q4_1 models (SmolLM2 is all Q4_1) differ more — KL 2e-4 on a 2-layer synthetic
-/// model, 6e-3 on SmolLM2's 30 layers, present from position 0 (so not attention or RoPE) —
-/// a difference not yet explained that these bounds admit; the f16 cache adds ≈ 2e-4 (kiln
-/// rounds Q and the softmax weights to f16 as ggml does). Every injected fault measures ≥ 0.1.
+/// Measured: with Q4_0 and Q4_K weights and an f32 cache kiln equals llama.cpp to KL ≈ 1e-12
+/// (the same integer dots, the same f32 order); Q8_0 gives ≈ 1e-6, Q4_1 synthetic ≤ 2.1e-4; the
+/// f16 cache adds ≈ 2e-4 (kiln rounds Q and the softmax weights to f16 as ggml does). SmolLM2
+/// (30 layers, Q4_1) sits at KL 6.4e-3: that is the model's amplification of Q8 activation
+/// rounding, measured on kiln itself by `llama_cpp_smollm2_logits_nll_greedy` (one-ulp nudge →
+/// KL 6.1e-3), and these bounds admit it. Every injected fault measures ≥ 0.06.
 const KL_MEAN_MAX: f64 = 1e-2;
 const KL_MAX: f64 = 5e-2;
 const NLL_DIFF_MAX: f64 = 3e-2;
