@@ -27,12 +27,12 @@ use std::process::Command;
 /// Tolerances (nats), the same for both KV cache types: mean KL per position, largest KL at one
 /// position, |Δ mean NLL|; and the share of positions whose top-1 may differ by more than a tie.
 ///
-/// Measured (see the closing note of the branch): with Q4_0 and Q4_K weights and an f32 cache
-/// kiln equals llama.cpp to KL ≈ 1e-12 (the same integer dots, the same f32 order); Q8_0 gives
-/// ≈ 1e-6. Q4_1 models (SmolLM2 is all Q4_1) differ more — KL 2e-4 on a 2-layer synthetic
-/// model, 6e-3 on SmolLM2's 30 layers, present from position 0 (so not attention or RoPE) —
-/// a difference not yet explained that these bounds admit; the f16 cache adds ≈ 2e-4 (kiln
-/// rounds Q and the softmax weights to f16 as ggml does). Every injected fault measures ≥ 0.1.
+/// Measured: with Q4_0 and Q4_K weights and an f32 cache kiln equals llama.cpp to KL ≈ 1e-12
+/// (the same integer dots, the same f32 order); Q8_0 gives ≈ 1e-6, Q4_1 synthetic ≤ 2.1e-4; the
+/// f16 cache adds ≈ 2e-4 (kiln rounds Q and the softmax weights to f16 as ggml does). SmolLM2
+/// (30 layers, Q4_1) sits at KL 6.4e-3: that is the model's amplification of Q8 activation
+/// rounding, measured on kiln itself by `llama_cpp_smollm2_logits_nll_greedy` (one-ulp nudge →
+/// KL 6.1e-3), and these bounds admit it. Every injected fault measures ≥ 0.06.
 const KL_MEAN_MAX: f64 = 1e-2;
 const KL_MAX: f64 = 5e-2;
 const NLL_DIFF_MAX: f64 = 3e-2;
@@ -94,11 +94,11 @@ struct Reference {
 const GREEDY_TIE: f64 = 0.05;
 
 /// kiln's greedy tokens equal llama.cpp's up to the first near-tie step (all 32 if none).
-fn check_greedy(what: &str, ours: &[u32], r: &Reference) {
+fn check_greedy(what: &str, ours: &[u32], r: &Reference, tie: f64) {
     let until = r
         .gaps
         .iter()
-        .position(|&g| g < GREEDY_TIE)
+        .position(|&g| g < tie)
         .unwrap_or(r.greedy.len());
     eprintln!(
         "{what}: greedy kiln {ours:?}\n{what}: greedy llama.cpp {:?} (first near-tie at step {until})",
@@ -231,10 +231,20 @@ fn compare(ours: &[f32], r: &Reference, ids: &[u32]) -> Diff {
 }
 
 fn kiln_logits(f: &GgufFile, ids: &[u32], fault: Option<Fault>, kv: KvType) -> Vec<f32> {
+    kiln_logits_on(f, ids, fault, kv, BackendSel::Cpu)
+}
+
+fn kiln_logits_on(
+    f: &GgufFile,
+    ids: &[u32],
+    fault: Option<Fault>,
+    kv: KvType,
+    backend: BackendSel,
+) -> Vec<f32> {
     let m = Model::load(
         f,
         &Options {
-            backend: BackendSel::Cpu,
+            backend,
             fault,
             ..Options::default()
         },
@@ -311,7 +321,12 @@ fn synthetic(arch: &str, faults: &[Fault]) {
             d.ok(KvType::F16),
             "{arch} {wtype} kv f16: kiln differs from llama.cpp: {d:?}"
         );
-        check_greedy(&format!("{arch} {wtype}"), &kiln_greedy(&f, &seq, 32), &r);
+        check_greedy(
+            &format!("{arch} {wtype}"),
+            &kiln_greedy(&f, &seq, 32),
+            &r,
+            GREEDY_TIE,
+        );
         // The comparison is not blind: each fault breaks it, even at the looser f16 tolerance.
         for &fault in faults {
             let d = compare(&kiln_logits(&f, &seq, Some(fault), KvType::F16), &r, &seq);
@@ -342,21 +357,69 @@ fn llama_cpp_llama_synthetic_logits_nll_greedy() {
     synthetic("llama", &[Fault::SwapRope]);
 }
 
+/// Logits viewed as a reference, to compare kiln with itself.
+fn as_reference(l: &[f32], n_vocab: usize) -> Reference {
+    Reference {
+        n_vocab,
+        logits: l.to_vec(),
+        greedy: Vec::new(),
+        gaps: Vec::new(),
+    }
+}
+
+/// Root-mean-square |Δ logit| between two runs: the typical size of the noise that separates
+/// them.
+fn rms_diff(a: &[f32], b: &[f32]) -> f64 {
+    let s: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+    (s / a.len().max(1) as f64).sqrt()
+}
+
+/// SmolLM2-135M Q4_1, the real model. Why it differs from llama.cpp more than the synthetic
+/// models, measured here every run: kiln (like llama.cpp) quantises each matmul's activations to
+/// Q8_1/Q8_0 (ggml's `vec_dot_type`), and that rounding is a step function — a one-ulp change of
+/// an input moves some values across a Q8 rounding boundary, and SmolLM2's 30 layers amplify that
+/// to a KL of a few 1e-3. So the test measures kiln's own noise floor: the same pass with every
+/// embedding value nudged by one f32 ulp (`Fault::Ulp`). llama.cpp must sit within twice that
+/// floor — it differs from kiln only by such rounding (its f32 summation order) — while the
+/// `cpu-ref` path (f32 activations, no Q8 step) must stay put under the same nudge (KL < 1e-9),
+/// which shows the floor comes from the activation quantisation and not from a bug that makes
+/// the model unstable. A wrong RoPE base or a swapped RoPE pairing must fail the same bounds.
 #[test]
 #[ignore = "needs llama-cpp-python (KILN_LLAMA_PY) and KILN_SMOLLM2; run by the llama-cpp stage"]
-fn llama_cpp_smollm2_logits_nll() {
+fn llama_cpp_smollm2_logits_nll_greedy() {
     let model = env_path("KILN_SMOLLM2");
     let dir = scratch("llama_cpp_smollm2");
     let f = GgufFile::open(&model).unwrap();
-    // A paragraph's ids (tokenised by llama.cpp from "The quick brown fox..." prose is the
-    // tokenizer test's business; here the forward pass gets the same ids on both sides).
     let seq: Vec<u32> = ids(96, 49152, 5);
     let r32 = reference(&model, &seq, &dir, 0, KvType::F32);
-    let d = compare(&kiln_logits(&f, &seq, None, KvType::F32), &r32, &seq);
+    let ours = kiln_logits(&f, &seq, None, KvType::F32);
+    let d = compare(&ours, &r32, &seq);
     eprintln!("smollm2 kv f32: {d:?}");
     assert!(
         d.ok(KvType::F32),
         "smollm2 kv f32: kiln differs from llama.cpp: {d:?}"
+    );
+    // kiln's own rounding-noise floor on this model.
+    let nudged = kiln_logits(&f, &seq, Some(Fault::Ulp), KvType::F32);
+    let floor = compare(&nudged, &as_reference(&ours, r32.n_vocab), &seq);
+    let noise = rms_diff(&ours, &nudged);
+    eprintln!("smollm2 kiln vs kiln nudged by one ulp: {floor:?}, rms |Δlogit| {noise:.3}");
+    assert!(
+        d.kl_mean <= 2.0 * floor.kl_mean,
+        "smollm2: llama.cpp is further from kiln (KL {:.2e}) than twice kiln's own one-ulp \
+         rounding floor ({:.2e})",
+        d.kl_mean,
+        floor.kl_mean
+    );
+    let (r_ref, r_ref_nudged) = (
+        kiln_logits_on(&f, &seq, None, KvType::F32, BackendSel::CpuRef),
+        kiln_logits_on(&f, &seq, Some(Fault::Ulp), KvType::F32, BackendSel::CpuRef),
+    );
+    let stable = compare(&r_ref_nudged, &as_reference(&r_ref, r32.n_vocab), &seq);
+    eprintln!("smollm2 cpu-ref vs cpu-ref nudged by one ulp: {stable:?}");
+    assert!(
+        stable.kl_max < 1e-9,
+        "smollm2: the f32-activation path is not stable under a one-ulp nudge: {stable:?}"
     );
     let r = reference(&model, &seq, &dir, 32, KvType::F16);
     let d = compare(&kiln_logits(&f, &seq, None, KvType::F16), &r, &seq);
@@ -365,23 +428,187 @@ fn llama_cpp_smollm2_logits_nll() {
         d.ok(KvType::F16),
         "smollm2 kv f16: kiln differs from llama.cpp: {d:?}"
     );
-    // Not asserted: on this 30-layer Q4_1 model the continuations part at step 4 (llama.cpp's
-    // top-2 gap there is above GREEDY_TIE), the open difference the tolerances above describe.
+    // Greedy: the first step where kiln and llama.cpp choose differently must be a tie at this
+    // model's rounding level: llama.cpp's top two closer than twice the rms logit noise that
+    // kiln's own one-ulp nudge produces.
+    let tie = (2.0 * noise).max(GREEDY_TIE);
+    let ours = kiln_greedy(&f, &seq, 32);
     eprintln!(
-        "smollm2: greedy kiln {:?}\nsmollm2: greedy llama.cpp {:?}",
-        kiln_greedy(&f, &seq, 32),
-        r.greedy
+        "smollm2: greedy kiln {ours:?}\nsmollm2: greedy llama.cpp {:?}\nsmollm2: llama.cpp's \
+         top-2 gaps {:.3?} (tie below {tie:.3})",
+        r.greedy, r.gaps
     );
-    let d = compare(
-        &kiln_logits(&f, &seq, Some(Fault::SwapRope), KvType::F16),
-        &r,
-        &seq,
-    );
-    eprintln!("smollm2 with SwapRope: {d:?}");
+    if let Some(at) = ours.iter().zip(&r.greedy).position(|(a, b)| a != b) {
+        eprintln!(
+            "smollm2: greedy parts at step {at}, llama.cpp's top-2 gap there {:.3}",
+            r.gaps[at]
+        );
+        assert!(
+            r.gaps[at] < tie,
+            "smollm2: greedy tokens part at step {at} where llama.cpp's top-2 gap {:.3} is no \
+             tie (≥ {tie:.3})",
+            r.gaps[at]
+        );
+    }
+    for fault in [Fault::SwapRope, Fault::RopeBase] {
+        let d = compare(&kiln_logits(&f, &seq, Some(fault), KvType::F16), &r, &seq);
+        eprintln!("smollm2 with {fault:?}: {d:?}");
+        assert!(
+            !d.ok(KvType::F16) || d.kl_mean > 2.0 * floor.kl_mean,
+            "smollm2: {fault:?} went unnoticed: {d:?}"
+        );
+    }
+}
+
+/// |Δ mean NLL| allowed between the aarch64 build (NEON/dotprod, under qemu) and the host
+/// build. kiln's kernels do the same integer dots and the same f32 operations in the same order on
+/// both (Rust never contracts or reorders float ops), so the two agree to the last bit — measured
+/// Δ = 0 on every model here; this leaves room for libm differences only.
+const AARCH64_NLL_MAX: f64 = 1e-4;
+
+/// A paragraph of ordinary prose (ASCII, digits, punctuation, a Unicode word).
+const PARAGRAPH: &str = "The lighthouse keeper climbed the 137 steps every evening at dusk. \
+He checked the lamp, wiped the salt from the glass, and wrote the wind's direction in a worn \
+notebook. In 1921 a storm tore the door off its hinges, but the light never failed; sailors \
+from Brest to Cork still tell the story of the café owner's son who kept it burning.";
+
+fn kiln_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_kiln"))
+}
+
+/// Runs `kiln` (through `runner` when given, e.g. qemu-aarch64-static) and parses its JSON.
+fn kiln_json(runner: Option<&[String]>, bin: &Path, args: &[&str]) -> J {
+    let mut c = match runner {
+        Some([first, rest @ ..]) => {
+            let mut c = Command::new(first);
+            c.args(rest).arg(bin);
+            c
+        }
+        _ => Command::new(bin),
+    };
+    let out = c
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("running {}: {e}", bin.display()));
     assert!(
-        !d.ok(KvType::F16),
-        "smollm2: a swapped RoPE went unnoticed: {d:?}"
+        out.status.success(),
+        "kiln {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
     );
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "kiln {args:?}: not JSON ({e}): {}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
+}
+
+/// `kiln tokenize` then `kiln ppl` of a text file: (tokens, mean NLL).
+fn kiln_tokens_nll(
+    runner: Option<&[String]>,
+    bin: &Path,
+    model: &Path,
+    text: &Path,
+) -> (Vec<u32>, f64) {
+    let (m, t) = (model.to_str().unwrap(), text.to_str().unwrap());
+    let tok = kiln_json(runner, bin, &["tokenize", m, "--file", t, "--json"]);
+    let ids: Vec<u32> = tok["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
+    let ppl = kiln_json(
+        runner,
+        bin,
+        &[
+            "ppl",
+            m,
+            "--file",
+            t,
+            "--json",
+            "--backend",
+            "cpu",
+            "--kv",
+            "f16",
+            "--threads",
+            &threads(),
+        ],
+    );
+    assert_eq!(
+        ppl["tokens"].as_u64(),
+        Some(ids.len() as u64),
+        "kiln ppl tokenised differently"
+    );
+    (ids, ppl["mean_nll"].as_f64().unwrap())
+}
+
+/// `kiln ppl` of a tokenised paragraph against llama.cpp's NLL over the same tokens (its logits,
+/// f16 KV as kiln's default), on SmolLM2 and on the synthetic llama/qwen2/qwen3 models (whose
+/// SentencePiece vocabulary tokenises the text to byte tokens). With `KILN_AARCH64_KILN` (an
+/// aarch64 build of `kiln`) and `KILN_AARCH64_RUNNER` (e.g. `qemu-aarch64-static -cpu cortex-a76
+/// -L /usr/aarch64-linux-gnu`), the same commands run on the NEON/dotprod path: the token ids must
+/// be identical and the NLL within the same rounding tolerance of the host build.
+#[test]
+#[ignore = "needs llama-cpp-python (KILN_LLAMA_PY) and KILN_SMOLLM2; run by the llama-cpp stage"]
+fn llama_cpp_paragraph_nll() {
+    let dir = scratch("llama_cpp_paragraph");
+    let a64_bin = std::env::var_os("KILN_AARCH64_KILN").map(PathBuf::from);
+    let runner: Option<Vec<String>> = std::env::var("KILN_AARCH64_RUNNER")
+        .ok()
+        .map(|r| r.split_whitespace().map(String::from).collect());
+    let mut models = vec![("smollm2".to_string(), env_path("KILN_SMOLLM2"), PARAGRAPH)];
+    for (i, arch) in ["llama", "qwen2", "qwen3"].iter().enumerate() {
+        let m = dir.join(format!("{arch}.gguf"));
+        let seed = (i + 21).to_string();
+        py(&[
+            "synth",
+            "--arch",
+            arch,
+            "--wtype",
+            "q4_1",
+            "--seed",
+            &seed,
+            "--out",
+            m.to_str().unwrap(),
+        ]);
+        // The synthetic context is 256 tokens; byte fallback spends up to 3 per character.
+        models.push((format!("synthetic {arch} q4_1"), m, &PARAGRAPH[..120]));
+    }
+    for (name, model, text) in &models {
+        let text_file = dir.join("paragraph.txt");
+        std::fs::write(&text_file, text).unwrap();
+        let (ids, nll) = kiln_tokens_nll(None, &kiln_bin(), model, &text_file);
+        let r = reference(model, &ids, &dir, 0, KvType::F16);
+        let d = compare(&vec![0.0; r.logits.len()], &r, &ids);
+        let diff = nll - d.nll_ref;
+        eprintln!(
+            "{name}: paragraph of {} tokens: mean NLL kiln {nll:.6}, llama.cpp {:.6}, Δ {diff:+.2e}",
+            ids.len(),
+            d.nll_ref
+        );
+        assert!(
+            diff.abs() <= NLL_DIFF_MAX,
+            "{name}: paragraph NLL kiln {nll} vs llama.cpp {} (tolerance {NLL_DIFF_MAX})",
+            d.nll_ref
+        );
+        if let Some(bin) = &a64_bin {
+            let (a_ids, a_nll) = kiln_tokens_nll(runner.as_deref(), bin, model, &text_file);
+            eprintln!(
+                "{name}: aarch64 under qemu: mean NLL {a_nll:.6} (host {nll:.6}, Δ {:+.2e}), tokens {}",
+                a_nll - nll,
+                if a_ids == ids { "identical" } else { "DIFFER" }
+            );
+            assert_eq!(
+                a_ids, ids,
+                "{name}: the aarch64 build tokenises differently"
+            );
+            assert!(
+                (a_nll - nll).abs() <= AARCH64_NLL_MAX,
+                "{name}: aarch64 NLL {a_nll} vs host {nll}"
+            );
+        }
+    }
 }
 
 /// The seeded llama fixture the image carries for `model.nll`, on the text the image records:

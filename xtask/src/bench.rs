@@ -9,8 +9,17 @@ use xshell::cmd;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// What to measure: `flash`, `matmul`, `gguf`, `image`.
+    /// What to measure: `flash`, `matmul`, `gguf`, `image`, `model`.
     pub what: String,
+    /// `model`: threads for both kiln and llama.cpp (0 = one per core).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    /// `model`: prompt tokens (prefill).
+    #[arg(short = 'p', default_value_t = 128)]
+    pub prompt: usize,
+    /// `model`: generated tokens (decode).
+    #[arg(short = 'n', default_value_t = 64)]
+    pub n: usize,
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -24,7 +33,8 @@ pub fn run(args: Args) -> Result<()> {
         }
         "gguf" => gguf(),
         "image" => crate::image::bench::run(),
-        other => bail!("no bench named {other:?} (known: flash, matmul, gguf, image)"),
+        "model" => model(&args),
+        other => bail!("no bench named {other:?} (known: flash, matmul, gguf, image, model)"),
     }
 }
 
@@ -194,4 +204,103 @@ fn gguf() -> Result<()> {
     cmd!(sh, "cargo bench --locked -p kiln-runtime --bench gguf")
         .run()
         .context("cargo bench --bench gguf")
+}
+
+/// One side's speed, from its JSON line.
+struct Speed {
+    prefill: f64,
+    decode: f64,
+}
+
+fn speed_of(what: &str, out: &str) -> Result<Speed> {
+    let line = out
+        .lines()
+        .rev()
+        .find(|l| l.trim_start().starts_with('{'))
+        .with_context(|| format!("{what}: no JSON line in its output:\n{out}"))?;
+    let j: serde_json::Value =
+        serde_json::from_str(line).with_context(|| format!("{what}: parsing {line}"))?;
+    let num = |k: &str| {
+        j[k].as_f64()
+            .with_context(|| format!("{what}: no number {k:?} in {line}"))
+    };
+    Ok(Speed {
+        prefill: num("prefill_tok_s")?,
+        decode: num("decode_tok_s")?,
+    })
+}
+
+/// `kiln bench` (release build, CPU fast path) and llama.cpp (llama-cpp-python, the `llama-cpp`
+/// stage's pinned venv) on SmolLM2-135M Q4_1: the same threads, prompt and generation lengths,
+/// f16 KV cache, no flash attention. Prints both sides' prefill and decode tok/s and kiln ÷
+/// llama.cpp. Each side runs three times, alternating, and the best run counts (the machine is
+/// shared). No assertion: speed belongs here, not in tests.
+fn model(a: &Args) -> Result<()> {
+    doctor::ensure(&[&doctor::PYTHON_VENV])?;
+    let python = crate::test::llama_cpp_venv()?;
+    let gguf = crate::test::smollm2_model(&python)?;
+    let threads = if a.threads == 0 {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    } else {
+        a.threads
+    };
+    let sh = crate::shell()?;
+    println!("bench model: building kiln (release)");
+    cmd!(
+        sh,
+        "cargo build --locked --release -p kiln-runtime --bin kiln"
+    )
+    .run()
+    .context("building kiln (release)")?;
+    let kiln = crate::target_dir().join("release/kiln");
+    let script = crate::project_root().join("runtime/tests/py/llama_cpp_model.py");
+    let (p, n, t) = (a.prompt.to_string(), a.n.to_string(), threads.to_string());
+    let mut best_k = Speed {
+        prefill: 0.0,
+        decode: 0.0,
+    };
+    let mut best_l = Speed {
+        prefill: 0.0,
+        decode: 0.0,
+    };
+    for round in 1..=3 {
+        println!("bench model: round {round}/3 (kiln, then llama.cpp)");
+        let out = cmd!(
+            sh,
+            "{kiln} bench {gguf} -p {p} -n {n} --threads {t} --backend cpu --kv f16 --json"
+        )
+        .quiet()
+        .read()
+        .context("kiln bench")?;
+        let k = speed_of("kiln bench", &out)?;
+        let out = cmd!(
+            sh,
+            "{python} {script} bench --model {gguf} -p {p} -n {n} --threads {t}"
+        )
+        .quiet()
+        .read()
+        .context("llama.cpp bench (llama_cpp_model.py bench)")?;
+        let l = speed_of("llama.cpp bench", &out)?;
+        best_k.prefill = best_k.prefill.max(k.prefill);
+        best_k.decode = best_k.decode.max(k.decode);
+        best_l.prefill = best_l.prefill.max(l.prefill);
+        best_l.decode = best_l.decode.max(l.decode);
+    }
+    println!("SmolLM2-135M Q4_1, {threads} threads, prompt {p}, generate {n}, f16 KV (best of 3)");
+    println!("{:<10} {:>14} {:>14}", "", "prefill tok/s", "decode tok/s");
+    println!(
+        "{:<10} {:>14.1} {:>14.1}",
+        "kiln", best_k.prefill, best_k.decode
+    );
+    println!(
+        "{:<10} {:>14.1} {:>14.1}",
+        "llama.cpp", best_l.prefill, best_l.decode
+    );
+    println!(
+        "{:<10} {:>14.2} {:>14.2}",
+        "ratio",
+        best_k.prefill / best_l.prefill,
+        best_k.decode / best_l.decode
+    );
+    Ok(())
 }

