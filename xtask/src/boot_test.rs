@@ -42,7 +42,15 @@ pub struct Args {
     /// `cargo xtask image --model`.
     #[arg(long = "model")]
     pub models: Vec<PathBuf>,
+    /// After the self-check, the board runs `kiln run` greedy for N tokens on the first model of
+    /// its models partition (prompt [`RUN_PROMPT`]; `kiln.run=N`): the text is on the console and
+    /// in `kiln/run.json` on the boot partition.
+    #[arg(long, value_name = "N")]
+    pub run: Option<usize>,
 }
+
+/// The prompt of `kiln.run` (the same text is in `rootfs/overlay/init`).
+pub const RUN_PROMPT: &str = "The capital of France is";
 
 pub const UBOOT_BIN: &str = "/usr/lib/u-boot/qemu_arm64/u-boot.bin";
 /// CONFIG_ENV_SIZE of U-Boot's qemu_arm64 build: the env sits at the start of pflash unit 1.
@@ -58,6 +66,8 @@ pub struct Boot {
     /// From starting QEMU to the verdict line on the serial console.
     pub boot_to_verdict: Duration,
     pub serial_log: PathBuf,
+    /// `kiln/run.json` from the boot partition, when `--run` asked for it.
+    pub run: Option<serde_json::Value>,
 }
 
 pub fn image_path(board: &str) -> PathBuf {
@@ -84,19 +94,35 @@ pub fn default_env(uboot: &[u8]) -> Result<Vec<(String, String)>> {
             .with_context(|| format!("default environment entry without `=`: {s:?}"))?;
         out.push((k.to_string(), v.to_string()));
     }
+    // Either way of booting reads extlinux.conf from the disks in `boot_targets`: the distro boot
+    // scripts (`run distro_bootcmd`, U-Boot 2023.01 in Debian 12) or standard boot (`bootflow
+    // scan`, U-Boot 2025.01 in Debian 13, which has no distro_bootcmd).
+    let bootcmd = out
+        .iter()
+        .find(|(k, _)| k == "bootcmd")
+        .map(|(_, v)| v.as_str())
+        .unwrap_or_default();
     ensure!(
-        out.iter().any(|(k, _)| k == "distro_bootcmd"),
-        "u-boot.bin's default environment has no distro_bootcmd"
+        (bootcmd.contains("distro_bootcmd") && out.iter().any(|(k, _)| k == "distro_bootcmd"))
+            || bootcmd.contains("bootflow scan"),
+        "u-boot.bin's default bootcmd ({bootcmd:?}) is neither `run distro_bootcmd` nor \
+         `bootflow scan`: it would not read extlinux.conf"
     );
     Ok(out)
 }
 
-/// The environment the boot test gives U-Boot: the default with no autoboot delay, only the
-/// virtio disk scanned, and `kiln_args` for the kernel command line.
+/// The environment the boot test gives U-Boot: the default with no autoboot delay, no `preboot`
+/// (Debian 13's starts USB), only the virtio disk scanned, and `kiln_args` for the kernel command
+/// line.
 pub fn boot_env(default: Vec<(String, String)>, kiln_args: &str) -> String {
     let mut env: Vec<(String, String)> = default
         .into_iter()
-        .filter(|(k, _)| !matches!(k.as_str(), "bootdelay" | "boot_targets" | "kiln_args"))
+        .filter(|(k, _)| {
+            !matches!(
+                k.as_str(),
+                "bootdelay" | "boot_targets" | "kiln_args" | "preboot"
+            )
+        })
         .collect();
     env.push(("bootdelay".into(), "0".into()));
     env.push(("boot_targets".into(), "virtio0".into()));
@@ -141,8 +167,11 @@ fn copy_image(src: &Path, dst: &Path) -> Result<()> {
     Ok(())
 }
 
-fn kiln_args(inject: Option<&str>) -> Result<String> {
+fn kiln_args(inject: Option<&str>, run: Option<usize>) -> Result<String> {
     let mut a = "kiln.mode=test".to_string();
+    if let Some(n) = run {
+        a.push_str(&format!(" kiln.run={n}"));
+    }
     if let Some(f) = inject {
         ensure!(
             !f.is_empty()
@@ -196,7 +225,10 @@ pub fn boot(args: &Args) -> Result<Boot> {
     };
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let uboot = std::fs::read(UBOOT_BIN).with_context(|| format!("reading {UBOOT_BIN}"))?;
-    let env = boot_env(default_env(&uboot)?, &kiln_args(args.inject.as_deref())?);
+    let env = boot_env(
+        default_env(&uboot)?,
+        &kiln_args(args.inject.as_deref(), args.run)?,
+    );
     let pflash = write_pflash(&dir, &env)?;
     let copy = dir.join("disk.img");
     copy_image(&image, &copy)?;
@@ -216,7 +248,7 @@ pub fn boot(args: &Args) -> Result<Boot> {
     println!("boot-test: {qemu}");
     println!(
         "boot-test: kernel command line gets `{}`",
-        kiln_args(args.inject.as_deref())?
+        kiln_args(args.inject.as_deref(), args.run)?
     );
     let mut command: std::process::Command = qemu.into();
     let started = Instant::now();
@@ -314,11 +346,34 @@ pub fn boot(args: &Args) -> Result<Boot> {
         "the report names image {:?}, but kiln/manifest.json on the disk hashes to {sha:?}",
         report.image
     );
+    let run = match args.run {
+        None => None,
+        Some(_) => {
+            let bytes = fat::read_file(
+                &copy,
+                boot.start_bytes(),
+                boot.size_bytes(),
+                "kiln/run.json",
+            )
+            .with_context(|| {
+                format!(
+                    "kiln.run was asked for but kiln/run.json is not on the boot partition \
+                         (serial log: {})",
+                    serial_log.display()
+                )
+            })?;
+            Some(
+                serde_json::from_slice(&bytes)
+                    .context("kiln/run.json on the boot partition is not JSON")?,
+            )
+        }
+    };
     Ok(Boot {
         report,
         verdict_line,
         boot_to_verdict: verdict_at.context("verdict line found but not timed")?,
         serial_log,
+        run,
     })
 }
 
@@ -362,7 +417,8 @@ mod tests {
         assert!(env.contains("\nbootdelay=0\n"), "{env}");
         assert!(env.contains("\nboot_targets=virtio0\n"));
         assert!(env.contains("\nkiln_args=kiln.mode=test kiln.inject=stale\n"));
-        assert!(env.contains("\ndistro_bootcmd="));
+        assert!(env.starts_with("bootcmd=") || env.contains("\nbootcmd="));
+        assert!(!env.contains("preboot="));
         assert_eq!(env.matches("bootdelay=").count(), 1);
     }
 
@@ -372,15 +428,34 @@ mod tests {
         let env = default_env(blob).unwrap();
         assert_eq!(env.len(), 3);
         assert!(default_env(b"bootcmd=x\0\0").is_err());
+        // Standard boot (U-Boot 2025.01, Debian 13): no distro_bootcmd.
+        let std = b"bootcmd=bootflow scan -lb\0bootdelay=2\0preboot=usb start\0\0";
+        let env = boot_env(default_env(std).unwrap(), "kiln.mode=test");
+        assert_eq!(
+            env,
+            "boot_targets=virtio0\nbootcmd=bootflow scan -lb\nbootdelay=0\nkiln_args=kiln.mode=test\n"
+        );
+        // A bootcmd that reads no extlinux.conf is refused.
+        assert!(default_env(b"bootcmd=run distro_bootcmd\0\0").is_err());
     }
 
     #[test]
     fn inject_names_are_checked() {
-        assert_eq!(kiln_args(None).unwrap(), "kiln.mode=test");
+        assert_eq!(kiln_args(None, None).unwrap(), "kiln.mode=test");
         assert_eq!(
-            kiln_args(Some("untouched")).unwrap(),
-            "kiln.mode=test kiln.inject=untouched"
+            kiln_args(Some("untouched"), Some(16)).unwrap(),
+            "kiln.mode=test kiln.run=16 kiln.inject=untouched"
         );
-        assert!(kiln_args(Some("x y")).is_err());
+        assert!(kiln_args(Some("x y"), None).is_err());
+    }
+
+    #[test]
+    fn init_runs_the_same_prompt() {
+        let init =
+            std::fs::read_to_string(crate::project_root().join("rootfs/overlay/init")).unwrap();
+        assert!(
+            init.contains(&format!("run_prompt=\"{RUN_PROMPT}\"")),
+            "rootfs/overlay/init's run_prompt is not RUN_PROMPT"
+        );
     }
 }

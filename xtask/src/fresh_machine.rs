@@ -10,7 +10,9 @@
 //! root, `cargo xtask image` exactly as the README writes it (which makes the bookworm tools root
 //! inside trixie and builds the kernel in it), then `cargo xtask boot-test`. The image's sha256
 //! must equal the one built outside, in this checkout: the same bytes across distribution
-//! releases, host compilers, paths, time zones (`TZ=CHAST-12:45CHADT`), umasks (077) and times.
+//! releases, host compilers, paths, time zones (`TZ=CHAST-12:45CHADT`), umasks (077), times
+//! and the user's default Rust toolchain (inside, rustup's default is another release than the
+//! pinned one when the host has a second toolchain: `rust-toolchain.toml` must win).
 
 use crate::doctor;
 use crate::pins::Sha256;
@@ -176,9 +178,47 @@ pub fn stage() -> Result<()> {
             }
         }
     }
+    // The user's default toolchain inside is another Rust release than the pinned one (when the
+    // host has one): rust-toolchain.toml must win, so the image must still be the same.
+    let settings = root.join("home/kiln/rustup-settings.toml");
+    let other_default = match other_toolchain(&rustup)? {
+        Some((name, version)) => {
+            std::fs::write(
+                &settings,
+                format!(
+                    "version = \"12\"\ndefault_toolchain = \"{name}\"\nprofile = \"minimal\"\n\
+                     auto_self_update = \"disable\"\n\n[overrides]\n"
+                ),
+            )
+            .with_context(|| format!("writing {}", settings.display()))?;
+            extra_binds.push_str(&format!(
+                "mount --bind '{s}' '{r}/home/kiln/.rustup/settings.toml'\n",
+                s = settings.display(),
+                r = root.display()
+            ));
+            println!("fresh-machine: the user's default toolchain inside is {name} ({version})");
+            true
+        }
+        None => {
+            println!(
+                "fresh-machine: no second Rust toolchain in {}: the default toolchain inside is \
+                 the host's (install another, e.g. `rustup toolchain install nightly --profile \
+                 minimal`, to vary it too)",
+                rustup.display()
+            );
+            false
+        }
+    };
     let r = root.display().to_string();
+    let show_default = if other_default {
+        "echo \"fresh-machine: inside: default $(cd /home/kiln && rustc --version), in the \
+         checkout $(rustc --version)\" && "
+    } else {
+        ""
+    };
     let inside = format!(
-        "umask 077 && cd /home/kiln/src/kiln && echo \"fresh-machine: inside: $ {README_FIRST}\" && \
+        "umask 077 && cd /home/kiln/src/kiln && {show_default}\
+         echo \"fresh-machine: inside: $ {README_FIRST}\" && \
          {README_FIRST} && echo \"fresh-machine: inside: $ {THEN}\" && {THEN}"
     );
     // A private mount namespace: every mount goes away with the last process in it.
@@ -254,4 +294,27 @@ pub fn stage() -> Result<()> {
     println!("fresh-machine: the fresh machine built the same image: {inside_sha}");
     clean(&base)?;
     Ok(())
+}
+
+/// A toolchain of `rustup`'s other than the pinned release (`rust-toolchain.toml`): its name and
+/// `rustc --version`.
+fn other_toolchain(rustup: &Path) -> Result<Option<(String, String)>> {
+    let pinned = doctor::pinned_rust()?;
+    let mut names: Vec<String> = std::fs::read_dir(rustup.join("toolchains"))
+        .with_context(|| format!("reading {}", rustup.join("toolchains").display()))?
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    for name in names {
+        let rustc = rustup.join("toolchains").join(&name).join("bin/rustc");
+        let Ok(out) = std::process::Command::new(&rustc).arg("--version").output() else {
+            continue;
+        };
+        let version = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        if out.status.success() && !version.starts_with(&format!("rustc {pinned} ")) {
+            return Ok(Some((name, version)));
+        }
+    }
+    Ok(None)
 }

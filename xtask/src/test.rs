@@ -254,6 +254,7 @@ fn boot_args(inject: Option<&str>) -> crate::boot_test::Args {
         image: None,
         timeout: 120,
         models: Vec::new(),
+        run: None,
     }
 }
 
@@ -296,11 +297,16 @@ const SMOLLM2_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 /// self-check passes (known answers of SmolLM2's weights included), and the report on the disk
 /// equals the console's (all checked inside `boot_test::boot`).
 fn boot_qemu_clean(_: &Args) -> Result<()> {
+    let model = smollm2_for_boot()?;
     let args = crate::boot_test::Args {
-        models: vec![smollm2_for_boot()?],
+        models: vec![model.clone()],
+        run: Some(RUN_TOKENS),
+        // SmolLM2's known answers and the kiln.run generation after the verdict, under TCG.
+        timeout: 300,
         ..boot_args(None)
     };
     let b = crate::boot_test::boot(&args)?;
+    let board_run = b.run.clone().context("no kiln/run.json")?;
     let smollm2 = b
         .report
         .checks
@@ -323,7 +329,96 @@ fn boot_qemu_clean(_: &Args) -> Result<()> {
          models partition, or its answers were not recorded"
     );
     println!("boot-qemu-clean: model.matmul.cpu checked {smollm2} known answers of SmolLM2");
+    for id in ["model.nll.cpu", "model.nll.npu"] {
+        let names_it = b
+            .report
+            .checks
+            .iter()
+            .find(|c| c.id == id)
+            .is_some_and(|c| c.evidence.iter().any(|e| e.contains(SMOLLM2_FILE)));
+        ensure!(names_it, "{id} did not check SmolLM2's known answer");
+    }
+    // `kiln run` on the board (aarch64, the board's backends) against the same greedy run on the
+    // host (x86-64, the CPU backend): the same tokens.
+    let (prompt, tokens, text) = host_greedy(&model, crate::boot_test::RUN_PROMPT, RUN_TOKENS)?;
+    let ids = |key: &str| -> Vec<u64> {
+        board_run[key]
+            .as_array()
+            .map(|a| a.iter().filter_map(|v| v.as_u64()).collect())
+            .unwrap_or_default()
+    };
+    let board_text = board_run["text"].as_str().unwrap_or_default();
+    println!(
+        "boot-qemu-clean: kiln run on the board: {:?}{board_text:?} ({} tokens, prefill {:.1} \
+         tok/s, decode {:.1} tok/s under TCG)",
+        crate::boot_test::RUN_PROMPT,
+        ids("tokens").len(),
+        board_run["prefill_tok_s"].as_f64().unwrap_or(0.0),
+        board_run["decode_tok_s"].as_f64().unwrap_or(0.0)
+    );
+    println!(
+        "boot-qemu-clean: kiln run on the host:  {:?}{text:?}",
+        crate::boot_test::RUN_PROMPT
+    );
+    let want = |v: &[u32]| v.iter().map(|&t| u64::from(t)).collect::<Vec<_>>();
+    ensure!(
+        ids("prompt_tokens") == want(&prompt),
+        "the board tokenised the prompt as {:?}, the host as {prompt:?}",
+        ids("prompt_tokens")
+    );
+    ensure!(
+        ids("tokens") == want(&tokens) && board_text == text,
+        "the board generated {:?} ({board_text:?}), the host {tokens:?} ({text:?})",
+        ids("tokens")
+    );
+    println!(
+        "boot-qemu-clean: the board's kiln run generated the host's {RUN_TOKENS} greedy tokens"
+    );
     Ok(())
+}
+
+/// Tokens the clean boot generates with `kiln.run`.
+const RUN_TOKENS: usize = 16;
+
+/// Greedy generation on the host with kiln's CPU backend, as `kiln run -p PROMPT -n N --temp 0`:
+/// the prompt's ids, the generated ids (up to the end of generation) and their text.
+fn host_greedy(
+    model: &std::path::Path,
+    prompt: &str,
+    n: usize,
+) -> Result<(Vec<u32>, Vec<u32>, String)> {
+    use kiln_runtime::model::{BackendSel, KvType, Model, Options, Want};
+    let f = kiln_runtime::gguf::GgufFile::open(model)
+        .with_context(|| format!("opening {}", model.display()))?;
+    let tok = kiln_runtime::tokenizer::Tokenizer::from_gguf(f.gguf())
+        .with_context(|| format!("{}: tokenizer", model.display()))?;
+    let ids = tok.encode(prompt, true, true)?;
+    let m = Model::load(
+        &f,
+        &Options {
+            backend: BackendSel::Cpu,
+            ..Options::default()
+        },
+    )?;
+    let mut s = m.session(m.hp.n_ctx_train.min(2048), KvType::F16)?;
+    let mut logits = m.forward(&mut s, &ids, Want::Last)?;
+    let mut out = Vec::new();
+    for i in 0..n {
+        let t = kiln_runtime::model::sample::argmax(&logits);
+        out.push(t);
+        if tok.is_eog(t) || i + 1 == n {
+            break;
+        }
+        logits = m.forward(&mut s, &[t], Want::Last)?;
+    }
+    // As `kiln run` streams it.
+    let mut dec = kiln_runtime::tokenizer::StreamDecoder::new();
+    let mut text: String = out
+        .iter()
+        .map(|&t| dec.push(&tok.token_to_piece(t)))
+        .collect();
+    text.push_str(&dec.finish());
+    Ok((ids, out, text))
 }
 
 /// The NPU stand-in leaves its output untouched: the boot's verdict must be FAIL, on the NPU's
@@ -340,12 +435,9 @@ fn boot_qemu_npu_fault(_: &Args) -> Result<()> {
             b.report.verdict
         );
     }
-    if let Some(other) = failed
-        .iter()
-        .find(|id| {
-            !id.starts_with("matmul.npu.") && **id != "model.matmul.npu" && **id != "model.nll.npu"
-        })
-    {
+    if let Some(other) = failed.iter().find(|id| {
+        !id.starts_with("matmul.npu.") && **id != "model.matmul.npu" && **id != "model.nll.npu"
+    }) {
         bail!("injected NPU fault failed an unrelated check {other} (failed: {failed:?})");
     }
     if !failed.contains(&"model.nll.npu") {
