@@ -10,7 +10,9 @@ use kiln_runtime::gguf::writer::GgufWriter;
 use kiln_runtime::model::fixture;
 use kiln_runtime::quant::{quantize_to_vec, GgmlType};
 use kiln_runtime::selftest::report::Verdict;
-use kiln_runtime::selftest::{board::Board, model_nll, run_all, Ctx, Inject, Paths, Status};
+use kiln_runtime::selftest::{
+    board::Board, model_matmul, model_nll, run_all, Ctx, Inject, Paths, Status,
+};
 use std::io::Write as _;
 use std::path::Path;
 
@@ -112,6 +114,23 @@ fn fake_qemu_virt(root: &Path, lib: &Path) {
     )
     .unwrap();
 
+    // The fixture's matmul known answers, recorded on the reference path as the image build
+    // records them.
+    let mut matmul = model_matmul::record(
+        &root.join("models/kiln-selftest.gguf"),
+        "kiln-selftest.gguf",
+        model_matmul::DEFAULT_SEED,
+    )
+    .unwrap();
+    matmul.extend(
+        model_matmul::record(
+            &root.join("models").join(fixture::FILE_NAME),
+            fixture::FILE_NAME,
+            model_matmul::DEFAULT_SEED,
+        )
+        .unwrap(),
+    );
+
     // What image.manifest compares: this process's own exe and maps (the stand-in it loads),
     // the boot files, the model, the command line.
     std::fs::create_dir_all(root.join("proc/self")).unwrap();
@@ -142,7 +161,7 @@ fn fake_qemu_virt(root: &Path, lib: &Path) {
         "models": [],
         "fixture": {"name": "kiln-selftest.gguf", "sha256": sha(&model)},
         "fixtures": [{"name": fixture::FILE_NAME, "sha256": sha(&llama)}],
-        "known_answers": {"nll": [answer]},
+        "known_answers": {"nll": [answer], "matmul": matmul},
     });
     write(
         root,
@@ -217,9 +236,9 @@ fn healthy_board_passes_and_every_npu_fault_fails_its_checks() {
         }
         assert!(failed.contains(&"model.nll.npu"), "{fault}: {failed:?}");
         assert!(
-            failed
-                .iter()
-                .all(|id| id.starts_with("matmul.npu.") || *id == "model.nll.npu"),
+            failed.iter().all(|id| id.starts_with("matmul.npu.")
+                || *id == "model.nll.npu"
+                || *id == "model.matmul.npu"),
             "{fault} failed an unrelated check: {failed:?}"
         );
         let c = r.checks.iter().find(|c| c.id == "model.nll.npu").unwrap();

@@ -3,7 +3,9 @@
 
 mod support;
 
+use kiln_runtime::model::fixture;
 use kiln_runtime::selftest::report::{Report, Verdict};
+use kiln_runtime::selftest::{model_matmul, model_nll};
 use std::path::Path;
 
 fn write(root: &Path, rel: &str, bytes: &[u8]) {
@@ -65,6 +67,30 @@ fn exit_code_console_and_files_agree() {
     w.tensor_f32("w", &[32, 4], &[0.5; 128]).unwrap();
     let model = w.to_bytes();
     write(root, "models/m.gguf", &model);
+    // The known answers the image build records: the weight's matmul answers and the seeded
+    // llama fixture's NLL (model.matmul.* and model.nll.* fail on a board without them).
+    let llama = fixture::gguf().unwrap();
+    write(root, &format!("models/{}", fixture::FILE_NAME), &llama);
+    let mut matmul = model_matmul::record(
+        &root.join("models/m.gguf"),
+        "m.gguf",
+        model_matmul::DEFAULT_SEED,
+    )
+    .unwrap();
+    matmul.extend(
+        model_matmul::record(
+            &root.join("models").join(fixture::FILE_NAME),
+            fixture::FILE_NAME,
+            model_matmul::DEFAULT_SEED,
+        )
+        .unwrap(),
+    );
+    let nll = model_nll::record(
+        &root.join("models").join(fixture::FILE_NAME),
+        fixture::FILE_NAME,
+        "The kiln board reads this text at every boot.",
+    )
+    .unwrap();
     // What image.manifest compares: the binary that runs (proc/self/exe), the boot files, the
     // model, the command line.
     let kiln = env!("CARGO_BIN_EXE_kiln");
@@ -81,6 +107,8 @@ fn exit_code_console_and_files_agree() {
         "runtime": {"path": "/usr/bin/kiln", "sha256": sha(&std::fs::read(kiln).unwrap())},
         "boot": {"files": {"/extlinux/extlinux.conf": {"sha256": sha(extlinux.as_bytes())}}},
         "models": [{"name": "m.gguf", "sha256": sha(&model)}],
+        "fixtures": [{"name": fixture::FILE_NAME, "sha256": sha(&llama)}],
+        "known_answers": {"matmul": matmul, "nll": [nll]},
     });
     let manifest = serde_json::to_vec_pretty(&manifest).unwrap();
     write(root, "boot/kiln/manifest.json", &manifest);

@@ -1,5 +1,5 @@
 //! The image step `known answers (matmul)`: for every model on the models partition (the
-//! self-check's fixture and each `--model`), `C = A·Wᵀ` of a few real weights computed on the
+//! self-check's fixtures and each `--model`), `C = A·Wᵀ` of a few real weights computed on the
 //! host with the runtime's scalar reference (`kiln_runtime::selftest::model_matmul::record`).
 //! The values go into the manifest under `known_answers.matmul`; at boot `model.matmul.<backend>`
 //! recomputes them from the mapped models and compares.
@@ -18,8 +18,7 @@ use std::path::PathBuf;
 pub fn matmul_step<'a>(
     ctx: &'a Ctx,
     models: &'a [Model],
-    fixture: &'a [u8],
-    fixture_name: &'a str,
+    fixtures: &'a [(&'a str, &'a [u8])],
 ) -> Step<'a> {
     let seed = model_matmul::DEFAULT_SEED;
     let recipe = format!(
@@ -31,7 +30,11 @@ pub fn matmul_step<'a>(
     let key = key_of(&[
         "known-matmul-v1",
         &recipe,
-        &format!("{fixture_name}={}", Sha256::of_bytes(fixture)),
+        &fixtures
+            .iter()
+            .map(|(name, bytes)| format!("{name}={}", Sha256::of_bytes(bytes)))
+            .collect::<Vec<_>>()
+            .join(","),
         &models
             .iter()
             .map(|m| format!("{}={}", m.name, m.sha256))
@@ -43,11 +46,16 @@ pub fn matmul_step<'a>(
         key,
         outputs: vec![ctx.work.join("known-matmul.json")],
         make: Box::new(move |tmp: &[PathBuf]| {
-            let fixture_path = ctx.work.join("known-fixture.gguf.tmp");
-            write_atomic(&fixture_path, fixture)?;
-            let mut all: Vec<KnownMatmul> = model_matmul::record(&fixture_path, fixture_name, seed)
-                .context("known answers of the self-check fixture")?;
-            std::fs::remove_file(&fixture_path)?;
+            let mut all: Vec<KnownMatmul> = Vec::new();
+            for (name, bytes) in fixtures {
+                let fixture_path = ctx.work.join("known-fixture.gguf.tmp");
+                write_atomic(&fixture_path, bytes)?;
+                all.extend(
+                    model_matmul::record(&fixture_path, name, seed)
+                        .with_context(|| format!("known answers of the fixture {name}"))?,
+                );
+                std::fs::remove_file(&fixture_path)?;
+            }
             for m in models {
                 println!("image:   known answers of {} (cpu-ref)", m.name);
                 all.extend(
@@ -64,7 +72,7 @@ pub fn matmul_step<'a>(
                 "{} answers, {} tensors of {} model(s), seed {seed:#x}",
                 all.len(),
                 tensors.len(),
-                models.len() + 1
+                models.len() + fixtures.len()
             ))
         }),
     }

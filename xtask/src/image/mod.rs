@@ -211,12 +211,11 @@ pub fn build(args: &Args) -> Result<Built> {
             board_toml: &board_toml,
         },
     )?;
-    let known_matmul = run.run(known::matmul_step(
-        &ctx,
-        &models,
-        &fixture,
-        fixture::FILE_NAME,
-    ))?;
+    let fixtures = [
+        (fixture::FILE_NAME, fixture.as_slice()),
+        (kiln_runtime::model::fixture::FILE_NAME, llama.as_slice()),
+    ];
+    let known_matmul = run.run(known::matmul_step(&ctx, &models, &fixtures))?;
     known::add_matmul(&mut manifest, &known_matmul)?;
     steps::manifest_known_answers_nll(&mut manifest, &nll, &llama)?;
     let boot_part = run.run(steps::boot_partition(&ctx, boot_files, &manifest)?)?;
