@@ -279,7 +279,13 @@ fn healthy_board_passes_and_every_npu_fault_fails_its_checks() {
     let r = run_all(&ctx);
     assert_eq!(
         r.failed_ids(),
-        ["model.nll.cpu", "model.nll.npu", "image.manifest"],
+        [
+            "model.matmul.npu",
+            "model.matmul.cpu",
+            "model.nll.cpu",
+            "model.nll.npu",
+            "image.manifest"
+        ],
         "{}",
         r.to_text()
     );
