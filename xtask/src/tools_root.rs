@@ -380,7 +380,13 @@ fn make(root: &ToolsRoot, inputs: &[Input], offline: bool) -> Result<()> {
         if std::fs::hard_link(p, &dst).is_err() {
             std::fs::copy(p, &dst).with_context(|| format!("copying {}", p.display()))?;
         }
-        let control = crate::archive::deb_control(p)?;
+        let control = check_control(p, &i.name, &i.version).with_context(|| {
+            format!(
+                "the tools root's pin {} in {}",
+                i.name,
+                pins_path().display()
+            )
+        })?;
         let size = std::fs::metadata(p)?.len();
         packages.push_str(control.trim_end());
         packages.push_str(&format!(
@@ -452,6 +458,28 @@ fn remove_tree(d: &Path) -> Result<()> {
         .with_context(|| format!("removing {}", d.display()))
 }
 
+/// The control file of `deb`, which must be the package `name` at `version`: a pin whose sha256
+/// names another package's file is refused here (the cache is content-addressed, so it would
+/// otherwise serve that other package under this pin's name).
+fn check_control(deb: &Path, name: &str, version: &str) -> Result<String> {
+    let control = crate::archive::deb_control(deb)?;
+    let field = |f: &str| {
+        control
+            .lines()
+            .find_map(|l| l.strip_prefix(f)?.strip_prefix(':'))
+            .map(str::trim)
+            .unwrap_or_default()
+            .to_string()
+    };
+    let (p, v) = (field("Package"), field("Version"));
+    ensure!(
+        p == name && v == version,
+        "{} is {p} {v}, not the pinned {name} {version}",
+        deb.display()
+    );
+    Ok(control)
+}
+
 /// `cargo xtask pins update-tools-root`: the closure of a minimal root plus [`TOOLS`] as the
 /// private lists serve it now, every package downloaded into the cache and pinned with its
 /// sha256 and snapshot; the pin list rewritten whole. A deliberate change, like `pins update`.
@@ -475,7 +503,18 @@ pub fn update() -> Result<()> {
         .iter()
         .map(|(n, v, _)| format!("{n}:{ARCH}={v}"))
         .collect();
-    let where_: Vec<(String, String, String)> = apt.pool_paths(&specs)?;
+    // apt prints the URIs in its own order, not the closure's: match them by the package name
+    // that starts the file name (`name_version_arch.deb`).
+    let mut where_: BTreeMap<String, (String, String, String)> = BTreeMap::new();
+    for (archive, pool, file) in apt.pool_paths(&specs)? {
+        let name = file
+            .split('_')
+            .next()
+            .filter(|n| !n.is_empty())
+            .with_context(|| format!("apt printed a file name without a package: {file}"))?
+            .to_string();
+        where_.insert(name, (archive, pool, file));
+    }
     ensure!(
         where_.len() == specs.len(),
         "apt printed {} URIs for {} packages",
@@ -492,8 +531,12 @@ pub fn update() -> Result<()> {
          # the kernel build and mkfs.* run. Written by `cargo xtask pins update-tools-root`; edit\n\
          # deliberately. Its key (the hash of these pins) keys the root and every step it runs.\n",
     );
-    for ((name, version, _), (archive, pool, file)) in closure.iter().zip(&where_) {
+    for (name, version, _) in &closure {
+        let (archive, pool, file) = where_
+            .get(name)
+            .with_context(|| format!("apt printed no URI for {name} {version}"))?;
         let got = dl.path().join(file);
+        check_control(&got, name, version)?;
         let (sha, _) = cache
             .put(name, &got, None)
             .with_context(|| format!("{name} {version}: downloaded {}", got.display()))?;
@@ -544,6 +587,44 @@ mod tests {
 
     const OK: &str = "Package: make\nStatus: install ok installed\nVersion: 4.3-4.1\n\n\
                       Package: erofs-utils\nStatus: install ok installed\nVersion: 1.5-1\n";
+
+    /// A .deb (ar: debian-binary, control.tar with ./control) of package `name` at `version`.
+    fn deb(dir: &Path, name: &str, version: &str) -> PathBuf {
+        let control = format!("Package: {name}\nVersion: {version}\nArchitecture: amd64\n");
+        let mut t = tar::Builder::new(Vec::new());
+        let mut h = tar::Header::new_gnu();
+        h.set_size(control.len() as u64);
+        h.set_mode(0o644);
+        h.set_cksum();
+        t.append_data(&mut h, "./control", control.as_bytes())
+            .unwrap();
+        let tar = t.into_inner().unwrap();
+        let path = dir.join(format!("{name}.deb"));
+        let mut ar = ar::Builder::new(std::fs::File::create(&path).unwrap());
+        for (id, data) in [("debian-binary", &b"2.0\n"[..]), ("control.tar", &tar[..])] {
+            let h = ar::Header::new(id.as_bytes().to_vec(), data.len() as u64);
+            ar.append(&h, data).unwrap();
+        }
+        path
+    }
+
+    /// A pin whose sha256 is another package's file (update-tools-root once zipped apt's URI
+    /// order with the sorted closure) is refused, naming both packages.
+    #[test]
+    fn a_pin_that_names_another_packages_file_is_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let p = deb(d.path(), "mount", "2.38.1-5+deb12u3");
+        assert!(check_control(&p, "mount", "2.38.1-5+deb12u3")
+            .unwrap()
+            .contains("Package: mount"));
+        let e = check_control(&p, "login", "1:4.13+dfsg1-1+deb12u2").unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("is mount 2.38.1-5+deb12u3, not the pinned login 1:4.13+dfsg1-1+deb12u2"),
+            "{e}"
+        );
+        assert!(check_control(&p, "mount", "2.38.1-5").is_err());
+    }
 
     /// The root is checked against its pins: each kind of drift is refused and named.
     #[test]
