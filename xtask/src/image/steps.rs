@@ -258,18 +258,18 @@ pub fn known_text() -> &'static str {
 
 /// `known-answers-nll.json`: the model-level known answers (`model.nll` at boot). For the llama
 /// fixture and every `--model`, the token ids of [`known_text`] from the host build of the
-/// runtime's tokenizer and its mean NLL on the `cpu-ref` path. Keyed by this xtask binary too,
-/// since the runtime code that computes the answer is linked into it.
+/// runtime's tokenizer and its mean NLL on the `cpu-ref` path. Keyed by the source of the
+/// runtime library linked into xtask that computes the answer ([`runtime_source_key`]), not by
+/// the xtask binary: a `cargo test` in the same run may rebuild (and so delete) the running
+/// binary, and an xtask-only change must not redo SmolLM2's two-minute answer.
 pub fn known_answers_nll<'a>(
     ctx: &'a Ctx,
     models: &'a [Model],
     llama: &'a [u8],
 ) -> Result<Step<'a>> {
-    let exe = std::env::current_exe().context("locating the xtask binary")?;
-    let exe_sha = Sha256::of_file(&exe).with_context(|| format!("hashing {}", exe.display()))?;
     let key = key_of(&[
-        "known-answers-nll-v1",
-        &exe_sha.to_string(),
+        "known-answers-nll-v2",
+        &runtime_source_key()?.to_string(),
         &Sha256::of_bytes(known_text().as_bytes()).to_string(),
         &Sha256::of_bytes(llama).to_string(),
         &models
@@ -310,6 +310,35 @@ pub fn known_answers_nll<'a>(
             Ok(format!("{} model(s)", answers.len()))
         }),
     })
+}
+
+/// What the host's copy of the runtime library is built from: every file under `runtime/src`
+/// (path and bytes, in path order), `runtime/Cargo.toml`, `Cargo.lock` and the pinned Rust
+/// release.
+pub fn runtime_source_key() -> Result<Sha256> {
+    fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
+        for e in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
+            let p = e?.path();
+            if p.is_dir() {
+                walk(&p, out)?;
+            } else {
+                out.push(p);
+            }
+        }
+        Ok(())
+    }
+    let root = crate::project_root();
+    let mut files = Vec::new();
+    walk(&root.join("runtime/src"), &mut files)?;
+    files.push(root.join("runtime/Cargo.toml"));
+    files.push(root.join("Cargo.lock"));
+    files.sort();
+    let mut parts = vec![crate::doctor::pinned_rust()?];
+    for f in &files {
+        let rel = f.strip_prefix(&root).unwrap_or(f).display().to_string();
+        parts.push(format!("{rel}={}", Sha256::of_file(f)?));
+    }
+    Ok(Sha256::of_bytes(parts.join("\n").as_bytes()))
 }
 
 /// Add the model-level known answers to the manifest: `known_answers.nll` (from the
