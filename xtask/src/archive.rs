@@ -34,13 +34,23 @@ pub fn with_data_tar<T>(
     deb: &Path,
     f: impl FnOnce(&mut tar::Archive<Box<dyn Read + '_>>) -> Result<T>,
 ) -> Result<T> {
+    with_member_tar(deb, "data.tar", f)
+}
+
+/// Run `f` on the tar member of a .deb whose name starts with `prefix` (`data.tar`,
+/// `control.tar`), decompressed by its magic.
+fn with_member_tar<T>(
+    deb: &Path,
+    prefix: &str,
+    f: impl FnOnce(&mut tar::Archive<Box<dyn Read + '_>>) -> Result<T>,
+) -> Result<T> {
     let file = std::fs::File::open(deb).with_context(|| format!("opening {}", deb.display()))?;
     let mut ar = ar::Archive::new(file);
     while let Some(entry) = ar.next_entry() {
         let mut entry =
             entry.with_context(|| format!("reading the ar archive {}", deb.display()))?;
         let name = String::from_utf8_lossy(entry.header().identifier()).to_string();
-        if !name.starts_with("data.tar") {
+        if !name.starts_with(prefix) {
             continue;
         }
         let mut head = Vec::with_capacity(6);
@@ -51,7 +61,7 @@ pub fn with_data_tar<T>(
         return f(&mut tar).with_context(|| format!("{name} of {}", deb.display()));
     }
     bail!(
-        "{} has no data.tar member: not a Debian package",
+        "{} has no {prefix} member: not a Debian package",
         deb.display()
     )
 }
@@ -70,46 +80,31 @@ pub fn with_deb_member<T>(
     member: &str,
     f: impl FnOnce(&mut dyn Read) -> Result<T>,
 ) -> Result<T> {
-    with_data_tar(deb, |tar| {
-        for e in tar.entries()? {
-            let mut e = e?;
-            let p = entry_path(&e)?;
-            if p == member {
-                return f(&mut e);
-            }
-        }
-        bail!("no {member}")
-    })
+    with_member_tar(deb, "data.tar", |tar| in_tar(tar, member, f))
 }
 
 /// The `control` file of a .deb (from its `control.tar.{xz,zst,gz}` member), as text.
 pub fn deb_control(deb: &Path) -> Result<String> {
-    let file = std::fs::File::open(deb).with_context(|| format!("opening {}", deb.display()))?;
-    let mut ar = ar::Archive::new(file);
-    while let Some(entry) = ar.next_entry() {
-        let mut entry =
-            entry.with_context(|| format!("reading the ar archive {}", deb.display()))?;
-        let name = String::from_utf8_lossy(entry.header().identifier()).to_string();
-        if !name.starts_with("control.tar") {
-            continue;
+    with_member_tar(deb, "control.tar", |tar| {
+        in_tar(tar, "control", |r| {
+            let mut s = String::new();
+            r.read_to_string(&mut s).context("reading control")?;
+            Ok(s)
+        })
+    })
+}
+
+/// Run `f` on the contents of the entry `member` of `tar`.
+fn in_tar<T>(
+    tar: &mut tar::Archive<Box<dyn Read + '_>>,
+    member: &str,
+    f: impl FnOnce(&mut dyn Read) -> Result<T>,
+) -> Result<T> {
+    for e in tar.entries()? {
+        let mut e = e?;
+        if entry_path(&e)? == member {
+            return f(&mut e);
         }
-        let mut head = Vec::with_capacity(6);
-        (&mut entry).take(6).read_to_end(&mut head)?;
-        let chained: Box<dyn Read + '_> = Box::new(std::io::Cursor::new(head.clone()).chain(entry));
-        let mut tar = tar::Archive::new(decompressor(&head, chained)?);
-        for e in tar.entries()? {
-            let mut e = e?;
-            if entry_path(&e)? == "control" {
-                let mut s = String::new();
-                e.read_to_string(&mut s)
-                    .with_context(|| format!("{name} of {}: control", deb.display()))?;
-                return Ok(s);
-            }
-        }
-        bail!("{name} of {} has no control file", deb.display());
     }
-    bail!(
-        "{} has no control.tar member: not a Debian package",
-        deb.display()
-    )
+    bail!("no {member}")
 }

@@ -35,11 +35,7 @@ pub fn matmul_step<'a>(
             .map(|(name, bytes)| format!("{name}={}", Sha256::of_bytes(bytes)))
             .collect::<Vec<_>>()
             .join(","),
-        &models
-            .iter()
-            .map(|m| format!("{}={}", m.name, m.sha256))
-            .collect::<Vec<_>>()
-            .join(","),
+        &super::steps::models_key(models),
     ]);
     Step {
         name: "known answers (matmul)",

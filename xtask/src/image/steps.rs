@@ -225,11 +225,7 @@ pub fn models_partition<'a>(
         &uuid.to_string(),
         &Sha256::of_bytes(fixture).to_string(),
         &Sha256::of_bytes(llama).to_string(),
-        &models
-            .iter()
-            .map(|m| format!("{}={}", m.name, m.sha256))
-            .collect::<Vec<_>>()
-            .join(","),
+        &models_key(models),
     ]);
     Step {
         name: "models partition",
@@ -248,6 +244,15 @@ pub fn models_partition<'a>(
             ))
         }),
     }
+}
+
+/// The models as a step key part: `name=sha256` of each, in order.
+pub fn models_key(models: &[Model]) -> String {
+    models
+        .iter()
+        .map(|m| format!("{}={}", m.name, m.sha256))
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 /// The text whose token ids and mean NLL every model's known answer records (committed, so
@@ -272,11 +277,7 @@ pub fn known_answers_nll<'a>(
         &runtime_source_key()?.to_string(),
         &Sha256::of_bytes(known_text().as_bytes()).to_string(),
         &Sha256::of_bytes(llama).to_string(),
-        &models
-            .iter()
-            .map(|m| format!("{}={}", m.name, m.sha256))
-            .collect::<Vec<_>>()
-            .join(","),
+        &models_key(models),
     ]);
     Ok(Step {
         name: "known answers (nll)",
