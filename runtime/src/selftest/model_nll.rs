@@ -58,6 +58,21 @@ pub struct NllAnswer {
     pub why: String,
 }
 
+impl NllAnswer {
+    /// One line of what the build recorded: tokens, both NLLs, the tolerance.
+    pub fn summary(&self) -> String {
+        format!(
+            "{}: {} tokens, mean NLL {:.6} on {}, {:.6} on the host's fast CPU path, tolerance {:.4}",
+            self.model,
+            self.tokens.len(),
+            self.mean_nll,
+            self.backend,
+            self.host_cpu_mean_nll,
+            self.tolerance
+        )
+    }
+}
+
 /// What one configuration measured on one model.
 #[derive(Clone, Debug)]
 pub struct Measured {

@@ -296,15 +296,7 @@ pub fn known_answers_nll<'a>(
                 let t = Instant::now();
                 let a = model_nll::record(path, name, known_text())
                     .with_context(|| format!("known answer of {name}"))?;
-                println!(
-                    "    {name}: {} tokens, mean NLL {:.6} on cpu-ref, {:.6} on the host's fast \
-                     CPU path, tolerance {:.4} ({:.1} s)",
-                    a.tokens.len(),
-                    a.mean_nll,
-                    a.host_cpu_mean_nll,
-                    a.tolerance,
-                    t.elapsed().as_secs_f64()
-                );
+                println!("    {} ({:.1} s)", a.summary(), t.elapsed().as_secs_f64());
                 answers.push(a);
             }
             write_atomic(&tmp[0], &serde_json::to_vec_pretty(&answers)?)?;
@@ -880,15 +872,7 @@ mod tests {
         if let Some(p) = std::env::var_os("KILN_SMOLLM2") {
             let t = Instant::now();
             let a = model_nll::record(Path::new(&p), "smollm2.gguf", known_text()).unwrap();
-            eprintln!(
-                "SmolLM2: {} tokens, mean NLL {:.6} on cpu-ref, {:.6} on the fast CPU path, \
-                 tolerance {:.4}, in {:.1} s",
-                a.tokens.len(),
-                a.mean_nll,
-                a.host_cpu_mean_nll,
-                a.tolerance,
-                t.elapsed().as_secs_f64()
-            );
+            eprintln!("{} ({:.1} s)", a.summary(), t.elapsed().as_secs_f64());
             answers.push(a);
         }
         let a = &answers[0];
