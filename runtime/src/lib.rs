@@ -5,6 +5,7 @@ pub mod gguf;
 pub mod ledger;
 pub mod membw;
 pub mod model;
+pub mod pool;
 pub mod quant;
 pub mod sched;
 pub mod selftest;

@@ -725,17 +725,8 @@ impl<'m> Model<'m> {
             work(0, out);
             return;
         }
-        std::thread::scope(|sc| {
-            let mut chunks = out.chunks_mut(per * m * hd).enumerate();
-            let first = chunks.next();
-            for (t, c) in chunks {
-                let work = &work;
-                sc.spawn(move || work(t * per, c));
-            }
-            if let Some((_, c)) = first {
-                work(0, c);
-            }
-        });
+        let chunks: Vec<&mut [f32]> = out.chunks_mut(per * m * hd).collect();
+        crate::pool::run_parts(chunks, |t, c| work(t * per, c));
     }
 
     /// Names of the backends in board order.

@@ -61,7 +61,14 @@ impl Kernel {
     pub(crate) fn dots<const G: usize>(self, w: &[i8], a: &[i8], out: &mut [i32]) {
         debug_assert!(G == 16 || G == 32);
         match self {
-            Kernel::Portable => portable::dots::<G>(w, a, out),
+            Kernel::Portable => {
+                #[cfg(target_arch = "x86_64")]
+                if std::arch::is_x86_feature_detected!("avx2") {
+                    // SAFETY: AVX2 was just detected on this CPU.
+                    return unsafe { portable::dots_avx2::<G>(w, a, out) };
+                }
+                portable::dots::<G>(w, a, out)
+            }
             #[cfg(target_arch = "aarch64")]
             Kernel::Neon => neon::dots::<G>(w, a, out),
             #[cfg(target_arch = "aarch64")]
@@ -86,6 +93,7 @@ impl fmt::Display for Kernel {
 }
 
 mod portable {
+    #[inline(always)]
     pub(super) fn dots<const G: usize>(w: &[i8], a: &[i8], out: &mut [i32]) {
         for ((wc, ac), o) in w.chunks_exact(G).zip(a.chunks_exact(G)).zip(out.iter_mut()) {
             // i16 products summed in i32: the shape LLVM turns into pmaddwd / smull+sadalp.
@@ -95,6 +103,17 @@ mod portable {
                 .map(|(&x, &y)| (x as i16 * y as i16) as i32)
                 .sum();
         }
+    }
+
+    /// The same source compiled with AVX2 (vpmaddwd on 16 lanes), chosen at run time; integer
+    /// sums are exact, so the results are the same.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn dots_avx2<const G: usize>(w: &[i8], a: &[i8], out: &mut [i32]) {
+        dots::<G>(w, a, out)
     }
 }
 

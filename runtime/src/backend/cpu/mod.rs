@@ -9,6 +9,7 @@ mod kernels;
 #[cfg(test)]
 mod tests;
 
+pub(crate) use fast::f16_bits_to_f32;
 pub use kernels::Kernel;
 
 use super::{Backend, Capabilities, Decline, MatmulOp, PreparedWeight, Weight};
@@ -260,17 +261,11 @@ impl CpuBackend {
             self.run_columns(w, row_bytes, act, m, 0, ct);
             return;
         }
-        // One contiguous chunk of N per thread; the calling thread takes the first, so a call
-        // spawns threads − 1.
-        std::thread::scope(|s| {
-            let mut chunks = ct.chunks_mut(per * m).enumerate();
-            let first = chunks.next();
-            for (t, chunk) in chunks {
-                s.spawn(move || self.run_columns(w, row_bytes, act, m, t * per, chunk));
-            }
-            if let Some((_, chunk)) = first {
-                self.run_columns(w, row_bytes, act, m, 0, chunk);
-            }
+        // One contiguous chunk of N per thread; the calling thread takes the first, the pool's
+        // persistent workers the rest.
+        let chunks: Vec<&mut [f32]> = ct.chunks_mut(per * m).collect();
+        crate::pool::run_parts(chunks, |t, chunk| {
+            self.run_columns(w, row_bytes, act, m, t * per, chunk)
         });
     }
 

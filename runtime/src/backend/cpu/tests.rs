@@ -389,44 +389,53 @@ fn f16_widening_is_exact_for_every_bit_pattern() {
 
 /// M = 1 runs the fused dots on the packed bytes, M > 1 the unpacked tiles: the same row, run
 /// alone and as both rows of an M = 2 run, must give the same bits, on every kernel, for every
-/// type the fused path takes. Weights use every byte pattern (extreme nibbles and 5th bits) and
-/// K = 544 (17 blocks), and 547 for F16, leave tails of the F16 chunking and lanes.
+/// type the fused path takes. Weights use every byte pattern (extreme nibbles and 5th bits, Q8_0's
+/// −128); K = 544, 128 and 96 (17, 4 and 3 blocks), and 547 for F16, leave every tail of x86's
+/// four-block groups, the F16 chunking and the lanes.
 #[test]
 fn fused_decode_dots_equal_the_unpacked_path() {
     let mut rng = Rng(13);
     let n = 9;
     for ty in CPU_TYPES.into_iter().filter(|&t| super::fused::supports(t)) {
-        // F16 rows of 547: a tail after the 16 lanes too.
-        let k = if ty == GgmlType::F16 { 547 } else { 544 };
-        let data: Vec<u8> = match ty {
-            GgmlType::F16 => make_weight(ty, k, n, &mut rng),
-            _ => {
-                let bb = ty.block_bytes();
-                let mut d: Vec<u8> = (0..k / 32 * n * bb).map(|_| rng.byte()).collect();
-                for b in d.chunks_exact_mut(bb) {
-                    b[..2].copy_from_slice(&f16::from_f32(0.01 + 0.01 * rng.f32()).to_le_bytes());
-                    if matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1) {
-                        b[2..4].copy_from_slice(&f16::from_f32(0.02 * rng.f32()).to_le_bytes());
-                    }
-                }
-                d
-            }
+        // F16 rows of 547: a tail after the 16 lanes too. Blocks: 17 (groups of four and a
+        // tail, as x86's AVX2 path takes them), 4 (no tail), 3 (only the tail).
+        let ks: &[usize] = if ty == GgmlType::F16 {
+            &[547]
+        } else {
+            &[544, 128, 96]
         };
-        let w = weight(ty, k, n, &data);
-        let a: Vec<f32> = (0..k).map(|_| rng.f32()).collect();
-        let a2: Vec<f32> = a.iter().chain(&a).copied().collect();
-        let want = run(&CpuRefBackend, &w, &a, 1);
-        for kernel in Kernel::available() {
-            let cpu = CpuBackend::new()
-                .with_threads(2)
-                .with_kernel(kernel)
-                .unwrap();
-            let one = run(&cpu, &w, &a, 1);
-            let two = run(&cpu, &w, &a2, 2);
-            assert_eq!(bits(&one), bits(&two[..n]), "{ty} {kernel}");
-            assert_eq!(bits(&one), bits(&two[n..]), "{ty} {kernel}");
-            let e = nmse(&one, &want);
-            assert!(e <= MAX_NMSE, "{ty} {kernel}: NMSE {e:e}");
+        for &k in ks {
+            let data: Vec<u8> = match ty {
+                GgmlType::F16 => make_weight(ty, k, n, &mut rng),
+                _ => {
+                    let bb = ty.block_bytes();
+                    let mut d: Vec<u8> = (0..k / 32 * n * bb).map(|_| rng.byte()).collect();
+                    for b in d.chunks_exact_mut(bb) {
+                        b[..2]
+                            .copy_from_slice(&f16::from_f32(0.01 + 0.01 * rng.f32()).to_le_bytes());
+                        if matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1) {
+                            b[2..4].copy_from_slice(&f16::from_f32(0.02 * rng.f32()).to_le_bytes());
+                        }
+                    }
+                    d
+                }
+            };
+            let w = weight(ty, k, n, &data);
+            let a: Vec<f32> = (0..k).map(|_| rng.f32()).collect();
+            let a2: Vec<f32> = a.iter().chain(&a).copied().collect();
+            let want = run(&CpuRefBackend, &w, &a, 1);
+            for kernel in Kernel::available() {
+                let cpu = CpuBackend::new()
+                    .with_threads(2)
+                    .with_kernel(kernel)
+                    .unwrap();
+                let one = run(&cpu, &w, &a, 1);
+                let two = run(&cpu, &w, &a2, 2);
+                assert_eq!(bits(&one), bits(&two[..n]), "{ty} {kernel} K={k}");
+                assert_eq!(bits(&one), bits(&two[n..]), "{ty} {kernel} K={k}");
+                let e = nmse(&one, &want);
+                assert!(e <= MAX_NMSE, "{ty} {kernel} K={k}: NMSE {e:e}");
+            }
         }
     }
 }
