@@ -150,10 +150,10 @@ fn row_dot<D: BlockDot>(ty: GgmlType, src: &[u8], act: &Activations<'_>, row: us
 #[target_feature(enable = "avx2,f16c")]
 unsafe fn row_dot_avx2(ty: GgmlType, src: &[u8], act: &Activations<'_>, row: usize) -> f32 {
     // SAFETY: AVX2 and F16C are this function's precondition.
-    let hand = unsafe { x86::row_dot(ty, src, act) };
+    let hand = unsafe { x86::row_dot(ty, src, act, row) };
     match hand {
-        Some(sum) if row == 0 => sum,
-        _ => row_dot::<Portable>(ty, src, act, row),
+        Some(sum) => sum,
+        None => row_dot::<Portable>(ty, src, act, row),
     }
 }
 
@@ -274,18 +274,23 @@ mod x86 {
         sum
     }
 
-    /// Activation row 0 of `act` · the weight row `src`, for Q4_0, Q4_1 and Q8_0; `None` for the
-    /// other types, or if the lengths are not whole blocks (the portable path handles those).
+    /// Activation row `row` of `act` · the weight row `src`, for Q4_0, Q4_1 and Q8_0; `None` for
+    /// the other types, or if the lengths are not whole blocks (the portable path handles those).
     ///
     /// # Safety
     /// The CPU must have AVX2 and F16C.
     #[target_feature(enable = "avx2,f16c")]
-    pub(super) unsafe fn row_dot(ty: GgmlType, src: &[u8], act: &Activations<'_>) -> Option<f32> {
+    pub(super) unsafe fn row_dot(
+        ty: GgmlType,
+        src: &[u8],
+        act: &Activations<'_>,
+        row: usize,
+    ) -> Option<f32> {
         let k = act.k;
         let nb = k / 32;
         let bb = ty.block_bytes();
-        let aq = act.qs.get(..k)?;
-        let ad = act.d.get(..nb)?;
+        let aq = act.qs.get(row * k..row * k + k)?;
+        let ad = act.d.get(row * nb..row * nb + nb)?;
         if k % 32 != 0 || src.len() != nb * bb {
             return None;
         }
@@ -295,7 +300,7 @@ mod x86 {
                 GgmlType::Q8_0 => Some(blocks::<Q8_0>(src, bb, aq, ad, &[], nb)),
                 GgmlType::Q4_0 => Some(blocks::<Q4_0>(src, bb, aq, ad, &[], nb)),
                 GgmlType::Q4_1 => {
-                    let as_ = act.s.get(..nb)?;
+                    let as_ = act.s.get(row * nb..row * nb + nb)?;
                     Some(blocks::<Q4_1>(src, bb, aq, ad, as_, nb))
                 }
                 _ => None,
@@ -325,10 +330,57 @@ pub(crate) fn rows(
     }
 }
 
+/// Whether [`rows_m`] takes M > 1 runs of this type with this kernel here: on x86 with AVX2 and
+/// F16C, the hand-written Q4_0/Q4_1/Q8_0 dots serve prefill too (each weight row read once per
+/// tile of activations, from L1), since they give the unpacked path's bits faster.
+pub(crate) fn takes_m(kernel: Kernel, ty: GgmlType) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        kernel == Kernel::Portable
+            && matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)
+            && std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("f16c")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (kernel, ty);
+        false
+    }
+}
+
+/// Columns `n0..` of Cᵀ (`ct`: rows of M, M the activations' rows) for a type [`takes_m`] accepts: weight row n dotted
+/// with every activation row; `skip` (tests only) names a column to leave unwritten.
+pub(crate) fn rows_m(
+    kernel: Kernel,
+    w: &Weight<'_>,
+    row_bytes: usize,
+    act: &Activations<'_>,
+    n0: usize,
+    ct: &mut [f32],
+    skip: Option<usize>,
+) {
+    let m = act.f32s.len() / act.k.max(1);
+    for (j, outs) in ct.chunks_exact_mut(m.max(1)).enumerate() {
+        let n = n0 + j;
+        if skip == Some(n) {
+            continue;
+        }
+        let src = &w.data[n * row_bytes..(n + 1) * row_bytes];
+        for (i, o) in outs.iter_mut().enumerate() {
+            *o = row_at(kernel, w.ty, src, act, i);
+        }
+    }
+}
+
 #[inline]
 fn row(kernel: Kernel, ty: GgmlType, src: &[u8], act: &Activations<'_>) -> f32 {
+    row_at(kernel, ty, src, act, 0)
+}
+
+#[inline]
+fn row_at(kernel: Kernel, ty: GgmlType, src: &[u8], act: &Activations<'_>, i: usize) -> f32 {
     if ty == GgmlType::F16 {
-        return dot_f16(src, &act.f32s[..act.k]);
+        return dot_f16(src, &act.f32s[i * act.k..(i + 1) * act.k]);
     }
     match kernel {
         Kernel::Portable => {
@@ -337,20 +389,20 @@ fn row(kernel: Kernel, ty: GgmlType, src: &[u8], act: &Activations<'_>) -> f32 {
                 && std::arch::is_x86_feature_detected!("f16c")
             {
                 // SAFETY: AVX2 and F16C were just detected on this CPU.
-                return unsafe { row_dot_avx2(ty, src, act, 0) };
+                return unsafe { row_dot_avx2(ty, src, act, i) };
             }
-            row_dot::<Portable>(ty, src, act, 0)
+            row_dot::<Portable>(ty, src, act, i)
         }
         #[cfg(target_arch = "aarch64")]
-        Kernel::Neon => row_dot::<neon::Neon>(ty, src, act, 0),
+        Kernel::Neon => row_dot::<neon::Neon>(ty, src, act, i),
         #[cfg(target_arch = "aarch64")]
         Kernel::NeonSdot => {
             // Re-checked, not trusted (see `Kernel::dots`): `sdot` without dotprod is UB.
             if std::arch::is_aarch64_feature_detected!("dotprod") {
                 // SAFETY: dotprod was just detected on this CPU.
-                unsafe { neon::row_dot_sdot(ty, src, act) }
+                unsafe { neon::row_dot_sdot(ty, src, act, i) }
             } else {
-                row_dot::<neon::Neon>(ty, src, act, 0)
+                row_dot::<neon::Neon>(ty, src, act, i)
             }
         }
     }
@@ -473,8 +525,13 @@ mod neon {
     /// # Safety
     /// The CPU must have the dotprod extension.
     #[target_feature(enable = "dotprod")]
-    pub(super) unsafe fn row_dot_sdot(ty: GgmlType, src: &[u8], act: &Activations<'_>) -> f32 {
-        row_dot::<Sdot>(ty, src, act, 0)
+    pub(super) unsafe fn row_dot_sdot(
+        ty: GgmlType,
+        src: &[u8],
+        act: &Activations<'_>,
+        row: usize,
+    ) -> f32 {
+        row_dot::<Sdot>(ty, src, act, row)
     }
 }
 
@@ -540,4 +597,61 @@ unsafe fn dot_f16_f16c(src: &[u8], x: &[f32]) -> f32 {
     }
     let tail = f32_lanes(&mut [0.0; LANES], &f[..n - full], &x[full..n]);
     acc.iter().sum::<f32>() + tail
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod x86_tests {
+    use super::super::fast::{act_format, Activations};
+    use super::{row_dot, x86, Portable};
+    use crate::quant::GgmlType;
+    use half::f16;
+
+    /// The hand-written AVX2 blocks against the portable blocks (the path every other kernel
+    /// shares), to the bit: every activation row of an M = 3 run, weights of every byte pattern
+    /// (Q8_0's −128, extreme nibbles), 17, 4 and 3 blocks (groups of four, a tail, only a tail).
+    #[test]
+    fn hand_written_avx2_dots_equal_the_portable_blocks() {
+        if !(std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("f16c"))
+        {
+            eprintln!("no AVX2/F16C here: nothing to compare");
+            return;
+        }
+        let mut z = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = move || {
+            z ^= z << 13;
+            z ^= z >> 7;
+            z ^= z << 17;
+            z
+        };
+        for ty in [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1] {
+            for k in [544usize, 128, 96] {
+                let bb = ty.block_bytes();
+                let mut src: Vec<u8> = (0..k / 32 * bb).map(|_| next() as u8).collect();
+                for b in src.chunks_exact_mut(bb) {
+                    let d = 0.005 + (next() % 1000) as f32 * 1e-5;
+                    b[..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
+                    if ty == GgmlType::Q4_1 {
+                        let m = (next() % 2000) as f32 * 1e-5 - 0.01;
+                        b[2..4].copy_from_slice(&f16::from_f32(m).to_le_bytes());
+                    }
+                }
+                let a: Vec<f32> = (0..3 * k)
+                    .map(|_| (next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0)
+                    .collect();
+                let fmt = act_format(ty).expect("a fast-path type");
+                let act = Activations::quantize(fmt, &a, k);
+                for row in 0..3 {
+                    let want = row_dot::<Portable>(ty, &src, &act, row);
+                    // SAFETY: AVX2 and F16C were detected above.
+                    let got = unsafe { x86::row_dot(ty, &src, &act, row) };
+                    assert_eq!(
+                        got.map(f32::to_bits),
+                        Some(want.to_bits()),
+                        "{ty} K={k} row {row}"
+                    );
+                }
+            }
+        }
+    }
 }

@@ -288,6 +288,14 @@ impl CpuBackend {
             fused::rows(self.kernel, w, row_bytes, act, n0, ct, skip);
             return;
         }
+        if m > 1 && fused::takes_m(self.kernel, w.ty) {
+            #[cfg(test)]
+            let skip = self.skip_column;
+            #[cfg(not(test))]
+            let skip = None;
+            fused::rows_m(self.kernel, w, row_bytes, act, n0, ct, skip);
+            return;
+        }
         // A tile of weight rows is unpacked together and each activation row is dotted with all
         // of them while it sits in L1, so M > 1 reads the activations once per tile, not per row.
         const TILE: usize = 4;
