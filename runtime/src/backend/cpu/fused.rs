@@ -309,28 +309,7 @@ mod x86 {
     }
 }
 
-/// `out[j] = W[n0 + j] · activation row 0` for a type [`supports`] accepts; `skip` (tests only)
-/// names a column to leave unwritten.
-pub(crate) fn rows(
-    kernel: Kernel,
-    w: &Weight<'_>,
-    row_bytes: usize,
-    act: &Activations<'_>,
-    n0: usize,
-    out: &mut [f32],
-    skip: Option<usize>,
-) {
-    for (j, o) in out.iter_mut().enumerate() {
-        let n = n0 + j;
-        if skip == Some(n) {
-            continue;
-        }
-        let src = &w.data[n * row_bytes..(n + 1) * row_bytes];
-        *o = row(kernel, w.ty, src, act);
-    }
-}
-
-/// Whether [`rows_m`] takes M > 1 runs of this type with this kernel here: on x86 with AVX2 and
+/// Whether [`rows`] takes M > 1 runs of this type with this kernel here: on x86 with AVX2 and
 /// F16C, the hand-written Q4_0/Q4_1/Q8_0 dots serve prefill too (each weight row read once per
 /// tile of activations, from L1), since they give the unpacked path's bits faster.
 pub(crate) fn takes_m(kernel: Kernel, ty: GgmlType) -> bool {
@@ -348,9 +327,10 @@ pub(crate) fn takes_m(kernel: Kernel, ty: GgmlType) -> bool {
     }
 }
 
-/// Columns `n0..` of Cᵀ (`ct`: rows of M, M the activations' rows) for a type [`takes_m`] accepts: weight row n dotted
-/// with every activation row; `skip` (tests only) names a column to leave unwritten.
-pub(crate) fn rows_m(
+/// Columns `n0..` of Cᵀ (`ct`: one row of M per column, M the activations' rows): weight row n
+/// dotted with every activation row, for M = 1 and a type [`supports`] accepts, or M > 1 and one
+/// [`takes_m`] accepts; `skip` (tests only) names a column to leave unwritten.
+pub(crate) fn rows(
     kernel: Kernel,
     w: &Weight<'_>,
     row_bytes: usize,
@@ -370,11 +350,6 @@ pub(crate) fn rows_m(
             *o = row_at(kernel, w.ty, src, act, i);
         }
     }
-}
-
-#[inline]
-fn row(kernel: Kernel, ty: GgmlType, src: &[u8], act: &Activations<'_>) -> f32 {
-    row_at(kernel, ty, src, act, 0)
 }
 
 #[inline]

@@ -279,21 +279,14 @@ impl CpuBackend {
         n0: usize,
         ct: &mut [f32],
     ) {
-        // Decode: fused dots straight off the packed bytes, one pass over each weight row.
-        if m == 1 && fused::supports(w.ty) {
+        // Decode (and prefill where `takes_m`): fused dots straight off the packed bytes, one
+        // pass over each weight row.
+        if (m == 1 && fused::supports(w.ty)) || (m > 1 && fused::takes_m(self.kernel, w.ty)) {
             #[cfg(test)]
             let skip = self.skip_column;
             #[cfg(not(test))]
             let skip = None;
             fused::rows(self.kernel, w, row_bytes, act, n0, ct, skip);
-            return;
-        }
-        if m > 1 && fused::takes_m(self.kernel, w.ty) {
-            #[cfg(test)]
-            let skip = self.skip_column;
-            #[cfg(not(test))]
-            let skip = None;
-            fused::rows_m(self.kernel, w, row_bytes, act, n0, ct, skip);
             return;
         }
         // A tile of weight rows is unpacked together and each activation row is dotted with all
