@@ -99,10 +99,12 @@ impl Pool {
         }
         // SAFETY: every worker is done with this epoch's job.
         unsafe { *s.job.get() = None };
+        // Cleared whichever panic is reported, so the next call starts clean.
+        let worker_panicked = s.panicked.swap(false, SeqCst);
         if let Err(p) = mine {
             std::panic::resume_unwind(p);
         }
-        if s.panicked.swap(false, SeqCst) {
+        if worker_panicked {
             panic!("a kiln worker thread panicked");
         }
         true
