@@ -157,7 +157,7 @@ unsafe fn row_dot_avx2(ty: GgmlType, src: &[u8], act: &Activations<'_>, row: usi
     }
 }
 
-/// AVX2 decode dots that keep [`row_dot`]'s results to the bit: each block's integer dot is exact
+/// AVX2 dots (decode, and prefill through [`takes_m`]) that keep [`row_dot`]'s results to the bit: each block's integer dot is exact
 /// (`vpmaddubsw` pairs of at most 2·128·127 < 2¹⁵, then `vpmaddwd`), four blocks' dots are
 /// reduced together, their scale terms computed in four lanes with the same operations in the
 /// same order as the scalar formula (no FMA), and added to the one running sum block by block.
@@ -199,6 +199,9 @@ mod x86 {
     unsafe fn hsum1(v: __m256i) -> i32 {
         _mm_cvtsi128_si32(hsum4([v, v, v, v]))
     }
+
+    /// The types [`row_dot`] takes; [`super::takes_m`] asks this list, not a copy of it.
+    pub(super) const TYPES: [GgmlType; 3] = [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1];
 
     const Q8_0: u8 = 0;
     const Q4_0: u8 = 1;
@@ -316,7 +319,7 @@ pub(crate) fn takes_m(kernel: Kernel, ty: GgmlType) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         kernel == Kernel::Portable
-            && matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)
+            && x86::TYPES.contains(&ty)
             && std::arch::is_x86_feature_detected!("avx2")
             && std::arch::is_x86_feature_detected!("f16c")
     }
@@ -599,7 +602,7 @@ mod x86_tests {
             z ^= z << 17;
             z
         };
-        for ty in [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1] {
+        for ty in x86::TYPES {
             for k in [544usize, 128, 96] {
                 let bb = ty.block_bytes();
                 let mut src: Vec<u8> = (0..k / 32 * bb).map(|_| next() as u8).collect();
