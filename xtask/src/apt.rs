@@ -55,7 +55,7 @@ pub enum Download {
 impl Apt {
     /// `target/kiln/apt`.
     pub fn kiln() -> Apt {
-        Apt::at(crate::target_dir().join("kiln/apt"))
+        Apt::at(crate::paths::target_dir().join("kiln/apt"))
     }
 
     pub fn at(dir: PathBuf) -> Apt {

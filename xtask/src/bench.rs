@@ -26,7 +26,7 @@ pub fn run(args: Args) -> Result<()> {
     match args.what.as_str() {
         "flash" => flash(),
         "matmul" => {
-            let sh = crate::shell()?;
+            let sh = crate::paths::shell()?;
             cmd!(sh, "cargo bench -p kiln-runtime --bench matmul")
                 .run()
                 .context("matmul bench")
@@ -84,7 +84,7 @@ fn timed(f: impl FnOnce() -> Result<()>) -> Result<Duration> {
 /// direct I/O to its backing file, so the page cache does not absorb the writes).
 fn flash() -> Result<()> {
     doctor::ensure(&[&doctor::BMAPTOOL, &doctor::LOSETUP, &doctor::LSBLK])?;
-    let dir = crate::target_dir().join("kiln/bench-flash");
+    let dir = crate::paths::target_dir().join("kiln/bench-flash");
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let img = dir.join("bench.img");
     let bmap_path = dir.join("bench.img.bmap");
@@ -97,7 +97,7 @@ fn flash() -> Result<()> {
             .with_context(|| format!("creating {}", backing.display()))?;
         f.set_len(2 * GIB + 64 * MIB)?;
     }
-    let sh = crate::shell()?;
+    let sh = crate::paths::shell()?;
     let dev = cmd!(sh, "losetup -f --show --direct-io=on {backing}")
         .read()
         .context("losetup (the bench needs root)")?;
@@ -200,7 +200,7 @@ fn flash() -> Result<()> {
 /// GGUF open+index of a sparse 4 GiB file vs a 40 MiB one with the same 400 tensors: both
 /// times, their ratio and the RSS growth of the 4 GiB open (`runtime/benches/gguf.rs`).
 fn gguf() -> Result<()> {
-    let sh = crate::shell()?;
+    let sh = crate::paths::shell()?;
     cmd!(sh, "cargo bench --locked -p kiln-runtime --bench gguf")
         .run()
         .context("cargo bench --bench gguf")
@@ -244,7 +244,7 @@ fn model(a: &Args) -> Result<()> {
     } else {
         a.threads
     };
-    let sh = crate::shell()?;
+    let sh = crate::paths::shell()?;
     println!("bench model: building kiln (release)");
     cmd!(
         sh,
@@ -252,8 +252,8 @@ fn model(a: &Args) -> Result<()> {
     )
     .run()
     .context("building kiln (release)")?;
-    let kiln = crate::target_dir().join("release/kiln");
-    let script = crate::project_root().join("runtime/tests/py/llama_cpp_model.py");
+    let kiln = crate::paths::target_dir().join("release/kiln");
+    let script = crate::paths::project_root().join("runtime/tests/py/llama_cpp_model.py");
     let (p, n, t) = (a.prompt.to_string(), a.n.to_string(), threads.to_string());
     let mut best_k = Speed {
         prefill: 0.0,

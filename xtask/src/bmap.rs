@@ -341,7 +341,7 @@ mod tests {
     struct TempDir(std::path::PathBuf);
     impl TempDir {
         fn new(tag: &str) -> TempDir {
-            let p = crate::target_dir()
+            let p = crate::paths::target_dir()
                 .join("kiln/test-tmp")
                 .join(format!("bmap-{tag}-{}", std::process::id()));
             let _ = std::fs::remove_dir_all(&p);

@@ -71,7 +71,7 @@ pub struct Boot {
 }
 
 pub fn image_path(board: &str) -> PathBuf {
-    crate::target_dir()
+    crate::paths::target_dir()
         .join("images")
         .join(format!("kiln-{board}.img"))
 }
@@ -136,7 +136,7 @@ fn write_pflash(dir: &Path, env_txt: &str) -> Result<PathBuf> {
     let txt = dir.join("uboot-env.txt");
     let bin = dir.join("uboot-env.bin");
     std::fs::write(&txt, env_txt).with_context(|| format!("writing {}", txt.display()))?;
-    let sh = crate::shell()?;
+    let sh = crate::paths::shell()?;
     let size = format!("{ENV_SIZE:#x}");
     cmd!(sh, "mkenvimage -s {size} -o {bin} {txt}")
         .quiet()
@@ -218,8 +218,8 @@ pub fn boot(args: &Args) -> Result<Boot> {
         args.board
     );
     let dir = match &args.inject {
-        None => crate::target_dir().join("boot-test"),
-        Some(f) => crate::target_dir()
+        None => crate::paths::target_dir().join("boot-test"),
+        Some(f) => crate::paths::target_dir()
             .join("boot-test")
             .join(format!("inject-{f}")),
     };
@@ -234,7 +234,7 @@ pub fn boot(args: &Args) -> Result<Boot> {
     copy_image(&image, &copy)?;
     let serial_log = dir.join("serial.log");
 
-    let sh = crate::shell()?;
+    let sh = crate::paths::shell()?;
     let pflash_arg = format!(
         "if=pflash,unit=1,format=raw,file={},readonly=on",
         pflash.display()
@@ -452,7 +452,8 @@ mod tests {
     #[test]
     fn init_runs_the_same_prompt() {
         let init =
-            std::fs::read_to_string(crate::project_root().join("rootfs/overlay/init")).unwrap();
+            std::fs::read_to_string(crate::paths::project_root().join("rootfs/overlay/init"))
+                .unwrap();
         assert!(
             init.contains(&format!("run_prompt=\"{RUN_PROMPT}\"")),
             "rootfs/overlay/init's run_prompt is not RUN_PROMPT"

@@ -21,7 +21,7 @@ pub fn run(args: Args) -> Result<PathBuf> {
 
 pub fn build_runtime(release: bool) -> Result<PathBuf> {
     let tc = doctor::cross_toolchain()?;
-    let sh = crate::shell()?;
+    let sh = crate::paths::shell()?;
     let profile: &[&str] = if release { &["--release"] } else { &[] };
     let target = doctor::AARCH64;
     tc.cargo(&sh)
@@ -38,7 +38,7 @@ pub fn build_runtime(release: bool) -> Result<PathBuf> {
         .args(profile)
         .run()
         .context("cross-building kiln for aarch64")?;
-    let bin = crate::target_dir()
+    let bin = crate::paths::target_dir()
         .join(target)
         .join(if release { "release" } else { "debug" })
         .join("kiln");

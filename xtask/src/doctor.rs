@@ -381,7 +381,7 @@ impl CrossToolchain {
         // sources /cargo.
         let remap = format!(
             "--remap-path-prefix={}=/kiln --remap-path-prefix={}=/cargo",
-            crate::project_root().display(),
+            crate::paths::project_root().display(),
             cargo_home().display()
         );
         let linker = CROSS_LINKER
@@ -433,7 +433,7 @@ fn rustup_has_target() -> bool {
 fn rustc_in_project(args: &[&str]) -> Option<String> {
     let out = Command::new("rustc")
         .args(args)
-        .current_dir(crate::project_root())
+        .current_dir(crate::paths::project_root())
         .output()
         .ok()?;
     out.status
@@ -443,7 +443,7 @@ fn rustc_in_project(args: &[&str]) -> Option<String> {
 
 /// The Rust release `rust-toolchain.toml` pins (its `toolchain.channel`).
 pub fn pinned_rust() -> Result<String> {
-    let path = crate::project_root().join("rust-toolchain.toml");
+    let path = crate::paths::project_root().join("rust-toolchain.toml");
     let text =
         std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
     let doc: toml::Value =
@@ -481,7 +481,7 @@ fn ensure_pinned_rustc() -> Result<String> {
 }
 
 fn toolchain_record() -> PathBuf {
-    crate::target_dir().join("kiln/toolchain.json")
+    crate::paths::target_dir().join("kiln/toolchain.json")
 }
 
 /// The pinned rustc (`rust-toolchain.toml`) with its aarch64 std: rustup's toolchain already has
@@ -505,7 +505,7 @@ pub fn cross_toolchain() -> Result<CrossToolchain> {
         }
     } else if version_of("rustup", &["--version"]).is_some() && {
         println!("doctor: aarch64 std missing: running `rustup target add {AARCH64}`");
-        let sh = crate::shell()?;
+        let sh = crate::paths::shell()?;
         cmd!(sh, "rustup target add {AARCH64}").run().is_ok() && rustup_has_target()
     } {
         CrossToolchain {

@@ -35,7 +35,7 @@ const THEN: &str = "cargo xtask boot-test";
 pub const SUITE: &str = "trixie";
 
 fn root_dir() -> PathBuf {
-    crate::target_dir().join("kiln/fresh-machine")
+    crate::paths::target_dir().join("kiln/fresh-machine")
 }
 
 /// Is anything mounted at or below `dir` (in this mount namespace)?
@@ -78,7 +78,7 @@ pub fn stage() -> Result<()> {
     }
     doctor::ensure(&[&doctor::DEBOOTSTRAP, &doctor::DEBIAN_KEYRING, &doctor::GIT])?;
     let t_all = Instant::now();
-    let proot = crate::project_root();
+    let proot = crate::paths::project_root();
     let sh = xshell::Shell::new()?;
     sh.change_dir(&proot);
     let head = cmd!(sh, "git rev-parse HEAD").quiet().read()?;

@@ -41,7 +41,7 @@ struct KernelPinsFile {
 
 impl KernelSpec {
     pub fn load(name: &str) -> Result<KernelSpec> {
-        let f = crate::project_root()
+        let f = crate::paths::project_root()
             .join("kernel-config")
             .join(name)
             .join("pins.toml");
@@ -54,7 +54,7 @@ impl KernelSpec {
     }
 
     pub fn fragment_path(&self) -> PathBuf {
-        crate::project_root()
+        crate::paths::project_root()
             .join("kernel-config")
             .join(&self.fragment)
     }
@@ -207,7 +207,7 @@ pub fn merge_fragment(base: &str, fragment: &[FragmentOption]) -> String {
 }
 
 fn kernel_root() -> PathBuf {
-    crate::target_dir().join("kiln/kernel")
+    crate::paths::target_dir().join("kiln/kernel")
 }
 
 /// Unpack the kernel source (a Debian source .deb holding a tarball, or a tarball) once, into
@@ -626,7 +626,7 @@ mod tests {
     #[test]
     fn shipped_fragments_parse() {
         for f in ["qemu-virt.config", "rock-5b.config"] {
-            let p = crate::project_root().join("kernel-config").join(f);
+            let p = crate::paths::project_root().join("kernel-config").join(f);
             let text = std::fs::read_to_string(&p).unwrap();
             let opts = parse_fragment(&text).unwrap();
             assert!(opts.len() > 5, "{f}");

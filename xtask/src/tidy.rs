@@ -5,10 +5,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-/// The layers, lowest first; each names its top-level modules (`main` is the crate root, whose
-/// `project_root`, `target_dir` and `shell` are ground; its `main` only parses and dispatches).
+/// The layers, lowest first; each names its top-level modules. `main` is the crate root: it only
+/// parses and dispatches, so it sits above every layer and no module may import it (the helpers
+/// every module uses are in `paths`, a ground module).
 pub const LAYERS: &[(&str, &[&str])] = &[
-    ("ground", &["main", "atomic", "archive", "doctor", "apt"]),
+    ("ground", &["paths", "atomic", "archive", "doctor", "apt"]),
     ("inputs", &["pins"]),
     (
         "builders",
@@ -28,6 +29,7 @@ pub const LAYERS: &[(&str, &[&str])] = &[
             "tidy",
         ],
     ),
+    ("crate root", &["main"]),
 ];
 
 /// One `crate::` reference: where it is and what it names.
@@ -98,6 +100,32 @@ fn crate_targets(line: &str) -> Vec<String> {
     out
 }
 
+/// `line` with the contents of its string literals blanked: a `crate::` inside quotes (a test's
+/// injected source, a message) is text, not an import.
+fn without_strings(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let (mut in_str, mut escaped) = (false, false);
+    for c in line.chars() {
+        if in_str {
+            match (escaped, c) {
+                (true, _) => escaped = false,
+                (false, '\\') => escaped = true,
+                (false, '"') => {
+                    in_str = false;
+                    out.push(c);
+                }
+                _ => {}
+            }
+        } else {
+            if c == '"' {
+                in_str = true;
+            }
+            out.push(c);
+        }
+    }
+    out
+}
+
 /// Every `crate::` reference in `files` (path relative to `src/`, text), comments skipped. A
 /// name that is not a top-level module is an item of the crate root (`crate::shell`).
 pub fn imports(files: &[(PathBuf, String)]) -> Vec<Import> {
@@ -125,7 +153,7 @@ pub fn imports(files: &[(PathBuf, String)]) -> Vec<Import> {
                 line.push_str(lines[n].trim());
                 n += 1;
             }
-            for name in crate_targets(&line) {
+            for name in crate_targets(&without_strings(&line)) {
                 let to = if modules.contains(&name) {
                     name
                 } else {
@@ -281,6 +309,29 @@ mod tests {
             "{}",
             errors[0]
         );
+    }
+
+    /// Injected: a module that imports the crate root (an item of `main.rs`, as `project_root`
+    /// was before `paths`): the crate root only dispatches, nothing imports it.
+    #[test]
+    fn importing_the_crate_root_is_named() {
+        let mut files = src();
+        let kernel = files
+            .iter_mut()
+            .find(|(p, _)| p == Path::new("kernel.rs"))
+            .expect("kernel.rs");
+        kernel
+            .1
+            .push_str("\nfn f() { let _ = crate::project_root(); }\n");
+        let errors = check(&files);
+        assert_eq!(errors.len(), 1, "{errors:#?}");
+        assert!(
+            errors[0].contains("kernel (builders) imports main from a layer above (crate root)"),
+            "{}",
+            errors[0]
+        );
+        // And the real tree has no such import: the crate root is imported by none.
+        assert!(imports(&src()).iter().all(|i| i.to != "main"));
     }
 
     /// Injected: two modules of one layer that use each other, through a grouped `use`.

@@ -72,7 +72,7 @@ pub const RECORDED: &[(&str, &str)] = &[
 ];
 
 fn pins_path() -> PathBuf {
-    crate::project_root().join(PINS)
+    crate::paths::project_root().join(PINS)
 }
 
 /// A made tools root.
@@ -117,7 +117,7 @@ pub fn inputs() -> Result<Vec<Input>> {
 }
 
 fn root_dir() -> PathBuf {
-    crate::target_dir().join("kiln/tools-root")
+    crate::paths::target_dir().join("kiln/tools-root")
 }
 
 /// The tools root of the committed pin list: reused when made and still matching its pins,
@@ -200,7 +200,7 @@ impl ToolsRoot {
         argv: &[String],
     ) -> std::process::Command {
         let r = self.dir.display().to_string();
-        let mut binds = vec![crate::project_root(), crate::target_dir()];
+        let mut binds = vec![crate::paths::project_root(), crate::paths::target_dir()];
         binds.sort();
         binds.dedup();
         let binds: Vec<PathBuf> = binds
@@ -261,8 +261,8 @@ impl ToolsRoot {
     pub fn linker(&self, rust_sysroot: &Path, cargo_home: &Path) -> Result<PathBuf> {
         let r = self.dir.display().to_string();
         let mut binds = vec![
-            crate::project_root(),
-            crate::target_dir(),
+            crate::paths::project_root(),
+            crate::paths::target_dir(),
             rust_sysroot.to_path_buf(),
             cargo_home.to_path_buf(),
             PathBuf::from("/tmp"),

@@ -506,7 +506,7 @@ mod tests {
     use super::*;
 
     fn fixture(name: &str) -> Vec<BlockDev> {
-        let p = crate::project_root()
+        let p = crate::paths::project_root()
             .join("xtask/tests/fixtures/lsblk")
             .join(name);
         let text = std::fs::read_to_string(&p).expect("fixture exists");

@@ -20,8 +20,8 @@ fn timed_image(dir: &Path) -> Result<f64> {
 }
 
 pub fn run() -> Result<()> {
-    let root = crate::project_root();
-    let base = crate::target_dir().join("kiln/bench-image");
+    let root = crate::paths::project_root();
+    let base = crate::paths::target_dir().join("kiln/bench-image");
     if base.exists() {
         std::fs::remove_dir_all(&base)?;
     }

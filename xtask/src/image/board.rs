@@ -121,11 +121,11 @@ impl Board {
         if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-') {
             bail!("board name {name:?}: letters, digits and '-' only");
         }
-        let path = crate::project_root()
+        let path = crate::paths::project_root()
             .join("images")
             .join(format!("{name}.toml"));
         let text = std::fs::read_to_string(&path).with_context(|| {
-            let known: Vec<String> = std::fs::read_dir(crate::project_root().join("images"))
+            let known: Vec<String> = std::fs::read_dir(crate::paths::project_root().join("images"))
                 .map(|d| {
                     d.filter_map(|e| e.ok())
                         .filter_map(|e| {
@@ -182,7 +182,7 @@ impl Board {
     /// Every pins file the board uses, in order: its kernel's pins, the rootfs packages, the
     /// board's own recipe (its supplied inputs).
     pub fn pin_files(&self) -> Vec<PathBuf> {
-        let root = crate::project_root();
+        let root = crate::paths::project_root();
         vec![
             root.join("kernel-config")
                 .join(&self.kernel.name)

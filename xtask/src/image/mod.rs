@@ -69,7 +69,7 @@ pub struct Built {
 }
 
 fn git(args: &[&str]) -> Result<String> {
-    let sh = crate::shell()?;
+    let sh = crate::paths::shell()?;
     Ok(cmd!(sh, "git {args...}")
         .quiet()
         .read()
@@ -145,7 +145,9 @@ pub fn extlinux_conf(board: &Board, dtb: Option<&str>) -> String {
 pub fn build(args: &Args) -> Result<Built> {
     let board = Board::load(&args.board)?;
     let commit = commit_info()?;
-    let work = crate::target_dir().join("kiln/image").join(&board.name);
+    let work = crate::paths::target_dir()
+        .join("kiln/image")
+        .join(&board.name);
     let mut run = Runner::new(&work.join("keys"))?;
     run.say(&format!(
         "board {}, commit {}{}, SOURCE_DATE_EPOCH={}",
@@ -220,7 +222,7 @@ pub fn build(args: &Args) -> Result<Built> {
     steps::manifest_known_answers_nll(&mut manifest, &nll, &llama)?;
     let boot_part = run.run(steps::boot_partition(&ctx, boot_files, &manifest)?)?;
     let parts = [&boot_part, &models_part, &data_part];
-    let out_dir = crate::target_dir().join("images");
+    let out_dir = crate::paths::target_dir().join("images");
     std::fs::create_dir_all(&out_dir)?;
     let disk = run.run(steps::disk_image(&ctx, &out_dir, &layout, parts, &blobs)?)?;
     let bmap = run.run(steps::bmap(&disk))?;

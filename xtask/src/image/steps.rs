@@ -158,7 +158,7 @@ pub fn initramfs<'a>(ctx: &'a Ctx, rt: &'a Runtime, board_toml: &'a str) -> Resu
         let mut ov = Tree::default();
         rootfs::add_host_tree(
             &mut ov,
-            &crate::project_root().join("rootfs/overlay"),
+            &crate::paths::project_root().join("rootfs/overlay"),
             "overlay",
         )?;
         tree_hash(&ov)
@@ -320,7 +320,7 @@ pub fn runtime_source_key() -> Result<Sha256> {
         }
         Ok(())
     }
-    let root = crate::project_root();
+    let root = crate::paths::project_root();
     let mut files = Vec::new();
     walk(&root.join("runtime/src"), &mut files)?;
     files.push(root.join("runtime/Cargo.toml"));
@@ -667,7 +667,7 @@ fn npu_library(board: &Board, inputs: &Inputs) -> Result<Option<(Vec<u8>, String
 /// HOOK (npu stand-in): the `rknn-standin` crate, cross-built, installed as librknnrt.so. Until
 /// that crate is in the workspace, the image is built without it and says so.
 fn build_npu_standin() -> Result<Option<Vec<u8>>> {
-    let manifest = crate::project_root().join("runtime/rknn-standin/Cargo.toml");
+    let manifest = crate::paths::project_root().join("runtime/rknn-standin/Cargo.toml");
     if !manifest.exists() {
         println!(
             "image: WARNING: NPU stand-in hook: {} is not in this checkout; the image has no \
@@ -677,7 +677,7 @@ fn build_npu_standin() -> Result<Option<Vec<u8>>> {
         return Ok(None);
     }
     let tc = crate::doctor::cross_toolchain()?;
-    let sh = crate::shell()?;
+    let sh = crate::paths::shell()?;
     tc.cargo(&sh)
         .args([
             "build",
@@ -690,7 +690,7 @@ fn build_npu_standin() -> Result<Option<Vec<u8>>> {
         ])
         .run()
         .context("cross-building the NPU stand-in (rknn-standin)")?;
-    let so = crate::target_dir()
+    let so = crate::paths::target_dir()
         .join(crate::doctor::AARCH64)
         .join("release/librknn_standin.so");
     Ok(Some(
@@ -789,7 +789,7 @@ fn initramfs_tree(
     )?;
     rootfs::add_host_tree(
         &mut t,
-        &crate::project_root().join("rootfs/overlay"),
+        &crate::paths::project_root().join("rootfs/overlay"),
         "rootfs/overlay",
     )?;
     if !t.nodes.contains_key("init") {

@@ -13,12 +13,12 @@ use std::sync::Mutex;
 static APT_DIR: Mutex<()> = Mutex::new(());
 
 fn shared_apt() -> Apt {
-    Apt::at(crate::target_dir().join("kiln/apt-tests"))
+    Apt::at(crate::paths::target_dir().join("kiln/apt-tests"))
 }
 
 /// The real pin of libgcc-s1 (small) from `rootfs/packages.toml`.
 fn libgcc_pin() -> Input {
-    read_inputs(&crate::project_root().join("rootfs/packages.toml"))
+    read_inputs(&crate::paths::project_root().join("rootfs/packages.toml"))
         .unwrap()
         .into_iter()
         .find(|i| i.name == "libgcc-s1")
