@@ -17,6 +17,7 @@ mod kernel;
 mod paths;
 mod pins;
 mod pins_cmd;
+mod readme;
 mod report;
 mod rootfs;
 mod test;

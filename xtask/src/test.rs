@@ -323,6 +323,8 @@ fn boot_qemu_clean(_: &Args) -> Result<()> {
     if b.report.verdict != crate::boot_test::Verdict::Pass {
         bail!("clean boot FAILED: {}", b.report.failed_ids().join(", "));
     }
+    crate::readme::check_readme(&crate::paths::project_root(), &b.report.to_text())?;
+    println!("boot-qemu-clean: README.md's report excerpt has the shape of this boot's report.txt");
     ensure!(
         smollm2 >= 2,
         "model.matmul.cpu checked {smollm2} known answer(s) of SmolLM2: the model is not on the \

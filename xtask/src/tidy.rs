@@ -26,6 +26,7 @@ pub const LAYERS: &[(&str, &[&str])] = &[
             "test",
             "pins_cmd",
             "fresh_machine",
+            "readme",
             "tidy",
         ],
     ),
