@@ -1,6 +1,7 @@
 use clap::Parser;
 
 mod cli;
+mod serve;
 
 /// kiln: the on-board LLM runtime and boot self-check for RK3588 boards.
 #[derive(Parser)]
@@ -37,6 +38,10 @@ enum Cli {
     /// The token ids of a text as llama.cpp gives them (BOS/EOS as the file says, special tokens
     /// parsed): one line per token with its piece, or `{"tokens":[…]}` with --json.
     Tokenize(cli::tokenize::Args),
+    /// An OpenAI-compatible HTTP API over the model (/v1/models, /v1/completions,
+    /// /v1/chat/completions, streamed as server-sent events), /health, /kiln/report, /metrics;
+    /// inference on its own thread, up to --parallel sequences at once.
+    Serve(serve::Args),
 }
 
 fn main() {
@@ -59,6 +64,7 @@ fn main() {
         Cli::Bench(a) => cli::bench::run(a),
         Cli::Chat(a) => cli::chat::run(a),
         Cli::Tokenize(a) => cli::tokenize::run(a),
+        Cli::Serve(a) => serve::run(a),
     };
     if let Err(e) = result {
         // One line: the file, the byte offset and what was wrong travel in the chain.

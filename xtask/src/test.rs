@@ -27,6 +27,7 @@ const STAGES: &[(&str, StageFn)] = &[
     ("gguf-reference", gguf_reference),
     ("llama-cpp", llama_cpp),
     ("npu-plan-smollm2", npu_plan_smollm2),
+    ("serve", serve),
     ("aarch64-tests-cortex-a76", |_| {
         aarch64_tests("cortex-a76", true)
     }),
@@ -118,7 +119,7 @@ fn stage_tools(stage: &str) -> (Vec<&'static doctor::Tool>, bool) {
             ]);
             (t, false)
         }
-        "gguf-reference" | "npu-plan-smollm2" => (vec![&PYTHON_VENV], false),
+        "gguf-reference" | "npu-plan-smollm2" | "serve" => (vec![&PYTHON_VENV], false),
         s if s.starts_with("aarch64-tests") => (vec![&QEMU_USER, &AARCH64_SYSROOT], true),
         s if s.starts_with("boot-qemu") => ([FOR_IMAGE, FOR_BOOT].concat(), true),
         "flash" => (vec![&BMAPTOOL, &LSBLK, &LOSETUP, &MKE2FS, &SFDISK], false),
@@ -567,6 +568,42 @@ fn npu_plan_smollm2(_: &Args) -> Result<()> {
     .env("KILN_RKNN_STANDIN_ABI1", abi1)
     .run()
     .context("kiln plan on SmolLM2")
+}
+
+/// The official OpenAI Python client, pinned: the reference client for `kiln serve`.
+const OPENAI_PIN: &str = "openai==3.60.0";
+
+/// `kiln serve` against the official `openai` client on SmolLM2: the `#[ignore]`d test of
+/// `runtime/tests/serve_openai.rs` with `KILN_OPENAI_PY` and `KILN_SMOLLM2` set.
+fn serve(_: &Args) -> Result<()> {
+    doctor::ensure(&[&doctor::PYTHON_VENV])?;
+    let model = smollm2_model(&gguf_py_venv()?)?;
+    let dir = crate::paths::target_dir().join("kiln/openai-venv");
+    let python = dir.join("bin/python");
+    let stamp = dir.join("kiln-pins.txt");
+    let sh = crate::paths::shell()?;
+    if std::fs::read_to_string(&stamp).ok().as_deref() != Some(OPENAI_PIN) || !python.exists() {
+        println!("serve: installing {OPENAI_PIN} into {}", dir.display());
+        cmd!(sh, "python3 -m venv --clear {dir}")
+            .run()
+            .context("creating the openai virtualenv")?;
+        cmd!(
+            sh,
+            "{python} -m pip install --disable-pip-version-check -q {OPENAI_PIN}"
+        )
+        .run()
+        .with_context(|| format!("pip install {OPENAI_PIN}"))?;
+        std::fs::write(&stamp, OPENAI_PIN)
+            .with_context(|| format!("writing {}", stamp.display()))?;
+    }
+    cmd!(
+        sh,
+        "cargo test --locked -p kiln-runtime --test serve_openai -- --ignored --nocapture"
+    )
+    .env("KILN_OPENAI_PY", &python)
+    .env("KILN_SMOLLM2", &model)
+    .run()
+    .context("kiln serve against the openai client")
 }
 
 /// A virtualenv under `target/` with the pinned gguf-py; returns its python.

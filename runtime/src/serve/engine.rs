@@ -1,0 +1,443 @@
+//! The inference side of `kiln serve`: one std thread owns the mapping, the model and a pool of
+//! `--parallel` sessions (KV caches allocated once, at start). Requests arrive over a bounded
+//! channel; the scheduler admits them into free slots between steps (prefill), then every step
+//! advances each active sequence by one token, and a sequence that ends or whose client went away
+//! frees its slot at once.
+//!
+//! Not done yet: the decode step calls the model once per active sequence (M = 1 each), not one
+//! forward pass at M = active sequences. The tokens are the same either way on the CPU backends;
+//! the weight traffic is not.
+
+use super::metrics::Metrics;
+use crate::cli::chat::render;
+use crate::cli::run::ModelArgs;
+use anyhow::{Context, Result};
+use kiln_runtime::gguf::GgufFile;
+use kiln_runtime::model::sample::{Sampler, SamplerConfig};
+use kiln_runtime::model::{Model, Session, Want};
+use kiln_runtime::tokenizer::{StreamDecoder, Tokenizer};
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc::UnboundedSender;
+
+/// What to generate from.
+pub enum Input {
+    Text(String),
+    Ids(Vec<u32>),
+    Chat(Vec<(String, String)>),
+}
+
+pub struct Params {
+    /// None: until end-of-generation or the context is full.
+    pub max_tokens: Option<usize>,
+    pub temp: f32,
+    pub top_p: f32,
+    pub top_k: usize,
+    pub seed: u64,
+    pub stop: Vec<String>,
+}
+
+pub struct Job {
+    pub input: Input,
+    pub params: Params,
+    pub tx: UnboundedSender<Event>,
+}
+
+/// What the engine tells the HTTP side about one request, in order: `Started`, `Text`*, `Done`;
+/// or a single `Rejected`.
+#[derive(Debug)]
+pub enum Event {
+    Started {
+        prompt_tokens: usize,
+    },
+    Text(String),
+    Done {
+        finish_reason: &'static str,
+        completion_tokens: usize,
+        tokens: Vec<u32>,
+    },
+    Rejected {
+        status: u16,
+        message: String,
+        param: Option<&'static str>,
+        code: &'static str,
+    },
+}
+
+/// The loaded state the HTTP side reads (set once the model is ready).
+pub struct Ready {
+    pub n_ctx: usize,
+}
+
+struct Seq {
+    sampler: Sampler,
+    tx: UnboundedSender<Event>,
+    max_new: usize,
+    stop: Vec<String>,
+    tokens: Vec<u32>,
+    dec: StreamDecoder,
+    text: String,
+    sent: usize,
+    last: u32,
+}
+
+/// Load the model and serve jobs until the channel closes. `on_ready` is called once the model
+/// is loaded (or with the load error).
+pub fn run(
+    args: ModelArgs,
+    parallel: usize,
+    jobs: Receiver<Job>,
+    metrics: Arc<Metrics>,
+    on_ready: impl FnOnce(Result<Ready, String>),
+) {
+    let f = match args.open() {
+        Ok(f) => f,
+        Err(e) => return on_ready(Err(format!("{e:#}"))),
+    };
+    let loaded = (|| -> Result<_> {
+        let model = args.load(&f)?;
+        let tok = Tokenizer::from_gguf(f.gguf())
+            .with_context(|| format!("{}: tokenizer", f.path().display()))?;
+        let n_ctx = args.n_ctx(&model);
+        let sessions = (0..parallel.max(1))
+            .map(|_| model.session(n_ctx, args.kv))
+            .collect::<Result<Vec<_>>>()
+            .context("allocating the KV cache pool")?;
+        Ok((model, tok, n_ctx, sessions))
+    })();
+    let (model, tok, n_ctx, sessions) = match loaded {
+        Ok(v) => v,
+        Err(e) => return on_ready(Err(format!("{e:#}"))),
+    };
+    on_ready(Ok(Ready { n_ctx }));
+    let mut e = Engine {
+        f: &f,
+        model,
+        tok,
+        n_ctx,
+        metrics,
+    };
+    e.serve(sessions, jobs);
+}
+
+struct Engine<'m> {
+    f: &'m GgufFile,
+    model: Model<'m>,
+    tok: Tokenizer,
+    n_ctx: usize,
+    metrics: Arc<Metrics>,
+}
+
+fn reject(
+    tx: &UnboundedSender<Event>,
+    status: u16,
+    code: &'static str,
+    param: Option<&'static str>,
+    message: String,
+) {
+    let _ = tx.send(Event::Rejected {
+        status,
+        message,
+        param,
+        code,
+    });
+}
+
+impl Engine<'_> {
+    fn serve(&mut self, mut free: Vec<Session>, jobs: Receiver<Job>) {
+        let mut active: Vec<(Session, Seq)> = Vec::new();
+        loop {
+            // Admit: block when idle, otherwise take what is waiting without stopping the step.
+            loop {
+                if free.is_empty() {
+                    break;
+                }
+                let job = if active.is_empty() {
+                    match jobs.recv_timeout(Duration::from_millis(200)) {
+                        Ok(j) => j,
+                        Err(RecvTimeoutError::Timeout) => continue,
+                        Err(RecvTimeoutError::Disconnected) => return,
+                    }
+                } else {
+                    match jobs.try_recv() {
+                        Ok(j) => j,
+                        Err(_) => break,
+                    }
+                };
+                self.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
+                let Some(mut s) = free.pop() else { break };
+                s.kv.clear();
+                match self.start(&mut s, job) {
+                    Some(seq) => active.push((s, seq)),
+                    None => free.push(s),
+                }
+            }
+            self.metrics
+                .active
+                .store(active.len() as u64, Ordering::Relaxed);
+            if active.is_empty() {
+                continue;
+            }
+            // One decode step over every active sequence.
+            let t0 = Instant::now();
+            let mut stepped = 0u64;
+            let mut i = 0;
+            while i < active.len() {
+                let (s, seq) = &mut active[i];
+                let done = if seq.tx.is_closed() {
+                    self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+                    true
+                } else {
+                    stepped += 1;
+                    match self.model.forward(s, &[seq.last], Want::Last) {
+                        Ok(logits) => self.emit(seq, &logits),
+                        Err(e) => {
+                            reject(&seq.tx, 500, "internal_error", None, format!("{e:#}"));
+                            true
+                        }
+                    }
+                };
+                if done {
+                    let (s, _) = active.swap_remove(i);
+                    self.record_ops(&s);
+                    free.push(s);
+                } else {
+                    i += 1;
+                }
+            }
+            self.metrics.add_decode(stepped, t0.elapsed());
+        }
+    }
+
+    fn record_ops(&self, s: &Session) {
+        self.metrics.add_ops(&s.stats.ops);
+    }
+
+    fn encode(
+        &self,
+        input: &Input,
+    ) -> Result<Vec<u32>, (u16, &'static str, Option<&'static str>, String)> {
+        let bad = |m: String| (400, "invalid_request_error", None, m);
+        match input {
+            Input::Ids(ids) => Ok(ids.clone()),
+            Input::Text(t) => self
+                .tok
+                .encode(t, true, true)
+                .map_err(|e| bad(format!("{e:#}"))),
+            Input::Chat(msgs) => {
+                let Some(template) = self.tok.chat_template() else {
+                    return Err(bad(format!(
+                        "{}: the model has no tokenizer.chat_template",
+                        self.f.path().display()
+                    )));
+                };
+                let piece = |id: Option<u32>| {
+                    id.map(|t| String::from_utf8_lossy(&self.tok.token_to_piece(t)).into_owned())
+                        .unwrap_or_default()
+                };
+                let prompt = render(
+                    template,
+                    msgs,
+                    &piece(self.tok.bos()),
+                    &piece(self.tok.eos()),
+                )
+                .map_err(|e| {
+                    (
+                        400,
+                        "invalid_request_error",
+                        Some("messages"),
+                        format!("{e:#}"),
+                    )
+                })?;
+                self.tok
+                    .encode(&prompt, true, true)
+                    .map_err(|e| bad(format!("{e:#}")))
+            }
+        }
+    }
+
+    /// Validate, prefill and sample the first token; None when the request ended already.
+    fn start(&mut self, s: &mut Session, job: Job) -> Option<Seq> {
+        let tx = job.tx;
+        let p = job.params;
+        let prompt = match self.encode(&job.input) {
+            Ok(p) => p,
+            Err((status, code, param, msg)) => {
+                reject(&tx, status, code, param, msg);
+                return None;
+            }
+        };
+        if prompt.is_empty() {
+            reject(
+                &tx,
+                400,
+                "invalid_request_error",
+                Some("prompt"),
+                "the prompt has no tokens".into(),
+            );
+            return None;
+        }
+        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= self.model.n_vocab) {
+            reject(
+                &tx,
+                400,
+                "invalid_request_error",
+                Some("prompt"),
+                format!(
+                    "token id {bad} is outside the vocabulary ({})",
+                    self.model.n_vocab
+                ),
+            );
+            return None;
+        }
+        let room = self.n_ctx.saturating_sub(prompt.len());
+        if room == 0 {
+            reject(&tx, 400, "context_length_exceeded", Some("prompt"), format!(
+                "the prompt has {} tokens; the context (--ctx) holds {} and needs room for one generated token",
+                prompt.len(),
+                self.n_ctx
+            ));
+            return None;
+        }
+        let max_new = match p.max_tokens {
+            Some(n) if n > room => {
+                reject(
+                    &tx,
+                    400,
+                    "context_length_exceeded",
+                    Some("max_tokens"),
+                    format!(
+                        "max_tokens {n} + {} prompt tokens exceed the context of {} tokens",
+                        prompt.len(),
+                        self.n_ctx
+                    ),
+                );
+                return None;
+            }
+            Some(n) => n,
+            None => room,
+        };
+        if tx
+            .send(Event::Started {
+                prompt_tokens: prompt.len(),
+            })
+            .is_err()
+        {
+            return None;
+        }
+        let t0 = Instant::now();
+        let logits = match self.model.forward(s, &prompt, Want::Last) {
+            Ok(l) => l,
+            Err(e) => {
+                reject(&tx, 500, "internal_error", None, format!("{e:#}"));
+                return None;
+            }
+        };
+        self.metrics.add_prefill(prompt.len() as u64, t0.elapsed());
+        let mut seq = Seq {
+            sampler: Sampler::new(SamplerConfig {
+                temp: p.temp,
+                top_k: p.top_k,
+                top_p: p.top_p,
+                seed: p.seed,
+            }),
+            tx,
+            max_new,
+            stop: p.stop,
+            tokens: Vec::new(),
+            dec: StreamDecoder::new(),
+            text: String::new(),
+            sent: 0,
+            last: 0,
+        };
+        if self.emit(&mut seq, &logits) {
+            self.record_ops(s);
+            return None;
+        }
+        Some(seq)
+    }
+
+    /// Sample one token and send the text it makes safe to send; true when the sequence ended.
+    fn emit(&self, seq: &mut Seq, logits: &[f32]) -> bool {
+        let t = seq.sampler.sample(logits);
+        seq.tokens.push(t);
+        seq.last = t;
+        self.metrics
+            .completion_tokens
+            .fetch_add(1, Ordering::Relaxed);
+        let eog = self.tok.is_eog(t);
+        if !eog {
+            seq.text
+                .push_str(&seq.dec.push(&self.tok.token_to_piece(t)));
+        }
+        let at_max = seq.tokens.len() >= seq.max_new;
+        let mut finish = if eog {
+            Some("stop")
+        } else if at_max {
+            Some("length")
+        } else {
+            None
+        };
+        if finish.is_some() {
+            let rest = std::mem::take(&mut seq.dec).finish();
+            seq.text.push_str(&rest);
+        }
+        // A stop string ends the text before it; text that could still begin one is held back.
+        let mut end = seq.text.len();
+        let search_from = seq
+            .sent
+            .saturating_sub(seq.stop.iter().map(|s| s.len()).max().unwrap_or(0));
+        let search_from = floor_char(&seq.text, search_from);
+        if let Some(at) = seq
+            .stop
+            .iter()
+            .filter(|s| !s.is_empty())
+            .filter_map(|s| {
+                seq.text[search_from..]
+                    .find(s.as_str())
+                    .map(|i| search_from + i)
+            })
+            .min()
+        {
+            end = at.max(seq.sent);
+            finish = Some("stop");
+        } else if finish.is_none() {
+            let hold = seq
+                .stop
+                .iter()
+                .map(|s| s.len())
+                .max()
+                .unwrap_or(1)
+                .saturating_sub(1);
+            end = floor_char(&seq.text, seq.text.len().saturating_sub(hold).max(seq.sent));
+        }
+        if end > seq.sent {
+            let piece = seq.text[seq.sent..end].to_string();
+            seq.sent = end;
+            if seq.tx.send(Event::Text(piece)).is_err() {
+                self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
+                return true;
+            }
+        }
+        if let Some(reason) = finish {
+            let _ = seq.tx.send(Event::Done {
+                finish_reason: reason,
+                completion_tokens: seq.tokens.len(),
+                tokens: std::mem::take(&mut seq.tokens),
+            });
+            return true;
+        }
+        false
+    }
+}
+
+/// The largest char boundary of `s` at or below `i`.
+fn floor_char(s: &str, mut i: usize) -> usize {
+    i = i.min(s.len());
+    while !s.is_char_boundary(i) {
+        i -= 1;
+    }
+    i
+}

@@ -1,0 +1,605 @@
+//! The HTTP side: routes, request parsing, OpenAI-shaped responses and errors.
+
+// A Response as the error of the parsing helpers: built once per rejected request, never hot.
+#![allow(clippy::result_large_err)]
+
+use super::engine::{self, Event, Input, Job, Params};
+use super::metrics::Metrics;
+use super::Args;
+use anyhow::{Context, Result};
+use axum::body::{Body, Bytes};
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use serde_json::{json, Value};
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{SyncSender, TrySendError};
+use std::sync::{Arc, OnceLock};
+use tokio::sync::mpsc::unbounded_channel;
+use tokio_stream::StreamExt as _;
+
+/// Request bodies above this get 413.
+const BODY_LIMIT: usize = 1 << 20;
+
+struct App {
+    model_id: String,
+    key: Option<String>,
+    report: Option<Vec<u8>>,
+    ready: OnceLock<Result<usize, String>>,
+    jobs: SyncSender<Job>,
+    metrics: Arc<Metrics>,
+}
+
+type St = State<Arc<App>>;
+
+fn error(
+    status: u16,
+    kind: &str,
+    code: &str,
+    param: Option<&str>,
+    message: impl Into<String>,
+) -> Response {
+    let s = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    (
+        s,
+        axum::Json(json!({"error": {"message": message.into(), "type": kind, "param": param, "code": code}})),
+    )
+        .into_response()
+}
+
+fn bad(param: Option<&str>, message: impl Into<String>) -> Response {
+    error(
+        400,
+        "invalid_request_error",
+        "invalid_request_error",
+        param,
+        message,
+    )
+}
+
+pub async fn serve(a: Args, key: Option<String>, report: Option<Vec<u8>>) -> Result<()> {
+    let model_id =
+        a.m.model
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "model".into());
+    let (jobs, rx) = std::sync::mpsc::sync_channel(a.queue.max(1));
+    let metrics = Arc::new(Metrics::default());
+    let app = Arc::new(App {
+        model_id,
+        key,
+        report,
+        ready: OnceLock::new(),
+        jobs,
+        metrics: metrics.clone(),
+    });
+    let (margs, parallel) = (a.m.clone(), a.parallel);
+    let app2 = app.clone();
+    std::thread::Builder::new()
+        .name("kiln-engine".into())
+        .spawn(move || {
+            engine::run(margs, parallel, rx, metrics, |r| {
+                if let Err(e) = &r {
+                    eprintln!("kiln serve: the model did not load: {e}");
+                } else {
+                    eprintln!("kiln serve: ready");
+                }
+                let _ = app2.ready.set(r.map(|r| r.n_ctx));
+            })
+        })
+        .context("starting the inference thread")?;
+    let v1 = Router::new()
+        .route("/v1/models", get(models))
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat))
+        .route_layer(middleware::from_fn_with_state(app.clone(), auth));
+    let router = Router::new()
+        .merge(v1)
+        .route("/health", get(health))
+        .route("/kiln/report", get(kiln_report))
+        .route("/metrics", get(metrics_text))
+        .fallback(|| async {
+            error(
+                404,
+                "invalid_request_error",
+                "not_found",
+                None,
+                "no such endpoint",
+            )
+        })
+        .layer(DefaultBodyLimit::max(BODY_LIMIT))
+        .layer(middleware::from_fn_with_state(app.clone(), count))
+        .with_state(app);
+    let addr = format!("{}:{}", a.host, a.port);
+    let listener = tokio::net::TcpListener::bind(&addr)
+        .await
+        .with_context(|| format!("binding {addr}"))?;
+    eprintln!("kiln serve: listening on http://{addr}");
+    axum::serve(listener, router).await.context("serving HTTP")
+}
+
+async fn count(State(app): St, req: Request, next: Next) -> Response {
+    app.metrics.requests.fetch_add(1, Ordering::Relaxed);
+    let r = next.run(req).await;
+    if r.status().is_client_error() || r.status().is_server_error() {
+        app.metrics.errors.fetch_add(1, Ordering::Relaxed);
+    }
+    r
+}
+
+async fn auth(State(app): St, headers: HeaderMap, req: Request, next: Next) -> Response {
+    if let Some(k) = &app.key {
+        let got = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        if got != Some(k.as_str()) {
+            return error(
+                401,
+                "invalid_request_error",
+                "invalid_api_key",
+                None,
+                "a valid bearer API key is required",
+            );
+        }
+    }
+    next.run(req).await
+}
+
+async fn health(State(app): St) -> Response {
+    let verdict = app
+        .report
+        .as_ref()
+        .and_then(|r| serde_json::from_slice::<Value>(r).ok())
+        .and_then(|v| v.get("verdict").cloned());
+    match app.ready.get() {
+        Some(Ok(_)) => (
+            StatusCode::OK,
+            axum::Json(json!({"status": "ok", "model": app.model_id, "verdict": verdict})),
+        )
+            .into_response(),
+        Some(Err(e)) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            axum::Json(json!({"status": "error", "error": e, "verdict": verdict})),
+        )
+            .into_response(),
+        None => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            axum::Json(json!({"status": "loading", "verdict": verdict})),
+        )
+            .into_response(),
+    }
+}
+
+async fn kiln_report(State(app): St) -> Response {
+    match &app.report {
+        Some(r) => ([(header::CONTENT_TYPE, "application/json")], r.clone()).into_response(),
+        None => error(
+            404,
+            "invalid_request_error",
+            "no_report",
+            None,
+            "kiln serve was started without --report",
+        ),
+    }
+}
+
+async fn metrics_text(State(app): St) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        app.metrics.render(),
+    )
+        .into_response()
+}
+
+async fn models(State(app): St) -> Response {
+    axum::Json(json!({"object": "list", "data": [{"id": app.model_id, "object": "model", "created": 0, "owned_by": "kiln"}]})).into_response()
+}
+
+fn body_json(
+    body: Result<Bytes, BytesRejection>,
+) -> Result<serde_json::Map<String, Value>, Response> {
+    let b = body.map_err(|e| {
+        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            error(
+                413,
+                "invalid_request_error",
+                "request_too_large",
+                None,
+                format!("the body is larger than {BODY_LIMIT} bytes"),
+            )
+        } else {
+            bad(None, e.body_text())
+        }
+    })?;
+    match serde_json::from_slice::<Value>(&b) {
+        Ok(Value::Object(m)) => Ok(m),
+        Ok(_) => Err(bad(None, "the body must be a JSON object")),
+        Err(e) => Err(bad(None, format!("the body is not valid JSON: {e}"))),
+    }
+}
+
+fn num(
+    m: &serde_json::Map<String, Value>,
+    k: &'static str,
+    lo: f64,
+    hi: f64,
+    def: f64,
+) -> Result<f64, Response> {
+    match m.get(k) {
+        None | Some(Value::Null) => Ok(def),
+        Some(Value::Number(n)) => match n.as_f64() {
+            Some(v) if (lo..=hi).contains(&v) => Ok(v),
+            _ => Err(bad(
+                Some(k),
+                format!("{k} must be a number in [{lo}, {hi}]"),
+            )),
+        },
+        Some(_) => Err(bad(Some(k), format!("{k} must be a number"))),
+    }
+}
+
+fn uint(m: &serde_json::Map<String, Value>, k: &'static str) -> Result<Option<u64>, Response> {
+    match m.get(k) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_u64()
+            .map(Some)
+            .ok_or_else(|| bad(Some(k), format!("{k} must be a non-negative integer"))),
+    }
+}
+
+fn params(
+    m: &serde_json::Map<String, Value>,
+    default_max: Option<usize>,
+) -> Result<Params, Response> {
+    let max_tokens = match uint(m, "max_completion_tokens")?.or(uint(m, "max_tokens")?) {
+        Some(0) => return Err(bad(Some("max_tokens"), "max_tokens must be at least 1")),
+        Some(n) => Some(usize::try_from(n).unwrap_or(usize::MAX)),
+        None => default_max,
+    };
+    let stop = match m.get("stop") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) if a.len() <= 4 => a
+            .iter()
+            .map(|v| v.as_str().map(str::to_string))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| bad(Some("stop"), "stop must be a string or up to 4 strings"))?,
+        Some(_) => {
+            return Err(bad(
+                Some("stop"),
+                "stop must be a string or up to 4 strings",
+            ))
+        }
+    };
+    if let Some(n) = uint(m, "n")? {
+        if n != 1 {
+            return Err(bad(Some("n"), "only n = 1 is supported"));
+        }
+    }
+    Ok(Params {
+        max_tokens,
+        temp: num(m, "temperature", 0.0, 2.0, 1.0)? as f32,
+        top_p: num(m, "top_p", 0.0, 1.0, 1.0)? as f32,
+        top_k: uint(m, "top_k")?.map_or(0, |k| usize::try_from(k).unwrap_or(usize::MAX)),
+        seed: match m.get("seed") {
+            None | Some(Value::Null) => 42,
+            Some(v) => v
+                .as_u64()
+                .or_else(|| v.as_i64().map(|i| i as u64))
+                .ok_or_else(|| bad(Some("seed"), "seed must be an integer"))?,
+        },
+        stop,
+    })
+}
+
+fn check_model(app: &App, m: &serde_json::Map<String, Value>) -> Result<(), Response> {
+    match m.get("model") {
+        Some(Value::String(s)) if *s == app.model_id => Ok(()),
+        Some(Value::String(s)) => Err(error(
+            404,
+            "invalid_request_error",
+            "model_not_found",
+            Some("model"),
+            format!(
+                "the model {s:?} does not exist; this server serves {:?}",
+                app.model_id
+            ),
+        )),
+        _ => Err(bad(Some("model"), "model must be a string")),
+    }
+}
+
+async fn completions(State(app): St, body: Result<Bytes, BytesRejection>) -> Response {
+    let r = async {
+        let m = body_json(body)?;
+        check_model(&app, &m)?;
+        let input = match m.get("prompt") {
+            Some(Value::String(s)) => Input::Text(s.clone()),
+            Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
+                Input::Text(a[0].as_str().unwrap_or_default().to_string())
+            }
+            Some(Value::Array(a)) if !a.is_empty() && a.iter().all(|v| v.is_u64()) => Input::Ids(
+                a.iter()
+                    .map(|v| v.as_u64().and_then(|t| u32::try_from(t).ok()))
+                    .collect::<Option<Vec<u32>>>()
+                    .ok_or_else(|| bad(Some("prompt"), "token ids must fit in 32 bits"))?,
+            ),
+            _ => {
+                return Err(bad(
+                    Some("prompt"),
+                    "prompt must be a string, one string in a list, or a list of token ids",
+                ))
+            }
+        };
+        let p = params(&m, Some(16))?;
+        Ok::<_, Response>((input, p, stream_flags(&m)?))
+    }
+    .await;
+    match r {
+        Ok((input, p, flags)) => generate(app, input, p, flags, false).await,
+        Err(e) => e,
+    }
+}
+
+async fn chat(State(app): St, body: Result<Bytes, BytesRejection>) -> Response {
+    let r = async {
+        let m = body_json(body)?;
+        check_model(&app, &m)?;
+        let msgs = m
+            .get("messages")
+            .and_then(Value::as_array)
+            .filter(|a| !a.is_empty())
+            .ok_or_else(|| bad(Some("messages"), "messages must be a non-empty list"))?;
+        let mut out = Vec::new();
+        for msg in msgs {
+            let role = msg
+                .get("role")
+                .and_then(Value::as_str)
+                .filter(|r| ["system", "developer", "user", "assistant"].contains(r))
+                .ok_or_else(|| {
+                    bad(
+                        Some("messages"),
+                        "each message needs a role: system, user or assistant",
+                    )
+                })?;
+            let role = if role == "developer" { "system" } else { role };
+            let content = match msg.get("content") {
+                Some(Value::String(s)) => s.clone(),
+                Some(Value::Array(parts)) => parts
+                    .iter()
+                    .map(|p| p.get("text").and_then(Value::as_str))
+                    .collect::<Option<Vec<_>>>()
+                    .ok_or_else(|| bad(Some("messages"), "only text content parts are supported"))?
+                    .concat(),
+                _ => return Err(bad(Some("messages"), "each message needs a string content")),
+            };
+            out.push((role.to_string(), content));
+        }
+        let p = params(&m, None)?;
+        Ok::<_, Response>((Input::Chat(out), p, stream_flags(&m)?))
+    }
+    .await;
+    match r {
+        Ok((input, p, flags)) => generate(app, input, p, flags, true).await,
+        Err(e) => e,
+    }
+}
+
+/// (stream, include usage in the stream)
+fn stream_flags(m: &serde_json::Map<String, Value>) -> Result<(bool, bool), Response> {
+    let stream = match m.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(bad(Some("stream"), "stream must be a boolean")),
+    };
+    let usage = m
+        .get("stream_options")
+        .and_then(|o| o.get("include_usage"))
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    Ok((stream, usage))
+}
+
+fn now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+async fn generate(
+    app: Arc<App>,
+    input: Input,
+    params: Params,
+    (stream, with_usage): (bool, bool),
+    chat: bool,
+) -> Response {
+    match app.ready.get() {
+        Some(Ok(_)) => {}
+        Some(Err(e)) => {
+            return error(
+                503,
+                "server_error",
+                "model_not_loaded",
+                None,
+                format!("the model did not load: {e}"),
+            )
+        }
+        None => {
+            return error(
+                503,
+                "server_error",
+                "loading",
+                None,
+                "the model is still loading",
+            )
+        }
+    }
+    let (tx, mut rx) = unbounded_channel();
+    app.metrics.queue_depth.fetch_add(1, Ordering::Relaxed);
+    match app.jobs.try_send(Job { input, params, tx }) {
+        Ok(()) => {}
+        Err(TrySendError::Full(_)) => {
+            app.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
+            return error(
+                429,
+                "rate_limit_error",
+                "queue_full",
+                None,
+                "too many requests are waiting; retry later",
+            );
+        }
+        Err(TrySendError::Disconnected(_)) => {
+            app.metrics.queue_depth.fetch_sub(1, Ordering::Relaxed);
+            return error(
+                503,
+                "server_error",
+                "engine_stopped",
+                None,
+                "the inference thread has stopped",
+            );
+        }
+    }
+    let prompt_tokens = match rx.recv().await {
+        Some(Event::Started { prompt_tokens }) => prompt_tokens,
+        Some(Event::Rejected {
+            status,
+            message,
+            param,
+            code,
+        }) => {
+            let kind = if status >= 500 {
+                "server_error"
+            } else {
+                "invalid_request_error"
+            };
+            return error(status, kind, code, param, message);
+        }
+        _ => {
+            return error(
+                500,
+                "server_error",
+                "internal_error",
+                None,
+                "the engine ended the request without an answer",
+            )
+        }
+    };
+    let id = format!(
+        "{}-{:x}",
+        if chat { "chatcmpl" } else { "cmpl" },
+        now() ^ (Arc::as_ptr(&app) as u64).rotate_left(17) ^ prompt_tokens as u64
+    );
+    let model = app.model_id.clone();
+    let created = now();
+    let usage = move |c: usize| json!({"prompt_tokens": prompt_tokens, "completion_tokens": c, "total_tokens": prompt_tokens + c});
+    if !stream {
+        let mut text = String::new();
+        while let Some(ev) = rx.recv().await {
+            match ev {
+                Event::Text(t) => text.push_str(&t),
+                Event::Done {
+                    finish_reason,
+                    completion_tokens,
+                    tokens,
+                    ..
+                } => {
+                    let choice = if chat {
+                        json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason, "logprobs": null})
+                    } else {
+                        json!({"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": null})
+                    };
+                    return axum::Json(json!({
+                        "id": id,
+                        "object": if chat { "chat.completion" } else { "text_completion" },
+                        "created": created,
+                        "model": model,
+                        "choices": [choice],
+                        "usage": usage(completion_tokens),
+                        "kiln": {"tokens": tokens},
+                    }))
+                    .into_response();
+                }
+                Event::Rejected {
+                    status,
+                    message,
+                    code,
+                    param,
+                } => return error(status, "server_error", code, param, message),
+                Event::Started { .. } => {}
+            }
+        }
+        return error(
+            500,
+            "server_error",
+            "internal_error",
+            None,
+            "the engine ended the request early",
+        );
+    }
+    let object = if chat {
+        "chat.completion.chunk"
+    } else {
+        "text_completion"
+    };
+    let chunk = move |text: Option<&str>, finish: Option<&str>, first: bool| {
+        let choice = if chat {
+            let mut delta = serde_json::Map::new();
+            if first {
+                delta.insert("role".into(), json!("assistant"));
+            }
+            if let Some(t) = text {
+                delta.insert("content".into(), json!(t));
+            }
+            json!({"index": 0, "delta": delta, "finish_reason": finish, "logprobs": null})
+        } else {
+            json!({"index": 0, "text": text.unwrap_or(""), "finish_reason": finish, "logprobs": null})
+        };
+        json!({"id": id, "object": object, "created": created, "model": model, "choices": [choice]})
+    };
+    let mut first = true;
+    let s = tokio_stream::wrappers::UnboundedReceiverStream::new(rx).map(move |ev| {
+        let data = match ev {
+            Event::Text(t) => {
+                let c = chunk(Some(&t), None, first);
+                first = false;
+                format!("data: {c}\n\n")
+            }
+            Event::Done { finish_reason, completion_tokens, .. } => {
+                let mut c = chunk(None, Some(finish_reason), first);
+                let mut out = String::new();
+                if with_usage {
+                    out = format!("data: {c}\n\n");
+                    c["choices"] = json!([]);
+                    c["usage"] = usage(completion_tokens);
+                } else {
+                    c["usage"] = Value::Null;
+                }
+                format!("{out}data: {c}\n\ndata: [DONE]\n\n")
+            }
+            Event::Rejected { message, .. } => {
+                format!("data: {}\n\ndata: [DONE]\n\n", json!({"error": {"message": message, "type": "server_error", "param": null, "code": "internal_error"}}))
+            }
+            Event::Started { .. } => String::new(),
+        };
+        Ok::<_, std::convert::Infallible>(data)
+    });
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/event-stream")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(Body::from_stream(s))
+        .unwrap_or_else(|_| {
+            error(
+                500,
+                "server_error",
+                "internal_error",
+                None,
+                "building the stream",
+            )
+        })
+}

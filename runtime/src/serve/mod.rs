@@ -1,0 +1,66 @@
+//! `kiln serve`: an OpenAI-compatible HTTP API over one model.
+//!
+//! HTTP is axum on tokio: a kept, hyper-based stack whose tower layers give the body-size limit,
+//! and whose handlers never run a matmul — inference runs on its own std thread
+//! ([`engine`]), fed over a bounded channel (full → 429) and answering over one unbounded
+//! channel per request, which the engine sees closed when the client goes away.
+
+mod engine;
+mod http;
+mod metrics;
+
+use crate::cli::run::ModelArgs;
+use anyhow::{Context, Result};
+use std::path::PathBuf;
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    pub m: ModelArgs,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// Sequences decoded at once (each with its own KV cache from one pool allocated at start).
+    #[arg(long, default_value_t = 4)]
+    pub parallel: usize,
+    /// Requests that may wait for a slot before new ones get 429.
+    #[arg(long, default_value_t = 64)]
+    pub queue: usize,
+    /// A file holding the bearer key every /v1 request must carry (one line).
+    #[arg(long)]
+    pub api_key_file: Option<PathBuf>,
+    /// The self-check report served byte-equal at GET /kiln/report (its verdict in /health).
+    #[arg(long)]
+    pub report: Option<PathBuf>,
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let key = match &a.api_key_file {
+        Some(p) => {
+            let k = std::fs::read_to_string(p)
+                .with_context(|| format!("reading --api-key-file {}", p.display()))?;
+            let k = k.trim().to_string();
+            anyhow::ensure!(
+                !k.is_empty(),
+                "--api-key-file {}: the file is empty",
+                p.display()
+            );
+            Some(k)
+        }
+        None => None,
+    };
+    let report = match &a.report {
+        Some(p) => {
+            Some(std::fs::read(p).with_context(|| format!("reading --report {}", p.display()))?)
+        }
+        None => None,
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the tokio runtime")?;
+    rt.block_on(http::serve(a, key, report))
+}

@@ -1,0 +1,208 @@
+"""kiln serve against the official openai client (and raw HTTP for what the client hides).
+
+argv: KILN_BINARY MODEL.gguf WORKDIR. Exits non-zero with a message on the first failure.
+"""
+import concurrent.futures as cf
+import http.client
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+
+import openai
+
+kiln, model, work = sys.argv[1], sys.argv[2], sys.argv[3]
+CTX, PORT, KEY = 512, int(os.environ.get("KILN_SERVE_PORT", "18731")), "sk-kiln-test"
+MID = os.path.splitext(os.path.basename(model))[0]
+common = ["--backend", "cpu", "--threads", "1", "--ctx", str(CTX)]
+os.makedirs(work, exist_ok=True)
+report = os.path.join(work, "report.json")
+with open(report, "wb") as f:
+    f.write(b'{"verdict": "PASS",  "checks": [], "note": "\xc3\xa9 kept as bytes"}\n\n')
+keyf = os.path.join(work, "key")
+with open(keyf, "w") as f:
+    f.write(KEY + "\n")
+
+srv = subprocess.Popen([kiln, "serve", model, "--port", str(PORT), "--parallel", "4",
+                        "--report", report, "--api-key-file", keyf] + common)
+
+
+def raw(method, path, body=None, headers=None, timeout=120):
+    c = http.client.HTTPConnection("127.0.0.1", PORT, timeout=timeout)
+    h = {"Authorization": "Bearer " + KEY, "Content-Type": "application/json"}
+    h.update(headers or {})
+    c.request(method, path, body=body, headers=h)
+    r = c.getresponse()
+    data = r.read()
+    c.close()
+    return r.status, data
+
+
+def check(cond, what):
+    if not cond:
+        srv.kill()
+        sys.exit("FAIL: " + what)
+    print("ok:", what)
+
+
+try:
+    # /health: 503 while loading (if we are quick enough to see it), then 200.
+    seen = []
+    for _ in range(600):
+        try:
+            st, body = raw("GET", "/health")
+            seen.append(st)
+            if st == 200:
+                break
+            check(st == 503 and b'"status"' in body, "health is 503 with a body before ready")
+        except OSError:
+            pass
+        time.sleep(0.1)
+    check(seen and seen[-1] == 200, f"health became 200 (saw {sorted(set(seen))})")
+    check(json.loads(raw("GET", "/health")[1])["verdict"] == "PASS", "health carries the report's verdict")
+    st, body = raw("GET", "/kiln/report")
+    check(st == 200 and body == open(report, "rb").read(), "/kiln/report is byte-equal to --report")
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key=KEY, max_retries=0)
+    check([m.id for m in client.models.list().data] == [MID], "models.list names the model")
+
+    def ref(prompt, n):
+        out = subprocess.run([kiln, "run", model, "--temp", "0", "-n", str(n), "--json", "-p", prompt] + common,
+                             check=True, capture_output=True, text=True).stdout
+        return json.loads(out)
+
+    prompts = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,", "def fibonacci(n):",
+               "The quick brown fox", "In the year 2050, scientists", "Water boils at", "My favourite colour is"]
+    lens = [12, 5, 9, 16, 3, 10, 7, 14]
+    refs = [ref(p, n) for p, n in zip(prompts, lens)]
+
+    def complete(i):
+        r = client.completions.create(model=MID, prompt=prompts[i], max_tokens=lens[i], temperature=0)
+        return r
+
+    with cf.ThreadPoolExecutor(8) as ex:
+        got = list(ex.map(complete, range(8)))
+    for i, r in enumerate(got):
+        check(r.model_extra["kiln"]["tokens"] == refs[i]["tokens"],
+              f"concurrent completion {i} has the tokens kiln run gives alone ({len(refs[i]['tokens'])})")
+        # kiln run prints the end-of-generation token's piece; the API, like OpenAI's, does not.
+        eog = len(refs[i]["tokens"]) < lens[i]
+        check(r.choices[0].text == refs[i]["text"] if not eog else refs[i]["text"].startswith(r.choices[0].text),
+              f"concurrent completion {i} has kiln run's text (ended at EOG: {eog})")
+        check(r.choices[0].finish_reason == ("stop" if eog else "length"), f"completion {i} finish_reason")
+        check(r.usage.prompt_tokens == len(refs[i]["prompt_tokens"]) and
+              r.usage.completion_tokens == len(refs[i]["tokens"]), f"completion {i} usage counts")
+
+    s = client.completions.create(model=MID, prompt=prompts[0], max_tokens=lens[0], temperature=0, stream=True)
+    check("".join(c.choices[0].text for c in s) == refs[0]["text"], "streamed completion equals kiln run")
+
+    stop_text = refs[3]["text"]
+    cut = stop_text[len(stop_text) // 2:][:3]
+    r = client.completions.create(model=MID, prompt=prompts[3], max_tokens=lens[3], temperature=0, stop=[cut])
+    check(r.choices[0].text == stop_text[:stop_text.index(cut)] and r.choices[0].finish_reason == "stop",
+          f"stop {cut!r} ends the text before it")
+    s = client.completions.create(model=MID, prompt=prompts[3], max_tokens=lens[3], temperature=0, stop=[cut], stream=True)
+    check("".join(c.choices[0].text for c in s) == stop_text[:stop_text.index(cut)], "stop in a stream")
+
+    a = client.completions.create(model=MID, prompt=prompts[1], max_tokens=8, temperature=0.9, top_p=0.9, seed=5, extra_body={"top_k": 20})
+    b = client.completions.create(model=MID, prompt=prompts[1], max_tokens=8, temperature=0.9, top_p=0.9, seed=5, extra_body={"top_k": 20})
+    check(a.choices[0].text == b.choices[0].text, "a seed repeats a sampled completion")
+
+    msgs = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "What is 2+2?"}]
+    c = client.chat.completions.create(model=MID, messages=msgs, max_tokens=20, temperature=0)
+    check(c.choices[0].message.role == "assistant" and c.choices[0].message.content, "chat completion answers")
+    cs = client.chat.completions.create(model=MID, messages=msgs, max_tokens=20, temperature=0, stream=True,
+                                        stream_options={"include_usage": True})
+    parts, usage = [], None
+    for ch in cs:
+        if ch.choices:
+            parts.append(ch.choices[0].delta.content or "")
+        if ch.usage:
+            usage = ch.usage
+    check("".join(parts) == c.choices[0].message.content, "streamed chat equals the non-streamed chat")
+    check(usage is not None and usage.completion_tokens == c.usage.completion_tokens, "stream usage counts")
+
+    # Errors, through the client where it maps them.
+    def err(fn, exc, what):
+        try:
+            fn()
+        except exc as e:
+            body = e.body if hasattr(e, "body") else None
+            check(isinstance(body, dict) and {"message", "type", "param", "code"} <= set(body), what)
+            return
+        check(False, what + " (no error raised)")
+
+    err(lambda: client.completions.create(model="nope", prompt="x"), openai.NotFoundError, "unknown model → 404")
+    err(lambda: client.completions.create(model=MID, prompt="x", max_tokens=0), openai.BadRequestError, "max_tokens 0 → 400")
+    err(lambda: client.completions.create(model=MID, prompt="x", max_tokens=10**9), openai.BadRequestError, "huge max_tokens → 400")
+    err(lambda: client.completions.create(model=MID, prompt="word " * (CTX + 10)), openai.BadRequestError, "prompt over ctx → 400")
+    err(lambda: client.completions.create(model=MID, prompt="x", temperature="hot"), openai.BadRequestError, "wrong type → 400")
+    err(lambda: openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="wrong", max_retries=0).models.list(),
+        openai.AuthenticationError, "wrong key → 401")
+    st, body = raw("POST", "/v1/completions", b"{not json")
+    check(st == 400 and "error" in json.loads(body), "malformed JSON → 400")
+    st, body = raw("POST", "/v1/completions", b'{"model":"' + MID.encode() + b'","prompt":"' + b"a" * (2 << 20) + b'"}')
+    check(st == 413 and json.loads(body)["error"]["code"] == "request_too_large", "2 MiB body → 413")
+    st, _ = raw("GET", "/v1/models", headers={"Authorization": ""})
+    check(st == 401, "no key → 401")
+
+    # A client that vanishes mid-stream frees its slot.
+    sock = socket.create_connection(("127.0.0.1", PORT))
+    b = json.dumps({"model": MID, "prompt": "Tell me a long story", "max_tokens": 400, "stream": True}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+                 b"\r\nContent-Type: application/json\r\nContent-Length: " + str(len(b)).encode() + b"\r\n\r\n" + b)
+    sock.recv(100)
+    sock.close()
+
+    # Fuzz: mutated bodies and raw byte streams.
+    rng = random.Random(1)
+    seeds = [json.dumps({"model": MID, "prompt": "hi", "max_tokens": 2}).encode(),
+             json.dumps({"model": MID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()]
+    statuses = {}
+    n_bodies = int(os.environ.get("KILN_SERVE_FUZZ", "2000"))
+    for i in range(n_bodies):
+        b = bytearray(rng.choice(seeds))
+        for _ in range(rng.randint(1, 6)):
+            op, pos = rng.randint(0, 2), rng.randrange(len(b))
+            if op == 0:
+                b[pos] = rng.randrange(256)
+            elif op == 1:
+                del b[pos]
+            else:
+                b.insert(pos, rng.choice(b'{}[]",:0123456789-eE.tfn\\u '))
+        path = rng.choice(["/v1/completions", "/v1/chat/completions"])
+        st, body = raw("POST", path, bytes(b), timeout=60)
+        statuses[st] = statuses.get(st, 0) + 1
+        if st != 200:
+            check_err = json.loads(body)["error"]
+            assert {"message", "type", "param", "code"} <= set(check_err), body
+    print("fuzz bodies by status:", statuses)
+    check(set(statuses) <= {200, 400, 404}, f"{n_bodies} mutated bodies answered 200/400/404 with error JSON")
+    for i in range(300):
+        s = socket.create_connection(("127.0.0.1", PORT), timeout=5)
+        junk = rng.choice([b"POST /v1/completions HTTP/1.1\r\nContent-Length: 99999999\r\n\r\n{",
+                           b"GET / HTTP/9.9\r\n\r\n", b"\x00\xff" * rng.randint(1, 500),
+                           bytes(rng.randrange(256) for _ in range(rng.randint(1, 2000)))])
+        try:
+            s.sendall(junk)
+            s.recv(64)
+        except OSError:
+            pass
+        s.close()
+    check(srv.poll() is None, "the server survived the fuzz (0 crashes)")
+    r = client.completions.create(model=MID, prompt=prompts[0], max_tokens=lens[0], temperature=0)
+    check(r.model_extra["kiln"]["tokens"] == refs[0]["tokens"], "after the fuzz a client is still answered, same tokens")
+
+    st, body = raw("GET", "/metrics")
+    text = body.decode()
+    for name in ["kiln_requests_total", "kiln_completion_tokens_total", "kiln_prefill_tokens_per_second",
+                 "kiln_decode_tokens_per_second", "kiln_queue_depth", 'kiln_matmuls_total{backend="cpu"}',
+                 "kiln_requests_cancelled_total 1"]:
+        check(name in text, f"/metrics has {name}")
+finally:
+    srv.kill()
+    srv.wait()
+print("serve_openai: all checks passed")
