@@ -27,6 +27,7 @@ pub const LAYERS: &[(&str, &[&str])] = &[
             "pins_cmd",
             "fresh_machine",
             "tidy",
+            "sbom",
         ],
     ),
     ("crate root", &["main"]),
