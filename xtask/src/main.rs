@@ -20,6 +20,7 @@ mod pins_cmd;
 mod readme;
 mod report;
 mod rootfs;
+mod sbom;
 mod test;
 #[cfg(test)]
 mod tidy;
@@ -49,6 +50,8 @@ enum Cli {
     Pins(pins_cmd::Args),
     /// Measure speed: `cargo xtask bench flash|matmul|gguf|image` (see README).
     Bench(bench::Args),
+    /// SPDX 2.3 and CycloneDX 1.6 SBOMs of the built image, from its manifest.json.
+    Sbom(sbom::Args),
 }
 
 /// An expected error (a missing tool, a wrong pin) is one line: the cause chain and the remedy,
@@ -70,6 +73,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             build::run(a).map(|_| ())
         }
         Cli::Test(a) => test::run(a),
+        Cli::Sbom(a) => sbom::run(a),
         Cli::Report(a) => {
             prepare("report", doctor::FOR_REPORT, false)?;
             report::run(a)

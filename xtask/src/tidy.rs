@@ -28,6 +28,7 @@ pub const LAYERS: &[(&str, &[&str])] = &[
             "fresh_machine",
             "readme",
             "tidy",
+            "sbom",
         ],
     ),
     ("crate root", &["main"]),
