@@ -162,7 +162,7 @@ try:
     seeds = [json.dumps({"model": MID, "prompt": "hi", "max_tokens": 2}).encode(),
              json.dumps({"model": MID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()]
     statuses = {}
-    n_bodies = int(os.environ.get("KILN_SERVE_FUZZ", "2000"))
+    n_bodies = int(os.environ.get("KILN_SERVE_FUZZ", "300"))
     for i in range(n_bodies):
         b = bytearray(rng.choice(seeds))
         for _ in range(rng.randint(1, 6)):
