@@ -483,37 +483,6 @@ pub fn percent_decode(s: &str) -> Result<String> {
     Ok(String::from_utf8(out)?)
 }
 
-/// Days since 1970-01-01 of a civil date (Howard Hinnant's algorithm).
-fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + d - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    era * 146097 + doe - 719468
-}
-
-/// The civil date of a day count since 1970-01-01.
-fn civil_from_days(z: i64) -> (i64, i64, i64) {
-    let z = z + 719468;
-    let era = z.div_euclid(146097);
-    let doe = z - era * 146097;
-    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    (
-        if m <= 2 {
-            yoe + era * 400 + 1
-        } else {
-            yoe + era * 400
-        },
-        m,
-        d,
-    )
-}
-
 /// `Sat, 28 Nov 2026 09:14:03 UTC` plus `add` seconds → `20261128T091403Z` (+ add).
 pub fn rfc2822_to_snapshot(date: &str, add: i64) -> Result<String> {
     let w: Vec<&str> = date.split_whitespace().collect();
@@ -535,10 +504,10 @@ pub fn rfc2822_to_snapshot(date: &str, add: i64) -> Result<String> {
         .collect::<std::result::Result<_, _>>()
         .with_context(bad)?;
     anyhow::ensure!(t.len() == 3, "{}", bad());
-    let secs = days_from_civil(year as i64, month as i64, day as i64) * 86400
+    let secs = crate::civil::days_from_civil(year as i64, month as i64, day as i64) * 86400
         + (t[0] * 3600 + t[1] * 60 + t[2]) as i64
         + add;
-    let (y, m, d) = civil_from_days(secs.div_euclid(86400));
+    let (y, m, d) = crate::civil::civil_from_days(secs.div_euclid(86400));
     let s = secs.rem_euclid(86400);
     Ok(format!(
         "{y:04}{m:02}{d:02}T{:02}{:02}{:02}Z",

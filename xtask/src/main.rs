@@ -8,6 +8,7 @@ mod bench;
 mod bmap;
 mod boot_test;
 mod build;
+mod civil;
 mod disk;
 mod doctor;
 mod flash;

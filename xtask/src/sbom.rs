@@ -133,18 +133,10 @@ fn created(m: &Value) -> Result<String> {
     Ok(t)
 }
 
-/// `YYYY-MM-DDTHH:MM:SSZ` of a Unix time (civil-from-days, H. Hinnant).
+/// `YYYY-MM-DDTHH:MM:SSZ` of a Unix time.
 fn time_of(epoch: i64) -> String {
     let (days, secs) = (epoch.div_euclid(86400), epoch.rem_euclid(86400));
-    let z = days + 719468;
-    let era = z.div_euclid(146097);
-    let doe = z - era * 146097;
-    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let mo = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(mo <= 2);
+    let (y, mo, d) = crate::civil::civil_from_days(days);
     format!(
         "{y:04}-{mo:02}-{d:02}T{:02}:{:02}:{:02}Z",
         secs / 3600,

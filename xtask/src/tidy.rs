@@ -9,7 +9,10 @@ use std::path::{Path, PathBuf};
 /// parses and dispatches, so it sits above every layer and no module may import it (the helpers
 /// every module uses are in `paths`, a ground module).
 pub const LAYERS: &[(&str, &[&str])] = &[
-    ("ground", &["paths", "atomic", "archive", "doctor", "apt"]),
+    (
+        "ground",
+        &["paths", "civil", "atomic", "archive", "doctor", "apt"],
+    ),
     ("inputs", &["pins"]),
     (
         "builders",

@@ -381,17 +381,8 @@ fn clock_for(epoch: i64) -> Result<&'static EpochClock> {
 
 /// Seconds since 1970 (UTC) as a FAT date and time (Howard Hinnant's civil_from_days).
 fn dos_date_time(epoch: i64) -> Result<fatfs::DateTime> {
-    let days = epoch.div_euclid(86400);
     let secs = epoch.rem_euclid(86400);
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
+    let (year, month, day) = crate::civil::civil_from_days(epoch.div_euclid(86400));
     ensure!(
         (1980..=2107).contains(&year),
         "time {epoch} (year {year}) is outside FAT's 1980–2107"
