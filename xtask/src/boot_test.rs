@@ -342,9 +342,9 @@ pub fn boot(args: &Args) -> Result<Boot> {
     );
     let sha = manifest.ok().map(|m| hex::encode(Sha256::digest(&m)));
     ensure!(
-        report.image == sha,
-        "the report names image {:?}, but kiln/manifest.json on the disk hashes to {sha:?}",
-        report.image
+        report.manifest == sha,
+        "the report names manifest {:?}, but kiln/manifest.json on the disk hashes to {sha:?}",
+        report.manifest
     );
     let run = match args.run {
         None => None,
