@@ -194,7 +194,11 @@ fn healthy_board_passes_and_every_npu_fault_fails_its_checks() {
         .iter()
         .any(|c| c.id == "matmul.npu.f16" && c.simulated));
     assert!(r.checks.iter().any(|c| c.id == "matmul.npu.q8_0"));
-    assert!(r.verdict_line().contains("image="), "{}", r.verdict_line());
+    assert!(
+        r.verdict_line().contains("manifest="),
+        "{}",
+        r.verdict_line()
+    );
     let im = by_id("image.manifest");
     assert!(
         im.evidence

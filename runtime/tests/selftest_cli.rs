@@ -122,7 +122,7 @@ fn exit_code_console_and_files_agree() {
             .unwrap();
     assert_eq!(file, console);
     assert!(
-        line.ends_with(&format!("image={}", sha(&manifest))),
+        line.ends_with(&format!("manifest={}", sha(&manifest))),
         "{line}"
     );
     assert!(std::fs::read_to_string(root.join("boot/kiln/report.txt"))

@@ -154,8 +154,80 @@ fn write_pflash(dir: &Path, env_txt: &str) -> Result<PathBuf> {
     Ok(out)
 }
 
+/// The pflash unit U-Boot reads its environment from: the default env with `kiln_args` (see
+/// [`boot_env`]), written under `dir`. Shared by `boot-test` and `qemu`.
+pub fn pflash_with(dir: &Path, kiln_args: &str) -> Result<PathBuf> {
+    let uboot = std::fs::read(UBOOT_BIN).with_context(|| format!("reading {UBOOT_BIN}"))?;
+    write_pflash(dir, &boot_env(default_env(&uboot)?, kiln_args))
+}
+
+/// The image to boot: `image` if given (never built), else the board's, built first (in-process,
+/// as `cargo xtask image`) unless `no_build`. Shared by `boot-test` and `qemu`.
+pub fn ensure_image(
+    board: &str,
+    image: Option<&Path>,
+    no_build: bool,
+    models: &[PathBuf],
+) -> Result<PathBuf> {
+    let path = image.map_or_else(|| image_path(board), Path::to_path_buf);
+    if !no_build && image.is_none() {
+        // In-process, not by re-running our own binary: a `cargo test` earlier in the same
+        // `cargo xtask test` may have rebuilt (and so deleted) the running xtask executable.
+        crate::image::run(crate::image::Args {
+            board: board.to_string(),
+            models: models.to_vec(),
+            offline: false,
+        })
+        .context("building the image (cargo xtask image)")?;
+    }
+    ensure!(
+        path.exists(),
+        "{} does not exist: run `cargo xtask image --board {board}`",
+        path.display()
+    );
+    Ok(path)
+}
+
+/// The qemu-system-aarch64 command line of a qemu-virt boot through U-Boot from `disk` alone
+/// (no `-kernel`), the serial console on stdio (`-nographic`: `mon:stdio`, Ctrl-A X quits),
+/// `nic` the network (`-nic none` or user networking). Shared by `boot-test` and `qemu`.
+pub fn qemu_command(pflash: &Path, disk: &Path, nic: &str, extra: &[&str]) -> Vec<String> {
+    let mut a: Vec<String> = [
+        "qemu-system-aarch64",
+        "-M",
+        "virt",
+        "-cpu",
+        "cortex-a76",
+        "-m",
+        "2048",
+        "-smp",
+        "2",
+        "-nographic",
+        "-nic",
+        nic,
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    a.extend(extra.iter().map(|s| s.to_string()));
+    a.extend([
+        "-bios".into(),
+        UBOOT_BIN.into(),
+        "-drive".into(),
+        format!(
+            "if=pflash,unit=1,format=raw,file={},readonly=on",
+            pflash.display()
+        ),
+        "-drive".into(),
+        format!("if=none,id=d0,file={},format=raw", disk.display()),
+        "-device".into(),
+        "virtio-blk-pci,drive=d0".into(),
+    ]);
+    a
+}
+
 /// A sparse copy of the image, so the boot writes its report into the copy, not the original.
-fn copy_image(src: &Path, dst: &Path) -> Result<()> {
+pub fn copy_image(src: &Path, dst: &Path) -> Result<()> {
     let len = std::fs::metadata(src)
         .with_context(|| format!("reading {}", src.display()))?
         .len();
@@ -197,26 +269,12 @@ pub fn boot(args: &Args) -> Result<Boot> {
         &doctor::UBOOT_QEMU,
         &doctor::UBOOT_TOOLS,
     ])?;
-    let image = args
-        .image
-        .clone()
-        .unwrap_or_else(|| image_path(&args.board));
-    if !args.no_build && args.image.is_none() {
-        // In-process, not by re-running our own binary: a `cargo test` earlier in the same
-        // `cargo xtask test` may have rebuilt (and so deleted) the running xtask executable.
-        crate::image::run(crate::image::Args {
-            board: args.board.clone(),
-            models: args.models.clone(),
-            offline: false,
-        })
-        .context("building the image (cargo xtask image)")?;
-    }
-    ensure!(
-        image.exists(),
-        "{} does not exist: run `cargo xtask image --board {}`",
-        image.display(),
-        args.board
-    );
+    let image = ensure_image(
+        &args.board,
+        args.image.as_deref(),
+        args.no_build,
+        &args.models,
+    )?;
     let dir = match &args.inject {
         None => crate::paths::target_dir().join("boot-test"),
         Some(f) => crate::paths::target_dir()
@@ -224,33 +282,19 @@ pub fn boot(args: &Args) -> Result<Boot> {
             .join(format!("inject-{f}")),
     };
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let uboot = std::fs::read(UBOOT_BIN).with_context(|| format!("reading {UBOOT_BIN}"))?;
-    let env = boot_env(
-        default_env(&uboot)?,
-        &kiln_args(args.inject.as_deref(), args.run)?,
-    );
-    let pflash = write_pflash(&dir, &env)?;
+    let pflash = pflash_with(&dir, &kiln_args(args.inject.as_deref(), args.run)?)?;
     let copy = dir.join("disk.img");
     copy_image(&image, &copy)?;
     let serial_log = dir.join("serial.log");
 
-    let sh = crate::paths::shell()?;
-    let pflash_arg = format!(
-        "if=pflash,unit=1,format=raw,file={},readonly=on",
-        pflash.display()
-    );
-    let drive_arg = format!("if=none,id=d0,file={},format=raw", copy.display());
-    let qemu = cmd!(
-        sh,
-        "qemu-system-aarch64 -M virt -cpu cortex-a76 -m 2048 -smp 2 -nographic -nic none -no-reboot
-         -bios {UBOOT_BIN} -drive {pflash_arg} -drive {drive_arg} -device virtio-blk-pci,drive=d0"
-    );
-    println!("boot-test: {qemu}");
+    let argv = qemu_command(&pflash, &copy, "none", &["-no-reboot"]);
+    println!("boot-test: {}", argv.join(" "));
     println!(
         "boot-test: kernel command line gets `{}`",
         kiln_args(args.inject.as_deref(), args.run)?
     );
-    let mut command: std::process::Command = qemu.into();
+    let mut command = std::process::Command::new(&argv[0]);
+    command.args(&argv[1..]);
     let started = Instant::now();
     let mut child = command
         .stdin(Stdio::null())
@@ -342,9 +386,9 @@ pub fn boot(args: &Args) -> Result<Boot> {
     );
     let sha = manifest.ok().map(|m| hex::encode(Sha256::digest(&m)));
     ensure!(
-        report.image == sha,
-        "the report names image {:?}, but kiln/manifest.json on the disk hashes to {sha:?}",
-        report.image
+        report.manifest == sha,
+        "the report names manifest {:?}, but kiln/manifest.json on the disk hashes to {sha:?}",
+        report.manifest
     );
     let run = match args.run {
         None => None,

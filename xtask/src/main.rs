@@ -18,6 +18,7 @@ mod kernel;
 mod paths;
 mod pins;
 mod pins_cmd;
+mod qemu;
 mod readme;
 mod report;
 mod rootfs;
@@ -43,6 +44,9 @@ enum Cli {
     Report(report::Args),
     /// Boot a copy of the image under qemu-system-aarch64 through U-Boot and check its verdict.
     BootTest(boot_test::Args),
+    /// Boot the image under qemu-system-aarch64 on this terminal: the self-check, then the
+    /// board's console shell (Ctrl-A X quits).
+    Qemu(qemu::Args),
     /// Write an image to an SD card or eMMC: safety checks, bmap ranges only, read-back verify.
     Flash(flash::Args),
     /// Build the bootable, reproducible disk image of a board into target/images/.
@@ -86,6 +90,13 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
                 prepare("boot-test", doctor::FOR_IMAGE, true)?;
             }
             boot_test::run(a)
+        }
+        Cli::Qemu(a) => {
+            prepare("qemu", doctor::FOR_BOOT, false)?;
+            if !a.no_build && a.image.is_none() {
+                prepare("qemu", doctor::FOR_IMAGE, true)?;
+            }
+            qemu::run(a)
         }
         Cli::Flash(a) => {
             prepare("flash", doctor::FOR_FLASH, false)?;

@@ -67,6 +67,65 @@ pub fn required_checks(image: &Path) -> Result<Vec<String>> {
 
 pub const MANIFEST_PATH: &str = "kiln/manifest.json";
 
+/// The lines that match the report's `manifest=` with the files a user flashed: the hash the
+/// report names, whether the card's own `kiln/manifest.json` still hashes to it, and which built
+/// image in `images_dir` has that manifest (its `kiln-<board>.manifest.sha256` sidecar) with
+/// that image's sha256 (`kiln-<board>.img.sha256`).
+pub fn manifest_lines(image: &Path, report: &Report, images_dir: &Path) -> Vec<String> {
+    let Some(named) = report.manifest.as_deref() else {
+        return vec!["manifest=none (the board found no kiln/manifest.json)".into()];
+    };
+    let mut out = vec![format!("manifest={named}")];
+    let on_card = boot_partition(image)
+        .ok()
+        .and_then(|b| fat::read_file(image, b.start_bytes(), b.size_bytes(), MANIFEST_PATH).ok());
+    out.push(match on_card {
+        None => format!("  {MANIFEST_PATH} is not on this boot partition now"),
+        Some(m) => {
+            let now = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&m));
+            if now == named {
+                format!("  {MANIFEST_PATH} on this boot partition hashes to the same")
+            } else {
+                format!("  {MANIFEST_PATH} on this boot partition now hashes to {now} (changed since the boot)")
+            }
+        }
+    });
+    let mut matched = false;
+    let mut sidecars: Vec<PathBuf> = std::fs::read_dir(images_dir)
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.to_string_lossy().ends_with(".manifest.sha256"))
+        .collect();
+    sidecars.sort();
+    for side in sidecars {
+        let first = |p: &Path| {
+            std::fs::read_to_string(p)
+                .ok()
+                .and_then(|t| t.split_whitespace().next().map(str::to_string))
+        };
+        if first(&side).as_deref() != Some(named) {
+            continue;
+        }
+        matched = true;
+        let img = side.with_extension("").with_extension("img");
+        let sha = first(&img.with_extension("img.sha256"));
+        out.push(format!(
+            "  = the manifest of {} (image sha256 {})",
+            img.display(),
+            sha.as_deref()
+                .unwrap_or("unknown: no .img.sha256 beside it")
+        ));
+    }
+    if !matched {
+        out.push(format!(
+            "  no image in {} has this manifest (no *.manifest.sha256 there names it)",
+            images_dir.display()
+        ));
+    }
+    out
+}
+
 pub fn run(args: Args) -> Result<()> {
     let (bytes, report) = read_report(&args.image)?;
     let required = required_checks(&args.image)?;
@@ -77,6 +136,13 @@ pub fn run(args: Args) -> Result<()> {
     };
     if !text.ends_with('\n') {
         text.push('\n');
+    }
+    if !args.json {
+        let images = crate::paths::target_dir().join("images");
+        for l in manifest_lines(&args.image, &report, &images) {
+            text.push_str(&l);
+            text.push('\n');
+        }
     }
     // `cargo xtask report … | head` closes the pipe early: not an error worth a panic.
     match std::io::stdout().lock().write_all(text.as_bytes()) {
@@ -211,6 +277,63 @@ pub(crate) mod tests {
         let img = disk_with(other.path(), &[("hello.txt".into(), b"hi".to_vec())]);
         let e = read_report(&img).unwrap_err();
         assert!(format!("{e:#}").contains("no self-check report"), "{e:#}");
+    }
+
+    /// The report's `manifest=` is matched with the sidecar of the image it came from, and a
+    /// card whose manifest changed since the boot says so.
+    #[test]
+    fn the_manifest_hash_is_matched_with_the_built_image() {
+        let dir = tempfile::tempdir().unwrap();
+        let manifest = b"{\"board\": \"qemu-virt\"}\n".to_vec();
+        // sha256sum of the bytes above, computed with the tool, not with our code.
+        let sh = xshell::Shell::new().unwrap();
+        let m = dir.path().join("m.json");
+        std::fs::write(&m, &manifest).unwrap();
+        let sum = xshell::cmd!(sh, "sha256sum {m}").read().unwrap();
+        let sum = sum.split_whitespace().next().unwrap().to_string();
+        let mut r = report(false);
+        r.manifest = Some(sum.clone());
+        let card = tempfile::tempdir().unwrap();
+        let img = disk_with(
+            card.path(),
+            &[
+                (REPORT_PATH.into(), r.to_json_pretty().into_bytes()),
+                (MANIFEST_PATH.into(), manifest.clone()),
+            ],
+        );
+        let images = dir.path().join("images");
+        std::fs::create_dir_all(&images).unwrap();
+        std::fs::write(
+            images.join("kiln-qemu-virt.manifest.sha256"),
+            format!("{sum}  kiln/manifest.json\n"),
+        )
+        .unwrap();
+        std::fs::write(
+            images.join("kiln-qemu-virt.img.sha256"),
+            "abc123  kiln-qemu-virt.img\n",
+        )
+        .unwrap();
+        std::fs::write(
+            images.join("kiln-rock-5b.manifest.sha256"),
+            format!("{}  kiln/manifest.json\n", "0".repeat(64)),
+        )
+        .unwrap();
+        let lines = manifest_lines(&img, &r, &images);
+        assert_eq!(lines[0], format!("manifest={sum}"));
+        assert!(lines[1].contains("hashes to the same"), "{lines:?}");
+        assert_eq!(lines.len(), 3, "{lines:?}");
+        assert!(
+            lines[2].contains("kiln-qemu-virt.img (image sha256 abc123)"),
+            "{lines:?}"
+        );
+        // Another hash: no image matches; the card's manifest differs from the report's.
+        r.manifest = Some("f".repeat(64));
+        let lines = manifest_lines(&img, &r, &images);
+        assert!(
+            lines[1].contains(&format!("now hashes to {sum}")),
+            "{lines:?}"
+        );
+        assert!(lines[2].contains("no image in"), "{lines:?}");
     }
 
     #[test]

@@ -38,8 +38,11 @@ pub struct Report {
     pub kiln: String,
     /// The board file's name, or `None` on the host.
     pub board: Option<String>,
-    /// sha256 of `/boot/kiln/manifest.json`: which image this report is about.
-    pub image: Option<String>,
+    /// sha256 of `/boot/kiln/manifest.json`: which image this report is about (the build writes
+    /// the same hash beside the image, `target/images/kiln-<board>.manifest.sha256`). Reports
+    /// written before the rename call it `image`.
+    #[serde(alias = "image")]
+    pub manifest: Option<String>,
     pub verdict: Verdict,
     pub passed: usize,
     pub failed: usize,
@@ -70,7 +73,7 @@ impl Report {
             schema: 1,
             kiln: env!("CARGO_PKG_VERSION").to_string(),
             board: ctx.board.as_ref().map(|b| b.board.name.clone()),
-            image: sha256_file(&ctx.paths.manifest()),
+            manifest: sha256_file(&ctx.paths.manifest()),
             verdict: if failed == 0 {
                 Verdict::Pass
             } else {
@@ -118,14 +121,15 @@ impl Report {
             .collect()
     }
 
-    /// `KILN-SELFTEST: PASS 7/7 image=<sha256>` — passed over checks that ran (skips excluded).
+    /// `KILN-SELFTEST: PASS 7/7 manifest=<sha256>` — passed over checks that ran (skips
+    /// excluded); the hash is of the boot partition's `kiln/manifest.json`, not of the image file.
     pub fn verdict_line(&self) -> String {
         format!(
-            "{VERDICT_PREFIX} {} {}/{} image={}",
+            "{VERDICT_PREFIX} {} {}/{} manifest={}",
             self.verdict.word(),
             self.passed,
             self.ran(),
-            self.image.as_deref().unwrap_or("none")
+            self.manifest.as_deref().unwrap_or("none")
         )
     }
 
@@ -154,7 +158,11 @@ impl Report {
             self.board.as_deref().unwrap_or("host (no board file)"),
             self.verdict.word()
         );
-        let _ = writeln!(s, "image: {}", self.image.as_deref().unwrap_or("none"));
+        let _ = writeln!(
+            s,
+            "manifest: {} (sha256 of kiln/manifest.json)",
+            self.manifest.as_deref().unwrap_or("none")
+        );
         let _ = writeln!(
             s,
             "{} passed, {} failed, {} skipped\n",
@@ -273,7 +281,7 @@ mod tests {
         // sha256("{}"), computed independently with sha256sum.
         assert_eq!(
             r.verdict_line(),
-            "KILN-SELFTEST: PASS 1/1 image=44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a"
+            "KILN-SELFTEST: PASS 1/1 manifest=44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a"
         );
         let mut r = r;
         r.checks.push(CheckResult::new(
@@ -286,7 +294,22 @@ mod tests {
         assert_eq!(r.failed_ids(), ["c.bad"]);
         assert!(r
             .verdict_line()
-            .starts_with("KILN-SELFTEST: FAIL 1/2 image="));
+            .starts_with("KILN-SELFTEST: FAIL 1/2 manifest="));
+    }
+
+    /// A report written before `image` became `manifest` still reads, with the hash in place.
+    #[test]
+    fn old_reports_name_it_image() {
+        let dir = tempdir();
+        std::fs::create_dir_all(dir.join("boot/kiln")).unwrap();
+        std::fs::write(dir.join("boot/kiln/manifest.json"), b"{}").unwrap();
+        let r = sample(&dir);
+        let json = r.to_json_pretty();
+        assert!(json.contains("\"manifest\": \"44136fa3"), "{json}");
+        let old: Report =
+            serde_json::from_str(&json.replace("\"manifest\":", "\"image\":")).unwrap();
+        assert_eq!(old, r);
+        assert!(r.to_text().contains("manifest: 44136fa3"));
     }
 
     #[test]

@@ -176,6 +176,28 @@ pub fn stage() -> Result<()> {
     );
     println!("image-checks: mdir lists the boot files; mcopy reads back extlinux.conf and the kernel as built");
 
+    // The sidecar names the boot manifest's hash (the board's `manifest=`), as sha256sum sees it.
+    let bman = tmp.path().join("manifest.json");
+    cmd!(sh, "mcopy -n -i {p1} ::/kiln/manifest.json {bman}").run()?;
+    let sum = cmd!(sh, "sha256sum {bman}").read()?;
+    let sum = sum.split_whitespace().next().unwrap_or_default();
+    let sidecar = img.with_extension("manifest.sha256");
+    let side = std::fs::read_to_string(&sidecar)
+        .with_context(|| format!("reading {}", sidecar.display()))?;
+    ensure!(
+        side == format!("{sum}  kiln/manifest.json\n"),
+        "{} says {side:?}, but sha256sum of kiln/manifest.json read back by mcopy is {sum}",
+        sidecar.display()
+    );
+    ensure!(
+        manifest["image"]["boot_manifest_sha256"] == Value::String(sum.to_string()),
+        "manifest.json's image.boot_manifest_sha256 is not sha256sum's {sum}"
+    );
+    println!(
+        "image-checks: {} matches sha256sum of the boot partition's kiln/manifest.json",
+        sidecar.display()
+    );
+
     // cpio lists the initramfs.
     let mut cpio_bytes = Vec::new();
     flate2::read::GzDecoder::new(std::fs::File::open(&initrd)?).read_to_end(&mut cpio_bytes)?;

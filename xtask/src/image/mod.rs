@@ -39,11 +39,12 @@ pub struct Args {
 pub fn run(args: Args) -> Result<()> {
     let b = build(&args)?;
     println!(
-        "image: {} ({:.1} MiB, initramfs {:.2} MiB, sha256 {}) in {:.1} s{}",
+        "image: {} ({:.1} MiB, initramfs {:.2} MiB, sha256 {}, manifest sha256 {}) in {:.1} s{}",
         b.image.display(),
         b.size as f64 / 1048576.0,
         b.initramfs_size as f64 / 1048576.0,
         b.sha256,
+        b.manifest_sha256,
         b.seconds,
         if b.reused.is_empty() {
             String::new()
@@ -60,6 +61,8 @@ pub struct Built {
     pub bmap: PathBuf,
     pub manifest: PathBuf,
     pub sha256: Sha256,
+    /// sha256 of the boot partition's `kiln/manifest.json`: the `manifest=` of the verdict line.
+    pub manifest_sha256: Sha256,
     pub size: u64,
     pub initramfs_size: u64,
     pub seconds: f64,
@@ -237,6 +240,7 @@ pub fn build(args: &Args) -> Result<Built> {
     run.summary();
     Ok(Built {
         sha256: steps::image_sha256(&disk)?,
+        manifest_sha256: steps::boot_manifest_sha256(&manifest)?,
         image: disk.path().to_path_buf(),
         bmap: bmap.path().to_path_buf(),
         manifest: manifest.path().to_path_buf(),

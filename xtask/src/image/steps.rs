@@ -509,10 +509,7 @@ pub fn boot_partition<'a>(
     mut files: Vec<(String, Vec<u8>)>,
     manifest: &Value,
 ) -> Result<Step<'a>> {
-    files.push((
-        "kiln/manifest.json".into(),
-        serde_json::to_vec_pretty(manifest)?,
-    ));
+    files.push(("kiln/manifest.json".into(), boot_manifest_bytes(manifest)?));
     let volume_id = disk::u32_from_seed(&ctx.seed, "boot-fs");
     let size_mib = ctx.board.partitions.boot_mib;
     let mut parts = vec![
@@ -618,8 +615,16 @@ pub fn bmap(disk: &Product) -> Step<'_> {
     }
 }
 
+/// The bytes of `kiln/manifest.json` on the boot partition, as [`boot_partition`] writes them.
+pub fn boot_manifest_bytes(manifest: &Value) -> Result<Vec<u8>> {
+    Ok(serde_json::to_vec_pretty(manifest)?)
+}
+
 /// `target/images/manifest.json`: the boot partition's manifest plus the disk image's and
-/// partition images' sha256.
+/// partition images' sha256 and the boot manifest's own sha256 (`image.boot_manifest_sha256`,
+/// the `manifest=` of the board's verdict line; the boot copy cannot hold its own hash). Beside
+/// it, `kiln-<board>.manifest.sha256` holds that hash as `sha256sum -c` reads it from the root
+/// of the mounted boot partition.
 pub fn manifest_file<'a>(
     out_dir: &Path,
     mut manifest: Value,
@@ -627,6 +632,7 @@ pub fn manifest_file<'a>(
     parts: [&Product; 3],
     size: u64,
 ) -> Result<Step<'a>> {
+    let boot_sha = Sha256::of_bytes(&boot_manifest_bytes(&manifest)?);
     let part_shas: Vec<Value> = parts
         .iter()
         .map(|p| Ok(json!({"image": p.path().file_name().map(|n| n.to_string_lossy().into_owned()), "sha256": Sha256::of_file(p.path())?})))
@@ -634,17 +640,37 @@ pub fn manifest_file<'a>(
     manifest["image"] = json!({
         "file": disk.path().file_name().map(|n| n.to_string_lossy().into_owned()),
         "size": size, "sha256": image_sha256(disk)?, "partition_images": part_shas,
+        "boot_manifest_sha256": boot_sha,
     });
     let bytes = serde_json::to_vec_pretty(&manifest)?;
+    let sidecar = disk.path().with_extension("manifest.sha256");
     Ok(Step {
         name: "manifest",
-        key: key_of(&["manifest-v1", &Sha256::of_bytes(&bytes).to_string()]),
-        outputs: vec![out_dir.join("manifest.json")],
+        key: key_of(&["manifest-v2", &Sha256::of_bytes(&bytes).to_string()]),
+        outputs: vec![out_dir.join("manifest.json"), sidecar],
         make: Box::new(move |tmp: &[PathBuf]| {
             write_atomic(&tmp[0], &bytes)?;
-            Ok(format!("{} bytes", bytes.len()))
+            write_atomic(
+                &tmp[1],
+                format!("{boot_sha}  kiln/manifest.json\n").as_bytes(),
+            )?;
+            Ok(format!(
+                "{} bytes, boot manifest sha256 {}",
+                bytes.len(),
+                boot_sha.short()
+            ))
         }),
     })
+}
+
+/// The boot manifest's sha256, from the manifest step's `.manifest.sha256` file.
+pub fn boot_manifest_sha256(manifest: &Product) -> Result<Sha256> {
+    let text = std::fs::read_to_string(&manifest.paths[1])?;
+    text.split_whitespace()
+        .next()
+        .unwrap_or("")
+        .parse()
+        .with_context(|| format!("{}", manifest.paths[1].display()))
 }
 
 /// The NPU runtime library for the image, if the board has one: bytes and where they came from.
