@@ -128,8 +128,7 @@ pub fn run(args: Args) -> Result<()> {
 
 /// Drive an interactive boot over pipes, as a user at the console would: wait for the PASS
 /// verdict and the shell prompt, `cat /boot/kiln/report.txt`, see the report, Ctrl-A X, see qemu
-/// exit. Returns the console text. (Not yet in a stage: the ignored test runs it.)
-#[cfg(test)]
+/// exit. Returns the console text. `boot-qemu-clean` runs it on the image it built.
 pub fn drive(image: &Path, timeout: std::time::Duration) -> Result<String> {
     use std::io::{Read, Write};
     use std::process::Stdio;

@@ -326,6 +326,12 @@ fn boot_qemu_clean(_: &Args) -> Result<()> {
     }
     crate::readme::check_readme(&crate::paths::project_root(), &b.report.to_text())?;
     println!("boot-qemu-clean: README.md's report excerpt has the shape of this boot's report.txt");
+    // `cargo xtask qemu` as a user gets it, over pipes: the verdict, the shell, the report, Ctrl-A X.
+    let console = crate::qemu::drive(
+        &crate::boot_test::image_path("qemu-virt"),
+        std::time::Duration::from_secs(600),
+    )?;
+    ensure!(console.contains("U-Boot"), "cargo xtask qemu: no U-Boot on the console");
     ensure!(
         smollm2 >= 2,
         "model.matmul.cpu checked {smollm2} known answer(s) of SmolLM2: the model is not on the \
