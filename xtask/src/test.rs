@@ -331,7 +331,10 @@ fn boot_qemu_clean(_: &Args) -> Result<()> {
         &crate::boot_test::image_path("qemu-virt"),
         std::time::Duration::from_secs(600),
     )?;
-    ensure!(console.contains("U-Boot"), "cargo xtask qemu: no U-Boot on the console");
+    ensure!(
+        console.contains("U-Boot"),
+        "cargo xtask qemu: no U-Boot on the console"
+    );
     ensure!(
         smollm2 >= 2,
         "model.matmul.cpu checked {smollm2} known answer(s) of SmolLM2: the model is not on the \
