@@ -35,6 +35,7 @@ const STAGES: &[(&str, StageFn)] = &[
         aarch64_tests("cortex-a72", false)
     }),
     ("boot-qemu-clean", boot_qemu_clean),
+    ("sbom", sbom),
     ("boot-qemu-npu-fault", boot_qemu_npu_fault),
     ("boot-qemu-faults", boot_qemu_faults),
     ("flash", flash),
@@ -120,6 +121,7 @@ fn stage_tools(stage: &str) -> (Vec<&'static doctor::Tool>, bool) {
             (t, false)
         }
         "gguf-reference" | "npu-plan-smollm2" | "serve" => (vec![&PYTHON_VENV], false),
+        "sbom" => ([FOR_IMAGE, &[&PYTHON_VENV]].concat(), true),
         s if s.starts_with("aarch64-tests") => (vec![&QEMU_USER, &AARCH64_SYSROOT], true),
         s if s.starts_with("boot-qemu") => ([FOR_IMAGE, FOR_BOOT].concat(), true),
         "flash" => (vec![&BMAPTOOL, &LSBLK, &LOSETUP, &MKE2FS, &SFDISK], false),
@@ -613,6 +615,117 @@ fn serve(_: &Args) -> Result<()> {
     .env("KILN_SMOLLM2", &model)
     .run()
     .context("kiln serve against the openai client")
+}
+
+const SBOM_PINS: &str = "spdx-tools==0.8.3 cyclonedx-python-lib[json-validation]==8.5.0";
+
+/// The SBOMs of the built qemu-virt image (built only if none exists; steps are reused) checked by
+/// the official validators: `pyspdxtools -i` (SPDX 2.3) and cyclonedx-python-lib's strict JSON
+/// schema (CycloneDX 1.6). Broken copies (a package without its downloadLocation, a component without its
+/// required `name`) must fail them, or the stage fails.
+fn sbom(_: &Args) -> Result<()> {
+    let images = crate::paths::target_dir().join("images");
+    let manifest = images.join("manifest.json");
+    let board = "qemu-virt";
+    let is_board = std::fs::read(&manifest)
+        .ok()
+        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+        .is_some_and(|m| m["board"] == board);
+    if !is_board || !images.join(format!("kiln-{board}.img")).exists() {
+        crate::image::run(crate::image::Args {
+            board: board.into(),
+            models: vec![],
+            offline: false,
+        })
+        .context("building the qemu-virt image for its SBOM")?;
+    }
+    let dir = crate::paths::target_dir().join("kiln/sbom-venv");
+    let bin = dir.join("bin");
+    let python = bin.join("python");
+    let stamp = dir.join("kiln-pins.txt");
+    let sh = crate::paths::shell()?;
+    if std::fs::read_to_string(&stamp).ok().as_deref() != Some(SBOM_PINS) || !python.exists() {
+        println!("sbom: installing {SBOM_PINS} into {}", dir.display());
+        cmd!(sh, "python3 -m venv --clear {dir}")
+            .run()
+            .context("creating the sbom virtualenv")?;
+        let pins: Vec<&str> = SBOM_PINS.split(' ').collect();
+        cmd!(
+            sh,
+            "{python} -m pip install --disable-pip-version-check -q {pins...}"
+        )
+        .run()
+        .with_context(|| format!("pip install {SBOM_PINS}"))?;
+        std::fs::write(&stamp, SBOM_PINS)
+            .with_context(|| format!("writing {}", stamp.display()))?;
+    }
+    let work = crate::paths::target_dir().join("kiln/sbom-check");
+    std::fs::create_dir_all(&work).with_context(|| format!("creating {}", work.display()))?;
+    let copy = work.join("manifest.json");
+    std::fs::copy(&manifest, &copy).with_context(|| format!("copying {}", manifest.display()))?;
+    let written = crate::sbom::write(&copy, "both")?;
+    let (spdx, cdx) = (&written[0], &written[1]);
+    let script = crate::paths::project_root().join("xtask/src/sbom/validate_cdx.py");
+    let pyspdxtools = bin.join("pyspdxtools");
+    let spdx_ok = |f: &std::path::Path| {
+        cmd!(sh, "{pyspdxtools} -i {f}")
+            .quiet()
+            .ignore_stderr()
+            .ignore_stdout()
+            .run()
+            .is_ok()
+    };
+    let cdx_ok = |f: &std::path::Path| cmd!(sh, "{python} {script} {f}").quiet().run().is_ok();
+    cmd!(sh, "{pyspdxtools} -i {spdx}")
+        .run()
+        .with_context(|| format!("pyspdxtools rejects {}", spdx.display()))?;
+    if !cdx_ok(cdx) {
+        bail!("{} is not valid CycloneDX 1.6", cdx.display());
+    }
+    let read = |p: &std::path::Path| -> Result<serde_json::Value> {
+        serde_json::from_slice(
+            &std::fs::read(p).with_context(|| format!("reading {}", p.display()))?,
+        )
+        .with_context(|| format!("parsing {}", p.display()))
+    };
+    // Fault: a package without its required downloadLocation must be rejected (SPDX 2.3 makes
+    // package checksums optional, so pyspdxtools accepts a package without them).
+    let mut bad = read(spdx)?;
+    let pkg = bad["packages"]
+        .as_array_mut()
+        .and_then(|ps| ps.iter_mut().find(|p| p.get("downloadLocation").is_some()))
+        .context("no SPDX package with a downloadLocation")?;
+    pkg.as_object_mut().map(|o| o.remove("downloadLocation"));
+    let bad_spdx = work.join("broken.spdx.json");
+    crate::atomic::write_atomic(&bad_spdx, &serde_json::to_vec_pretty(&bad)?)?;
+    if spdx_ok(&bad_spdx) {
+        bail!(
+            "pyspdxtools accepted {} (a package without downloadLocation)",
+            bad_spdx.display()
+        );
+    }
+    println!("sbom: pyspdxtools rejects a package without its downloadLocation");
+    // Fault: a component without its required `name` (CycloneDX) must be rejected.
+    let mut bad = read(cdx)?;
+    bad["components"][0]
+        .as_object_mut()
+        .context("no CycloneDX component")?
+        .remove("name");
+    let bad_cdx = work.join("broken.cdx.json");
+    crate::atomic::write_atomic(&bad_cdx, &serde_json::to_vec_pretty(&bad)?)?;
+    if cdx_ok(&bad_cdx) {
+        bail!(
+            "the CycloneDX validator accepted {} (a component without name)",
+            bad_cdx.display()
+        );
+    }
+    println!("sbom: the CycloneDX 1.6 schema rejects a component without its name");
+    println!(
+        "sbom: {} and {} of the {board} image pass pyspdxtools and the CycloneDX 1.6 schema",
+        spdx.display(),
+        cdx.display()
+    );
+    Ok(())
 }
 
 /// A virtualenv under `target/` with the pinned gguf-py; returns its python.
