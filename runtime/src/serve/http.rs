@@ -29,12 +29,44 @@ struct App {
     model_id: String,
     key: Option<String>,
     report: Option<Vec<u8>>,
+    /// Why inference is refused: the `--report` given did not PASS (see [`refusal`]).
+    refused: Option<String>,
     ready: OnceLock<Result<usize, String>>,
     jobs: SyncSender<Job>,
     metrics: Arc<Metrics>,
 }
 
 type St = State<Arc<App>>;
+
+/// Nothing is served that the self-check did not prove: a report whose verdict is not PASS (or
+/// that is no report) refuses inference, naming the failed checks. `None`: PASS.
+fn refusal(report: &[u8]) -> Option<String> {
+    let Ok(v) = serde_json::from_slice::<Value>(report) else {
+        return Some("the --report file is not a self-check report (not JSON)".into());
+    };
+    match v.get("verdict").and_then(Value::as_str) {
+        Some("PASS") => None,
+        verdict => {
+            let failed: Vec<&str> = v
+                .get("checks")
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+                .filter(|c| c.get("status").and_then(Value::as_str) == Some("fail"))
+                .filter_map(|c| c.get("id").and_then(Value::as_str))
+                .collect();
+            Some(format!(
+                "the self-check did not pass (verdict {}); failed: {}",
+                verdict.unwrap_or("missing"),
+                if failed.is_empty() {
+                    "none named".to_string()
+                } else {
+                    failed.join(", ")
+                }
+            ))
+        }
+    }
+}
 
 fn error(
     status: u16,
@@ -72,6 +104,7 @@ pub async fn serve(a: Args, key: Option<String>, report: Option<Vec<u8>>) -> Res
     let app = Arc::new(App {
         model_id,
         key,
+        refused: report.as_deref().and_then(refusal),
         report,
         ready: OnceLock::new(),
         jobs,
@@ -156,6 +189,13 @@ async fn health(State(app): St) -> Response {
         .as_ref()
         .and_then(|r| serde_json::from_slice::<Value>(r).ok())
         .and_then(|v| v.get("verdict").cloned());
+    if let Some(why) = &app.refused {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            axum::Json(json!({"status": "selfcheck_failed", "error": why, "verdict": verdict})),
+        )
+            .into_response();
+    }
     match app.ready.get() {
         Some(Ok(_)) => (
             StatusCode::OK,
@@ -419,6 +459,9 @@ async fn generate(
     (stream, with_usage): (bool, bool),
     chat: bool,
 ) -> Response {
+    if let Some(why) = &app.refused {
+        return error(503, "server_error", "selfcheck_failed", None, why.clone());
+    }
     match app.ready.get() {
         Some(Ok(_)) => {}
         Some(Err(e)) => {
@@ -602,4 +645,25 @@ async fn generate(
                 "building the stream",
             )
         })
+}
+
+#[cfg(test)]
+mod refusal_tests {
+    use super::refusal;
+
+    #[test]
+    fn only_a_passing_report_serves() {
+        let pass = br#"{"verdict":"PASS","checks":[{"id":"a","status":"pass"}]}"#;
+        assert_eq!(refusal(pass), None);
+        let fail = br#"{"verdict":"FAIL","checks":[{"id":"a","status":"pass"},{"id":"model.nll.cpu","status":"fail"}]}"#;
+        let why = refusal(fail).expect("a FAIL report refuses");
+        assert!(
+            why.contains("verdict FAIL") && why.contains("model.nll.cpu") && !why.contains("a,"),
+            "{why}"
+        );
+        assert!(refusal(b"{}")
+            .expect("no verdict refuses")
+            .contains("verdict missing"));
+        assert!(refusal(b"not json").is_some());
+    }
 }
