@@ -40,6 +40,10 @@ const ARCHS: &str = "arm64,amd64";
 /// Lists refreshed in this process (per configuration folder): at most one refresh per run.
 static REFRESHED: Mutex<Option<HashSet<PathBuf>>> = Mutex::new(None);
 
+/// Held while the lists are checked or refreshed: concurrent fetches run one `apt-get update`,
+/// never two over the same folder.
+static LISTS: Mutex<()> = Mutex::new(());
+
 /// A private apt configuration rooted at `dir`.
 pub struct Apt {
     pub dir: PathBuf,
@@ -165,8 +169,8 @@ impl Apt {
             .unwrap_or(false)
     }
 
-    /// `apt-get update` over the private configuration.
-    pub fn update(&self, why: &str) -> Result<()> {
+    /// `apt-get update` over the private configuration; the caller holds [`LISTS`].
+    fn update_held(&self, why: &str) -> Result<()> {
         self.setup()?;
         println!(
             "pins: refreshing kiln's package lists ({why}): apt-get update over {} ({})",
@@ -201,6 +205,7 @@ impl Apt {
 
     /// Refresh the lists unless they are present and newer than `pins` (at most once per run).
     pub fn ensure_lists(&self, pins: &[&Path]) -> Result<()> {
+        let _held = LISTS.lock().unwrap_or_else(|e| e.into_inner());
         self.setup()?;
         let have = self.have_lists();
         if self.lists_fresh(pins) || (have && self.refreshed_this_run()) {
@@ -211,7 +216,16 @@ impl Apt {
         } else {
             "older than the pins"
         };
-        self.update(why)
+        self.update_held(why)
+    }
+
+    /// Refresh the lists unless this run already did (another fetch may have, meanwhile).
+    pub fn refresh_once(&self, why: &str) -> Result<()> {
+        let _held = LISTS.lock().unwrap_or_else(|e| e.into_inner());
+        if self.refreshed_this_run() {
+            return Ok(());
+        }
+        self.update_held(why)
     }
 
     /// `apt-get download spec` into `dir` (made writable for apt's `_apt` user).

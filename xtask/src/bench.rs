@@ -20,6 +20,10 @@ pub struct Args {
     /// `model`: generated tokens (decode).
     #[arg(short = 'n', default_value_t = 64)]
     pub n: usize,
+    /// `image`: make the cold build with an empty download cache too (a fresh machine's first
+    /// build: every pinned input fetched from the network).
+    #[arg(long)]
+    pub empty_cache: bool,
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -32,7 +36,7 @@ pub fn run(args: Args) -> Result<()> {
                 .context("matmul bench")
         }
         "gguf" => gguf(),
-        "image" => crate::image::bench::run(),
+        "image" => crate::image::bench::run(args.empty_cache),
         "model" => model(&args),
         other => bail!("no bench named {other:?} (known: flash, matmul, gguf, image, model)"),
     }

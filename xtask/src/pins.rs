@@ -363,16 +363,21 @@ impl Cache {
         std::fs::create_dir_all(&self.dir)
             .with_context(|| format!("creating {}", self.dir.display()))?;
         let dst = self.path(&got);
-        let tmp = self.dir.join(format!(".{got}.tmp{}", std::process::id()));
-        std::fs::copy(src, &tmp)
+        // A unique temporary name per writer: concurrent fetches of one hash never share it.
+        let tmp = tempfile::Builder::new()
+            .prefix(&format!(".{got}.tmp"))
+            .tempfile_in(&self.dir)
+            .with_context(|| format!("a temporary file in {}", self.dir.display()))?;
+        std::fs::copy(src, tmp.path())
             .with_context(|| format!("copying {} into the cache", src.display()))?;
-        std::fs::rename(&tmp, &dst).with_context(|| format!("renaming into {}", dst.display()))?;
+        tmp.persist(&dst)
+            .with_context(|| format!("renaming into {}", dst.display()))?;
         Ok((got, dst))
     }
 }
 
 /// Downloads an input into `dir` and returns the downloaded file.
-pub type Fetcher<'a> = &'a dyn Fn(&Input, &Path) -> Result<PathBuf>;
+pub type Fetcher<'a> = &'a (dyn Fn(&Input, &Path) -> Result<PathBuf> + Sync);
 
 /// The default snapshot service (`KILN_SNAPSHOT_URL` overrides it, e.g. for a mirror).
 pub const SNAPSHOT_URL: &str = "https://snapshot.debian.org";
@@ -407,8 +412,8 @@ impl DebSource {
         println!("pins: downloading {spec}");
         let t = std::time::Instant::now();
         let mut found = self.apt.download(&spec, dir)?;
-        if matches!(found, Download::NotFound(_)) && !self.apt.refreshed_this_run() {
-            self.apt.update(&format!(
+        if matches!(found, Download::NotFound(_)) {
+            self.apt.refresh_once(&format!(
                 "{spec} not found: refreshing, then trying once more"
             ))?;
             found = self.apt.download(&spec, dir)?;
@@ -503,6 +508,59 @@ pub fn resolve(cache: &Cache, input: &Input, offline: bool, fetch: Fetcher) -> R
     Ok(p)
 }
 
+/// How many pinned inputs are fetched at once.
+pub const FETCH_JOBS: usize = 8;
+
+/// [`resolve`] of every input, at most `jobs` at once; the results in input order. Progress is
+/// shown as `N/M` with the bytes resolved so far.
+pub fn resolve_all(
+    cache: &Cache,
+    inputs: &[&Input],
+    offline: bool,
+    fetch: Fetcher,
+    jobs: usize,
+) -> Vec<Result<PathBuf>> {
+    use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+    use std::sync::Mutex;
+    let next = AtomicUsize::new(0);
+    let done = AtomicUsize::new(0);
+    let bytes = AtomicU64::new(0);
+    let results: Mutex<Vec<Option<Result<PathBuf>>>> =
+        Mutex::new((0..inputs.len()).map(|_| None).collect());
+    let t = std::time::Instant::now();
+    std::thread::scope(|s| {
+        for _ in 0..jobs.clamp(1, inputs.len().max(1)) {
+            s.spawn(|| loop {
+                let n = next.fetch_add(1, Ordering::SeqCst);
+                let Some(input) = inputs.get(n) else { break };
+                let r = resolve(cache, input, offline, fetch);
+                if let Ok(p) = &r {
+                    let len = std::fs::metadata(p).map(|m| m.len()).unwrap_or(0);
+                    bytes.fetch_add(len, Ordering::SeqCst);
+                }
+                let d = done.fetch_add(1, Ordering::SeqCst) + 1;
+                if d % 25 == 0 || d == inputs.len() {
+                    println!(
+                        "pins: resolved {d}/{} ({:.1} MiB, {:.1} s)",
+                        inputs.len(),
+                        bytes.load(Ordering::SeqCst) as f64 / 1048576.0,
+                        t.elapsed().as_secs_f64()
+                    );
+                }
+                if let Ok(mut g) = results.lock() {
+                    g[n] = Some(r);
+                }
+            });
+        }
+    });
+    results
+        .into_inner()
+        .unwrap_or_else(|e| e.into_inner())
+        .into_iter()
+        .map(|r| r.unwrap_or_else(|| Err(anyhow::anyhow!("a fetch worker panicked"))))
+        .collect()
+}
+
 /// How to provide a missing supplied input.
 pub fn missing_message(input: &Input) -> String {
     match &input.source {
@@ -561,8 +619,11 @@ pub fn inputs_of(files: &[PathBuf]) -> Result<Vec<Input>> {
 pub fn check(what: &str, files: &[PathBuf], offline: bool) -> Result<()> {
     let cache = Cache::user()?;
     let mut missing = Vec::new();
-    for input in inputs_of(files)? {
-        match resolve(&cache, &input, offline, &apt_fetch) {
+    let inputs = inputs_of(files)?;
+    let refs: Vec<&Input> = inputs.iter().collect();
+    let got = resolve_all(&cache, &refs, offline, &apt_fetch, FETCH_JOBS);
+    for (input, r) in inputs.iter().zip(got) {
+        match r {
             Ok(p) => println!(
                 "ok       {:<24} {:<28} sha256 {} ({})",
                 input.name,
@@ -572,7 +633,7 @@ pub fn check(what: &str, files: &[PathBuf], offline: bool) -> Result<()> {
             ),
             Err(e) => {
                 println!("MISSING  {:<24} {:<28} {e:#}", input.name, input.version);
-                missing.push(input.name);
+                missing.push(input.name.clone());
             }
         }
     }
@@ -858,7 +919,7 @@ mod archive_tests;
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::cell::Cell;
+    use std::sync::atomic::{AtomicUsize, Ordering};
 
     fn deb_input(sha: Sha256) -> Input {
         Input {
@@ -872,6 +933,64 @@ mod tests {
             snapshot: None,
             file: PathBuf::from("rootfs/packages.toml"),
         }
+    }
+
+    #[test]
+    fn resolve_all_fetches_concurrently_and_refuses_a_wrong_hash_by_name() {
+        let src = tempfile::tempdir().unwrap();
+        let cache = Cache {
+            dir: src.path().join("cache"),
+        };
+        let mut inputs = Vec::new();
+        for n in 0..6u8 {
+            let body = vec![n; 1000 + n as usize];
+            std::fs::write(src.path().join(format!("p{n}")), &body).unwrap();
+            // p3's pin names another content: a wrong hash.
+            let pinned = if n == 3 { b"other".to_vec() } else { body };
+            let mut i = deb_input(Sha256::of_bytes(&pinned));
+            i.name = format!("p{n}");
+            inputs.push(i);
+        }
+        let served = src.path().to_path_buf();
+        let (now, most) = (AtomicUsize::new(0), AtomicUsize::new(0));
+        let fetch = |i: &Input, dir: &Path| -> Result<PathBuf> {
+            let n = now.fetch_add(1, Ordering::SeqCst) + 1;
+            most.fetch_max(n, Ordering::SeqCst);
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            let dst = dir.join(&i.name);
+            std::fs::copy(served.join(&i.name), &dst)?;
+            now.fetch_sub(1, Ordering::SeqCst);
+            Ok(dst)
+        };
+        let refs: Vec<&Input> = inputs.iter().collect();
+        let got = resolve_all(&cache, &refs, false, &fetch, 4);
+        assert_eq!(got.len(), 6);
+        let most = most.load(Ordering::SeqCst);
+        assert!(
+            (2..=4).contains(&most),
+            "{most} fetches at once: concurrent, within the bound of 4"
+        );
+        for (n, r) in got.iter().enumerate() {
+            if n == 3 {
+                let e = format!("{:#}", r.as_ref().unwrap_err());
+                assert!(e.contains("p3: sha256 mismatch"), "{e}");
+            } else {
+                let p = r.as_ref().unwrap();
+                assert_eq!(std::fs::read(p).unwrap(), vec![n as u8; 1000 + n]);
+            }
+        }
+        // The cache holds the five good files and nothing else (no partial, no temporary).
+        let mut names: Vec<String> = std::fs::read_dir(&cache.dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        let mut want: Vec<String> = [0, 1, 2, 4, 5]
+            .iter()
+            .map(|&n| Sha256::of_bytes(&vec![n as u8; 1000 + n]).to_string())
+            .collect();
+        want.sort();
+        assert_eq!(names, want);
     }
 
     #[test]
@@ -893,18 +1012,18 @@ mod tests {
         };
         let payload = b"the real package".to_vec();
         let input = deb_input(Sha256::of_bytes(&payload));
-        let fetches = Cell::new(0);
+        let fetches = AtomicUsize::new(0);
         let fetch = |_: &Input, d: &Path| -> Result<PathBuf> {
-            fetches.set(fetches.get() + 1);
+            fetches.fetch_add(1, Ordering::SeqCst);
             let p = d.join("x.deb");
             std::fs::write(&p, &payload)?;
             Ok(p)
         };
         let p = resolve(&cache, &input, false, &fetch).unwrap();
-        assert_eq!(fetches.get(), 1);
+        assert_eq!(fetches.load(Ordering::SeqCst), 1);
         resolve(&cache, &input, false, &fetch).unwrap();
         assert_eq!(
-            fetches.get(),
+            fetches.load(Ordering::SeqCst),
             1,
             "a good cache file is used, not fetched again"
         );
@@ -913,10 +1032,14 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("--offline"), "{err}");
-        assert_eq!(fetches.get(), 1);
+        assert_eq!(fetches.load(Ordering::SeqCst), 1);
         std::fs::write(&p, b"tampered").unwrap();
         let p2 = resolve(&cache, &input, false, &fetch).unwrap();
-        assert_eq!(fetches.get(), 2, "the tampered file is fetched again");
+        assert_eq!(
+            fetches.load(Ordering::SeqCst),
+            2,
+            "the tampered file is fetched again"
+        );
         assert_eq!(std::fs::read(p2).unwrap(), payload);
     }
 

@@ -335,13 +335,12 @@ fn make(root: &ToolsRoot, inputs: &[Input], offline: bool) -> Result<()> {
         inputs.len()
     );
     let cache = Cache::user()?;
+    let all: Vec<&Input> = inputs.iter().collect();
     let mut debs = Vec::new();
     let mut missing = Vec::new();
-    for (n, i) in inputs.iter().enumerate() {
-        if n % 25 == 0 {
-            println!("tools root: resolving pins {}/{}", n + 1, inputs.len());
-        }
-        match pins::resolve(&cache, i, offline, &pins::apt_fetch) {
+    let got = pins::resolve_all(&cache, &all, offline, &pins::apt_fetch, pins::FETCH_JOBS);
+    for (i, r) in inputs.iter().zip(got) {
+        match r {
             Ok(p) => debs.push((i, p)),
             Err(e) => missing.push(format!("{e:#}")),
         }

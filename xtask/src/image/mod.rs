@@ -113,10 +113,13 @@ pub fn commit_info() -> Result<Commit> {
 pub fn resolve_inputs(board: &Board, cache: &Cache, offline: bool) -> Result<Inputs> {
     let mut out = BTreeMap::new();
     let mut missing = Vec::new();
-    for i in pins::inputs_of(&board.pin_files())? {
-        match pins::resolve(cache, &i, offline, &pins::apt_fetch) {
+    let inputs = pins::inputs_of(&board.pin_files())?;
+    let refs: Vec<&pins::Input> = inputs.iter().collect();
+    let got = pins::resolve_all(cache, &refs, offline, &pins::apt_fetch, pins::FETCH_JOBS);
+    for (i, r) in inputs.iter().zip(got) {
+        match r {
             Ok(p) => {
-                out.insert(i.name.clone(), (i, p));
+                out.insert(i.name.clone(), (i.clone(), p));
             }
             Err(e) => missing.push(format!("{e:#}")),
         }
