@@ -72,3 +72,29 @@ fn main() {
         std::process::exit(1);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(argv: &[&str]) -> cli::run::SampleArgs {
+        match Cli::try_parse_from(argv).unwrap() {
+            Cli::Run(a) => a.sample,
+            Cli::Chat(a) => a.sample,
+            _ => unreachable!("only run and chat are parsed here"),
+        }
+    }
+
+    #[test]
+    fn run_and_chat_sample_alike() {
+        let run = sample(&["kiln", "run", "m.gguf", "-p", "hi"]);
+        let chat = sample(&["kiln", "chat", "m.gguf"]);
+        assert_eq!(run, chat, "one set of defaults");
+        assert_eq!((run.temp, run.top_k, run.top_p), (0.8, 40, 0.95));
+        let set = ["--temp", "0", "--top-k", "5", "--top-p", "0.5", "--seed", "7"];
+        let run = sample(&[&["kiln", "run", "m.gguf", "-p", "hi"][..], &set].concat());
+        let chat = sample(&[&["kiln", "chat", "m.gguf"][..], &set].concat());
+        assert_eq!(run, chat);
+        assert_eq!((run.temp, run.top_k, run.seed), (0.0, 5, 7));
+    }
+}

@@ -88,6 +88,11 @@ impl Apt {
             format!("Dir::State::Lists={d}/lists"),
             format!("Dir::State::status={d}/status"),
             format!("Dir::Cache={d}/cache"),
+            // Keep the binary package cache between runs, whatever the host says: Debian's
+            // container images set both to "" (`/etc/apt/apt.conf.d/docker-clean`), and then
+            // every `apt-get download` re-parses all the lists (1.5 s of CPU here, against 0.4 s).
+            "Dir::Cache::pkgcache=pkgcache.bin".into(),
+            "Dir::Cache::srcpkgcache=srcpkgcache.bin".into(),
             format!("APT::Architectures={ARCHS}"),
             "APT::Default-Release=".into(),
             "Acquire::Languages=none".into(),

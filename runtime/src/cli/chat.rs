@@ -3,9 +3,8 @@
 //! feeds only the tokens the KV cache does not hold yet, so the cache is kept across turns; a
 //! reply stops at an end-of-generation token.
 
-use super::run::{ModelArgs, TextOut};
+use super::run::{ModelArgs, SampleArgs, TextOut};
 use anyhow::{bail, Context, Result};
-use kiln_runtime::model::sample::{Sampler, SamplerConfig};
 use kiln_runtime::model::Want;
 use std::io::{BufRead, Write};
 
@@ -19,15 +18,8 @@ pub struct Args {
     /// Most tokens per reply.
     #[arg(short = 'n', default_value_t = 256)]
     pub n: usize,
-    /// Temperature; 0 = greedy.
-    #[arg(long, default_value_t = 0.7)]
-    pub temp: f32,
-    #[arg(long, default_value_t = 40)]
-    pub top_k: usize,
-    #[arg(long, default_value_t = 0.95)]
-    pub top_p: f32,
-    #[arg(long, default_value_t = 42)]
-    pub seed: u64,
+    #[command(flatten)]
+    pub sample: SampleArgs,
 }
 
 /// The conversation rendered by the model's template.
@@ -83,12 +75,7 @@ pub fn run(a: Args) -> Result<()> {
     };
     let (bos, eos) = (piece(tok.bos()), piece(tok.eos()));
     let mut s = model.session(a.m.n_ctx(&model), a.m.kv)?;
-    let mut sampler = Sampler::new(SamplerConfig {
-        temp: a.temp,
-        top_k: a.top_k,
-        top_p: a.top_p,
-        seed: a.seed,
-    });
+    let mut sampler = a.sample.sampler();
     let mut messages: Vec<(String, String)> = Vec::new();
     if let Some(sys) = &a.system {
         messages.push(("system".into(), sys.clone()));

@@ -74,6 +74,36 @@ pub fn parse_ids(s: &str) -> Result<Vec<u32>> {
         .collect()
 }
 
+/// The sampling arguments of `kiln run` and `kiln chat`: one set, one set of defaults. They are
+/// llama.cpp's (`llama-cli` and `llama-server`: temperature 0.8, top-k 40, top-p 0.95), so that a
+/// user comparing the two samples alike; `kiln chat` used 0.7 before, a value no reference uses.
+#[derive(clap::Args, Clone, Copy, Debug, PartialEq)]
+pub struct SampleArgs {
+    /// Temperature; 0 = greedy (argmax, ties to the lowest id).
+    #[arg(long, default_value_t = 0.8)]
+    pub temp: f32,
+    /// Keep the K most likely tokens (0 = all).
+    #[arg(long, default_value_t = 40)]
+    pub top_k: usize,
+    /// Keep the smallest set of tokens whose probability reaches P (1 = all).
+    #[arg(long, default_value_t = 0.95)]
+    pub top_p: f32,
+    /// The sampler's seed: the same seed, prompt and model give the same tokens.
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+}
+
+impl SampleArgs {
+    pub fn sampler(&self) -> Sampler {
+        Sampler::new(SamplerConfig {
+            temp: self.temp,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            seed: self.seed,
+        })
+    }
+}
+
 #[derive(clap::Args)]
 pub struct Args {
     #[command(flatten)]
@@ -87,17 +117,8 @@ pub struct Args {
     /// Tokens to generate.
     #[arg(short = 'n', default_value_t = 64)]
     pub n: usize,
-    /// Temperature; 0 = greedy (argmax, ties to the lowest id).
-    #[arg(long, default_value_t = 0.8)]
-    pub temp: f32,
-    /// Keep the K most likely tokens (0 = all).
-    #[arg(long, default_value_t = 40)]
-    pub top_k: usize,
-    /// Keep the smallest set of tokens whose probability reaches P (1 = all).
-    #[arg(long, default_value_t = 0.95)]
-    pub top_p: f32,
-    #[arg(long, default_value_t = 42)]
-    pub seed: u64,
+    #[command(flatten)]
+    pub sample: SampleArgs,
     /// Print one JSON object instead of streaming text.
     #[arg(long)]
     pub json: bool,
@@ -113,12 +134,7 @@ pub fn run(a: Args) -> Result<()> {
     };
     anyhow::ensure!(!prompt.is_empty(), "the prompt has no tokens");
     let mut s = model.session(a.m.n_ctx(&model), a.m.kv)?;
-    let mut sampler = Sampler::new(SamplerConfig {
-        temp: a.temp,
-        top_k: a.top_k,
-        top_p: a.top_p,
-        seed: a.seed,
-    });
+    let mut sampler = a.sample.sampler();
     let text = TextOut::new(&f)?;
     let mut stream = text.stream();
     let mut out = std::io::stdout().lock();
