@@ -91,7 +91,9 @@ mod tests {
         let chat = sample(&["kiln", "chat", "m.gguf"]);
         assert_eq!(run, chat, "one set of defaults");
         assert_eq!((run.temp, run.top_k, run.top_p), (0.8, 40, 0.95));
-        let set = ["--temp", "0", "--top-k", "5", "--top-p", "0.5", "--seed", "7"];
+        let set = [
+            "--temp", "0", "--top-k", "5", "--top-p", "0.5", "--seed", "7",
+        ];
         let run = sample(&[&["kiln", "run", "m.gguf", "-p", "hi"][..], &set].concat());
         let chat = sample(&[&["kiln", "chat", "m.gguf"][..], &set].concat());
         assert_eq!(run, chat);
