@@ -488,7 +488,22 @@ fn toolchain_record() -> PathBuf {
 /// it, else `rustup target add`. Debian's `rustc-web` is not a way any more: it is another
 /// release, so it would build other bytes. The one used is printed and recorded in
 /// `target/kiln/toolchain.json`.
+///
+/// Found once per process: the steps that build for aarch64 each ask, and every asking ran
+/// `rustc --version`, `rustc --print sysroot` and the cross gcc's `--version` again (0.1 s each
+/// of a no-op image's 0.5 s). Nothing in one run changes the toolchain but this function itself.
 pub fn cross_toolchain() -> Result<CrossToolchain> {
+    static FOUND: std::sync::Mutex<Option<CrossToolchain>> = std::sync::Mutex::new(None);
+    let mut found = FOUND.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(tc) = found.as_ref() {
+        return Ok(tc.clone());
+    }
+    let tc = find_cross_toolchain()?;
+    *found = Some(tc.clone());
+    Ok(tc)
+}
+
+fn find_cross_toolchain() -> Result<CrossToolchain> {
     ensure(&[&CROSS_GCC])?;
     let rustc_version = ensure_pinned_rustc()?;
     let rustup_cargo = || -> PathBuf {

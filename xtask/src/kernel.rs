@@ -486,10 +486,10 @@ fn load_cached(dir: &Path, key: &Sha256) -> Result<Option<KernelOut>> {
     k.dir = dir.to_path_buf();
     k.reused = true;
     if k.key != *key
-        || Sha256::of_file(&k.image()).ok() != Some(k.image_sha256)
-        || Sha256::of_file(&k.config()).ok() != Some(k.config_sha256)
+        || Sha256::of_file_memo(&k.image()).ok() != Some(k.image_sha256)
+        || Sha256::of_file_memo(&k.config()).ok() != Some(k.config_sha256)
         || k.dtb()
-            .map(|p| Sha256::of_file(&p).ok())
+            .map(|p| Sha256::of_file_memo(&p).ok())
             .unwrap_or(k.dtb_sha256)
             != k.dtb_sha256
     {

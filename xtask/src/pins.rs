@@ -12,6 +12,7 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 pub mod identity;
+pub mod memo;
 
 /// A sha256 digest: parsed once from hex at the edge, printed as lowercase hex.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -38,6 +39,12 @@ impl Sha256 {
     pub fn of_file(p: &Path) -> Result<Sha256> {
         let f = std::fs::File::open(p).with_context(|| format!("opening {}", p.display()))?;
         Sha256::of_reader(f).with_context(|| format!("reading {}", p.display()))
+    }
+
+    /// [`Sha256::of_file`], without reading a file again that is unchanged since it was last
+    /// hashed (see [`memo`] for what "unchanged" means and why it is sound).
+    pub fn of_file_memo(p: &Path) -> Result<Sha256> {
+        memo::memo().hash(p)
     }
 
     pub fn short(&self) -> String {
@@ -331,7 +338,7 @@ impl Cache {
         if !p.exists() {
             return Ok(None);
         }
-        let got = Sha256::of_file(&p)?;
+        let got = Sha256::of_file_memo(&p)?;
         if got == *h {
             return Ok(Some(p));
         }

@@ -57,7 +57,7 @@ pub fn models(paths: &[PathBuf]) -> Result<Vec<Model>> {
         {
             bail!("two models named {name} on the models partition");
         }
-        let sha256 = Sha256::of_file(m).with_context(|| format!("model {}", m.display()))?;
+        let sha256 = Sha256::of_file_memo(m).with_context(|| format!("model {}", m.display()))?;
         models.push(Model {
             name,
             path: m.clone(),
@@ -457,7 +457,7 @@ pub struct ManifestOf<'a> {
 /// the disk image's sha256 ([`manifest_file`]).
 pub fn manifest(ctx: &Ctx, m: &ManifestOf) -> Result<Value> {
     let initramfs_files: Value = serde_json::from_slice(&std::fs::read(&m.initramfs.paths[1])?)?;
-    let initramfs_sha = Sha256::of_file(m.initramfs.path())?;
+    let initramfs_sha = Sha256::of_file_memo(m.initramfs.path())?;
     let initramfs_size = std::fs::metadata(m.initramfs.path())?.len();
     let boot_listing: BTreeMap<String, Value> = m
         .boot_files
@@ -635,7 +635,7 @@ pub fn manifest_file<'a>(
     let boot_sha = Sha256::of_bytes(&boot_manifest_bytes(&manifest)?);
     let part_shas: Vec<Value> = parts
         .iter()
-        .map(|p| Ok(json!({"image": p.path().file_name().map(|n| n.to_string_lossy().into_owned()), "sha256": Sha256::of_file(p.path())?})))
+        .map(|p| Ok(json!({"image": p.path().file_name().map(|n| n.to_string_lossy().into_owned()), "sha256": Sha256::of_file_memo(p.path())?})))
         .collect::<Result<_>>()?;
     manifest["image"] = json!({
         "file": disk.path().file_name().map(|n| n.to_string_lossy().into_owned()),
