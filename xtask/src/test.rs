@@ -533,12 +533,68 @@ fn llama_cpp(_: &Args) -> Result<()> {
     .context("kiln against llama.cpp")
 }
 
-/// A virtualenv under `target/` with `LLAMA_CPP_PINS`; returns its python.
+/// ggml's CMake options for this x86 CPU's features without AMX, or `None` where the CPU has no
+/// AMX (there llama.cpp's default `GGML_NATIVE` build is kept). On a CPU with AMX (Sapphire
+/// Rapids and later), `-march=native` turns on ggml's AMX buffer type, whose `mul_mat` crashed
+/// (SIGSEGV in `ggml_backend_amx_mul_mat`, llama-cpp-python 0.3.36, under a VM that offers
+/// `amx_int8`): every reference run died before it answered. The rest of what `native` would
+/// pick is kept, feature by feature, from `/proc/cpuinfo`'s flags.
+fn ggml_x86_without_amx(cpuinfo: &str) -> Option<String> {
+    let flags: std::collections::BTreeSet<&str> = cpuinfo
+        .lines()
+        .find(|l| l.starts_with("flags"))
+        .and_then(|l| l.split_once(':'))
+        .map(|(_, f)| f.split_whitespace().collect())?;
+    if !flags.iter().any(|f| f.starts_with("amx")) {
+        return None;
+    }
+    let has = |fs: &[&str]| fs.iter().all(|f| flags.contains(f));
+    let options: [(&str, &[&str]); 11] = [
+        ("GGML_SSE42", &["sse4_2"]),
+        ("GGML_AVX", &["avx"]),
+        ("GGML_AVX2", &["avx2"]),
+        ("GGML_BMI2", &["bmi2"]),
+        ("GGML_FMA", &["fma"]),
+        ("GGML_F16C", &["f16c"]),
+        ("GGML_AVX_VNNI", &["avx_vnni"]),
+        // ggml's GGML_AVX512 compiles with -mavx512f -mavx512cd -mavx512vl -mavx512dq -mavx512bw.
+        (
+            "GGML_AVX512",
+            &["avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"],
+        ),
+        ("GGML_AVX512_VBMI", &["avx512vbmi"]),
+        ("GGML_AVX512_VNNI", &["avx512_vnni"]),
+        ("GGML_AVX512_BF16", &["avx512_bf16"]),
+    ];
+    let mut args = vec!["-DGGML_NATIVE=OFF".to_string()];
+    for (opt, need) in options {
+        args.push(format!("-D{opt}={}", if has(need) { "ON" } else { "OFF" }));
+    }
+    for opt in ["GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16"] {
+        args.push(format!("-D{opt}=OFF"));
+    }
+    Some(args.join(" "))
+}
+
+/// A virtualenv under `target/` with `LLAMA_CPP_PINS`; returns its python. On a CPU with AMX,
+/// llama.cpp is built without it ([`ggml_x86_without_amx`]): pip's wheel cache keys a wheel by
+/// its source only, not by `CMAKE_ARGS`, so that wheel is built here, once, into
+/// `~/.cache/kiln/wheels/<key of pin and options>/`, and installed from there.
 pub(crate) fn llama_cpp_venv() -> Result<std::path::PathBuf> {
     let dir = crate::paths::target_dir().join("kiln/llama-cpp-venv");
     let python = dir.join("bin/python");
     let stamp = dir.join("kiln-pins.txt");
-    let pins = LLAMA_CPP_PINS.join(" ");
+    let cmake = if cfg!(target_arch = "x86_64") {
+        std::fs::read_to_string("/proc/cpuinfo")
+            .ok()
+            .and_then(|c| ggml_x86_without_amx(&c))
+    } else {
+        None
+    };
+    let pins = match &cmake {
+        Some(a) => format!("{} CMAKE_ARGS={a}", LLAMA_CPP_PINS.join(" ")),
+        None => LLAMA_CPP_PINS.join(" "),
+    };
     if std::fs::read_to_string(&stamp).ok().as_deref() == Some(pins.as_str()) && python.exists() {
         return Ok(python);
     }
@@ -546,15 +602,49 @@ pub(crate) fn llama_cpp_venv() -> Result<std::path::PathBuf> {
     println!(
         "llama-cpp: installing {pins} into {}\n\
          llama-cpp: the first install compiles llama.cpp from source (about 15 min on 2 cores, \
-         needs g++); pip's wheel cache makes later installs take seconds",
+         needs g++); later installs reuse the wheel and take seconds",
         dir.display()
     );
     cmd!(sh, "python3 -m venv --clear {dir}")
         .run()
         .context("creating the llama-cpp virtualenv")?;
+    let mut install: Vec<String> = LLAMA_CPP_PINS.iter().map(|p| p.to_string()).collect();
+    if let Some(args) = &cmake {
+        let llama = LLAMA_CPP_PINS[0];
+        let key = crate::pins::Sha256::of_bytes(format!("{llama} {args}").as_bytes()).short();
+        let cache = download_cache()?
+            .parent()
+            .context("the download cache has no parent")?
+            .join("wheels")
+            .join(&key);
+        let wheel = |d: &std::path::Path| -> Option<std::path::PathBuf> {
+            std::fs::read_dir(d)
+                .ok()?
+                .flatten()
+                .map(|e| e.path())
+                .find(|p| p.extension().is_some_and(|x| x == "whl"))
+        };
+        if wheel(&cache).is_none() {
+            println!("llama-cpp: this CPU has AMX: building {llama} with CMAKE_ARGS=\"{args}\"");
+            let tmp = cache.with_extension(format!("tmp{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&tmp);
+            cmd!(
+                sh,
+                "{python} -m pip wheel --no-deps --no-cache-dir --disable-pip-version-check --progress-bar off -w {tmp} {llama}"
+            )
+            .env("CMAKE_ARGS", args)
+            .run()
+            .with_context(|| format!("building the {llama} wheel (is g++ installed?)"))?;
+            let _ = std::fs::remove_dir_all(&cache);
+            std::fs::rename(&tmp, &cache)
+                .with_context(|| format!("renaming {} to {}", tmp.display(), cache.display()))?;
+        }
+        let w = wheel(&cache).with_context(|| format!("no wheel in {}", cache.display()))?;
+        install[0] = w.to_string_lossy().into_owned();
+    }
     cmd!(
         sh,
-        "{python} -m pip install --disable-pip-version-check --progress-bar off {LLAMA_CPP_PINS...}"
+        "{python} -m pip install --disable-pip-version-check --progress-bar off {install...}"
     )
     .run()
     .with_context(|| format!("pip install {pins} (a compiler error here: is g++ installed?)"))?;
@@ -1232,4 +1322,45 @@ fn boot_qemu_faults(_: &Args) -> Result<()> {
 
 fn find_bytes(hay: &[u8], needle: &[u8]) -> Option<usize> {
     hay.windows(needle.len()).position(|w| w == needle)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ggml_x86_without_amx;
+
+    #[test]
+    fn amx_is_left_out_and_the_rest_follows_the_flags() {
+        let spr = "processor\t: 0\nflags\t\t: fpu sse4_2 avx avx2 bmi2 fma f16c avx512f avx512cd \
+                   avx512vl avx512dq avx512bw avx512_vnni amx_tile amx_int8\n";
+        let a = ggml_x86_without_amx(spr).expect("a CPU with AMX gets options");
+        for on in [
+            "GGML_AVX2=ON",
+            "GGML_AVX512=ON",
+            "GGML_AVX512_VNNI=ON",
+            "GGML_FMA=ON",
+        ] {
+            assert!(a.contains(&format!("-D{on}")), "{on} in {a}");
+        }
+        for off in [
+            "GGML_NATIVE",
+            "GGML_AVX512_BF16",
+            "GGML_AVX_VNNI",
+            "GGML_AMX_TILE",
+            "GGML_AMX_INT8",
+            "GGML_AMX_BF16",
+        ] {
+            assert!(a.contains(&format!("-D{off}=OFF")), "{off} off in {a}");
+        }
+        // AVX-512F alone is not ggml's GGML_AVX512 (it also compiles with cd/vl/dq/bw).
+        let partial = "flags : avx2 avx512f amx_int8\n";
+        assert!(ggml_x86_without_amx(partial)
+            .unwrap()
+            .contains("-DGGML_AVX512=OFF"));
+        // Without AMX, llama.cpp's own native build is kept.
+        assert_eq!(
+            ggml_x86_without_amx("flags : sse4_2 avx avx2 fma f16c\n"),
+            None
+        );
+        assert_eq!(ggml_x86_without_amx("no flags line\n"), None);
+    }
 }
