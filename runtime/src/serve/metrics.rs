@@ -11,6 +11,7 @@ pub struct Metrics {
     pub requests: AtomicU64,
     pub errors: AtomicU64,
     pub cancelled: AtomicU64,
+    pub connections_refused: AtomicU64,
     pub prompt_tokens: AtomicU64,
     pub completion_tokens: AtomicU64,
     pub queue_depth: AtomicU64,
@@ -73,6 +74,12 @@ impl Metrics {
             "counter",
             "Sequences freed because the client went away.",
             g(&self.cancelled).to_string(),
+        );
+        one(
+            "kiln_connections_refused_total",
+            "counter",
+            "Connections closed on accept because --max-connections were open.",
+            g(&self.connections_refused).to_string(),
         );
         one(
             "kiln_prompt_tokens_total",
