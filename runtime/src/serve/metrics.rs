@@ -18,6 +18,7 @@ pub struct Metrics {
     pub active: AtomicU64,
     prefill_us: AtomicU64,
     decode_tokens: AtomicU64,
+    decode_steps: AtomicU64,
     decode_us: AtomicU64,
     ops: Mutex<BTreeMap<String, u64>>,
 }
@@ -29,8 +30,10 @@ impl Metrics {
             .fetch_add(t.as_micros() as u64, Ordering::Relaxed);
     }
 
+    /// One decode step (one forward pass) that advanced `tokens` sequences by a token each.
     pub fn add_decode(&self, tokens: u64, t: Duration) {
         self.decode_tokens.fetch_add(tokens, Ordering::Relaxed);
+        self.decode_steps.fetch_add(1, Ordering::Relaxed);
         self.decode_us
             .fetch_add(t.as_micros() as u64, Ordering::Relaxed);
     }
@@ -104,6 +107,18 @@ impl Metrics {
             "gauge",
             "Decoded tokens per second of decode-step time (all sequences), since start.",
             format!("{:.3}", rate(g(&self.decode_tokens), g(&self.decode_us))),
+        );
+        one(
+            "kiln_decode_steps_total",
+            "counter",
+            "Decode steps: forward passes over all active sequences at once.",
+            g(&self.decode_steps).to_string(),
+        );
+        one(
+            "kiln_decode_rows_total",
+            "counter",
+            "Sequence-tokens decoded by those steps (rows / steps = mean batch M).",
+            g(&self.decode_tokens).to_string(),
         );
         one(
             "kiln_queue_depth",

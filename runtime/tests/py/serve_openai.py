@@ -85,6 +85,11 @@ try:
 
     with cf.ThreadPoolExecutor(8) as ex:
         got = list(ex.map(complete, range(8)))
+    met = raw("GET", "/metrics")[1].decode()
+    val = lambda name: float(next(l.split()[1] for l in met.splitlines() if l.startswith(name + " ")))
+    steps, rows = val("kiln_decode_steps_total"), val("kiln_decode_rows_total")
+    check(steps > 0 and rows / steps > 1.5,
+          f"decode ran batched: {rows:.0f} rows in {steps:.0f} steps (mean M {rows / max(steps, 1):.2f} > 1.5)")
     for i, r in enumerate(got):
         check(r.model_extra["kiln"]["tokens"] == refs[i]["tokens"],
               f"concurrent completion {i} has the tokens kiln run gives alone ({len(refs[i]['tokens'])})")
