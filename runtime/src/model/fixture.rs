@@ -218,7 +218,7 @@ pub fn gguf() -> Result<Vec<u8>> {
 mod tests {
     use super::*;
     use crate::gguf::GgufFile;
-    use crate::model::{nll_windows, BackendSel, KvType, Model, Options};
+    use crate::model::{nll_windows, BackendSel, KvType, Model, Options, Want};
     use crate::tokenizer::Tokenizer;
 
     #[test]
@@ -253,5 +253,96 @@ mod tests {
             mean.is_finite() && mean > 0.5 && (mean - (N_VOCAB as f64).ln()).abs() > 0.05,
             "{mean}"
         );
+    }
+
+    /// Decoding several sequences in one pass (M = sequences) gives each the logits it gets
+    /// alone, to the bit: on the CPU fast path (threaded) and the scalar reference, f16 and f32
+    /// caches, with sequences of different lengths joining and leaving the batch.
+    #[test]
+    fn batch_rows_equal_each_sequence_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join(FILE_NAME);
+        std::fs::write(&p, gguf().unwrap()).unwrap();
+        let f = GgufFile::open(&p).unwrap();
+        let tok = Tokenizer::from_gguf(f.gguf()).unwrap();
+        let prompts = [
+            "The kiln board",
+            "reads this text at every boot.",
+            "The",
+            "boot text",
+        ];
+        let steps = [6usize, 3, 8, 1];
+        for backend in [BackendSel::Cpu, BackendSel::CpuRef] {
+            for kv in [KvType::F16, KvType::F32] {
+                let opt = Options {
+                    backend,
+                    threads: 2,
+                    ..Options::default()
+                };
+                let m = Model::load(&f, &opt).unwrap();
+                let argmax = |l: &[f32]| crate::model::sample::argmax(l);
+                // Alone: prefill, then one token at a time (M = 1).
+                let mut alone = Vec::new();
+                for (pr, &n) in prompts.iter().zip(&steps) {
+                    let ids = tok.encode(pr, true, true).unwrap();
+                    let mut s = m.session(64, kv).unwrap();
+                    let mut l = m.forward(&mut s, &ids, Want::Last).unwrap();
+                    let mut rows = Vec::new();
+                    for _ in 0..n {
+                        let t = argmax(&l);
+                        l = m.forward(&mut s, &[t], Want::Last).unwrap();
+                        rows.push((t, l.clone()));
+                    }
+                    alone.push(rows);
+                }
+                // Batched: every sequence prefilled, then one pass per step over those still
+                // decoding; sequence 1 joins two steps late.
+                let mut ss: Vec<_> = (0..prompts.len())
+                    .map(|_| m.session(64, kv).unwrap())
+                    .collect();
+                for (s, pr) in ss.iter_mut().zip(&prompts) {
+                    let ids = tok.encode(pr, true, true).unwrap();
+                    m.forward(s, &ids, Want::Last).unwrap();
+                }
+                let mut done = vec![0usize; prompts.len()];
+                let mut batched_rows = 0;
+                for step in 0.. {
+                    let live: Vec<usize> = (0..prompts.len())
+                        .filter(|&i| done[i] < steps[i] && (i != 1 || step >= 2))
+                        .collect();
+                    if live.is_empty() && done.iter().zip(&steps).all(|(d, n)| d == n) {
+                        break;
+                    }
+                    let toks: Vec<u32> = live.iter().map(|&i| alone[i][done[i]].0).collect();
+                    let mut refs: Vec<&mut crate::model::Session> = ss
+                        .iter_mut()
+                        .enumerate()
+                        .filter(|(i, _)| live.contains(i))
+                        .map(|(_, s)| s)
+                        .collect();
+                    if refs.is_empty() {
+                        continue;
+                    }
+                    let logits = m.forward_batch(&mut refs, &toks).unwrap();
+                    assert_eq!(logits.len(), live.len() * N_VOCAB);
+                    batched_rows += live.len();
+                    for (row, &i) in logits.chunks_exact(N_VOCAB).zip(&live) {
+                        let want = &alone[i][done[i]].1;
+                        let same = row
+                            .iter()
+                            .zip(want)
+                            .all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(
+                            same,
+                            "{backend:?} {kv:?}: sequence {i} step {} differs in a batch of {}",
+                            done[i],
+                            live.len()
+                        );
+                        done[i] += 1;
+                    }
+                }
+                assert_eq!(batched_rows, steps.iter().sum::<usize>());
+            }
+        }
     }
 }

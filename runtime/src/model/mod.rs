@@ -553,94 +553,153 @@ impl<'m> Model<'m> {
     }
 
     fn forward_chunk(&self, s: &mut Session, tokens: &[u32], want: Want) -> Result<Vec<f32>> {
+        self.forward_groups(&mut [(s, tokens)], want)
+    }
+
+    /// One decode step for several sequences at once: the next token of each session, in one
+    /// pass whose matmuls run at M = sessions, so each weight is read once for all of them.
+    /// Returns one row of logits per session, in order. Each row is computed exactly as
+    /// [`Model::forward`] computes it for that session alone (norms, RoPE and attention per row;
+    /// every matmul kernel gives a row the same bits at any M), so the tokens do not depend on
+    /// what else is in the batch — `batch_rows_equal_each_sequence_alone` holds that to the bit.
+    pub fn forward_batch(&self, sessions: &mut [&mut Session], tokens: &[u32]) -> Result<Vec<f32>> {
+        ensure!(
+            sessions.len() == tokens.len(),
+            "internal: {} sessions but {} tokens in a batch",
+            sessions.len(),
+            tokens.len()
+        );
+        for s in sessions.iter() {
+            s.kv.check_room(1)?;
+        }
+        // More sequences than the micro-batch: one pass per `ubatch` of them.
+        let mut out = Vec::with_capacity(tokens.len() * self.n_vocab);
+        for (ss, ts) in sessions
+            .chunks_mut(self.ubatch.max(1))
+            .zip(tokens.chunks(self.ubatch.max(1)))
+        {
+            let mut groups: Vec<(&mut Session, &[u32])> = ss
+                .iter_mut()
+                .zip(ts.chunks(1))
+                .map(|(s, t)| (&mut **s, t))
+                .collect();
+            out.extend(self.forward_groups(&mut groups, Want::All)?);
+        }
+        Ok(out)
+    }
+
+    /// The forward pass over groups of rows: each group is one session's next tokens (at the
+    /// positions after its cache). Matmuls run once over all rows; RoPE, the KV writes and
+    /// attention per group, against that group's own cache. Scratch buffers and the op counts
+    /// are the first group's session's.
+    fn forward_groups(
+        &self,
+        groups: &mut [(&mut Session, &[u32])],
+        want: Want,
+    ) -> Result<Vec<f32>> {
         let hp = &self.hp;
-        let (e, m) = (hp.n_embd, tokens.len());
-        let pos0 = s.kv.len;
-        let mut x = std::mem::take(&mut s.x);
+        let e = hp.n_embd;
+        let m: usize = groups.iter().map(|(_, t)| t.len()).sum();
+        ensure!(m > 0, "internal: a forward pass over no tokens");
+        // (first row, rows, position of the first row) of each group.
+        let spans: Vec<(usize, usize, usize)> = groups
+            .iter()
+            .scan(0, |r, (s, t)| {
+                let span = (*r, t.len(), s.kv.len);
+                *r += t.len();
+                Some(span)
+            })
+            .collect();
+        let tokens: Vec<u32> = groups.iter().flat_map(|(_, t)| t.iter().copied()).collect();
+        let s0 = &mut *groups[0].0;
+        let mut stats = std::mem::take(&mut s0.stats);
+        let mut cs = std::mem::take(&mut s0.cs);
+        let mut x = std::mem::take(&mut s0.x);
         x.resize(m * e, 0.0);
         let row_bytes = self.tok_embd.data.len() / self.n_vocab;
-        for (i, &t) in tokens.iter().enumerate() {
-            let t = t as usize;
-            ensure!(
-                t < self.n_vocab,
-                "token id {t} is outside the vocabulary ({})",
-                self.n_vocab
-            );
-            dequantize_row(
-                self.tok_embd.ty,
-                &self.tok_embd.data[t * row_bytes..(t + 1) * row_bytes],
-                &mut x[i * e..(i + 1) * e],
-            )
-            .context("token_embd.weight row")?;
-        }
-        if self.ulp_nudge {
-            for v in x.iter_mut() {
-                *v = f32::from_bits(v.to_bits() ^ 1);
-            }
-        }
-        let mut xn = std::mem::take(&mut s.xn);
+        let mut xn = std::mem::take(&mut s0.xn);
         let (mut q, mut k, mut v) = (
-            std::mem::take(&mut s.q),
-            std::mem::take(&mut s.k),
-            std::mem::take(&mut s.v),
+            std::mem::take(&mut s0.q),
+            std::mem::take(&mut s0.k),
+            std::mem::take(&mut s0.v),
         );
         let (mut att, mut o, mut g, mut u) = (
-            std::mem::take(&mut s.att),
-            std::mem::take(&mut s.o),
-            std::mem::take(&mut s.g),
-            std::mem::take(&mut s.u),
+            std::mem::take(&mut s0.att),
+            std::mem::take(&mut s0.o),
+            std::mem::take(&mut s0.g),
+            std::mem::take(&mut s0.u),
         );
-        let mut att_h = std::mem::take(&mut s.att_h);
+        let mut att_h = std::mem::take(&mut s0.att_h);
         xn.resize(m * e, 0.0);
-        let (hd, nh, nkv) = (hp.head_dim, hp.n_head, hp.n_head_kv);
+        let (hd, nh) = (hp.head_dim, hp.n_head);
         let result = (|| -> Result<Vec<f32>> {
+            for (i, &t) in tokens.iter().enumerate() {
+                let t = t as usize;
+                ensure!(
+                    t < self.n_vocab,
+                    "token id {t} is outside the vocabulary ({})",
+                    self.n_vocab
+                );
+                dequantize_row(
+                    self.tok_embd.ty,
+                    &self.tok_embd.data[t * row_bytes..(t + 1) * row_bytes],
+                    &mut x[i * e..(i + 1) * e],
+                )
+                .context("token_embd.weight row")?;
+            }
+            if self.ulp_nudge {
+                for v in x.iter_mut() {
+                    *v = f32::from_bits(v.to_bits() ^ 1);
+                }
+            }
             for (li, l) in self.layers.iter().enumerate() {
                 for (xr, yr) in x.chunks_exact(e).zip(xn.chunks_exact_mut(e)) {
                     ops::rms_norm(xr, l.attn_norm, hp.eps, yr);
                 }
-                self.matmul(&l.wq, &xn, m, &mut q, &mut s.stats)?;
-                self.matmul(&l.wk, &xn, m, &mut k, &mut s.stats)?;
-                self.matmul(&l.wv, &xn, m, &mut v, &mut s.stats)?;
+                self.matmul(&l.wq, &xn, m, &mut q, &mut stats)?;
+                self.matmul(&l.wk, &xn, m, &mut k, &mut stats)?;
+                self.matmul(&l.wv, &xn, m, &mut v, &mut stats)?;
                 if let (Some(qn), Some(kn)) = (l.q_norm, l.k_norm) {
                     ops::rms_norm_rows_inplace(&mut q, qn, hp.eps);
                     ops::rms_norm_rows_inplace(&mut k, kn, hp.eps);
                 }
-                for i in 0..m {
-                    ops::rope_cache(pos0 + i, hp.n_rot, hp.freq_base, &mut s.cs);
-                    let qd = hp.q_dim();
-                    let kd = hp.kv_dim();
-                    ops::rope_heads(&mut q[i * qd..(i + 1) * qd], hd, hp.n_rot, self.rope, &s.cs);
-                    ops::rope_heads(&mut k[i * kd..(i + 1) * kd], hd, hp.n_rot, self.rope, &s.cs);
-                    s.kv.write(
-                        li,
-                        pos0 + i,
-                        &k[i * kd..(i + 1) * kd],
-                        &v[i * kd..(i + 1) * kd],
-                    );
-                }
-                self.attention(&s.kv, li, pos0, m, &q, &mut att_h);
+                let (qd, kd) = (hp.q_dim(), hp.kv_dim());
                 att.resize(m * nh * hd, 0.0);
-                for h in 0..nh {
-                    for i in 0..m {
-                        att[i * nh * hd + h * hd..i * nh * hd + (h + 1) * hd]
-                            .copy_from_slice(&att_h[(h * m + i) * hd..(h * m + i + 1) * hd]);
+                for ((s, _), &(r0, n, pos0)) in groups.iter_mut().zip(&spans) {
+                    for i in r0..r0 + n {
+                        ops::rope_cache(pos0 + i - r0, hp.n_rot, hp.freq_base, &mut cs);
+                        ops::rope_heads(&mut q[i * qd..(i + 1) * qd], hd, hp.n_rot, self.rope, &cs);
+                        ops::rope_heads(&mut k[i * kd..(i + 1) * kd], hd, hp.n_rot, self.rope, &cs);
+                        s.kv.write(
+                            li,
+                            pos0 + i - r0,
+                            &k[i * kd..(i + 1) * kd],
+                            &v[i * kd..(i + 1) * kd],
+                        );
+                    }
+                    self.attention(&s.kv, li, pos0, n, &q[r0 * qd..(r0 + n) * qd], &mut att_h);
+                    for h in 0..nh {
+                        for i in 0..n {
+                            let row = (r0 + i) * nh * hd;
+                            att[row + h * hd..row + (h + 1) * hd]
+                                .copy_from_slice(&att_h[(h * n + i) * hd..(h * n + i + 1) * hd]);
+                        }
                     }
                 }
-                self.matmul(&l.wo, &att, m, &mut o, &mut s.stats)?;
+                self.matmul(&l.wo, &att, m, &mut o, &mut stats)?;
                 for (a, &b) in x.iter_mut().zip(&o) {
                     *a += b;
                 }
                 for (xr, yr) in x.chunks_exact(e).zip(xn.chunks_exact_mut(e)) {
                     ops::rms_norm(xr, l.ffn_norm, hp.eps, yr);
                 }
-                self.matmul(&l.gate, &xn, m, &mut g, &mut s.stats)?;
-                self.matmul(&l.up, &xn, m, &mut u, &mut s.stats)?;
+                self.matmul(&l.gate, &xn, m, &mut g, &mut stats)?;
+                self.matmul(&l.up, &xn, m, &mut u, &mut stats)?;
                 ops::swiglu_inplace(&mut g, &u);
-                self.matmul(&l.down, &g, m, &mut o, &mut s.stats)?;
+                self.matmul(&l.down, &g, m, &mut o, &mut stats)?;
                 for (a, &b) in x.iter_mut().zip(&o) {
                     *a += b;
                 }
-                let _ = nkv;
             }
             let rows: std::ops::Range<usize> = match want {
                 Want::None => return Ok(Vec::new()),
@@ -655,21 +714,26 @@ impl<'m> Model<'m> {
                 ops::rms_norm(xr, self.out_norm, hp.eps, yr);
             }
             let mut logits = Vec::new();
-            self.matmul(&self.output, &xn[..r * e], r, &mut logits, &mut s.stats)?;
+            self.matmul(&self.output, &xn[..r * e], r, &mut logits, &mut stats)?;
             Ok(logits)
         })();
-        s.x = x;
-        s.xn = xn;
-        s.q = q;
-        s.k = k;
-        s.v = v;
-        s.att = att;
-        s.att_h = att_h;
-        s.o = o;
-        s.g = g;
-        s.u = u;
+        let s0 = &mut *groups[0].0;
+        s0.stats = stats;
+        s0.cs = cs;
+        s0.x = x;
+        s0.xn = xn;
+        s0.q = q;
+        s0.k = k;
+        s0.v = v;
+        s0.att = att;
+        s0.att_h = att_h;
+        s0.o = o;
+        s0.g = g;
+        s0.u = u;
         if result.is_ok() {
-            s.kv.len += m;
+            for ((s, t), _) in groups.iter_mut().zip(&spans) {
+                s.kv.len += t.len();
+            }
         }
         result
     }

@@ -4,9 +4,15 @@
 //! advances each active sequence by one token, and a sequence that ends or whose client went away
 //! frees its slot at once.
 //!
-//! Not done yet: the decode step calls the model once per active sequence (M = 1 each), not one
-//! forward pass at M = active sequences. The tokens are the same either way on the CPU backends;
-//! the weight traffic is not.
+//!
+//! Continuous batching: each step is one forward pass over every active sequence
+//! ([`Model::forward_batch`]), so the decode matmuls run at M = active sequences and each weight
+//! is read once per step for all of them. A new request's prefill runs between steps. On the CPU
+//! backends a row's bits do not depend on M or on the other rows, so each request gets the
+//! tokens `kiln run` gives it alone (held to the bit by the model's
+//! `batch_rows_equal_each_sequence_alone` test and, through HTTP, by the serve stage). Where a
+//! batch's M reaches an op the NPU accepts, that op may run on the NPU: the answer then moves only
+//! within the NPU's int8/fp16 tolerance that the plan and `run_checked` hold every NPU op to.
 
 use super::metrics::Metrics;
 use crate::cli::chat::render;
@@ -180,39 +186,64 @@ impl Engine<'_> {
             if active.is_empty() {
                 continue;
             }
-            // One decode step over every active sequence.
-            let t0 = Instant::now();
-            let mut stepped = 0u64;
+            // Free the slots of clients that went away, then one decode step: a single forward
+            // pass over every active sequence.
             let mut i = 0;
             while i < active.len() {
-                let (s, seq) = &mut active[i];
-                let done = if seq.tx.is_closed() {
+                if active[i].1.tx.is_closed() {
                     self.metrics.cancelled.fetch_add(1, Ordering::Relaxed);
-                    true
-                } else {
-                    stepped += 1;
-                    match self.model.forward(s, &[seq.last], Want::Last) {
-                        Ok(logits) => self.emit(seq, &logits),
-                        Err(e) => {
-                            reject(&seq.tx, 500, "internal_error", None, format!("{e:#}"));
-                            true
-                        }
-                    }
-                };
-                if done {
-                    let (s, _) = active.swap_remove(i);
-                    self.record_ops(&s);
+                    let (mut s, _) = active.swap_remove(i);
+                    self.record_ops(&mut s);
                     free.push(s);
                 } else {
                     i += 1;
+                }
+            }
+            if active.is_empty() {
+                continue;
+            }
+            let t0 = Instant::now();
+            let stepped = active.len() as u64;
+            let last: Vec<u32> = active.iter().map(|(_, q)| q.last).collect();
+            let result = {
+                let mut sessions: Vec<&mut Session> = active.iter_mut().map(|(s, _)| s).collect();
+                self.model.forward_batch(&mut sessions, &last)
+            };
+            match result {
+                Err(e) => {
+                    for (mut s, seq) in active.drain(..) {
+                        reject(&seq.tx, 500, "internal_error", None, format!("{e:#}"));
+                        self.record_ops(&mut s);
+                        free.push(s);
+                    }
+                }
+                Ok(logits) => {
+                    let n_vocab = self.model.n_vocab;
+                    let mut ended = Vec::new();
+                    for (i, ((_, seq), row)) in active
+                        .iter_mut()
+                        .zip(logits.chunks_exact(n_vocab))
+                        .enumerate()
+                    {
+                        if self.emit(seq, row) {
+                            ended.push(i);
+                        }
+                    }
+                    // Highest index first: swap_remove then only moves rows still running.
+                    for i in ended.into_iter().rev() {
+                        let (mut s, _) = active.swap_remove(i);
+                        self.record_ops(&mut s);
+                        free.push(s);
+                    }
                 }
             }
             self.metrics.add_decode(stepped, t0.elapsed());
         }
     }
 
-    fn record_ops(&self, s: &Session) {
-        self.metrics.add_ops(&s.stats.ops);
+    /// Add the session's matmul counts to /metrics and start them over (a slot is reused).
+    fn record_ops(&self, s: &mut Session) {
+        self.metrics.add_ops(&std::mem::take(&mut s.stats).ops);
     }
 
     fn encode(

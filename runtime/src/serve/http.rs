@@ -34,6 +34,7 @@ struct App {
     ready: OnceLock<Result<usize, String>>,
     jobs: SyncSender<Job>,
     metrics: Arc<Metrics>,
+    client_timeout: std::time::Duration,
 }
 
 type St = State<Arc<App>>;
@@ -101,7 +102,9 @@ pub async fn serve(a: Args, key: Option<String>, report: Option<Vec<u8>>) -> Res
             .unwrap_or_else(|| "model".into());
     let (jobs, rx) = std::sync::mpsc::sync_channel(a.queue.max(1));
     let metrics = Arc::new(Metrics::default());
+    let metrics2 = metrics.clone();
     let app = Arc::new(App {
+        client_timeout: std::time::Duration::from_secs(a.client_timeout),
         model_id,
         key,
         refused: report.as_deref().and_then(refusal),
@@ -129,6 +132,7 @@ pub async fn serve(a: Args, key: Option<String>, report: Option<Vec<u8>>) -> Res
         .route("/v1/models", get(models))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat))
+        .route_layer(middleware::from_fn_with_state(app.clone(), body_deadline))
         .route_layer(middleware::from_fn_with_state(app.clone(), auth));
     let router = Router::new()
         .merge(v1)
@@ -152,7 +156,86 @@ pub async fn serve(a: Args, key: Option<String>, report: Option<Vec<u8>>) -> Res
         .await
         .with_context(|| format!("binding {addr}"))?;
     eprintln!("kiln serve: listening on http://{addr}");
-    axum::serve(listener, router).await.context("serving HTTP")
+    accept(listener, router, &a, metrics2).await
+}
+
+/// The accept loop (what `axum::serve` does, plus what it leaves out): hyper's HTTP/1 with a
+/// timer, so a client that stalls in its headers, or keeps an idle connection open, is cut after
+/// `--client-timeout`; at most `--max-connections` connections at once, the rest closed on accept
+/// (counted in `/metrics`). A connection's errors end that connection only.
+async fn accept(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    a: &Args,
+    metrics: Arc<Metrics>,
+) -> Result<()> {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    let timeout = std::time::Duration::from_secs(a.client_timeout);
+    let slots = Arc::new(tokio::sync::Semaphore::new(a.max_connections as usize));
+    loop {
+        let stream = match listener.accept().await {
+            Ok((s, _)) => s,
+            Err(e) => {
+                // Out of file descriptors and the like: wait, do not spin, keep serving.
+                eprintln!("kiln serve: accept: {e}");
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let Ok(permit) = slots.clone().try_acquire_owned() else {
+            metrics.connections_refused.fetch_add(1, Ordering::Relaxed);
+            drop(stream);
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        let service = hyper_util::service::TowerToHyperService::new(router.clone());
+        tokio::spawn(async move {
+            let _permit = permit;
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(timeout)
+                .serve_connection(TokioIo::new(stream), service);
+            // A client's protocol error or reset is that client's end, not the server's.
+            let _ = conn.await;
+        });
+    }
+}
+
+/// The body of a request must arrive within `--client-timeout` of its headers (else 408) and
+/// within [`BODY_LIMIT`] (else 413): read whole here, so no handler waits on a slow client.
+async fn body_deadline(State(app): St, req: Request, next: Next) -> Response {
+    let (parts, body) = req.into_parts();
+    match tokio::time::timeout(app.client_timeout, axum::body::to_bytes(body, BODY_LIMIT)).await {
+        Err(_) => error(
+            408,
+            "invalid_request_error",
+            "request_timeout",
+            None,
+            format!(
+                "the request body did not arrive within {} s",
+                app.client_timeout.as_secs()
+            ),
+        ),
+        Ok(Err(e)) => {
+            let too_large = std::error::Error::source(&e)
+                .is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
+            if too_large {
+                error(
+                    413,
+                    "invalid_request_error",
+                    "request_too_large",
+                    None,
+                    format!("the body is larger than {BODY_LIMIT} bytes"),
+                )
+            } else {
+                bad(None, format!("reading the request body: {e}"))
+            }
+        }
+        Ok(Ok(bytes)) => {
+            next.run(Request::from_parts(parts, Body::from(bytes)))
+                .await
+        }
+    }
 }
 
 async fn count(State(app): St, req: Request, next: Next) -> Response {

@@ -11,12 +11,14 @@ pub struct Metrics {
     pub requests: AtomicU64,
     pub errors: AtomicU64,
     pub cancelled: AtomicU64,
+    pub connections_refused: AtomicU64,
     pub prompt_tokens: AtomicU64,
     pub completion_tokens: AtomicU64,
     pub queue_depth: AtomicU64,
     pub active: AtomicU64,
     prefill_us: AtomicU64,
     decode_tokens: AtomicU64,
+    decode_steps: AtomicU64,
     decode_us: AtomicU64,
     ops: Mutex<BTreeMap<String, u64>>,
 }
@@ -28,8 +30,10 @@ impl Metrics {
             .fetch_add(t.as_micros() as u64, Ordering::Relaxed);
     }
 
+    /// One decode step (one forward pass) that advanced `tokens` sequences by a token each.
     pub fn add_decode(&self, tokens: u64, t: Duration) {
         self.decode_tokens.fetch_add(tokens, Ordering::Relaxed);
+        self.decode_steps.fetch_add(1, Ordering::Relaxed);
         self.decode_us
             .fetch_add(t.as_micros() as u64, Ordering::Relaxed);
     }
@@ -75,6 +79,12 @@ impl Metrics {
             g(&self.cancelled).to_string(),
         );
         one(
+            "kiln_connections_refused_total",
+            "counter",
+            "Connections closed on accept because --max-connections were open.",
+            g(&self.connections_refused).to_string(),
+        );
+        one(
             "kiln_prompt_tokens_total",
             "counter",
             "Prompt tokens prefilled.",
@@ -97,6 +107,18 @@ impl Metrics {
             "gauge",
             "Decoded tokens per second of decode-step time (all sequences), since start.",
             format!("{:.3}", rate(g(&self.decode_tokens), g(&self.decode_us))),
+        );
+        one(
+            "kiln_decode_steps_total",
+            "counter",
+            "Decode steps: forward passes over all active sequences at once.",
+            g(&self.decode_steps).to_string(),
+        );
+        one(
+            "kiln_decode_rows_total",
+            "counter",
+            "Sequence-tokens decoded by those steps (rows / steps = mean batch M).",
+            g(&self.decode_tokens).to_string(),
         );
         one(
             "kiln_queue_depth",

@@ -34,6 +34,14 @@ pub struct Args {
     /// The self-check report served byte-equal at GET /kiln/report (its verdict in /health).
     #[arg(long)]
     pub report: Option<PathBuf>,
+    /// Seconds a client may take to send a request's headers (also the idle time a kept-alive
+    /// connection may wait for its next request) and, once they are in, its body: past it the
+    /// connection is closed, or the request answered 408.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    pub client_timeout: u64,
+    /// Open connections at once; a connection past it is closed as soon as it is accepted.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_connections: u64,
 }
 
 pub fn run(a: Args) -> Result<()> {

@@ -85,6 +85,11 @@ try:
 
     with cf.ThreadPoolExecutor(8) as ex:
         got = list(ex.map(complete, range(8)))
+    met = raw("GET", "/metrics")[1].decode()
+    val = lambda name: float(next(l.split()[1] for l in met.splitlines() if l.startswith(name + " ")))
+    steps, rows = val("kiln_decode_steps_total"), val("kiln_decode_rows_total")
+    check(steps > 0 and rows / steps > 1.5,
+          f"decode ran batched: {rows:.0f} rows in {steps:.0f} steps (mean M {rows / max(steps, 1):.2f} > 1.5)")
     for i, r in enumerate(got):
         check(r.model_extra["kiln"]["tokens"] == refs[i]["tokens"],
               f"concurrent completion {i} has the tokens kiln run gives alone ({len(refs[i]['tokens'])})")
@@ -202,7 +207,161 @@ try:
                  "kiln_decode_tokens_per_second", "kiln_queue_depth", 'kiln_matmuls_total{backend="cpu"}',
                  "kiln_requests_cancelled_total 1"]:
         check(name in text, f"/metrics has {name}")
+    check("kiln_connections_refused_total 0" in text, "/metrics counts refused connections (none here)")
 finally:
     srv.kill()
     srv.wait()
+
+
+def start(port, args):
+    """Another kiln serve on `port`; returns it once /health answers (any status)."""
+    p = subprocess.Popen([kiln, "serve", "--port", str(port)] + args + common)
+    for _ in range(600):
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            c.request("GET", "/health")
+            r = c.getresponse()
+            r.read()
+            c.close()
+            return p
+        except OSError:
+            time.sleep(0.1)
+    p.kill()
+    sys.exit(f"FAIL: kiln serve on port {port} never answered /health")
+
+
+def get(port, path, body=None, timeout=60):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    c.request("POST" if body is not None else "GET", path, body=body, headers={"Content-Type": "application/json"})
+    r = c.getresponse()
+    data = r.read()
+    c.close()
+    return r.status, data
+
+
+def health(port, want):
+    for _ in range(600):
+        st, body = get(port, "/health")
+        if json.loads(body)["status"] != "loading":
+            check(st == want, f"port {port}: /health {st} (want {want}): {body[:200]!r}")
+            return json.loads(body)
+        time.sleep(0.1)
+    check(False, f"port {port}: /health still loading")
+
+
+servers = []
+try:
+    # A self-check that failed: nothing is served, and the report says why.
+    fail = os.path.join(work, "fail.json")
+    with open(fail, "w") as f:
+        json.dump({"verdict": "FAIL", "checks": [{"id": "kernel.release", "status": "fail"},
+                                                 {"id": "cpu.features", "status": "pass"}]}, f)
+    servers.append(start(PORT + 1, [model, "--report", fail]))
+    h = health(PORT + 1, 503)
+    check(h["status"] == "selfcheck_failed" and "kernel.release" in h["error"] and h["verdict"] == "FAIL",
+          "a FAIL report: /health 503 selfcheck_failed naming kernel.release")
+    st, body = get(PORT + 1, "/v1/completions", json.dumps({"model": MID, "prompt": "hi", "max_tokens": 2}))
+    e = json.loads(body)["error"]
+    check(st == 503 and "kernel.release" in e["message"] and "cpu.features" not in e["message"],
+          "a FAIL report: a completion is refused 503 naming only the failed check")
+    st, body = get(PORT + 1, "/kiln/report")
+    check(st == 200 and body == open(fail, "rb").read(), "a FAIL report is still served byte-equal")
+
+    # A model that does not load: 503 with the loader's error, never a claim to serve.
+    broken = os.path.join(work, "broken.gguf")
+    with open(model, "rb") as src, open(broken, "wb") as dst:
+        dst.write(src.read(1 << 20))
+    servers.append(start(PORT + 2, [broken]))
+    h = health(PORT + 2, 503)
+    check(h["status"] == "error" and "broken.gguf" in h["error"], f"a truncated GGUF: /health 503 naming the file ({h['error'][:120]!r})")
+    st, body = get(PORT + 2, "/v1/completions", json.dumps({"model": "broken", "prompt": "hi", "max_tokens": 2}))
+    check(st == 503 and "error" in json.loads(body), "a truncated GGUF: a completion is refused 503")
+
+    # One slot, a queue of one, short client timeout: 429 past the queue; stalled clients are cut.
+    P3 = PORT + 3
+    servers.append(start(P3, [model, "--parallel", "1", "--queue", "1", "--client-timeout", "2"]))
+    health(P3, 200)
+    c3 = openai.OpenAI(base_url=f"http://127.0.0.1:{P3}/v1", api_key="none", max_retries=0)
+
+    def long_one(i):
+        try:
+            c3.completions.create(model=MID, prompt=prompts[i], max_tokens=48, temperature=0)
+            return 200
+        except openai.RateLimitError as e:
+            check(e.body["code"] == "queue_full" or "queue" in e.body["message"], "429 says the queue is full")
+            return 429
+
+    with cf.ThreadPoolExecutor(5) as ex:
+        codes = list(ex.map(long_one, range(5)))
+    check(429 in codes and 200 in codes, f"5 at once on 1 slot + a queue of 1: some 429, the rest answered ({codes})")
+
+    # A client stalled mid-headers is cut after --client-timeout; others are answered meanwhile.
+    t0 = time.time()
+    stall = socket.create_connection(("127.0.0.1", P3), timeout=30)
+    stall.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-")
+    r = c3.completions.create(model=MID, prompt=prompts[0], max_tokens=lens[0], temperature=0)
+    check(r.model_extra["kiln"]["tokens"] == refs[0]["tokens"], "a stalled client does not stop another")
+    try:
+        got = stall.recv(4096)
+    except OSError:
+        got = b""
+    dt = time.time() - t0
+    check(dt < 15 and (got == b"" or b" 408 " in got.split(b"\r\n")[0]),
+          f"a client stalled in its headers is cut after the 2 s timeout ({dt:.1f} s, {got[:40]!r})")
+    stall.close()
+    # A client stalled mid-body gets 408 in OpenAI's shape.
+    t0 = time.time()
+    slow = socket.create_connection(("127.0.0.1", P3), timeout=30)
+    slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 100\r\n\r\n{\"model\":")
+    got = b""
+    while True:
+        try:
+            part = slow.recv(4096)
+        except OSError:
+            break
+        if not part:
+            break
+        got += part
+        if b"}}" in got:
+            break
+    dt = time.time() - t0
+    slow.close()
+    head, _, body = got.partition(b"\r\n\r\n")
+    check(b" 408 " in head.split(b"\r\n")[0] and json.loads(body)["error"]["code"] == "request_timeout" and dt < 15,
+          f"a client stalled in its body gets 408 request_timeout ({dt:.1f} s)")
+    # An idle kept-alive connection is closed after the timeout too.
+    idle = socket.create_connection(("127.0.0.1", P3), timeout=30)
+    t0 = time.time()
+    try:
+        got = idle.recv(100)
+    except OSError:
+        got = b""
+    dt = time.time() - t0
+    check(got in (b"",) or b" 408 " in got, f"an idle connection is closed ({dt:.1f} s)")
+    check(dt < 15, f"... within the timeout ({dt:.1f} s)")
+    idle.close()
+
+    # Over --max-connections: closed on accept, and counted; the held ones stay served.
+    P4 = PORT + 4
+    servers.append(start(P4, [model, "--max-connections", "2", "--client-timeout", "60"]))
+    health(P4, 200)
+    held = [socket.create_connection(("127.0.0.1", P4), timeout=10) for _ in range(2)]
+    time.sleep(0.5)
+    extra = socket.create_connection(("127.0.0.1", P4), timeout=10)
+    try:
+        got = extra.recv(10)
+    except OSError:
+        got = b""
+    check(got == b"", "a connection past --max-connections is closed on accept")
+    extra.close()
+    for h in held:
+        h.close()
+    time.sleep(0.5)
+    st, body = get(P4, "/metrics")
+    check(st == 200 and b"kiln_connections_refused_total 1" in body, "/metrics counts it (kiln_connections_refused_total 1)")
+finally:
+    for p in servers:
+        p.kill()
+        p.wait()
 print("serve_openai: all checks passed")
