@@ -15,6 +15,10 @@ fn write(root: &Path, rel: &str, bytes: &[u8]) {
 }
 
 fn selftest(root: &Path) -> (i32, String) {
+    selftest_with(root, &[])
+}
+
+fn selftest_with(root: &Path, extra: &[&str]) -> (i32, String) {
     let out = support::kiln_cmd()
         .args(["selftest", "--board"])
         .arg(root.join("etc/kiln/board.toml"))
@@ -22,6 +26,7 @@ fn selftest(root: &Path) -> (i32, String) {
         .arg(root.join("boot/kiln"))
         .arg("--root")
         .arg(root)
+        .args(extra)
         // No librknnrt here: the NPU checks skip (qemu-virt pins no NPU runtime in this test).
         .env("KILN_RKNN_LIB", root.join("no-such-librknnrt.so"))
         .env_remove("KILN_SELFTEST_INJECT")
@@ -128,6 +133,32 @@ fn exit_code_console_and_files_agree() {
     assert!(std::fs::read_to_string(root.join("boot/kiln/report.txt"))
         .unwrap()
         .contains("KILN-SELFTEST: PASS"));
+
+    // For a person at the console (init without kiln.mode=test): the table of report.txt,
+    // ending in the same verdict line, and no JSON.
+    let (code, text) = selftest_with(root, &["--console", "text"]);
+    assert_eq!(code, 0, "{text}");
+    let txt = std::fs::read_to_string(root.join("boot/kiln/report.txt")).unwrap();
+    let mask = |t: &str| -> String {
+        // Durations differ between two runs; the rest of the table must not.
+        t.lines()
+            .map(|l| {
+                l.split_whitespace()
+                    .filter(|w| w.parse::<f64>().is_err())
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    assert_eq!(mask(&text), mask(&txt), "the console text is report.txt");
+    assert!(!text.contains("KILN-REPORT-BEGIN") && !text.contains("{\"schema\""));
+    assert!(text
+        .trim_end()
+        .lines()
+        .last()
+        .unwrap()
+        .starts_with("KILN-SELFTEST: PASS"));
 
     // The wrong kernel: exit 1, and the files say FAIL too.
     write(root, "proc/sys/kernel/osrelease", b"6.1.0-57-arm64\n");

@@ -17,6 +17,17 @@ pub struct Args {
     /// Folders searched for GGUF models, instead of ROOT/models and ROOT/data/models.
     #[arg(long)]
     pub models: Vec<PathBuf>,
+    /// What the console gets: `json` (one line between KILN-REPORT-BEGIN/END, for a harness that
+    /// reads the serial port) or `text` (the table of report.txt, for a person); the verdict line
+    /// ends both.
+    #[arg(long, value_enum, default_value_t = Console::Json)]
+    pub console: Console,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Console {
+    Json,
+    Text,
 }
 
 /// Run the checks, print the report, write it; the process exit code: 0 only if no check
@@ -34,7 +45,10 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
     };
     let report = run_all(&ctx);
     let written = a.report_dir.as_deref().map(|dir| report.write_to(dir));
-    print!("{}", report.console());
+    match a.console {
+        Console::Json => print!("{}", report.console()),
+        Console::Text => print!("{}", report.to_text()),
+    }
     if let Some(Err(e)) = written {
         // The console verdict stands; a missing report file is its own failure.
         eprintln!("kiln selftest: could not write the report: {e:#}");

@@ -10,6 +10,33 @@ use anyhow::{Context, Result};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+/// The key file of a made step: the key, then the sha256 of each output as it was published.
+fn record(key: &Sha256, outputs: &[PathBuf]) -> Result<String> {
+    let mut r = format!("{key}\n");
+    for o in outputs {
+        r.push_str(&format!("{}  {}\n", Sha256::of_file_memo(o)?, o.display()));
+    }
+    Ok(r)
+}
+
+/// Whether a step's products are still the ones it made under `key`: the recorded key is the
+/// same and every output still has the sha256 recorded when it was published. A product changed
+/// since (an image booted with `cargo xtask qemu --persist`, a file edited by hand) is remade,
+/// not reused under a hash it no longer has. Hashes come through the memo ([`crate::pins::memo`]), so
+/// an unchanged file costs a stat, not a read.
+fn still_made(recorded: &str, key: &Sha256, outputs: &[PathBuf]) -> bool {
+    let mut lines = recorded.lines();
+    if lines.next() != Some(key.to_string().as_str()) {
+        return false;
+    }
+    let hashes: Vec<&str> = lines.map(|l| l.split("  ").next().unwrap_or("")).collect();
+    hashes.len() == outputs.len()
+        && outputs
+            .iter()
+            .zip(hashes)
+            .all(|(o, h)| Sha256::of_file_memo(o).is_ok_and(|got| got.to_string() == h))
+}
+
 /// One product: its name, the key of its inputs, its files, and how to make them. `make` writes
 /// each output to the temporary path it is handed (same order as `outputs`) and returns a short
 /// description of what it made, for the log.
@@ -83,8 +110,9 @@ impl Runner {
             .keys
             .join(format!("{}.key", step.name.replace(' ', "-")));
         let recorded = std::fs::read_to_string(&key_file).ok();
-        let fresh = step.outputs.iter().all(|p| p.exists())
-            && recorded.as_deref() == Some(&step.key.to_string());
+        let fresh = recorded
+            .as_deref()
+            .is_some_and(|r| still_made(r, &step.key, &step.outputs));
         if fresh {
             self.say(&format!("reused {} (key {})", step.name, step.key.short()));
         } else {
@@ -116,7 +144,7 @@ impl Runner {
                     )
                 })?;
             }
-            write_atomic(&key_file, step.key.to_string().as_bytes())?;
+            write_atomic(&key_file, record(&step.key, &step.outputs)?.as_bytes())?;
             self.say(&format!(
                 "{}: {detail} ({:.1} s)",
                 step.name,
@@ -249,6 +277,22 @@ mod tests {
         std::fs::remove_file(&out).unwrap();
         r.run(step(&out, "b", &made)).unwrap();
         assert_eq!(made.get(), 3);
+        // A product changed after it was made (a booted --persist image) is remade, not reused
+        // under the hash it had.
+        std::fs::write(&out, "booted").unwrap();
+        r.run(step(&out, "b", &made)).unwrap();
+        assert_eq!(made.get(), 4);
+        assert_eq!(std::fs::read_to_string(&out).unwrap(), "b");
+        // A key file of the old form (the key alone) is not trusted: remade once.
+        std::fs::write(
+            d.path().join("keys/thing.key"),
+            key_of(&["thing-v1", "b"]).to_string(),
+        )
+        .unwrap();
+        r.run(step(&out, "b", &made)).unwrap();
+        assert_eq!(made.get(), 5);
+        r.run(step(&out, "b", &made)).unwrap();
+        assert_eq!(made.get(), 5);
     }
 
     /// A failed step leaves neither its output nor a key, and the next run makes it again.
