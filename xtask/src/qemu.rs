@@ -205,6 +205,14 @@ pub fn drive(image: &Path, timeout: std::time::Duration) -> Result<String> {
         }
     };
     let at = wait_for(0, "KILN-SELFTEST: PASS", &mut child)?;
+    // Not the harness's JSON line: the table a person reads, before the verdict.
+    let before = text();
+    let before = before.get(..at).unwrap_or_default();
+    anyhow::ensure!(
+        before.contains("self-check on qemu-virt: PASS") && !before.contains("KILN-REPORT-BEGIN"),
+        "the console showed no report table before the verdict (or the harness's JSON); serial log {}",
+        log_path.display()
+    );
     let at = wait_for(at, "kiln-init: console shell", &mut child)?;
     let at = wait_for(at, "# ", &mut child)?;
     println!(
