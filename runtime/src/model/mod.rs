@@ -136,6 +136,12 @@ pub struct RunStats {
 pub struct Session {
     pub kv: KvCache,
     pub stats: RunStats,
+    scratch: Scratch,
+}
+
+/// A forward pass's buffers, kept between calls so a step allocates nothing.
+#[derive(Default)]
+struct Scratch {
     x: Vec<f32>,
     xn: Vec<f32>,
     q: Vec<f32>,
@@ -469,17 +475,10 @@ impl<'m> Model<'m> {
                 self.hp.head_dim,
             ),
             stats: RunStats::default(),
-            x: Vec::new(),
-            xn: Vec::new(),
-            q: Vec::new(),
-            k: Vec::new(),
-            v: Vec::new(),
-            att: Vec::new(),
-            att_h: Vec::new(),
-            o: Vec::new(),
-            g: Vec::new(),
-            u: Vec::new(),
-            cs: vec![(0.0, 0.0); self.hp.n_rot / 2],
+            scratch: Scratch {
+                cs: vec![(0.0, 0.0); self.hp.n_rot / 2],
+                ..Scratch::default()
+            },
         })
     }
 
@@ -613,23 +612,21 @@ impl<'m> Model<'m> {
         let tokens: Vec<u32> = groups.iter().flat_map(|(_, t)| t.iter().copied()).collect();
         let s0 = &mut *groups[0].0;
         let mut stats = std::mem::take(&mut s0.stats);
-        let mut cs = std::mem::take(&mut s0.cs);
-        let mut x = std::mem::take(&mut s0.x);
+        let Scratch {
+            mut x,
+            mut xn,
+            mut q,
+            mut k,
+            mut v,
+            mut att,
+            mut att_h,
+            mut o,
+            mut g,
+            mut u,
+            mut cs,
+        } = std::mem::take(&mut s0.scratch);
         x.resize(m * e, 0.0);
         let row_bytes = self.tok_embd.data.len() / self.n_vocab;
-        let mut xn = std::mem::take(&mut s0.xn);
-        let (mut q, mut k, mut v) = (
-            std::mem::take(&mut s0.q),
-            std::mem::take(&mut s0.k),
-            std::mem::take(&mut s0.v),
-        );
-        let (mut att, mut o, mut g, mut u) = (
-            std::mem::take(&mut s0.att),
-            std::mem::take(&mut s0.o),
-            std::mem::take(&mut s0.g),
-            std::mem::take(&mut s0.u),
-        );
-        let mut att_h = std::mem::take(&mut s0.att_h);
         xn.resize(m * e, 0.0);
         let (hd, nh) = (hp.head_dim, hp.n_head);
         let result = (|| -> Result<Vec<f32>> {
@@ -719,17 +716,19 @@ impl<'m> Model<'m> {
         })();
         let s0 = &mut *groups[0].0;
         s0.stats = stats;
-        s0.cs = cs;
-        s0.x = x;
-        s0.xn = xn;
-        s0.q = q;
-        s0.k = k;
-        s0.v = v;
-        s0.att = att;
-        s0.att_h = att_h;
-        s0.o = o;
-        s0.g = g;
-        s0.u = u;
+        s0.scratch = Scratch {
+            x,
+            xn,
+            q,
+            k,
+            v,
+            att,
+            att_h,
+            o,
+            g,
+            u,
+            cs,
+        };
         if result.is_ok() {
             for ((s, t), _) in groups.iter_mut().zip(&spans) {
                 s.kv.len += t.len();

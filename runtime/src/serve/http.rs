@@ -220,13 +220,7 @@ async fn body_deadline(State(app): St, req: Request, next: Next) -> Response {
             let too_large = std::error::Error::source(&e)
                 .is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
             if too_large {
-                error(
-                    413,
-                    "invalid_request_error",
-                    "request_too_large",
-                    None,
-                    format!("the body is larger than {BODY_LIMIT} bytes"),
-                )
+                too_large_body()
             } else {
                 bad(None, format!("reading the request body: {e}"))
             }
@@ -323,18 +317,23 @@ async fn models(State(app): St) -> Response {
     axum::Json(json!({"object": "list", "data": [{"id": app.model_id, "object": "model", "created": 0, "owned_by": "kiln"}]})).into_response()
 }
 
+/// 413, in OpenAI's shape.
+fn too_large_body() -> Response {
+    error(
+        413,
+        "invalid_request_error",
+        "request_too_large",
+        None,
+        format!("the body is larger than {BODY_LIMIT} bytes"),
+    )
+}
+
 fn body_json(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<serde_json::Map<String, Value>, Response> {
     let b = body.map_err(|e| {
         if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            error(
-                413,
-                "invalid_request_error",
-                "request_too_large",
-                None,
-                format!("the body is larger than {BODY_LIMIT} bytes"),
-            )
+            too_large_body()
         } else {
             bad(None, e.body_text())
         }
