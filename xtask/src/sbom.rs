@@ -2,7 +2,8 @@
 //! (a pipeline over the manifest: nothing is rebuilt). The JSON is written with serde_json: no
 //! crate writes both formats from the facts the manifest holds. Document ids and timestamps
 //! come from the commit and `source_date_epoch` in the manifest, never the clock, so the same
-//! manifest gives the same bytes.
+//! manifest gives the same bytes. `cargo xtask image` writes both beside the image (its `sboms`
+//! step, remade when the manifest or this module changes).
 //!
 //! Covered so far: the Debian inputs (`pkg:deb/debian/…`), the kernel built from source (with the
 //! Linux kernel CPE), `kiln` itself (the commit), the models and fixtures of the models partition.
@@ -307,6 +308,18 @@ pub fn cyclonedx(m: &Value) -> Result<Value> {
 }
 
 /// Write the SBOMs of the manifest at `manifest` into its directory; returns the paths written.
+/// The SPDX 2.3 and CycloneDX 1.6 documents of a manifest, as the files hold them.
+pub fn documents(m: &Value) -> Result<[Vec<u8>; 2]> {
+    Ok([
+        serde_json::to_vec_pretty(&spdx(m)?)?,
+        serde_json::to_vec_pretty(&cyclonedx(m)?)?,
+    ])
+}
+
+/// This module's source: part of the image's SBOM step key, so that a change to what the SBOMs
+/// say makes them again.
+pub const SOURCE: &str = include_str!("sbom.rs");
+
 pub fn write(manifest: &std::path::Path, format: &str) -> Result<Vec<PathBuf>> {
     let m: Value = serde_json::from_slice(
         &std::fs::read(manifest).with_context(|| format!("reading {}", manifest.display()))?,

@@ -755,6 +755,19 @@ fn sbom(_: &Args) -> Result<()> {
     std::fs::copy(&manifest, &copy).with_context(|| format!("copying {}", manifest.display()))?;
     let written = crate::sbom::write(&copy, "both")?;
     let (spdx, cdx) = (&written[0], &written[1]);
+    for (ours, ext) in written.iter().zip(["spdx.json", "cdx.json"]) {
+        let beside = images.join(format!("kiln-{board}.{ext}"));
+        let b = std::fs::read(&beside)
+            .with_context(|| format!("{} (cargo xtask image writes it)", beside.display()))?;
+        anyhow::ensure!(
+            std::fs::read(ours)? == b,
+            "{} differs from what cargo xtask sbom writes from the same manifest",
+            beside.display()
+        );
+    }
+    println!(
+        "sbom: cargo xtask image wrote both beside the image, byte-equal to cargo xtask sbom's"
+    );
     let script = crate::paths::project_root().join("xtask/src/sbom/validate_cdx.py");
     let pyspdxtools = bin.join("pyspdxtools");
     let spdx_ok = |f: &std::path::Path| {

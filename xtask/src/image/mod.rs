@@ -239,6 +239,7 @@ pub fn build(args: &Args) -> Result<Built> {
         parts,
         layout.total_size,
     )?)?;
+    run.run(steps::sboms(&manifest, &ctx.board.name)?)?;
 
     run.summary();
     Ok(Built {

@@ -615,6 +615,37 @@ pub fn bmap(disk: &Product) -> Step<'_> {
     }
 }
 
+/// `kiln-<board>.spdx.json` and `kiln-<board>.cdx.json` beside the image: the SBOMs of its
+/// manifest ([`crate::sbom`]), remade when the manifest or the SBOM code changes.
+pub fn sboms<'a>(manifest: &'a Product, board: &str) -> Result<Step<'a>> {
+    let dir = manifest
+        .path()
+        .parent()
+        .context("the manifest has no directory")?;
+    Ok(Step {
+        name: "sboms",
+        key: key_of(&[
+            "sboms-v1",
+            &manifest.key.to_string(),
+            &Sha256::of_bytes(crate::sbom::SOURCE.as_bytes()).to_string(),
+        ]),
+        outputs: vec![
+            dir.join(format!("kiln-{board}.spdx.json")),
+            dir.join(format!("kiln-{board}.cdx.json")),
+        ],
+        make: Box::new(move |tmp: &[PathBuf]| {
+            let m: Value = serde_json::from_slice(
+                &std::fs::read(manifest.path())
+                    .with_context(|| format!("reading {}", manifest.path().display()))?,
+            )?;
+            let [spdx, cdx] = crate::sbom::documents(&m)?;
+            std::fs::write(&tmp[0], spdx)?;
+            std::fs::write(&tmp[1], cdx)?;
+            Ok("SPDX 2.3 and CycloneDX 1.6".into())
+        }),
+    })
+}
+
 /// The bytes of `kiln/manifest.json` on the boot partition, as [`boot_partition`] writes them.
 pub fn boot_manifest_bytes(manifest: &Value) -> Result<Vec<u8>> {
     Ok(serde_json::to_vec_pretty(manifest)?)
