@@ -721,7 +721,10 @@ fn sbom(_: &Args) -> Result<()> {
         .ok()
         .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
         .is_some_and(|m| m["board"] == board);
-    if !is_board || !images.join(format!("kiln-{board}.img")).exists() {
+    let built = ["img", "spdx.json", "cdx.json"]
+        .iter()
+        .all(|ext| images.join(format!("kiln-{board}.{ext}")).exists());
+    if !is_board || !built {
         crate::image::run(crate::image::Args {
             board: board.into(),
             models: vec![],
