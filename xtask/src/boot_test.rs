@@ -205,6 +205,10 @@ pub fn qemu_command(pflash: &Path, disk: &Path, nic: &str, extra: &[&str]) -> Ve
         "-nographic",
         "-nic",
         nic,
+        // No PXE option ROM for a virtio NIC: U-Boot boots from the disk, and the ROM file
+        // (efi-virtio.rom) is in a package (ipxe-qemu) that nothing else needs.
+        "-global",
+        "virtio-net-pci.romfile=",
     ]
     .iter()
     .map(|s| s.to_string())
@@ -239,8 +243,13 @@ pub fn copy_image(src: &Path, dst: &Path) -> Result<()> {
     Ok(())
 }
 
-fn kiln_args(inject: Option<&str>, run: Option<usize>) -> Result<String> {
-    let mut a = "kiln.mode=test".to_string();
+fn kiln_args(inject: Option<&str>, run: Option<usize>, serve: bool) -> Result<String> {
+    let mut a = if serve {
+        "kiln.mode=test-serve"
+    } else {
+        "kiln.mode=test"
+    }
+    .to_string();
     if let Some(n) = run {
         a.push_str(&format!(" kiln.run={n}"));
     }
@@ -259,6 +268,62 @@ fn kiln_args(inject: Option<&str>, run: Option<usize>) -> Result<String> {
 /// Boot once and return what the board said. A FAIL verdict is a result, not an error; a missing
 /// report, a report on the card that differs from the console's, or a timeout are errors.
 pub fn boot(args: &Args) -> Result<Boot> {
+    boot_with(args, None)
+}
+
+/// What to ask of a booted board's `kiln serve` from the host: `runtime/tests/py/serve_board.py`
+/// in `mode` (`pass` or `fail`) with the official openai client of `python`, against `expect`.
+pub struct Probe {
+    pub python: PathBuf,
+    pub mode: &'static str,
+    pub expect: serde_json::Value,
+}
+
+/// The port the recipe's `[serve]` listens on.
+pub fn serve_port(board: &str) -> Result<u16> {
+    let b = crate::image::board::Board::load(board)?;
+    Ok(b.serve
+        .with_context(|| format!("images/{board}.toml has no [serve]: the board serves nothing"))?
+        .port)
+}
+
+/// A TCP port free on the host now (for QEMU's `hostfwd`).
+pub fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")
+        .context("finding a free local port")?
+        .local_addr()?
+        .port())
+}
+
+/// Run `probe` against the board's `kiln serve` at `base` (`http://127.0.0.1:PORT`); the bytes
+/// it got from `GET /kiln/report`.
+pub fn run_probe(probe: &Probe, base: &str, dir: &Path) -> Result<Vec<u8>> {
+    let script = crate::paths::project_root().join("runtime/tests/py/serve_board.py");
+    let expect = dir.join("serve-expect.json");
+    let got = dir.join("served-report.json");
+    let _ = std::fs::remove_file(&got);
+    std::fs::write(&expect, serde_json::to_vec_pretty(&probe.expect)?)
+        .with_context(|| format!("writing {}", expect.display()))?;
+    let status = std::process::Command::new(&probe.python)
+        .arg(&script)
+        .args([probe.mode, base])
+        .arg(&got)
+        .arg(&expect)
+        .status()
+        .with_context(|| format!("running {}", script.display()))?;
+    ensure!(
+        status.success(),
+        "the board's kiln serve failed the openai client's checks ({}, {status})",
+        probe.mode
+    );
+    std::fs::read(&got).with_context(|| format!("reading {}", got.display()))
+}
+
+/// Boot in `kiln.mode=test-serve` with a forwarded port when `probe` is given: once the report is
+/// on the console, run the probe against the board's `kiln serve`, then end the machine (the
+/// report was synced to the card before serve started) and require `/kiln/report`'s bytes to be
+/// the card's `kiln/report.json`.
+pub fn boot_with(args: &Args, probe: Option<&Probe>) -> Result<Boot> {
     ensure!(
         args.board == "qemu-virt",
         "boot-test can only emulate qemu-virt (asked for {})",
@@ -282,16 +347,29 @@ pub fn boot(args: &Args) -> Result<Boot> {
             .join(format!("inject-{f}")),
     };
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let pflash = pflash_with(&dir, &kiln_args(args.inject.as_deref(), args.run)?)?;
+    let pflash = pflash_with(
+        &dir,
+        &kiln_args(args.inject.as_deref(), args.run, probe.is_some())?,
+    )?;
     let copy = dir.join("disk.img");
     copy_image(&image, &copy)?;
     let serial_log = dir.join("serial.log");
 
-    let argv = qemu_command(&pflash, &copy, "none", &["-no-reboot"]);
+    let port = match probe {
+        Some(_) => Some((free_port()?, serve_port(&args.board)?)),
+        None => None,
+    };
+    let nic = match port {
+        Some((host, guest)) => {
+            format!("user,model=virtio-net-pci,hostfwd=tcp:127.0.0.1:{host}-:{guest}")
+        }
+        None => "none".into(),
+    };
+    let argv = qemu_command(&pflash, &copy, &nic, &["-no-reboot"]);
     println!("boot-test: {}", argv.join(" "));
     println!(
         "boot-test: kernel command line gets `{}`",
-        kiln_args(args.inject.as_deref(), args.run)?
+        kiln_args(args.inject.as_deref(), args.run, probe.is_some())?
     );
     let mut command = std::process::Command::new(&argv[0]);
     command.args(&argv[1..]);
@@ -328,9 +406,39 @@ pub fn boot(args: &Args) -> Result<Boot> {
         })
     };
     let deadline = Duration::from_secs(args.timeout);
+    let console_now = || {
+        let s = seen.lock().unwrap_or_else(|e| e.into_inner());
+        String::from_utf8_lossy(&s.0).into_owned()
+    };
+    let mut served_report = None;
     let status = loop {
         if let Some(st) = child.try_wait().context("waiting for qemu")? {
             break Some(st);
+        }
+        if let (Some(p), Some((host, _)), None) = (probe, port, &served_report) {
+            let console = console_now();
+            if console.contains("kiln-init: $ kiln serve") {
+                // A FAIL must be answered naming every check the console's report failed.
+                let failed = Report::from_console(&console)
+                    .map(|(r, _)| r.failed_ids().iter().map(|s| s.to_string()).collect())
+                    .unwrap_or_else(|_| Vec::<String>::new());
+                let p = Probe {
+                    python: p.python.clone(),
+                    mode: p.mode,
+                    expect: if p.mode == "fail" {
+                        serde_json::json!({ "failed": failed })
+                    } else {
+                        p.expect.clone()
+                    },
+                };
+                let got = run_probe(&p, &format!("http://127.0.0.1:{host}"), &dir);
+                // The report is on the card (init synced it before serve started): end the
+                // machine either way, then judge.
+                let _ = child.kill();
+                let st = child.wait().context("waiting for qemu")?;
+                served_report = Some(got?);
+                break Some(st);
+            }
         }
         if started.elapsed() > deadline {
             let _ = child.kill();
@@ -359,22 +467,42 @@ pub fn boot(args: &Args) -> Result<Boot> {
     };
     let (report, verdict_line) = Report::from_console(&console)
         .with_context(|| format!("serial log: {}", serial_log.display()))?;
-    ensure!(
-        status.success(),
-        "qemu exited with {status} after the verdict (expected a clean PSCI power-off)"
-    );
+    match (probe, &served_report) {
+        (None, _) => ensure!(
+            status.success(),
+            "qemu exited with {status} after the verdict (expected a clean PSCI power-off)"
+        ),
+        (Some(_), None) => bail!(
+            "qemu exited ({status}) before the board started kiln serve; serial log: {}",
+            serial_log.display()
+        ),
+        (Some(_), Some(_)) => {}
+    }
     ensure!(
         verdict_line.trim() == report.verdict_line(),
         "the console's verdict line `{verdict_line}` does not match its report (`{}`)",
         report.verdict_line()
     );
     // The card must say the same as the console.
-    let (_, on_card) = crate::report::read_report(&copy)
+    let (card_bytes, on_card) = crate::report::read_report(&copy)
         .with_context(|| format!("reading the report back from {}", copy.display()))?;
     ensure!(
         on_card == report,
         "kiln/report.json on the boot partition differs from the report on the console"
     );
+    if let Some(served) = &served_report {
+        ensure!(
+            *served == card_bytes,
+            "GET /kiln/report ({} bytes) is not byte-equal to kiln/report.json on the card ({} \
+             bytes)",
+            served.len(),
+            card_bytes.len()
+        );
+        println!(
+            "boot-test: GET /kiln/report is byte-equal to kiln/report.json on the card ({} bytes)",
+            served.len()
+        );
+    }
     // And it must be about this image.
     let boot = crate::report::boot_partition(&copy)?;
     // (A copy edited to have no manifest must give a report about no image.)
@@ -485,12 +613,16 @@ mod tests {
 
     #[test]
     fn inject_names_are_checked() {
-        assert_eq!(kiln_args(None, None).unwrap(), "kiln.mode=test");
+        assert_eq!(kiln_args(None, None, false).unwrap(), "kiln.mode=test");
         assert_eq!(
-            kiln_args(Some("untouched"), Some(16)).unwrap(),
+            kiln_args(Some("untouched"), Some(16), false).unwrap(),
             "kiln.mode=test kiln.run=16 kiln.inject=untouched"
         );
-        assert!(kiln_args(Some("x y"), None).is_err());
+        assert_eq!(
+            kiln_args(Some("untouched"), None, true).unwrap(),
+            "kiln.mode=test-serve kiln.inject=untouched"
+        );
+        assert!(kiln_args(Some("x y"), None, false).is_err());
     }
 
     #[test]

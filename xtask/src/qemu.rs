@@ -24,8 +24,8 @@ pub struct Args {
     #[arg(long = "model")]
     pub models: Vec<PathBuf>,
     /// Forward host TCP port HOST to the board's port GUEST (repeatable; QEMU user networking
-    /// `hostfwd=tcp::HOST-:GUEST`, a virtio-net NIC). The board sees the network only with a
-    /// kernel that has virtio-net (CONFIG_VIRTIO_NET): the qemu-virt kernel config has none yet.
+    /// `hostfwd=tcp::HOST-:GUEST`, a virtio-net NIC; the board takes its address by DHCP).
+    /// `--port-forward 8080:8080` reaches the board's `kiln serve`.
     #[arg(long = "port-forward", value_name = "HOST:GUEST")]
     pub port_forwards: Vec<String>,
     /// Boot the image itself, not a copy, so that slot state and the reports it writes survive
@@ -100,14 +100,18 @@ pub fn to_command(argv: &[String]) -> std::process::Command {
     c
 }
 
-pub fn run(args: Args) -> Result<()> {
-    let argv = command(&args)?;
-    let disk = argv
-        .iter()
+/// The disk file a qemu command line boots.
+fn disk_of(argv: &[String]) -> Result<&Path> {
+    argv.iter()
         .find_map(|a| a.strip_prefix("if=none,id=d0,file="))
         .and_then(|a| a.strip_suffix(",format=raw"))
         .map(Path::new)
-        .context("the qemu command names no disk")?;
+        .context("the qemu command names no disk")
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let argv = command(&args)?;
+    let disk = disk_of(&argv)?;
     println!("qemu: {}", argv.join(" "));
     println!(
         "qemu: booting {}{}",
@@ -127,21 +131,36 @@ pub fn run(args: Args) -> Result<()> {
 }
 
 /// Drive an interactive boot over pipes, as a user at the console would: wait for the PASS
-/// verdict and the shell prompt, `cat /boot/kiln/report.txt`, see the report, Ctrl-A X, see qemu
-/// exit. Returns the console text. `boot-qemu-clean` runs it on the image it built.
-pub fn drive(image: &Path, timeout: std::time::Duration) -> Result<String> {
+/// verdict and the shell prompt, `cat /boot/kiln/report.txt`, see the report; with `probe`, the
+/// board's `kiln serve` (started by init after the PASS) is asked through a forwarded port from
+/// the host, and its `/kiln/report` must be the card's bytes; Ctrl-A X, see qemu exit. Returns
+/// the console text. `boot-qemu-clean` runs it on the image it built.
+pub fn drive(
+    image: &Path,
+    timeout: std::time::Duration,
+    probe: Option<&boot_test::Probe>,
+) -> Result<String> {
     use std::io::{Read, Write};
     use std::process::Stdio;
     use std::sync::{Arc, Mutex};
     use std::time::Instant;
+    let host_port = match probe {
+        Some(_) => Some(boot_test::free_port()?),
+        None => None,
+    };
+    let port_forwards = match host_port {
+        Some(h) => vec![format!("{h}:{}", boot_test::serve_port("qemu-virt")?)],
+        None => vec![],
+    };
     let argv = command(&Args {
         board: "qemu-virt".into(),
         image: Some(image.to_path_buf()),
         models: vec![],
-        port_forwards: vec![],
+        port_forwards,
         persist: false,
         no_build: true,
     })?;
+    let disk = disk_of(&argv)?.to_path_buf();
     let log_path = crate::paths::target_dir().join("qemu/serial.log");
     println!(
         "qemu-drive: {} (serial log {})",
@@ -224,7 +243,25 @@ pub fn drive(image: &Path, timeout: std::time::Duration) -> Result<String> {
     let at = wait_for(at, "self-check on qemu-virt: PASS", &mut child)?;
     let at = wait_for(at, "KILN-SELFTEST: PASS", &mut child)?;
     let _ = wait_for(at, "# ", &mut child)?;
-    println!("qemu-drive: `cat /boot/kiln/report.txt` showed the report; sending Ctrl-A X");
+    println!("qemu-drive: `cat /boot/kiln/report.txt` showed the report");
+    let served = match (probe, host_port) {
+        (Some(p), Some(h)) => {
+            anyhow::ensure!(
+                text().contains("kiln-init: serve: kiln serve --host 0.0.0.0"),
+                "init did not start kiln serve after the PASS; serial log {}",
+                log_path.display()
+            );
+            let dir = crate::paths::target_dir().join("qemu");
+            let got = boot_test::run_probe(p, &format!("http://127.0.0.1:{h}"), &dir);
+            if got.is_err() {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+            Some(got?)
+        }
+        _ => None,
+    };
+    println!("qemu-drive: sending Ctrl-A X");
     stdin.write_all(&[0x01, b'x'])?;
     stdin.flush()?;
     let quit = Instant::now();
@@ -244,6 +281,20 @@ pub fn drive(image: &Path, timeout: std::time::Duration) -> Result<String> {
         "qemu-drive: qemu exited ({status}) {:.1} s after Ctrl-A X",
         quit.elapsed().as_secs_f64()
     );
+    if let Some(served) = served {
+        let (card, _) = crate::report::read_report(&disk)?;
+        anyhow::ensure!(
+            served == card,
+            "GET /kiln/report ({} bytes) is not byte-equal to kiln/report.json on the card ({} \
+             bytes)",
+            served.len(),
+            card.len()
+        );
+        println!(
+            "qemu-drive: GET /kiln/report is byte-equal to kiln/report.json on the card ({} bytes)",
+            served.len()
+        );
+    }
     Ok(text())
 }
 
@@ -269,7 +320,7 @@ mod tests {
     #[ignore]
     fn qemu_console_over_a_pipe() {
         let img = boot_test::image_path("qemu-virt");
-        let console = drive(&img, std::time::Duration::from_secs(600)).unwrap();
+        let console = drive(&img, std::time::Duration::from_secs(600), None).unwrap();
         assert!(console.contains("U-Boot"), "{console}");
     }
 }

@@ -307,6 +307,7 @@ pub const APPLETS: &[(&str, &[&str])] = &[
             "sort",
             "uniq",
             "awk",
+            "ip",
         ],
     ),
     (
@@ -320,6 +321,7 @@ pub const APPLETS: &[(&str, &[&str])] = &[
             "blkid",
             "sysctl",
             "fsck",
+            "udhcpc",
         ],
     ),
 ];

@@ -123,7 +123,7 @@ fn stage_tools(stage: &str) -> (Vec<&'static doctor::Tool>, bool) {
         "gguf-reference" | "npu-plan-smollm2" | "serve" => (vec![&PYTHON_VENV], false),
         "sbom" => ([FOR_IMAGE, &[&PYTHON_VENV]].concat(), true),
         s if s.starts_with("aarch64-tests") => (vec![&QEMU_USER, &AARCH64_SYSROOT], true),
-        s if s.starts_with("boot-qemu") => ([FOR_IMAGE, FOR_BOOT].concat(), true),
+        s if s.starts_with("boot-qemu") => ([FOR_IMAGE, FOR_BOOT, &[&PYTHON_VENV]].concat(), true),
         "flash" => (vec![&BMAPTOOL, &LSBLK, &LOSETUP, &MKE2FS, &SFDISK], false),
         "image-checks" => ([FOR_IMAGE, judges].concat(), true),
         "pins-archive" => (FOR_PINS.to_vec(), false),
@@ -329,9 +329,17 @@ fn boot_qemu_clean(_: &Args) -> Result<()> {
     crate::readme::check_readme(&crate::paths::project_root(), &b.report.to_text())?;
     println!("boot-qemu-clean: README.md's report excerpt has the shape of this boot's report.txt");
     // `cargo xtask qemu` as a user gets it, over pipes: the verdict, the shell, the report, Ctrl-A X.
+    // And, as the recipe's [serve] says, init started `kiln serve` after the PASS: the pinned
+    // openai client on the host reaches it through QEMU's forwarded port.
+    let probe = crate::boot_test::Probe {
+        python: openai_python()?,
+        mode: "pass",
+        expect: board_serve_expect(&model)?,
+    };
     let console = crate::qemu::drive(
         &crate::boot_test::image_path("qemu-virt"),
-        std::time::Duration::from_secs(600),
+        std::time::Duration::from_secs(900),
+        Some(&probe),
     )?;
     ensure!(
         console.contains("U-Boot"),
@@ -401,12 +409,42 @@ fn host_greedy(
     prompt: &str,
     n: usize,
 ) -> Result<(Vec<u32>, Vec<u32>, String)> {
+    let g = host_greedy_of(model, Prompt::Text(prompt), n)?;
+    Ok((g.prompt, g.tokens, g.text))
+}
+
+/// What the host is asked: a text, or a chat rendered by the file's own template.
+enum Prompt<'a> {
+    Text(&'a str),
+    Chat(&'a [(String, String)]),
+}
+
+struct Greedy {
+    prompt: Vec<u32>,
+    /// Generated ids, the end-of-generation token included when it came.
+    tokens: Vec<u32>,
+    /// Their text as `kiln run` streams it (the end-of-generation token's piece included).
+    text: String,
+    /// The text without the end-of-generation piece, as the OpenAI API answers.
+    api_text: String,
+}
+
+/// Greedy generation on the host with kiln's CPU backend (the reference for the board).
+fn host_greedy_of(model: &std::path::Path, prompt: Prompt, n: usize) -> Result<Greedy> {
     use kiln_runtime::model::{BackendSel, KvType, Model, Options, Want};
     let f = kiln_runtime::gguf::GgufFile::open(model)
         .with_context(|| format!("opening {}", model.display()))?;
     let tok = kiln_runtime::tokenizer::Tokenizer::from_gguf(f.gguf())
         .with_context(|| format!("{}: tokenizer", model.display()))?;
-    let ids = tok.encode(prompt, true, true)?;
+    let ids = match prompt {
+        Prompt::Text(t) => tok.encode(t, true, true)?,
+        Prompt::Chat(msgs) => {
+            let text = kiln_runtime::tokenizer::chat::Template::of(&tok)
+                .with_context(|| model.display().to_string())?
+                .render(msgs)?;
+            tok.encode(&text, true, true)?
+        }
+    };
     let m = Model::load(
         &f,
         &Options {
@@ -425,22 +463,68 @@ fn host_greedy(
         }
         logits = m.forward(&mut s, &[t], Want::Last)?;
     }
-    // As `kiln run` streams it.
-    let mut dec = kiln_runtime::tokenizer::StreamDecoder::new();
-    let mut text: String = out
-        .iter()
-        .map(|&t| dec.push(&tok.token_to_piece(t)))
-        .collect();
-    text.push_str(&dec.finish());
-    Ok((ids, out, text))
+    // As `kiln run` streams it; the API leaves the end-of-generation piece out.
+    let stream = |ids: &[u32]| {
+        let mut dec = kiln_runtime::tokenizer::StreamDecoder::new();
+        let mut text: String = ids
+            .iter()
+            .map(|&t| dec.push(&tok.token_to_piece(t)))
+            .collect();
+        text.push_str(&dec.finish());
+        text
+    };
+    let text = stream(&out);
+    let api_text = match out.last() {
+        Some(&t) if tok.is_eog(t) => stream(&out[..out.len() - 1]),
+        _ => text.clone(),
+    };
+    Ok(Greedy {
+        prompt: ids,
+        tokens: out,
+        text,
+        api_text,
+    })
+}
+
+/// What `serve_board.py pass` expects of the board serving SmolLM2: the host's greedy answers
+/// to a completion and to a chat through the file's template.
+fn board_serve_expect(model: &std::path::Path) -> Result<serde_json::Value> {
+    let (prompt, n) = (crate::boot_test::RUN_PROMPT, 8);
+    let c = host_greedy_of(model, Prompt::Text(prompt), n)?;
+    let messages = vec![(
+        "user".to_string(),
+        "What is the capital of France?".to_string(),
+    )];
+    let chat_n = 12;
+    let h = host_greedy_of(model, Prompt::Chat(&messages), chat_n)?;
+    println!(
+        "board-serve: host references: completion {:?}, chat {:?}",
+        c.api_text, h.api_text
+    );
+    Ok(serde_json::json!({
+        "model_id": SMOLLM2_FILE.trim_end_matches(".gguf"),
+        "completion": {"prompt": prompt, "max_tokens": n, "tokens": c.tokens, "text": c.api_text},
+        "chat": {"messages": messages, "max_tokens": chat_n, "tokens": h.tokens, "text": h.api_text},
+    }))
 }
 
 /// The NPU stand-in leaves its output untouched: the boot's verdict must be FAIL, on the NPU's
 /// matmul checks and the model's known answer in the npu+cpu configuration (`model.nll.npu`:
 /// the NPU runs the fixture's prefill matmuls), and nothing else. A PASS here means the check
 /// is dead.
+///
+/// The same boot keeps the board up with `kiln serve` (`kiln.mode=test-serve`): after the FAIL,
+/// `/health` and the /v1 endpoints answer 503 naming the failed checks (the openai client, over
+/// QEMU's forwarded port), and `/kiln/report` is the card's report, byte for byte.
 fn boot_qemu_npu_fault(_: &Args) -> Result<()> {
-    let b = crate::boot_test::boot(&boot_args(Some("untouched")))?;
+    let args = boot_args(Some("untouched"));
+    // `boot_with` fills in the failed checks from the console's report.
+    let probe = crate::boot_test::Probe {
+        python: openai_python()?,
+        mode: "fail",
+        expect: serde_json::json!({}),
+    };
+    let b = crate::boot_test::boot_with(&args, Some(&probe))?;
     crate::boot_test::print_boot(&b);
     let failed = b.report.failed_ids();
     if b.report.verdict != crate::boot_test::Verdict::Fail || failed.is_empty() {
@@ -676,15 +760,14 @@ const OPENAI_PIN: &str = "openai==3.60.0";
 
 /// `kiln serve` against the official `openai` client on SmolLM2: the `#[ignore]`d test of
 /// `runtime/tests/serve_openai.rs` with `KILN_OPENAI_PY` and `KILN_SMOLLM2` set.
-fn serve(_: &Args) -> Result<()> {
-    doctor::ensure(&[&doctor::PYTHON_VENV])?;
-    let model = smollm2_model(&gguf_py_venv()?)?;
+/// The pinned `openai` client in its own virtualenv (made once): its python.
+fn openai_python() -> Result<PathBuf> {
     let dir = crate::paths::target_dir().join("kiln/openai-venv");
     let python = dir.join("bin/python");
     let stamp = dir.join("kiln-pins.txt");
     let sh = crate::paths::shell()?;
     if std::fs::read_to_string(&stamp).ok().as_deref() != Some(OPENAI_PIN) || !python.exists() {
-        println!("serve: installing {OPENAI_PIN} into {}", dir.display());
+        println!("installing {OPENAI_PIN} into {}", dir.display());
         cmd!(sh, "python3 -m venv --clear {dir}")
             .run()
             .context("creating the openai virtualenv")?;
@@ -697,6 +780,14 @@ fn serve(_: &Args) -> Result<()> {
         std::fs::write(&stamp, OPENAI_PIN)
             .with_context(|| format!("writing {}", stamp.display()))?;
     }
+    Ok(python)
+}
+
+fn serve(_: &Args) -> Result<()> {
+    doctor::ensure(&[&doctor::PYTHON_VENV])?;
+    let model = smollm2_model(&gguf_py_venv()?)?;
+    let python = openai_python()?;
+    let sh = crate::paths::shell()?;
     cmd!(
         sh,
         "cargo test --locked -p kiln-runtime --test serve_openai -- --ignored --nocapture"

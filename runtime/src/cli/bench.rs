@@ -56,7 +56,7 @@ pub fn run(a: Args) -> Result<()> {
     let kv_bytes = s.kv.bytes();
     if a.json {
         let v = serde_json::json!({
-            "model": a.m.model.display().to_string(),
+            "model": a.m.path()?.display().to_string(),
             "threads": threads,
             "prompt_tokens": a.prompt,
             "decode_tokens": a.n,
@@ -78,7 +78,7 @@ pub fn run(a: Args) -> Result<()> {
         println!("{v}");
         return Ok(());
     }
-    println!("model: {} ({} threads)", a.m.model.display(), threads);
+    println!("model: {} ({} threads)", a.m.path()?.display(), threads);
     println!(
         "prefill: {} tokens in {:.3} s = {prefill_tps:.1} tok/s",
         a.prompt, prefill_s

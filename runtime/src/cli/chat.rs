@@ -22,58 +22,13 @@ pub struct Args {
     pub sample: SampleArgs,
 }
 
-/// The conversation rendered by the model's template.
-pub fn render(
-    template: &str,
-    messages: &[(String, String)],
-    bos: &str,
-    eos: &str,
-) -> Result<String> {
-    let mut env = minijinja::Environment::new();
-    env.add_template("chat", template)
-        .context("tokenizer.chat_template does not parse")?;
-    // Hugging Face templates call raise_exception(msg) for conversations they refuse.
-    env.add_function(
-        "raise_exception",
-        |msg: String| -> Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(
-                minijinja::ErrorKind::InvalidOperation,
-                msg,
-            ))
-        },
-    );
-    let msgs: Vec<_> = messages
-        .iter()
-        .map(|(role, content)| minijinja::context! { role => role, content => content })
-        .collect();
-    env.get_template("chat")
-        .and_then(|t| {
-            t.render(minijinja::context! {
-                messages => msgs,
-                add_generation_prompt => true,
-                bos_token => bos,
-                eos_token => eos,
-            })
-        })
-        .context("rendering tokenizer.chat_template")
-}
-
 pub fn run(a: Args) -> Result<()> {
     let f = a.m.open()?;
     let model = a.m.load(&f)?;
     let text = TextOut::new(&f)?;
     let tok = text.tokenizer();
-    let Some(template) = tok.chat_template().map(str::to_string) else {
-        bail!(
-            "{}: no tokenizer.chat_template in the file",
-            a.m.model.display()
-        );
-    };
-    let piece = |id: Option<u32>| {
-        id.map(|t| String::from_utf8_lossy(&tok.token_to_piece(t)).into_owned())
-            .unwrap_or_default()
-    };
-    let (bos, eos) = (piece(tok.bos()), piece(tok.eos()));
+    let path = a.m.path()?.display().to_string();
+    let chat = kiln_runtime::tokenizer::chat::Template::of(tok).with_context(|| path.clone())?;
     let mut s = model.session(a.m.n_ctx(&model), a.m.kv)?;
     let mut sampler = a.sample.sampler();
     let mut messages: Vec<(String, String)> = Vec::new();
@@ -98,7 +53,7 @@ pub fn run(a: Args) -> Result<()> {
             break;
         }
         messages.push(("user".into(), line.to_string()));
-        let prompt = render(&template, &messages, &bos, &eos)?;
+        let prompt = chat.render(&messages)?;
         let ids = tok.encode(&prompt, true, true)?;
         // Reuse the cache as far as the new prompt agrees with what it holds.
         let common = held.iter().zip(&ids).take_while(|(a, b)| a == b).count();

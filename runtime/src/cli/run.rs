@@ -14,7 +14,8 @@ use std::time::Instant;
 #[derive(clap::Args, Clone, Debug)]
 pub struct ModelArgs {
     /// The GGUF model (llama, qwen2 or qwen3).
-    pub model: PathBuf,
+    #[arg(required = true)]
+    pub model: Option<PathBuf>,
     /// Context length: the KV cache is allocated for this many tokens (default: the model's
     /// context_length, at most 2048).
     #[arg(long)]
@@ -35,8 +36,15 @@ pub struct ModelArgs {
 }
 
 impl ModelArgs {
+    /// The MODEL argument (required by every command but `kiln serve`, which can serve the
+    /// report without one).
+    pub fn path(&self) -> Result<&std::path::Path> {
+        self.model.as_deref().context("no MODEL given")
+    }
+
     pub fn open(&self) -> Result<GgufFile> {
-        GgufFile::open(&self.model).with_context(|| format!("opening {}", self.model.display()))
+        let p = self.path()?;
+        GgufFile::open(p).with_context(|| format!("opening {}", p.display()))
     }
 
     pub fn load<'m>(&self, f: &'m GgufFile) -> Result<Model<'m>> {

@@ -15,7 +15,6 @@
 //! within the NPU's int8/fp16 tolerance that the plan and `run_checked` hold every NPU op to.
 
 use super::metrics::Metrics;
-use crate::cli::chat::render;
 use crate::cli::run::ModelArgs;
 use anyhow::{Context, Result};
 use kiln_runtime::gguf::GgufFile;
@@ -258,23 +257,9 @@ impl Engine<'_> {
                 .encode(t, true, true)
                 .map_err(|e| bad(format!("{e:#}"))),
             Input::Chat(msgs) => {
-                let Some(template) = self.tok.chat_template() else {
-                    return Err(bad(format!(
-                        "{}: the model has no tokenizer.chat_template",
-                        self.f.path().display()
-                    )));
-                };
-                let piece = |id: Option<u32>| {
-                    id.map(|t| String::from_utf8_lossy(&self.tok.token_to_piece(t)).into_owned())
-                        .unwrap_or_default()
-                };
-                let prompt = render(
-                    template,
-                    msgs,
-                    &piece(self.tok.bos()),
-                    &piece(self.tok.eos()),
-                )
-                .map_err(|e| {
+                let chat = kiln_runtime::tokenizer::chat::Template::of(&self.tok)
+                    .map_err(|e| bad(format!("{}: {e:#}", self.f.path().display())))?;
+                let prompt = chat.render(msgs).map_err(|e| {
                     (
                         400,
                         "invalid_request_error",

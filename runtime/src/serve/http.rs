@@ -94,12 +94,18 @@ fn bad(param: Option<&str>, message: impl Into<String>) -> Response {
     )
 }
 
-pub async fn serve(a: Args, key: Option<String>, report: Option<Vec<u8>>) -> Result<()> {
+pub async fn serve(
+    a: Args,
+    key: Option<String>,
+    report: Option<Vec<u8>>,
+    missing_report: Option<String>,
+) -> Result<()> {
     let model_id =
         a.m.model
-            .file_stem()
+            .as_deref()
+            .and_then(|m| m.file_stem())
             .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "model".into());
+            .unwrap_or_else(|| "none".into());
     let (jobs, rx) = std::sync::mpsc::sync_channel(a.queue.max(1));
     let metrics = Arc::new(Metrics::default());
     let metrics2 = metrics.clone();
@@ -107,27 +113,38 @@ pub async fn serve(a: Args, key: Option<String>, report: Option<Vec<u8>>) -> Res
         client_timeout: std::time::Duration::from_secs(a.client_timeout),
         model_id,
         key,
-        refused: report.as_deref().and_then(refusal),
+        refused: missing_report.or_else(|| report.as_deref().and_then(refusal)),
         report,
         ready: OnceLock::new(),
         jobs,
         metrics: metrics.clone(),
     });
-    let (margs, parallel) = (a.m.clone(), a.parallel);
-    let app2 = app.clone();
-    std::thread::Builder::new()
-        .name("kiln-engine".into())
-        .spawn(move || {
-            engine::run(margs, parallel, rx, metrics, |r| {
-                if let Err(e) = &r {
-                    eprintln!("kiln serve: the model did not load: {e}");
-                } else {
-                    eprintln!("kiln serve: ready");
-                }
-                let _ = app2.ready.set(r.map(|r| r.n_ctx));
+    if let Some(why) = &app.refused {
+        // Degraded: the report and /health answer, nothing is loaded (neither the model nor a
+        // backend that the failed self-check may be about).
+        eprintln!("kiln serve: degraded, no model loaded: {why}");
+    } else if a.m.model.is_none() {
+        eprintln!("kiln serve: no MODEL: serving the report, /health and /metrics only");
+        let _ = app.ready.set(Err(
+            "no model is served (kiln serve was started without MODEL)".into(),
+        ));
+    } else {
+        let (margs, parallel) = (a.m.clone(), a.parallel);
+        let app2 = app.clone();
+        std::thread::Builder::new()
+            .name("kiln-engine".into())
+            .spawn(move || {
+                engine::run(margs, parallel, rx, metrics, |r| {
+                    if let Err(e) = &r {
+                        eprintln!("kiln serve: the model did not load: {e}");
+                    } else {
+                        eprintln!("kiln serve: ready");
+                    }
+                    let _ = app2.ready.set(r.map(|r| r.n_ctx));
+                })
             })
-        })
-        .context("starting the inference thread")?;
+            .context("starting the inference thread")?;
+    }
     let v1 = Router::new()
         .route("/v1/models", get(models))
         .route("/v1/completions", post(completions))

@@ -13,7 +13,10 @@ use crate::cli::run::ModelArgs;
 use anyhow::{Context, Result};
 use std::path::PathBuf;
 
+/// Without MODEL, `kiln serve` serves the report, `/health` and `/metrics` only (what init starts
+/// on a board whose models partition holds no model to serve).
 #[derive(clap::Args)]
+#[command(mut_arg("model", |a| a.required(false)))]
 pub struct Args {
     #[command(flatten)]
     pub m: ModelArgs,
@@ -32,6 +35,7 @@ pub struct Args {
     #[arg(long)]
     pub api_key_file: Option<PathBuf>,
     /// The self-check report served byte-equal at GET /kiln/report (its verdict in /health).
+    /// Only a PASS report serves; a missing file refuses inference like a FAIL.
     #[arg(long)]
     pub report: Option<PathBuf>,
     /// Seconds a client may take to send a request's headers (also the idle time a kept-alive
@@ -59,16 +63,26 @@ pub fn run(a: Args) -> Result<()> {
         }
         None => None,
     };
-    let report = match &a.report {
-        Some(p) => {
-            Some(std::fs::read(p).with_context(|| format!("reading --report {}", p.display()))?)
-        }
-        None => None,
+    // A report that is not there is a refusal, not a start-up error: the board stays
+    // diagnosable over the network (/health says why) and serves nothing it did not prove.
+    let (report, missing) = match &a.report {
+        Some(p) => match std::fs::read(p) {
+            Ok(b) => (Some(b), None),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => (
+                None,
+                Some(format!(
+                    "no self-check report at {}: the self-check wrote none",
+                    p.display()
+                )),
+            ),
+            Err(e) => return Err(e).with_context(|| format!("reading --report {}", p.display())),
+        },
+        None => (None, None),
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .context("starting the tokio runtime")?;
-    rt.block_on(http::serve(a, key, report))
+    rt.block_on(http::serve(a, key, report, missing))
 }

@@ -4,6 +4,7 @@
 //! decoding back to bytes. A model or pre-tokenizer this code does not implement is refused by
 //! name: a tokenizer that is almost right gives plausible text and wrong logits.
 
+pub mod chat;
 mod pretok;
 mod stream;
 

@@ -167,7 +167,23 @@ try:
     seeds = [json.dumps({"model": MID, "prompt": "hi", "max_tokens": 2}).encode(),
              json.dumps({"model": MID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()]
     statuses = {}
-    n_bodies = int(os.environ.get("KILN_SERVE_FUZZ", "300"))
+    n_bodies = int(os.environ.get("KILN_SERVE_FUZZ", "2000"))
+    # Another client is served all through the fuzz, each time with the tokens it gets alone.
+    import threading
+    fuzzing, beside = threading.Event(), []
+    fuzzing.set()
+
+    def bystander():
+        while fuzzing.is_set():
+            try:
+                r = client.completions.create(model=MID, prompt=prompts[0], max_tokens=lens[0], temperature=0)
+                beside.append(r.model_extra["kiln"]["tokens"] == refs[0]["tokens"])
+            except Exception as e:  # noqa: BLE001 - any failure of the bystander is the finding
+                print("bystander:", repr(e))
+                beside.append(False)
+
+    by = threading.Thread(target=bystander)
+    by.start()
     for i in range(n_bodies):
         b = bytearray(rng.choice(seeds))
         for _ in range(rng.randint(1, 6)):
@@ -186,7 +202,8 @@ try:
             assert {"message", "type", "param", "code"} <= set(check_err), body
     print("fuzz bodies by status:", statuses)
     check(set(statuses) <= {200, 400, 404}, f"{n_bodies} mutated bodies answered 200/400/404 with error JSON")
-    for i in range(300):
+    n_streams = n_bodies // 2
+    for i in range(n_streams):
         s = socket.create_connection(("127.0.0.1", PORT), timeout=5)
         junk = rng.choice([b"POST /v1/completions HTTP/1.1\r\nContent-Length: 99999999\r\n\r\n{",
                            b"GET / HTTP/9.9\r\n\r\n", b"\x00\xff" * rng.randint(1, 500),
@@ -197,7 +214,11 @@ try:
         except OSError:
             pass
         s.close()
-    check(srv.poll() is None, "the server survived the fuzz (0 crashes)")
+    fuzzing.clear()
+    by.join()
+    check(srv.poll() is None, f"the server survived {n_bodies} mutated bodies and {n_streams} raw byte streams (0 crashes)")
+    check(len(beside) > 0 and all(beside),
+          f"a client beside the fuzz was answered {len(beside)} times, each with its tokens alone")
     r = client.completions.create(model=MID, prompt=prompts[0], max_tokens=lens[0], temperature=0)
     check(r.model_extra["kiln"]["tokens"] == refs[0]["tokens"], "after the fuzz a client is still answered, same tokens")
 

@@ -196,7 +196,8 @@ pub fn build(args: &Args) -> Result<Built> {
     let kernel = steps::kernel(&mut run, &ctx)?;
     let runtime = steps::runtime(&mut run, &ctx)?;
     let board_toml = ctx.board.board_toml(steps::kernel_config(&ctx.board)?)?;
-    let initramfs = run.run(steps::initramfs(&ctx, &runtime, &board_toml)?)?;
+    let serve_env = ctx.board.serve_env()?;
+    let initramfs = run.run(steps::initramfs(&ctx, &runtime, &board_toml, &serve_env)?)?;
     let fixture = fixture::gguf().context("writing the self-check fixture")?;
     let llama = kiln_runtime::model::fixture::gguf().context("writing the llama fixture")?;
     let models_part = run.run(steps::models_partition(&ctx, &models, &fixture, &llama))?;

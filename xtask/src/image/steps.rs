@@ -153,7 +153,12 @@ pub fn runtime(run: &mut Runner, ctx: &Ctx) -> Result<Runtime> {
 
 /// The initramfs (`initramfs.cpio.gz`) and its per-path listing for the manifest
 /// (`initramfs.files.json`).
-pub fn initramfs<'a>(ctx: &'a Ctx, rt: &'a Runtime, board_toml: &'a str) -> Result<Step<'a>> {
+pub fn initramfs<'a>(
+    ctx: &'a Ctx,
+    rt: &'a Runtime,
+    board_toml: &'a str,
+    serve_env: &'a str,
+) -> Result<Step<'a>> {
     let overlay_key = {
         let mut ov = Tree::default();
         rootfs::add_host_tree(
@@ -186,6 +191,7 @@ pub fn initramfs<'a>(ctx: &'a Ctx, rt: &'a Runtime, board_toml: &'a str) -> Resu
             .unwrap_or_default(),
         &overlay_key.to_string(),
         board_toml,
+        serve_env,
     ]);
     Ok(Step {
         name: "initramfs",
@@ -195,7 +201,7 @@ pub fn initramfs<'a>(ctx: &'a Ctx, rt: &'a Runtime, board_toml: &'a str) -> Resu
             ctx.work.join("initramfs.files.json"),
         ],
         make: Box::new(move |tmp: &[PathBuf]| {
-            let tree = initramfs_tree(&ctx.inputs, &rt.kiln, &rt.npu, board_toml)?;
+            let tree = initramfs_tree(&ctx.inputs, &rt.kiln, &rt.npu, board_toml, serve_env)?;
             let epoch32 = u32::try_from(ctx.epoch)
                 .context("SOURCE_DATE_EPOCH does not fit cpio's 32 bits")?;
             disk::cpio::write_newc_gz(&tmp[0], &to_cpio(&tree), epoch32)?;
@@ -790,6 +796,7 @@ fn initramfs_tree(
     kiln: &[u8],
     npu: &Option<(Vec<u8>, String)>,
     board_toml: &str,
+    serve_env: &str,
 ) -> Result<Tree> {
     let deb = |name: &str| -> Result<&PathBuf> {
         inputs
@@ -843,6 +850,12 @@ fn initramfs_tree(
         0o644,
         NodeKind::File(board_toml.as_bytes().to_vec()),
         "images/<board>.toml",
+    )?;
+    t.add(
+        "etc/kiln/serve.env",
+        0o644,
+        NodeKind::File(serve_env.as_bytes().to_vec()),
+        "images/<board>.toml [serve] [network]",
     )?;
     rootfs::add_host_tree(
         &mut t,
