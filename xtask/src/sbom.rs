@@ -6,12 +6,32 @@
 //! step, remade when the manifest or this module changes).
 //!
 //! Covered so far: the Debian inputs (`pkg:deb/debian/…`), the kernel built from source (with the
-//! Linux kernel CPE), `kiln` itself (the commit), the models and fixtures of the models partition.
-//! Not yet: the Rust crates of `kiln`, tools-root build tools, licences (all `NOASSERTION`).
-//! [`dep5`] turns a Debian `copyright` file into an SPDX expression (or `NOASSERTION`) and is
-//! tested, but the image step does not record its result in the manifest yet, so the SBOMs
-//! still say `NOASSERTION`.
+//! Linux kernel CPE), `kiln` itself (the commit), the NPU stand-in library when the board installs
+//! it, the models and fixtures of the models partition, and the Rust crates compiled into `kiln`
+//! and the stand-in ([`crates`]: cargo's resolve for aarch64, normal dependencies only, recorded
+//! in the manifest's `crates` by the image build).
+//!
+//! Crates: `pkg:cargo/<name>@<version>`, the `.crate` file's sha256 (Cargo.lock's `checksum`,
+//! labelled so in a property / the comment), `licenseDeclared` = Cargo.toml's `license` when it
+//! is a valid SPDX expression (old `A/B` read as `A OR B`), else `NOASSERTION` (CycloneDX keeps
+//! the text as a licence name); `licenseConcluded` is `NOASSERTION`. SPDX: `kiln DEPENDS_ON
+//! crate` (every crate compiled in, direct or not; CONTAINS is for packages and files inside
+//! one), and `crate BUILD_DEPENDENCY_OF kiln` for proc-macros and what only they use (CycloneDX
+//! scope `excluded`). Build-dependencies (build scripts) and dev-dependencies are left out.
+//!
+//! Models and fixtures: the GGUF's own `general.*` keys (name, architecture, licence, basename,
+//! size label, version, organization, file type…) and its tensor types, read by kiln's parser when
+//! the manifest is written. CycloneDX type `machine-learning-model` with `modelCard` holding only
+//! the architecture family; SPDX 2.3 has no model purpose, so `primaryPackagePurpose` `FILE`.
+//! A `general.license` that is an SPDX id (in any case: `apache-2.0`) is declared; another is
+//! a CycloneDX licence name and SPDX `NOASSERTION`.
+//!
+//! Not yet: tools-root build tools, the crates' build-dependencies, licences of the Debian
+//! packages, the kernel and `kiln` itself (`NOASSERTION`). [`dep5`] turns a Debian `copyright`
+//! file into an SPDX expression (or `NOASSERTION`) and is tested, but the image step does not
+//! record its result in the manifest yet.
 
+pub mod crates;
 // Not wired into the manifest yet (see the module doc); its tests run.
 #[allow(dead_code)]
 pub mod dep5;
@@ -38,9 +58,98 @@ pub struct Item {
     pub kind: &'static str,
     pub name: String,
     pub version: String,
-    pub sha256: String,
+    pub sha256: Option<String>,
     pub purl: Option<String>,
     pub cpe: Option<String>,
+    pub license: License,
+    /// Facts beyond the name and version (CycloneDX properties, the SPDX comment), in order.
+    pub facts: Vec<(String, String)>,
+    /// For a crate: the `kind`s of the items it is compiled into (`kiln`, `npu-runtime`).
+    pub part_of: Vec<&'static str>,
+    /// For a crate: false when it runs only at compile time (a proc-macro or what only they use).
+    pub linked: bool,
+}
+
+/// A declared licence, as far as the manifest knows it.
+#[derive(Debug, PartialEq)]
+pub enum License {
+    None,
+    /// A valid SPDX expression.
+    Spdx(String),
+    /// What the source says, which is no SPDX expression (CycloneDX takes it as a name).
+    Name(String),
+}
+
+impl License {
+    fn of(declared: Option<&str>, to_spdx: impl Fn(&str) -> Option<String>) -> License {
+        match declared {
+            None => License::None,
+            Some(d) => to_spdx(d)
+                .map(License::Spdx)
+                .unwrap_or_else(|| License::Name(d.to_string())),
+        }
+    }
+
+    fn spdx(&self) -> &str {
+        match self {
+            License::Spdx(e) => e,
+            _ => "NOASSERTION",
+        }
+    }
+
+    fn cyclonedx(&self) -> Option<Value> {
+        match self {
+            License::None => None,
+            License::Spdx(e) => Some(json!([{"expression": e}])),
+            License::Name(n) => Some(json!([{"license": {"name": n}}])),
+        }
+    }
+}
+
+/// A GGUF `general.license` as an SPDX id: an expression as is, or one id of the SPDX list
+/// written in another case (Hugging Face's `apache-2.0`).
+pub fn model_license(l: &str) -> Option<String> {
+    crates::spdx_expression(l).or_else(|| {
+        spdx::identifiers::LICENSES
+            .iter()
+            .find(|x| x.name.eq_ignore_ascii_case(l.trim()))
+            .map(|x| x.name.to_string())
+            .filter(|id| spdx::Expression::parse(id).is_ok())
+    })
+}
+
+impl Item {
+    fn new(kind: &'static str, name: String, version: String, sha256: String) -> Item {
+        Item {
+            kind,
+            name,
+            version,
+            sha256: Some(sha256),
+            purl: None,
+            cpe: None,
+            license: License::None,
+            facts: Vec::new(),
+            part_of: Vec::new(),
+            linked: true,
+        }
+    }
+}
+
+/// The `gguf` object of a model or fixture in the manifest as (property, value) facts.
+fn gguf_facts(g: &Value) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for (k, v) in g.as_object().into_iter().flatten() {
+        match v {
+            Value::Object(o) => {
+                for (k2, v2) in o {
+                    out.push((format!("gguf:{k}.{k2}"), v2.to_string()));
+                }
+            }
+            Value::String(x) => out.push((format!("gguf:{k}"), x.clone())),
+            x => out.push((format!("gguf:{k}"), x.to_string())),
+        }
+    }
+    out
 }
 
 fn s(v: &Value, what: &str) -> Result<String> {
@@ -71,40 +180,55 @@ pub fn items(m: &Value) -> Result<Vec<Item>> {
             )
         });
         let is_kernel = name.starts_with("linux-source");
+        let kind = if is_kernel {
+            "kernel-source"
+        } else {
+            "debian-package"
+        };
+        let sha = s(&i["sha256"], "inputs[].sha256")?;
         out.push(Item {
-            kind: if is_kernel {
-                "kernel-source"
-            } else {
-                "debian-package"
-            },
-            name,
-            version,
-            sha256: s(&i["sha256"], "inputs[].sha256")?,
             purl,
-            cpe: None,
+            ..Item::new(kind, name, version, sha)
         });
     }
     let k = &m["kernel"];
     let release = s(&k["release"], "kernel.release")?;
     let upstream = release.split('-').next().unwrap_or(&release).to_string();
     out.push(Item {
-        kind: "kernel",
-        name: "linux".into(),
-        version: release.clone(),
-        sha256: s(&k["image_sha256"], "kernel.image_sha256")?,
         purl: Some(format!("pkg:generic/linux@{release}")),
         cpe: Some(format!(
             "cpe:2.3:o:linux:linux_kernel:{upstream}:*:*:*:*:*:*:*"
         )),
+        ..Item::new(
+            "kernel",
+            "linux".into(),
+            release.clone(),
+            s(&k["image_sha256"], "kernel.image_sha256")?,
+        )
     });
     out.push(Item {
-        kind: "kiln",
-        name: "kiln".into(),
-        version: commit.clone(),
-        sha256: s(&m["runtime"]["sha256"], "runtime.sha256")?,
         purl: Some(format!("pkg:generic/kiln@{commit}")),
-        cpe: None,
+        ..Item::new(
+            "kiln",
+            "kiln".into(),
+            commit.clone(),
+            s(&m["runtime"]["sha256"], "runtime.sha256")?,
+        )
     });
+    // The NPU stand-in is built from this commit; a supplied library is one of the inputs.
+    let npu = &m["npu_runtime"];
+    if npu["from"] == "rknn-standin" {
+        out.push(Item {
+            purl: Some(format!("pkg:generic/rknn-standin@{commit}")),
+            facts: vec![("kiln:path".into(), s(&npu["path"], "npu_runtime.path")?)],
+            ..Item::new(
+                "npu-runtime",
+                "rknn-standin".into(),
+                commit.clone(),
+                s(&npu["sha256"], "npu_runtime.sha256")?,
+            )
+        });
+    }
     let files = m["models"]
         .as_array()
         .into_iter()
@@ -121,13 +245,61 @@ pub fn items(m: &Value) -> Result<Vec<Item>> {
     for (kind, f) in files {
         let name = s(&f["name"], "models/fixture name")?;
         let sha = s(&f["sha256"], "models/fixture sha256")?;
+        let g = &f["gguf"];
         out.push(Item {
-            kind,
             purl: Some(format!("pkg:generic/{name}?checksum=sha256:{sha}")),
-            name,
-            version: sha[..12.min(sha.len())].to_string(),
-            sha256: sha,
+            license: License::of(g["general.license"].as_str(), model_license),
+            facts: gguf_facts(g),
+            ..Item::new(kind, name, sha[..12.min(sha.len())].to_string(), sha)
+        });
+    }
+    // The crates of kiln (and of the stand-in), sorted by the image step.
+    for c in m["crates"].as_array().into_iter().flatten() {
+        let name = s(&c["name"], "crates[].name")?;
+        let version = s(&c["version"], "crates[].version")?;
+        let source = s(&c["source"], "crates[].source")?;
+        let linked = c["linked"]
+            .as_bool()
+            .context("manifest: crates[].linked is not a bool")?;
+        let mut part_of = Vec::new();
+        for r in c["in"].as_array().into_iter().flatten() {
+            part_of.push(match r.as_str() {
+                Some("kiln-runtime") => "kiln",
+                Some("rknn-standin") => "npu-runtime",
+                _ => bail!("manifest: crate {name} is in {r}, which is no artifact of the image"),
+            });
+        }
+        let mut facts = vec![("kiln:crate-source".to_string(), source.clone())];
+        let sha256 = c["crate_sha256"].as_str().map(str::to_string);
+        if sha256.is_some() {
+            facts.push((
+                "kiln:sha256-of".into(),
+                ".crate file (Cargo.lock checksum)".into(),
+            ));
+        }
+        facts.push((
+            "kiln:linked".into(),
+            if linked {
+                "yes: compiled into the binary"
+            } else {
+                "no: runs at compile time only (proc-macro)"
+            }
+            .into(),
+        ));
+        if let Some(l) = c["license"].as_str() {
+            facts.push(("cargo:license".into(), l.to_string()));
+        }
+        out.push(Item {
+            kind: "rust-crate",
+            purl: Some(format!("pkg:cargo/{name}@{version}")),
+            license: License::of(c["license"].as_str(), crates::spdx_expression),
+            sha256,
             cpe: None,
+            facts,
+            part_of,
+            linked,
+            name,
+            version,
         });
     }
     Ok(out)
@@ -184,8 +356,19 @@ pub fn spdx(m: &Value) -> Result<Value> {
         "spdxElementId": "SPDXRef-DOCUMENT", "relationshipType": "DESCRIBES",
         "relatedSpdxElement": "SPDXRef-image",
     })];
-    for (n, it) in its.iter().enumerate() {
-        let id = spdx_id(n, it);
+    let ids: Vec<String> = its
+        .iter()
+        .enumerate()
+        .map(|(n, it)| spdx_id(n, it))
+        .collect();
+    let id_of_kind = |kind: &str| -> Result<&String> {
+        its.iter()
+            .position(|x| x.kind == kind)
+            .map(|n| &ids[n])
+            .with_context(|| format!("manifest: a crate is in the {kind}, which it does not have"))
+    };
+    for (it, id) in its.iter().zip(&ids) {
+        let id = id.clone();
         let mut refs = Vec::new();
         if let Some(p) = &it.purl {
             refs.push(json!({"referenceCategory": "PACKAGE-MANAGER", "referenceType": "purl", "referenceLocator": p}));
@@ -193,19 +376,53 @@ pub fn spdx(m: &Value) -> Result<Value> {
         if let Some(c) = &it.cpe {
             refs.push(json!({"referenceCategory": "SECURITY", "referenceType": "cpe23Type", "referenceLocator": c}));
         }
-        packages.push(json!({
+        let mut comment = format!("kiln kind: {}", it.kind);
+        for (k, v) in &it.facts {
+            comment.push_str(&format!("; {k}: {v}"));
+        }
+        let mut p = json!({
             "SPDXID": id,
             "name": it.name,
             "versionInfo": it.version,
             "downloadLocation": "NOASSERTION",
             "filesAnalyzed": false,
-            "checksums": [{"algorithm": "SHA256", "checksumValue": it.sha256}],
             "licenseConcluded": "NOASSERTION",
-            "licenseDeclared": "NOASSERTION",
+            "licenseDeclared": it.license.spdx(),
             "copyrightText": "NOASSERTION",
             "externalRefs": refs,
-            "comment": format!("kiln kind: {}", it.kind),
-        }));
+            "comment": comment,
+        });
+        if let Some(h) = &it.sha256 {
+            p["checksums"] = json!([{"algorithm": "SHA256", "checksumValue": h}]);
+        }
+        match it.kind {
+            "rust-crate" => {
+                p["primaryPackagePurpose"] = json!("LIBRARY");
+                if it.sha256.is_some() {
+                    p["downloadLocation"] = json!(format!(
+                        "https://crates.io/api/v1/crates/{}/{}/download",
+                        it.name, it.version
+                    ));
+                }
+            }
+            // A GGUF file: SPDX 2.3 has no purpose for a model.
+            "model" => p["primaryPackagePurpose"] = json!("FILE"),
+            _ => {}
+        }
+        packages.push(p);
+        if it.kind == "rust-crate" {
+            // DEPENDS_ON: the crate is compiled into the artifact (statically), transitively;
+            // a compile-time-only crate is a BUILD_DEPENDENCY_OF it instead.
+            for of in &it.part_of {
+                let art = id_of_kind(of)?.clone();
+                rels.push(if it.linked {
+                    json!({"spdxElementId": art, "relationshipType": "DEPENDS_ON", "relatedSpdxElement": id})
+                } else {
+                    json!({"spdxElementId": id, "relationshipType": "BUILD_DEPENDENCY_OF", "relatedSpdxElement": art})
+                });
+            }
+            continue;
+        }
         let (a, t, b) = match it.kind {
             "kernel-source" => (id, "GENERATED_FROM", "SPDXRef-kernel".to_string()),
             _ => ("SPDXRef-image".to_string(), "CONTAINS", id),
@@ -264,38 +481,69 @@ pub fn cyclonedx(m: &Value) -> Result<Value> {
     let its = items(m)?;
     let board = s(&m["board"], "board")?;
     let commit = s(&m["commit"], "commit")?;
-    let comps: Vec<Value> = its
+    let refs: Vec<String> = its
         .iter()
         .enumerate()
-        .map(|(n, it)| {
-            let ty = match it.kind {
-                "debian-package" | "kernel-source" | "kiln" => "application",
-                "kernel" => "operating-system",
-                _ => "data",
-            };
-            let ty = if it.kind == "debian-package" {
-                "library"
-            } else {
-                ty
-            };
-            let mut c = json!({
-                "type": ty,
-                "bom-ref": spdx_id(n, it),
-                "name": it.name,
-                "version": it.version,
-                "hashes": [{"alg": "SHA-256", "content": it.sha256}],
-                "properties": [{"name": "kiln:kind", "value": it.kind}],
-            });
-            if let Some(p) = &it.purl {
-                c["purl"] = json!(p);
-            }
-            if let Some(x) = &it.cpe {
-                c["cpe"] = json!(x);
-            }
-            c
-        })
+        .map(|(n, it)| spdx_id(n, it))
         .collect();
-    let refs: Vec<Value> = comps.iter().map(|c| c["bom-ref"].clone()).collect();
+    let mut comps = Vec::new();
+    for (it, r) in its.iter().zip(&refs) {
+        let ty = match it.kind {
+            "debian-package" | "rust-crate" => "library",
+            "kernel-source" | "kiln" | "npu-runtime" => "application",
+            "kernel" => "operating-system",
+            "model" => "machine-learning-model",
+            _ => "data",
+        };
+        let mut props = vec![json!({"name": "kiln:kind", "value": it.kind})];
+        props.extend(it.facts.iter().map(|(k, v)| json!({"name": k, "value": v})));
+        let mut c = json!({
+            "type": ty,
+            "bom-ref": r,
+            "name": it.name,
+            "version": it.version,
+            "properties": props,
+        });
+        if let Some(h) = &it.sha256 {
+            c["hashes"] = json!([{"alg": "SHA-256", "content": h}]);
+        }
+        if let Some(p) = &it.purl {
+            c["purl"] = json!(p);
+        }
+        if let Some(x) = &it.cpe {
+            c["cpe"] = json!(x);
+        }
+        if let Some(l) = it.license.cyclonedx() {
+            c["licenses"] = l;
+        }
+        if it.kind == "rust-crate" {
+            // `excluded`: in CycloneDX's words, used for non-runtime purposes (compile time).
+            c["scope"] = json!(if it.linked { "required" } else { "excluded" });
+        }
+        // What the file says of itself; nothing beyond it is claimed.
+        let arch = it
+            .facts
+            .iter()
+            .find(|(k, _)| k == "gguf:general.architecture");
+        if let (true, Some((_, a))) = (it.kind == "model", arch) {
+            c["modelCard"] = json!({"modelParameters": {"architectureFamily": a}});
+        }
+        comps.push(c);
+    }
+    let of = |kind: &str| -> Vec<&String> {
+        its.iter()
+            .zip(&refs)
+            .filter(|(it, _)| it.part_of.contains(&kind))
+            .map(|(_, r)| r)
+            .collect()
+    };
+    let mut deps = vec![json!({"ref": "image", "dependsOn": its.iter().zip(&refs)
+        .filter(|(it, _)| it.kind != "rust-crate").map(|(_, r)| r).collect::<Vec<_>>()})];
+    for (it, r) in its.iter().zip(&refs) {
+        if matches!(it.kind, "kiln" | "npu-runtime") {
+            deps.push(json!({"ref": r, "dependsOn": of(it.kind)}));
+        }
+    }
     Ok(json!({
         "bomFormat": "CycloneDX",
         "specVersion": "1.6",
@@ -310,7 +558,7 @@ pub fn cyclonedx(m: &Value) -> Result<Value> {
             },
         },
         "components": comps,
-        "dependencies": [{"ref": "image", "dependsOn": refs}],
+        "dependencies": deps,
     }))
 }
 
@@ -391,7 +639,20 @@ mod tests {
             ],
             "kernel": {"release": "6.1.192-kiln", "image_sha256": "4596"},
             "runtime": {"sha256": "d6e5"},
-            "models": [],
+            "npu_runtime": {"path": "/usr/lib/librknnrt.so", "from": "rknn-standin", "sha256": "d1cb"},
+            "crates": [
+                {"name": "half", "version": "2.7.1", "source": "crates.io", "crate_sha256": "6ea2",
+                 "license": "MIT OR Apache-2.0", "linked": true, "in": ["kiln-runtime", "rknn-standin"]},
+                {"name": "old", "version": "0.1.0", "source": "crates.io", "crate_sha256": "01d0",
+                 "license": "MIT/Apache-2.0", "linked": true, "in": ["kiln-runtime"]},
+                {"name": "serde_derive", "version": "1.0.229", "source": "crates.io", "crate_sha256": "5e4d",
+                 "license": "Some Licence", "linked": false, "in": ["kiln-runtime"]},
+            ],
+            "models": [{"name": "m.gguf", "sha256": "9a9a", "gguf": {
+                "general.name": "SmolLM2 135M Instruct", "general.architecture": "llama",
+                "general.license": "apache-2.0", "general.file_type": 3,
+                "file_type_name": "MOSTLY_Q4_1", "tensor_types": {"F32": 61, "Q4_1": 210},
+            }}],
             "fixture": {"name": "kiln-selftest.gguf", "sha256": "5b20"},
             "fixtures": [{"name": "kiln-llama-fixture.gguf", "sha256": "081e"}],
             "image": {"sha256": "aa1e"},
@@ -401,7 +662,9 @@ mod tests {
     #[test]
     fn sbom_has_every_manifest_entry_and_nothing_else() {
         let m = manifest();
-        let want = ["01f4", "5259", "4596", "d6e5", "5b20", "081e"];
+        let want = [
+            "01f4", "5259", "4596", "d6e5", "d1cb", "9a9a", "5b20", "081e", "6ea2", "01d0", "5e4d",
+        ];
         let sp = spdx(&m).unwrap();
         let mut got: Vec<String> = sp["packages"]
             .as_array()
@@ -432,6 +695,121 @@ mod tests {
             cd["components"][2]["cpe"],
             "cpe:2.3:o:linux:linux_kernel:6.1.192:*:*:*:*:*:*:*"
         );
+    }
+
+    #[test]
+    fn crates_have_cargo_purls_licences_and_relationships() {
+        let m = manifest();
+        let sp = spdx(&m).unwrap();
+        let pkgs = sp["packages"].as_array().unwrap();
+        let pkg = |n: &str| pkgs.iter().find(|p| p["name"] == n).unwrap();
+        let half = pkg("half");
+        assert_eq!(
+            half["externalRefs"][0]["referenceLocator"],
+            "pkg:cargo/half@2.7.1"
+        );
+        assert_eq!(half["licenseDeclared"], "MIT OR Apache-2.0");
+        assert_eq!(half["licenseConcluded"], "NOASSERTION");
+        assert_eq!(pkg("old")["licenseDeclared"], "MIT OR Apache-2.0");
+        assert_eq!(pkg("serde_derive")["licenseDeclared"], "NOASSERTION");
+        assert!(half["comment"]
+            .as_str()
+            .unwrap()
+            .contains(".crate file (Cargo.lock checksum)"));
+        let (kiln, npu, half_id, sd) = (
+            pkg("kiln")["SPDXID"].clone(),
+            pkg("rknn-standin")["SPDXID"].clone(),
+            half["SPDXID"].clone(),
+            pkg("serde_derive")["SPDXID"].clone(),
+        );
+        let rels = sp["relationships"].as_array().unwrap();
+        let has = |a: &Value, t: &str, b: &Value| {
+            rels.iter().any(|r| {
+                r["spdxElementId"] == *a
+                    && r["relationshipType"] == t
+                    && r["relatedSpdxElement"] == *b
+            })
+        };
+        assert!(has(&kiln, "DEPENDS_ON", &half_id));
+        assert!(has(&npu, "DEPENDS_ON", &half_id));
+        assert!(has(&sd, "BUILD_DEPENDENCY_OF", &kiln));
+        assert!(!rels
+            .iter()
+            .any(|r| r["relatedSpdxElement"] == half_id && r["spdxElementId"] == "SPDXRef-image"));
+
+        let cd = cyclonedx(&m).unwrap();
+        let comps = cd["components"].as_array().unwrap();
+        let comp = |n: &str| comps.iter().find(|c| c["name"] == n).unwrap();
+        assert_eq!(comp("half")["purl"], "pkg:cargo/half@2.7.1");
+        assert_eq!(comp("half")["type"], "library");
+        assert_eq!(comp("half")["scope"], "required");
+        assert_eq!(
+            comp("half")["licenses"],
+            json!([{"expression": "MIT OR Apache-2.0"}])
+        );
+        assert_eq!(comp("serde_derive")["scope"], "excluded");
+        assert_eq!(
+            comp("serde_derive")["licenses"],
+            json!([{"license": {"name": "Some Licence"}}])
+        );
+        let deps = cd["dependencies"].as_array().unwrap();
+        let image = &deps[0]["dependsOn"];
+        assert!(!image.as_array().unwrap().contains(&comp("half")["bom-ref"]));
+        let kiln_deps = deps
+            .iter()
+            .find(|d| d["ref"] == comp("kiln")["bom-ref"])
+            .unwrap();
+        assert_eq!(kiln_deps["dependsOn"].as_array().unwrap().len(), 3);
+    }
+
+    #[test]
+    fn models_carry_their_gguf_metadata() {
+        let m = manifest();
+        let cd = cyclonedx(&m).unwrap();
+        let c = cd["components"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"] == "m.gguf")
+            .unwrap();
+        assert_eq!(c["type"], "machine-learning-model");
+        assert_eq!(c["licenses"], json!([{"expression": "Apache-2.0"}]));
+        assert_eq!(
+            c["modelCard"]["modelParameters"]["architectureFamily"],
+            "llama"
+        );
+        let props = c["properties"].as_array().unwrap();
+        for (k, v) in [
+            ("gguf:general.name", "SmolLM2 135M Instruct"),
+            ("gguf:file_type_name", "MOSTLY_Q4_1"),
+            ("gguf:general.file_type", "3"),
+            ("gguf:tensor_types.Q4_1", "210"),
+        ] {
+            assert!(
+                props.iter().any(|p| p["name"] == k && p["value"] == v),
+                "{k}={v}: {props:?}"
+            );
+        }
+        let sp = spdx(&m).unwrap();
+        let p = sp["packages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["name"] == "m.gguf")
+            .unwrap();
+        assert_eq!(p["licenseDeclared"], "Apache-2.0");
+        assert_eq!(p["primaryPackagePurpose"], "FILE");
+        // A fixture without metadata gets no licence and no model card.
+        let f = cd["components"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"] == "kiln-selftest.gguf")
+            .unwrap();
+        assert_eq!(f["type"], "data");
+        assert!(f.get("licenses").is_none() && f.get("modelCard").is_none());
+        assert_eq!(model_license("Apache-2.0").unwrap(), "Apache-2.0");
+        assert_eq!(model_license("llama3.2"), None);
     }
 
     #[test]

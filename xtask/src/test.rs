@@ -902,6 +902,25 @@ fn sbom(_: &Args) -> Result<()> {
         );
     }
     println!("sbom: pyspdxtools rejects a package without its downloadLocation");
+    // Fault: a licence id outside the SPDX list must be rejected (so the crates' declared
+    // licences that pass are checked against the list, not just carried through).
+    let mut bad = read(spdx)?;
+    let pkg = bad["packages"]
+        .as_array_mut()
+        .and_then(|ps| {
+            ps.iter_mut()
+                .find(|p| p["licenseDeclared"] != "NOASSERTION")
+        })
+        .context("no SPDX package with a declared licence (the crates have them)")?;
+    pkg["licenseDeclared"] = serde_json::json!("MIT OR Not-A-Kiln-Licence");
+    crate::atomic::write_atomic(&bad_spdx, &serde_json::to_vec_pretty(&bad)?)?;
+    if spdx_ok(&bad_spdx) {
+        bail!(
+            "pyspdxtools accepted {} (a licence id not in the SPDX list)",
+            bad_spdx.display()
+        );
+    }
+    println!("sbom: pyspdxtools rejects a licence id that is not in the SPDX list");
     // Fault: a component without its required `name` (CycloneDX) must be rejected.
     let mut bad = read(cdx)?;
     bad["components"][0]

@@ -40,6 +40,8 @@ pub struct Model {
     pub name: String,
     pub path: PathBuf,
     pub sha256: Sha256,
+    /// Its `general.*` metadata and tensor types ([`gguf_summary`]), for the manifest and SBOMs.
+    pub gguf: Value,
 }
 
 /// The models given on the command line, named by their file names (unique, not the fixture's).
@@ -58,13 +60,92 @@ pub fn models(paths: &[PathBuf]) -> Result<Vec<Model>> {
             bail!("two models named {name} on the models partition");
         }
         let sha256 = Sha256::of_file_memo(m).with_context(|| format!("model {}", m.display()))?;
+        let file = kiln_runtime::gguf::GgufFile::open(m)
+            .with_context(|| format!("model {}: reading it as GGUF", m.display()))?;
         models.push(Model {
             name,
             path: m.clone(),
             sha256,
+            gguf: gguf_summary(file.gguf()),
         });
     }
     Ok(models)
+}
+
+/// The `general.*` keys that say what a model is (GGUF's own names), as the SBOMs record them.
+const GENERAL_KEYS: &[&str] = &[
+    "general.name",
+    "general.architecture",
+    "general.type",
+    "general.basename",
+    "general.finetune",
+    "general.size_label",
+    "general.version",
+    "general.organization",
+    "general.license",
+    "general.license.name",
+    "general.license.link",
+    "general.quantized_by",
+    "general.file_type",
+    "general.quantization_version",
+];
+
+/// llama.cpp's name of a `general.file_type` (`enum llama_ftype`), for the ids known here.
+fn file_type_name(id: i128) -> Option<&'static str> {
+    Some(match id {
+        0 => "ALL_F32",
+        1 => "MOSTLY_F16",
+        2 => "MOSTLY_Q4_0",
+        3 => "MOSTLY_Q4_1",
+        7 => "MOSTLY_Q8_0",
+        8 => "MOSTLY_Q5_0",
+        9 => "MOSTLY_Q5_1",
+        10 => "MOSTLY_Q2_K",
+        11 => "MOSTLY_Q3_K_S",
+        12 => "MOSTLY_Q3_K_M",
+        13 => "MOSTLY_Q3_K_L",
+        14 => "MOSTLY_Q4_K_S",
+        15 => "MOSTLY_Q4_K_M",
+        16 => "MOSTLY_Q5_K_S",
+        17 => "MOSTLY_Q5_K_M",
+        18 => "MOSTLY_Q6_K",
+        32 => "MOSTLY_BF16",
+        _ => return None,
+    })
+}
+
+/// What a GGUF says of itself, read by kiln's own parser: the [`GENERAL_KEYS`] it has, the
+/// name of its `general.file_type`, and how many tensors of each ggml type it holds (the
+/// quantisation as it is, whatever the metadata claims).
+pub fn gguf_summary(g: &kiln_runtime::gguf::Gguf) -> Value {
+    let mut out = serde_json::Map::new();
+    for k in GENERAL_KEYS {
+        if let Some(v) = g.get(k) {
+            out.insert(k.to_string(), v.to_json());
+        }
+    }
+    if let Some(name) = g
+        .get("general.file_type")
+        .and_then(|v| v.as_int())
+        .and_then(file_type_name)
+    {
+        out.insert("file_type_name".into(), json!(name));
+    }
+    let types: serde_json::Map<String, Value> = g
+        .totals_by_type()
+        .into_iter()
+        .map(|(t, n, _)| (t.name().to_string(), json!(n)))
+        .collect();
+    out.insert("tensor_types".into(), Value::Object(types));
+    Value::Object(out)
+}
+
+/// [`gguf_summary`] of a GGUF in memory (the fixtures kiln writes).
+pub fn gguf_summary_of(name: &str, bytes: &[u8]) -> Result<Value> {
+    let g = kiln_runtime::gguf::Gguf::parse(bytes)
+        .map_err(|e| anyhow::anyhow!("{e}"))
+        .with_context(|| format!("{name}: reading it as GGUF"))?;
+    Ok(gguf_summary(&g))
 }
 
 /// The kernel, from its pinned source and fragment (cached by `kernel::build` under its key),
@@ -114,6 +195,8 @@ pub struct Runtime {
     pub kiln_sha: Sha256,
     /// The library and where it came from.
     pub npu: Option<(Vec<u8>, String)>,
+    /// The crates compiled into `kiln` and the stand-in, as cargo resolved them for this build.
+    pub crates: Vec<crate::sbom::crates::Crate>,
 }
 
 /// Cross-build the runtime (cargo keeps its own cache) and take the NPU library; the step counts
@@ -125,6 +208,12 @@ pub fn runtime(run: &mut Runner, ctx: &Ctx) -> Result<Runtime> {
     let kiln_sha = Sha256::of_bytes(&kiln);
     let npu = npu_library(&ctx.board, &ctx.inputs)?;
     let npu_sha = npu.as_ref().map(|(b, _)| Sha256::of_bytes(b));
+    let mut roots = vec!["kiln-runtime"];
+    if matches!(&npu, Some((_, from)) if from == "rknn-standin") {
+        roots.push("rknn-standin");
+    }
+    let crates = crate::sbom::crates::of_workspace(&crate::paths::project_root(), &roots)
+        .context("listing the crates compiled into the image")?;
     let key = key_of(&[
         "runtime-v1",
         &kiln_sha.to_string(),
@@ -148,6 +237,7 @@ pub fn runtime(run: &mut Runner, ctx: &Ctx) -> Result<Runtime> {
         kiln,
         kiln_sha,
         npu,
+        crates,
     })
 }
 
@@ -349,8 +439,10 @@ pub fn manifest_known_answers_nll(manifest: &mut Value, nll: &Product, llama: &[
     )
     .with_context(|| format!("parsing {}", nll.path().display()))?;
     manifest["known_answers"]["nll"] = answers;
-    manifest["fixtures"] =
-        json!([{"name": llama_fixture::FILE_NAME, "sha256": Sha256::of_bytes(llama)}]);
+    manifest["fixtures"] = json!([{
+        "name": llama_fixture::FILE_NAME, "sha256": Sha256::of_bytes(llama),
+        "gguf": gguf_summary_of(llama_fixture::FILE_NAME, llama)?,
+    }]);
     Ok(())
 }
 
@@ -487,14 +579,18 @@ pub fn manifest(ctx: &Ctx, m: &ManifestOf) -> Result<Value> {
         "inputs": ctx.inputs.values().map(|(i, _)| json!({
             "name": i.name, "version": i.version, "source": i.describe_source(), "sha256": i.sha256,
         })).collect::<Vec<_>>(),
-        "models": m.models.iter().map(|x| json!({"name": x.name, "sha256": x.sha256})).collect::<Vec<_>>(),
-        "fixture": {"name": fixture::FILE_NAME, "sha256": Sha256::of_bytes(m.fixture)},
+        "models": m.models.iter().map(|x| json!({"name": x.name, "sha256": x.sha256, "gguf": x.gguf})).collect::<Vec<_>>(),
+        "fixture": {
+            "name": fixture::FILE_NAME, "sha256": Sha256::of_bytes(m.fixture),
+            "gguf": gguf_summary_of(fixture::FILE_NAME, m.fixture)?,
+        },
         "kernel": {
             "release": k.release, "key": k.key, "build_timestamp": k.build_timestamp,
             "image_sha256": k.image_sha256, "config_sha256": k.config_sha256, "dtb_sha256": k.dtb_sha256,
             "fragment": board.kernel.fragment, "base": board.kernel.base,
         },
         "runtime": {"path": "/usr/bin/kiln", "sha256": m.runtime.kiln_sha},
+        "crates": m.runtime.crates.iter().map(|c| c.to_json()).collect::<Vec<_>>(),
         "npu_runtime": npu.as_ref().map(|(b, o)| json!({"path": "/usr/lib/librknnrt.so", "from": o, "sha256": Sha256::of_bytes(b)})),
         "toolchain": {
             "rust": toolchain.rustc_version, "rust_std_from": toolchain.source, "cross_gcc": k.toolchain,
@@ -928,6 +1024,25 @@ fn stage_file(path: &Path, bytes: &[u8]) -> Result<()> {
 mod tests {
     use super::*;
     use kiln_runtime::selftest::model_nll;
+
+    /// The self-check fixture's metadata and its four tensor types, read by kiln's GGUF parser.
+    #[test]
+    fn gguf_summary_of_the_fixture() {
+        let g = gguf_summary_of("fixture", &fixture::gguf().unwrap()).unwrap();
+        assert_eq!(g["general.architecture"], "kiln-fixture");
+        assert!(g["general.name"]
+            .as_str()
+            .unwrap()
+            .starts_with("kiln self-check"));
+        assert_eq!(
+            g["tensor_types"],
+            json!({"F32": 1, "F16": 1, "Q4_0": 1, "Q8_0": 1})
+        );
+        assert!(g.get("general.license").is_none());
+        assert_eq!(file_type_name(3), Some("MOSTLY_Q4_1"));
+        assert_eq!(file_type_name(4), None);
+        assert!(gguf_summary_of("x", b"not a gguf").is_err());
+    }
 
     /// The known answers the image records: the llama fixture (and SmolLM2 when
     /// `KILN_SMOLLM2` names it, as the test stages do) on the committed text, into the manifest.
