@@ -595,10 +595,10 @@ pub fn plan_report_with(
         Some(b) => b,
         None => budget_from_env()?,
     };
-    let npu = NpuBackend::new(NpuConfig {
+    let npu = NpuBackend::open(NpuConfig {
         budget,
         ..NpuConfig::default()
-    });
+    })?;
     let cpu = crate::backend::cpu::CpuBackend::new();
     let backends: [&dyn Backend; 2] = [&npu, &cpu];
     let mut p = plan(&backends, &weights, ms, false);

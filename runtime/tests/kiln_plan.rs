@@ -13,11 +13,14 @@ use serde_json::Value as J;
 use std::path::{Path, PathBuf};
 use std::process::Output;
 
-/// `kiln`, through the cargo runner when the tests run as aarch64 code under qemu-user.
+/// `kiln`, through the cargo runner when the tests run as aarch64 code under qemu-user. Each
+/// call has a device root of its own: the NPU lock is per root, and these run in parallel.
 fn kiln(args: &[&str]) -> Output {
+    let devroot = tempfile::tempdir().expect("tempdir");
     support::kiln_cmd()
         .args(args)
         .env("KILN_RKNN_LIB", standin("KILN_RKNN_STANDIN"))
+        .env("KILN_DEVROOT", devroot.path())
         .env_remove("KILN_RKNN_STANDIN_FAULT")
         .output()
         .expect("running kiln")

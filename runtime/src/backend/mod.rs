@@ -93,6 +93,12 @@ pub enum Decline {
         estimate: String,
         bar: String,
     },
+    /// The NPU lock was not taken: another process holds the NPU (named in `why`), or the lock
+    /// file could not be made. Callers that would otherwise fall back to the CPU treat it as an
+    /// error (`NpuBackend::open`): a second NPU user is refused, not quietly run on the CPU.
+    NpuLock {
+        why: String,
+    },
 }
 
 /// A decline is also an error, so that a run can refuse an op and the caller can tell a refusal
@@ -114,6 +120,7 @@ impl Decline {
             Decline::Fp16Range { .. } => "Fp16Range",
             Decline::LayoutMismatch { .. } => "LayoutMismatch",
             Decline::Int8Accuracy { .. } => "Int8Accuracy",
+            Decline::NpuLock { .. } => "NpuLock",
         }
     }
 }
@@ -142,6 +149,7 @@ impl fmt::Display for Decline {
             Decline::Int8Accuracy { estimate, bar } => {
                 write!(f, "Int8Accuracy{{estimated NMSE: {estimate}, bar: {bar}}}")
             }
+            Decline::NpuLock { why } => write!(f, "NpuLock({why})"),
         }
     }
 }

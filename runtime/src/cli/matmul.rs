@@ -66,14 +66,21 @@ fn matmul(
     if let Some(t) = threads {
         cpu_b = cpu_b.with_threads(t);
     }
-    let npu_b = npu::NpuBackend::default();
-    let cpu_ref = cpu::CpuRefBackend;
-    let order: Vec<&dyn Backend> = match choice {
-        None => vec![&npu_b, &cpu_b],
-        Some(BackendChoice::Npu) => vec![&npu_b],
-        Some(BackendChoice::Cpu) => vec![&cpu_b],
-        Some(BackendChoice::CpuRef) => vec![&cpu_ref],
+    // The NPU (and its lock) only when it may run the op.
+    let npu_b = match choice {
+        None | Some(BackendChoice::Npu) => Some(npu::NpuBackend::open(npu::NpuConfig::default())?),
+        Some(BackendChoice::Cpu | BackendChoice::CpuRef) => None,
     };
+    let cpu_ref = cpu::CpuRefBackend;
+    let mut order: Vec<&dyn Backend> = Vec::new();
+    if let Some(n) = &npu_b {
+        order.push(n);
+    }
+    match choice {
+        None | Some(BackendChoice::Cpu) => order.push(&cpu_b),
+        Some(BackendChoice::CpuRef) => order.push(&cpu_ref),
+        Some(BackendChoice::Npu) => {}
+    }
     let op = MatmulOp::for_weight(&w, m);
     let mut why = Vec::new();
     for b in order {

@@ -211,9 +211,12 @@ impl<'m> Model<'m> {
         let backends: Vec<Box<dyn Backend>> = match opt.backend {
             BackendSel::Cpu => vec![Box::new(cpu_b)],
             BackendSel::CpuRef => vec![Box::new(cpu::CpuRefBackend)],
-            BackendSel::Auto => vec![Box::new(npu::NpuBackend::default()), Box::new(cpu_b)],
+            BackendSel::Auto => vec![
+                Box::new(npu::NpuBackend::open(npu::NpuConfig::default())?),
+                Box::new(cpu_b),
+            ],
             BackendSel::Npu => {
-                let n = npu::NpuBackend::default();
+                let n = npu::NpuBackend::open(npu::NpuConfig::default())?;
                 if let Err(d) = n.probe() {
                     bail!("--backend npu: the NPU is not available: {d}");
                 }

@@ -263,6 +263,8 @@ pub fn run_all(ctx: &Ctx) -> Report {
             o.simulated = caps.simulated;
             o
         }
+        // Another process holds the NPU: a failure wherever it happens, never a skip.
+        Err(d @ crate::backend::Decline::NpuLock { .. }) => Outcome::fail(d.to_string(), vec![]),
         Err(d) if ctx.board.as_ref().is_some_and(|b| b.board.npu) => Outcome::fail(
             format!("the board has an NPU but its backend is absent: {d}"),
             vec![],

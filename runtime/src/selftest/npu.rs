@@ -168,6 +168,9 @@ pub fn runtime(ctx: &Ctx, npu: &dyn crate::backend::Backend) -> Outcome {
     let want = board.expect.npu_runtime.as_deref();
     let caps = match (npu.probe(), want) {
         (Ok(c), _) => c,
+        (Err(d @ crate::backend::Decline::NpuLock { .. }), _) => {
+            return Outcome::fail(format!("the NPU cannot be taken: {d}"), vec![])
+        }
         (Err(d), None) if !board.board.npu => {
             return Outcome::skip(format!(
                 "board {} has no NPU and pins no NPU runtime ({d})",

@@ -49,6 +49,15 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> Result<()> {
+    // The NPU lock first, on this thread: the model loads on the engine thread while /health
+    // already answers, and a load error there leaves the server up (503). A second NPU user must
+    // instead exit with the holder's name. The engine's backend shares this process's hold.
+    use kiln_runtime::backend::npu::{NpuBackend, NpuConfig};
+    use kiln_runtime::model::BackendSel;
+    let _npu = match a.m.backend {
+        BackendSel::Auto | BackendSel::Npu => Some(NpuBackend::open(NpuConfig::default())?),
+        BackendSel::Cpu | BackendSel::CpuRef => None,
+    };
     let key = match &a.api_key_file {
         Some(p) => {
             let k = std::fs::read_to_string(p)

@@ -25,10 +25,16 @@
 //! (zero A) whose answer is exactly zero, so an untouched, stale or misrouted result is an error
 //! (the field's dead gate, `test-ork-cache`, missed exactly that). Activations beyond fp16's
 //! range are refused with `Fp16Range` (the caller falls back to the CPU), never sent as inf.
+//!
+//! One user: once the library has loaded, and before the driver is opened or the library is
+//! asked for anything, the backend takes the process's NPU lock ([`lock`],
+//! `<devroot>/run/kiln/npu.lock`) and holds it as long as it lives. Another process holding it
+//! is an error naming that process ([`NpuBackend::open`]), never a fall back to the CPU.
 
 pub mod driver;
 pub mod ffi;
 pub mod layout;
+pub mod lock;
 
 use crate::backend::{
     Backend, Capabilities, Decline, MatmulOp, PreparedWeight, Weight, POISON_BITS,
@@ -62,7 +68,8 @@ pub const FP16_MAX: f32 = 65504.0;
 pub struct NpuConfig {
     /// `librknnrt.so` to load: `KILN_RKNN_LIB`, else the dynamic linker's search path.
     pub lib_path: PathBuf,
-    /// Where `dev/dri` and `dev/rknpu` are looked for: `/` on a board, a fake tree in tests.
+    /// Where `dev/dri` and `dev/rknpu` are looked for, and the lock (`run/kiln/npu.lock`) is
+    /// taken: `KILN_DEVROOT`, else `/` on a board; a fake tree in tests.
     pub devroot: PathBuf,
     /// Smallest M the backend claims.
     pub min_m: usize,
@@ -105,11 +112,19 @@ pub fn budget_from_env() -> Result<u64> {
     }
 }
 
+/// `KILN_DEVROOT`, else `/`: the device root of the commands that take no `--root`.
+pub fn devroot_from_env() -> PathBuf {
+    std::env::var_os("KILN_DEVROOT")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/"))
+}
+
 impl Default for NpuConfig {
     fn default() -> NpuConfig {
         NpuConfig {
             lib_path: ffi::default_lib_path(),
-            devroot: PathBuf::from("/"),
+            devroot: devroot_from_env(),
             min_m: DEFAULT_MIN_M,
             // A bad variable is reported by `kiln plan`, which reads it with `budget_from_env`.
             budget: budget_from_env().unwrap_or(DEFAULT_BUDGET),
@@ -122,6 +137,8 @@ impl Default for NpuConfig {
 struct Loaded {
     lib: Arc<RknnLib>,
     driver: Result<driver::Driver, Decline>,
+    /// This process's hold on the NPU, for as long as the backend lives.
+    lock: lock::NpuLock,
 }
 
 pub struct NpuBackend {
@@ -138,6 +155,18 @@ impl NpuBackend {
             loaded: OnceLock::new(),
             reserved: Arc::new(AtomicU64::new(0)),
         }
+    }
+
+    /// A backend for every command that runs on the NPU: [`NpuBackend::new`], with the library
+    /// loaded and the NPU lock taken now. Another process holding the NPU is an error naming it;
+    /// any other reason the NPU is unusable (no library, no driver) stays a decline, so the
+    /// model runs on the CPU as before.
+    pub fn open(cfg: NpuConfig) -> Result<NpuBackend> {
+        let b = NpuBackend::new(cfg);
+        if let Err(Decline::NpuLock { why }) = b.loaded() {
+            bail!("{why}");
+        }
+        Ok(b)
     }
 
     pub fn config(&self) -> &NpuConfig {
@@ -189,6 +218,9 @@ impl NpuBackend {
                     },
                     ffi::LoadError::Abi(why) => Decline::RuntimeAbi { why },
                 })?;
+                // Before anything opens the device (the driver's ioctls, the library's calls).
+                let lock = lock::acquire(&self.cfg.devroot)
+                    .map_err(|e| Decline::NpuLock { why: e.to_string() })?;
                 let driver = driver::find(&self.cfg.devroot);
                 if !lib.simulated() {
                     // The real library without the driver cannot run a matmul.
@@ -203,6 +235,7 @@ impl NpuBackend {
                 Ok(Loaded {
                     lib: Arc::new(lib),
                     driver,
+                    lock,
                 })
             })
             .as_ref()
@@ -667,6 +700,7 @@ impl Backend for NpuBackend {
             Err(e) => ("driver".to_string(), format!("absent: {e}")),
         });
         facts.push(("min M".to_string(), self.cfg.min_m.to_string()));
+        facts.push(("lock".to_string(), l.lock.path().display().to_string()));
         Ok(Capabilities {
             facts,
             simulated: l.lib.simulated(),
