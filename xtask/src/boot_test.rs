@@ -296,21 +296,47 @@ pub fn free_port() -> Result<u16> {
 }
 
 /// Run `probe` against the board's `kiln serve` at `base` (`http://127.0.0.1:PORT`); the bytes
-/// it got from `GET /kiln/report`.
-pub fn run_probe(probe: &Probe, base: &str, dir: &Path) -> Result<Vec<u8>> {
+/// it got from `GET /kiln/report`. Ends early, with the reason, when QEMU exits or the console
+/// says that `kiln serve` exited.
+pub fn run_probe(
+    probe: &Probe,
+    base: &str,
+    dir: &Path,
+    qemu: &mut std::process::Child,
+    console: &dyn Fn() -> String,
+) -> Result<Vec<u8>> {
     let script = crate::paths::project_root().join("runtime/tests/py/serve_board.py");
     let expect = dir.join("serve-expect.json");
     let got = dir.join("served-report.json");
     let _ = std::fs::remove_file(&got);
     std::fs::write(&expect, serde_json::to_vec_pretty(&probe.expect)?)
         .with_context(|| format!("writing {}", expect.display()))?;
-    let status = std::process::Command::new(&probe.python)
+    let mut child = std::process::Command::new(&probe.python)
         .arg(&script)
         .args([probe.mode, base])
         .arg(&got)
         .arg(&expect)
-        .status()
+        .spawn()
         .with_context(|| format!("running {}", script.display()))?;
+    let status = loop {
+        if let Some(st) = child.try_wait()? {
+            break st;
+        }
+        let gone = if let Some(st) = qemu.try_wait()? {
+            Some(format!("qemu exited ({st})"))
+        } else {
+            console()
+                .lines()
+                .find(|l| l.starts_with("kiln-init: kiln serve exited with"))
+                .map(|l| format!("the board says `{}`", l.trim()))
+        };
+        if let Some(why) = gone {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!("{why} while the openai client was asking the board's kiln serve");
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
     ensure!(
         status.success(),
         "the board's kiln serve failed the openai client's checks ({}, {status})",
@@ -431,7 +457,13 @@ pub fn boot_with(args: &Args, probe: Option<&Probe>) -> Result<Boot> {
                         p.expect.clone()
                     },
                 };
-                let got = run_probe(&p, &format!("http://127.0.0.1:{host}"), &dir);
+                let got = run_probe(
+                    &p,
+                    &format!("http://127.0.0.1:{host}"),
+                    &dir,
+                    &mut child,
+                    &console_now,
+                );
                 // The report is on the card (init synced it before serve started): end the
                 // machine either way, then judge.
                 let _ = child.kill();

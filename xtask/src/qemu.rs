@@ -252,7 +252,8 @@ pub fn drive(
                 log_path.display()
             );
             let dir = crate::paths::target_dir().join("qemu");
-            let got = boot_test::run_probe(p, &format!("http://127.0.0.1:{h}"), &dir);
+            let got =
+                boot_test::run_probe(p, &format!("http://127.0.0.1:{h}"), &dir, &mut child, &text);
             if got.is_err() {
                 let _ = child.kill();
                 let _ = child.wait();

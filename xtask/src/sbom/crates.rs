@@ -16,6 +16,7 @@
 
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
@@ -27,7 +28,7 @@ const CRATES_IO: &str = "registry+https://github.com/rust-lang/crates.io-index";
 pub type CrateSet = BTreeSet<(String, String)>;
 
 /// One crate of an image binary, as the manifest records it.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Crate {
     pub name: String,
     pub version: String,
@@ -196,6 +197,40 @@ pub fn resolve(
 /// The crates of `roots` in the workspace at `root_dir`, by running cargo there (offline: the
 /// image build has just compiled them, so everything is in cargo's cache).
 pub fn of_workspace(root_dir: &Path, roots: &[&str]) -> Result<Vec<Crate>> {
+    // Five cargo runs cost about a second: remembered per Cargo.lock, manifests and roots (all
+    // that decides cargo's answer), so that a no-op `cargo xtask image` stays quick.
+    let mut key = Sha256::new();
+    for f in [
+        "Cargo.lock",
+        "Cargo.toml",
+        "runtime/Cargo.toml",
+        "runtime/rknn-standin/Cargo.toml",
+        "xtask/Cargo.toml",
+    ] {
+        let p = root_dir.join(f);
+        key.update(f.as_bytes());
+        key.update(std::fs::read(&p).with_context(|| format!("reading {}", p.display()))?);
+    }
+    key.update(roots.join(",").as_bytes());
+    key.update(TARGET.as_bytes());
+    let memo = crate::paths::target_dir()
+        .join("kiln/crates")
+        .join(format!("{}.json", hex::encode(&key.finalize()[..12])));
+    if let Some(c) = std::fs::read(&memo)
+        .ok()
+        .and_then(|b| serde_json::from_slice::<Vec<Crate>>(&b).ok())
+    {
+        return Ok(c);
+    }
+    let crates = of_workspace_uncached(root_dir, roots)?;
+    if let Some(dir) = memo.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    crate::atomic::write_atomic(&memo, &serde_json::to_vec(&crates)?)?;
+    Ok(crates)
+}
+
+fn of_workspace_uncached(root_dir: &Path, roots: &[&str]) -> Result<Vec<Crate>> {
     let sh = crate::paths::shell()?;
     sh.change_dir(root_dir);
     let format = "{p}";
