@@ -564,6 +564,8 @@ impl<'m> Model<'m> {
     /// [`Model::forward`] computes it for that session alone (norms, RoPE and attention per row;
     /// every matmul kernel gives a row the same bits at any M), so the tokens do not depend on
     /// what else is in the batch — `batch_rows_equal_each_sequence_alone` holds that to the bit.
+    /// On the CPU backends, that is: where M reaches the NPU's minimum the plan may run an op on
+    /// the NPU, whose int8/fp16 operands move a row within the bound `tests/npu_batch.rs` holds.
     pub fn forward_batch(&self, sessions: &mut [&mut Session], tokens: &[u32]) -> Result<Vec<f32>> {
         ensure!(
             sessions.len() == tokens.len(),
