@@ -7,9 +7,22 @@
 //!
 //! Covered so far: the Debian inputs (`pkg:deb/debian/…`), the kernel built from source (with the
 //! Linux kernel CPE), `kiln` itself (the commit), the NPU stand-in library when the board installs
-//! it, the models and fixtures of the models partition, and the Rust crates compiled into `kiln`
+//! it, the models and fixtures of the models partition, the Rust crates compiled into `kiln`
 //! and the stand-in ([`crates`]: cargo's resolve for aarch64, normal dependencies only, recorded
-//! in the manifest's `crates` by the image build).
+//! in the manifest's `crates` by the image build), and the tools root's packages as build tools.
+//!
+//! Debian packages: `licenseDeclared` (SPDX) / `licenses: [{expression}]` (CycloneDX) is what
+//! the package's DEP-5 `copyright` file says ([`dep5`], read from the .deb by the image's
+//! `licences` step and recorded in the manifest as the input's `license`); where there is no
+//! exact SPDX answer (not DEP-5, no copyright file in the package, a licence name with no SPDX
+//! id) it is `NOASSERTION` and the manifest's `license_reason` is given as the
+//! `kiln:license-noassertion` property / in the comment. `licenseConcluded` is `NOASSERTION`.
+//!
+//! Build tools: every package of the tools root (the manifest's `tools_root.debs`, from
+//! `images/tools-root.toml`: the Debian bookworm amd64 root in which the kernel is compiled and
+//! the file systems are made) with its amd64 purl and the .deb's sha256. SPDX: `tool
+//! BUILD_TOOL_OF` the image (A is used to build B), no `CONTAINS`; CycloneDX: the components of
+//! one formula in `formulation`, not in `components` or the image's dependencies.
 //!
 //! Crates: `pkg:cargo/<name>@<version>`, the `.crate` file's sha256 (Cargo.lock's `checksum`,
 //! labelled so in a property / the comment), `licenseDeclared` = Cargo.toml's `license` when it
@@ -26,14 +39,11 @@
 //! A `general.license` that is an SPDX id (in any case: `apache-2.0`) is declared; another is
 //! a CycloneDX licence name and SPDX `NOASSERTION`.
 //!
-//! Not yet: tools-root build tools, the crates' build-dependencies, licences of the Debian
-//! packages, the kernel and `kiln` itself (`NOASSERTION`). [`dep5`] turns a Debian `copyright`
-//! file into an SPDX expression (or `NOASSERTION`) and is tested, but the image step does not
-//! record its result in the manifest yet.
+//! Not yet: the crates' build-dependencies; licences of the kernel, `kiln` itself, the
+//! tools root's packages, and of the kernel source package (DEP-5, but it names licences with no
+//! exact SPDX id: GPL-2+-or-X11, CRYPTOGAMS, Unicode-data, Xen-interface), all `NOASSERTION`.
 
 pub mod crates;
-// Not wired into the manifest yet (see the module doc); its tests run.
-#[allow(dead_code)]
 pub mod dep5;
 
 use anyhow::{bail, Context, Result};
@@ -152,6 +162,29 @@ fn gguf_facts(g: &Value) -> Vec<(String, String)> {
     out
 }
 
+/// The purl of a Debian bookworm package.
+fn deb_purl(name: &str, version: &str, arch: &str) -> String {
+    format!(
+        "pkg:deb/debian/{name}@{}?arch={arch}&distro=debian-12",
+        version.replace(':', "%3A").replace('+', "%2B")
+    )
+}
+
+/// The declared licence of a Debian input as the manifest records it (`license`, and
+/// `license_reason` when it is `NOASSERTION`), with the reason as a fact.
+fn deb_license(i: &Value) -> (License, Vec<(String, String)>) {
+    let mut facts = Vec::new();
+    if let Some(why) = i["license_reason"].as_str() {
+        facts.push(("kiln:license-noassertion".to_string(), why.to_string()));
+    }
+    let license = match i["license"].as_str() {
+        None | Some("NOASSERTION") => License::None,
+        Some(e) if spdx::Expression::parse(e).is_ok() => License::Spdx(e.to_string()),
+        Some(e) => License::Name(e.to_string()),
+    };
+    (license, facts)
+}
+
 fn s(v: &Value, what: &str) -> Result<String> {
     v.as_str()
         .map(str::to_string)
@@ -173,12 +206,9 @@ pub fn items(m: &Value) -> Result<Vec<Item>> {
             .and_then(|(_, r)| r.split_once('='))
             .map(|(a, _)| a.to_string())
             .unwrap_or_else(|| "arm64".into());
-        let purl = source.starts_with("debian ").then(|| {
-            format!(
-                "pkg:deb/debian/{name}@{}?arch={arch}&distro=debian-12",
-                version.replace(':', "%3A").replace('+', "%2B")
-            )
-        });
+        let purl = source
+            .starts_with("debian ")
+            .then(|| deb_purl(&name, &version, &arch));
         let is_kernel = name.starts_with("linux-source");
         let kind = if is_kernel {
             "kernel-source"
@@ -186,8 +216,13 @@ pub fn items(m: &Value) -> Result<Vec<Item>> {
             "debian-package"
         };
         let sha = s(&i["sha256"], "inputs[].sha256")?;
+        // The image step's reading of the package's DEP-5 copyright file (`NOASSERTION` with
+        // its reason when there is no exact SPDX answer).
+        let (license, facts) = deb_license(i);
         out.push(Item {
             purl,
+            license,
+            facts,
             ..Item::new(kind, name, version, sha)
         });
     }
@@ -251,6 +286,22 @@ pub fn items(m: &Value) -> Result<Vec<Item>> {
             license: License::of(g["general.license"].as_str(), model_license),
             facts: gguf_facts(g),
             ..Item::new(kind, name, sha[..12.min(sha.len())].to_string(), sha)
+        });
+    }
+    // The tools root's packages: they shape the image's bytes (mkfs, the kernel's compiler) but
+    // none of them is in it.
+    for d in m["tools_root"]["debs"].as_array().into_iter().flatten() {
+        let name = s(&d["name"], "tools_root.debs[].name")?;
+        let version = s(&d["version"], "tools_root.debs[].version")?;
+        let arch = s(&d["arch"], "tools_root.debs[].arch")?;
+        let sha = s(&d["sha256"], "tools_root.debs[].sha256")?;
+        out.push(Item {
+            purl: Some(deb_purl(&name, &version, &arch)),
+            facts: vec![(
+                "kiln:build-tool".into(),
+                "tools root (images/tools-root.toml): used to build the image, not in it".into(),
+            )],
+            ..Item::new("build-tool", name, version, sha)
         });
     }
     // The crates of kiln (and of the stand-in), sorted by the image step.
@@ -425,6 +476,8 @@ pub fn spdx(m: &Value) -> Result<Value> {
         }
         let (a, t, b) = match it.kind {
             "kernel-source" => (id, "GENERATED_FROM", "SPDXRef-kernel".to_string()),
+            // "A BUILD_TOOL_OF B": A is used to build B.
+            "build-tool" => (id, "BUILD_TOOL_OF", "SPDXRef-image".to_string()),
             _ => ("SPDXRef-image".to_string(), "CONTAINS", id),
         };
         rels.push(json!({"spdxElementId": a, "relationshipType": t, "relatedSpdxElement": b}));
@@ -486,10 +539,11 @@ pub fn cyclonedx(m: &Value) -> Result<Value> {
         .enumerate()
         .map(|(n, it)| spdx_id(n, it))
         .collect();
-    let mut comps = Vec::new();
+    let (mut comps, mut tools) = (Vec::new(), Vec::new());
     for (it, r) in its.iter().zip(&refs) {
         let ty = match it.kind {
             "debian-package" | "rust-crate" => "library",
+            "build-tool" => "application",
             "kernel-source" | "kiln" | "npu-runtime" => "application",
             "kernel" => "operating-system",
             "model" => "machine-learning-model",
@@ -528,7 +582,11 @@ pub fn cyclonedx(m: &Value) -> Result<Value> {
         if let (true, Some((_, a))) = (it.kind == "model", arch) {
             c["modelCard"] = json!({"modelParameters": {"architectureFamily": a}});
         }
-        comps.push(c);
+        if it.kind == "build-tool" {
+            tools.push(c);
+        } else {
+            comps.push(c);
+        }
     }
     let of = |kind: &str| -> Vec<&String> {
         its.iter()
@@ -538,13 +596,13 @@ pub fn cyclonedx(m: &Value) -> Result<Value> {
             .collect()
     };
     let mut deps = vec![json!({"ref": "image", "dependsOn": its.iter().zip(&refs)
-        .filter(|(it, _)| it.kind != "rust-crate").map(|(_, r)| r).collect::<Vec<_>>()})];
+        .filter(|(it, _)| !matches!(it.kind, "rust-crate" | "build-tool")).map(|(_, r)| r).collect::<Vec<_>>()})];
     for (it, r) in its.iter().zip(&refs) {
         if matches!(it.kind, "kiln" | "npu-runtime") {
             deps.push(json!({"ref": r, "dependsOn": of(it.kind)}));
         }
     }
-    Ok(json!({
+    let mut bom = json!({
         "bomFormat": "CycloneDX",
         "specVersion": "1.6",
         "serialNumber": serial(&board, &commit),
@@ -559,7 +617,16 @@ pub fn cyclonedx(m: &Value) -> Result<Value> {
         },
         "components": comps,
         "dependencies": deps,
-    }))
+    });
+    if !tools.is_empty() {
+        // How the image was made, not what it holds: the tools root as one formula.
+        bom["formulation"] = json!([{
+            "bom-ref": "formula-tools-root",
+            "components": tools,
+            "properties": [{"name": "kiln:tools-root-key", "value": m["tools_root"]["key"].as_str().unwrap_or_default()}],
+        }]);
+    }
+    Ok(bom)
 }
 
 /// Write the SBOMs of the manifest at `manifest` into its directory; returns the paths written.
@@ -634,9 +701,17 @@ mod tests {
             "board": "qemu-virt", "commit": "ce98691998e7fe36e0b2c29d74b0476de3e837df",
             "source_date_epoch": 1796312582,
             "inputs": [
-                {"name": "libc6", "version": "2.36-9+deb12u14", "sha256": "01f4", "source": "debian libc6:arm64=2.36-9+deb12u14"},
-                {"name": "linux-source-6.1", "version": "6.1.192-3", "sha256": "5259", "source": "debian linux-source-6.1:all=6.1.192-3"},
+                {"name": "libc6", "version": "2.36-9+deb12u14", "sha256": "01f4", "source": "debian libc6:arm64=2.36-9+deb12u14",
+                 "license": "NOASSERTION", "license_reason": "not DEP-5 (no Format: header)"},
+                {"name": "zlib1g", "version": "1:1.2.13.dfsg-1", "sha256": "7a3b", "source": "debian zlib1g:arm64=1:1.2.13.dfsg-1",
+                 "license": "Zlib"},
+                {"name": "linux-source-6.1", "version": "6.1.192-3", "sha256": "5259", "source": "debian linux-source-6.1:all=6.1.192-3",
+                 "license": "NOASSERTION", "license_reason": "unmapped licence name GPL-2+-or-X11"},
             ],
+            "tools_root": {"key": "c0de", "packages": 2, "debs": [
+                {"name": "erofs-utils", "version": "1.5-1", "arch": "amd64", "sha256": "e50f"},
+                {"name": "gcc-12-aarch64-linux-gnu", "version": "12.2.0-14cross1", "arch": "amd64", "sha256": "9cc1"},
+            ]},
             "kernel": {"release": "6.1.192-kiln", "image_sha256": "4596"},
             "runtime": {"sha256": "d6e5"},
             "npu_runtime": {"path": "/usr/lib/librknnrt.so", "from": "rknn-standin", "sha256": "d1cb"},
@@ -662,9 +737,13 @@ mod tests {
     #[test]
     fn sbom_has_every_manifest_entry_and_nothing_else() {
         let m = manifest();
-        let want = [
-            "01f4", "5259", "4596", "d6e5", "d1cb", "9a9a", "5b20", "081e", "6ea2", "01d0", "5e4d",
+        // SPDX: every entry, the tools root's packages among them; CycloneDX's components:
+        // all but the build tools, which are in its formulation.
+        let in_image = [
+            "01f4", "7a3b", "5259", "4596", "d6e5", "d1cb", "9a9a", "5b20", "081e",
         ];
+        let (tools, crates) = (["e50f", "9cc1"], ["6ea2", "01d0", "5e4d"]);
+        let want: Vec<&str> = [&in_image[..], &tools, &crates].concat();
         let sp = spdx(&m).unwrap();
         let mut got: Vec<String> = sp["packages"]
             .as_array()
@@ -686,15 +765,101 @@ mod tests {
             .iter()
             .map(|c| c["hashes"][0]["content"].as_str().unwrap())
             .collect();
-        assert_eq!(got, want);
+        assert_eq!(got, [&in_image[..], &crates].concat());
+        let formula = cd["formulation"].as_array().unwrap();
+        assert_eq!(formula.len(), 1);
+        let got: Vec<&str> = formula[0]["components"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["hashes"][0]["content"].as_str().unwrap())
+            .collect();
+        assert_eq!(got, tools);
         assert_eq!(
             cd["components"][0]["purl"],
             "pkg:deb/debian/libc6@2.36-9%2Bdeb12u14?arch=arm64&distro=debian-12"
         );
         assert_eq!(
-            cd["components"][2]["cpe"],
+            cd["components"][3]["cpe"],
             "cpe:2.3:o:linux:linux_kernel:6.1.192:*:*:*:*:*:*:*"
         );
+    }
+
+    #[test]
+    fn debian_packages_carry_their_dep5_licences() {
+        let m = manifest();
+        let sp = spdx(&m).unwrap();
+        let pkgs = sp["packages"].as_array().unwrap();
+        let pkg = |n: &str| pkgs.iter().find(|p| p["name"] == n).unwrap();
+        assert_eq!(pkg("zlib1g")["licenseDeclared"], "Zlib");
+        assert_eq!(pkg("zlib1g")["licenseConcluded"], "NOASSERTION");
+        assert_eq!(pkg("libc6")["licenseDeclared"], "NOASSERTION");
+        assert!(pkg("libc6")["comment"]
+            .as_str()
+            .unwrap()
+            .contains("kiln:license-noassertion: not DEP-5 (no Format: header)"));
+        assert_eq!(pkg("linux-source-6.1")["licenseDeclared"], "NOASSERTION");
+        let cd = cyclonedx(&m).unwrap();
+        let comps = cd["components"].as_array().unwrap();
+        let comp = |n: &str| comps.iter().find(|c| c["name"] == n).unwrap();
+        assert_eq!(comp("zlib1g")["licenses"], json!([{"expression": "Zlib"}]));
+        assert_eq!(
+            comp("zlib1g")["purl"],
+            "pkg:deb/debian/zlib1g@1%3A1.2.13.dfsg-1?arch=arm64&distro=debian-12"
+        );
+        // NOASSERTION: no licence claimed, the reason as a property.
+        assert!(comp("libc6").get("licenses").is_none());
+        assert!(comp("linux-source-6.1")["properties"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p["name"] == "kiln:license-noassertion"
+                && p["value"] == "unmapped licence name GPL-2+-or-X11"));
+    }
+
+    #[test]
+    fn tools_root_packages_are_build_tools_of_the_image() {
+        let m = manifest();
+        let sp = spdx(&m).unwrap();
+        let pkgs = sp["packages"].as_array().unwrap();
+        let erofs = pkgs.iter().find(|p| p["name"] == "erofs-utils").unwrap();
+        assert_eq!(
+            erofs["externalRefs"][0]["referenceLocator"],
+            "pkg:deb/debian/erofs-utils@1.5-1?arch=amd64&distro=debian-12"
+        );
+        let rels = sp["relationships"].as_array().unwrap();
+        let about: Vec<&Value> = rels
+            .iter()
+            .filter(|r| {
+                r["spdxElementId"] == erofs["SPDXID"] || r["relatedSpdxElement"] == erofs["SPDXID"]
+            })
+            .collect();
+        assert_eq!(
+            about,
+            [
+                &json!({"spdxElementId": erofs["SPDXID"], "relationshipType": "BUILD_TOOL_OF",
+                     "relatedSpdxElement": "SPDXRef-image"})
+            ]
+        );
+        let cd = cyclonedx(&m).unwrap();
+        assert!(!cd["components"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|c| c["name"] == "erofs-utils"));
+        let tool = &cd["formulation"][0]["components"][0];
+        assert_eq!(tool["name"], "erofs-utils");
+        assert_eq!(tool["hashes"][0]["content"], "e50f");
+        assert_eq!(
+            tool["purl"],
+            "pkg:deb/debian/erofs-utils@1.5-1?arch=amd64&distro=debian-12"
+        );
+        let image_deps = cd["dependencies"][0]["dependsOn"].as_array().unwrap();
+        assert!(!image_deps.contains(&tool["bom-ref"]));
+        // A manifest of before the tools root was listed has no formulation.
+        let mut old = m.clone();
+        old["tools_root"] = json!({"key": "c0de", "packages": 2});
+        assert!(cyclonedx(&old).unwrap().get("formulation").is_none());
     }
 
     #[test]

@@ -81,6 +81,8 @@ pub struct ToolsRoot {
     pub key: Sha256,
     /// Pinned package → version.
     pub packages: BTreeMap<String, String>,
+    /// The pins themselves (package, version, arch, the .deb's sha256), in pin-list order.
+    pub pins: Vec<Input>,
 }
 
 /// The key of a pin list: its packages, versions and hashes (comments and order do not count).
@@ -130,7 +132,12 @@ pub fn ensure(offline: bool) -> Result<ToolsRoot> {
         .map(|i| (i.name.clone(), i.version.clone()))
         .collect();
     let dir = root_dir().join(key.short());
-    let root = ToolsRoot { dir, key, packages };
+    let root = ToolsRoot {
+        dir,
+        key,
+        packages,
+        pins: inputs.clone(),
+    };
     if root.dir.join(".kiln-tools-root").exists() {
         root.verify()?;
         return Ok(root);
@@ -298,7 +305,8 @@ impl ToolsRoot {
         Ok(outer_path)
     }
 
-    /// For the manifest: the pin list's key and every recorded tool's package version.
+    /// For the manifest: the pin list's key, every recorded tool's package version, and every
+    /// pinned package (`debs`: package, version, arch, the .deb's sha256; the SBOMs' build tools).
     pub fn describe(&self) -> serde_json::Value {
         let tools: BTreeMap<&str, serde_json::Value> = RECORDED
             .iter()
@@ -316,6 +324,16 @@ impl ToolsRoot {
             "arch": ARCH,
             "packages": self.packages.len(),
             "tools": tools,
+            "debs": self.pins.iter().map(|i| {
+                let (package, arch) = match &i.source {
+                    Source::Deb { package, arch } => (package.as_str(), arch.as_str()),
+                    Source::Supplied { .. } => (i.name.as_str(), ARCH),
+                };
+                serde_json::json!({
+                    "name": package, "version": i.version, "arch": arch,
+                    "sha256": i.sha256.map(|h| h.to_string()),
+                })
+            }).collect::<Vec<_>>(),
         })
     }
 }
@@ -580,6 +598,7 @@ mod tests {
             dir: d.path().to_path_buf(),
             key: Sha256::of_bytes(b"k"),
             packages,
+            pins: Vec::new(),
         };
         (d, r)
     }

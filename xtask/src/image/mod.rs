@@ -206,6 +206,7 @@ pub fn build(args: &Args) -> Result<Built> {
     let layout = steps::layout(&ctx, &models_part)?;
     let blobs = steps::blobs(&ctx)?;
     let boot_files = steps::boot_files(&ctx, &kernel, &initramfs)?;
+    let licences = run.run(steps::licences(&ctx))?;
     let mut manifest = steps::manifest(
         &ctx,
         &steps::ManifestOf {
@@ -218,6 +219,7 @@ pub fn build(args: &Args) -> Result<Built> {
             initramfs: &initramfs,
             boot_files: &boot_files,
             board_toml: &board_toml,
+            licences: &licences,
         },
     )?;
     let fixtures = [

@@ -549,6 +549,8 @@ pub struct ManifestOf<'a> {
     pub initramfs: &'a Product,
     pub boot_files: &'a [(String, Vec<u8>)],
     pub board_toml: &'a str,
+    /// The [`licences`] step's product: input name → declared licence.
+    pub licences: &'a Product,
 }
 
 /// The manifest as it goes on the boot partition (`kiln/manifest.json`); the published one adds
@@ -569,6 +571,23 @@ pub fn manifest(ctx: &Ctx, m: &ManifestOf) -> Result<Value> {
         .collect();
     let (board, commit, k, npu) = (&ctx.board, &ctx.commit, m.kernel, &m.runtime.npu);
     let toolchain = crate::doctor::cross_toolchain()?;
+    let licences: Value = serde_json::from_slice(&std::fs::read(m.licences.path())?)?;
+    let inputs: Vec<Value> = ctx
+        .inputs
+        .values()
+        .map(|(i, _)| {
+            let mut v = json!({
+                "name": i.name, "version": i.version, "source": i.describe_source(), "sha256": i.sha256,
+            });
+            if let Some(l) = licences.get(&i.name) {
+                v["license"] = l["license"].clone();
+                if let Some(r) = l.get("reason") {
+                    v["license_reason"] = r.clone();
+                }
+            }
+            v
+        })
+        .collect();
     Ok(json!({
         "kiln_manifest": 1,
         "board": board.name,
@@ -576,9 +595,7 @@ pub fn manifest(ctx: &Ctx, m: &ManifestOf) -> Result<Value> {
         "uncommitted_changes": commit.dirty,
         "source_date_epoch": ctx.epoch,
         "seed": ctx.seed,
-        "inputs": ctx.inputs.values().map(|(i, _)| json!({
-            "name": i.name, "version": i.version, "source": i.describe_source(), "sha256": i.sha256,
-        })).collect::<Vec<_>>(),
+        "inputs": inputs,
         "models": m.models.iter().map(|x| json!({"name": x.name, "sha256": x.sha256, "gguf": x.gguf})).collect::<Vec<_>>(),
         "fixture": {
             "name": fixture::FILE_NAME, "sha256": Sha256::of_bytes(m.fixture),
@@ -603,6 +620,59 @@ pub fn manifest(ctx: &Ctx, m: &ManifestOf) -> Result<Value> {
         "boot": {"files": boot_listing},
         "expect": toml::from_str::<toml::Value>(m.board_toml)?,
     }))
+}
+
+/// `licences.json`: the declared licence of every Debian input, from the DEP-5 `copyright` file
+/// in its .deb ([`crate::sbom::dep5`]): `{"<input>": {"license": <SPDX expression or
+/// NOASSERTION>, "reason": <why NOASSERTION>}}`. Keyed by the debs' hashes and the reader's
+/// source, so a no-op rebuild opens no .deb; the manifest records the result per input.
+pub fn licences(ctx: &Ctx) -> Step<'_> {
+    use crate::sbom::dep5;
+    let debs: Vec<(&pins::Input, &PathBuf, &str)> = ctx
+        .inputs
+        .values()
+        .filter_map(|(i, p)| match &i.source {
+            pins::Source::Deb { package, .. } => Some((i, p, package.as_str())),
+            pins::Source::Supplied { .. } => None,
+        })
+        .collect();
+    let mut parts = vec![
+        "licences-v1".to_string(),
+        Sha256::of_bytes(dep5::SOURCE.as_bytes()).to_string(),
+    ];
+    for (i, _, package) in &debs {
+        let sha = i.sha256.map(|h| h.to_string()).unwrap_or_default();
+        parts.push(format!("{} {package} {sha}", i.name));
+    }
+    let parts: Vec<&str> = parts.iter().map(String::as_str).collect();
+    Step {
+        name: "licences",
+        key: key_of(&parts),
+        outputs: vec![ctx.work.join("licences.json")],
+        make: Box::new(move |tmp: &[PathBuf]| {
+            let mut out = BTreeMap::new();
+            let (mut declared, mut none) = (0, 0);
+            for (i, path, package) in debs {
+                let v = match dep5::of_deb(path, package)
+                    .with_context(|| format!("the licence of {}", i.name))?
+                {
+                    dep5::Licence::Spdx(e) => {
+                        declared += 1;
+                        json!({"license": e})
+                    }
+                    dep5::Licence::NoAssertion(why) => {
+                        none += 1;
+                        json!({"license": "NOASSERTION", "reason": why})
+                    }
+                };
+                out.insert(i.name.clone(), v);
+            }
+            write_atomic(&tmp[0], &serde_json::to_vec_pretty(&out)?)?;
+            Ok(format!(
+                "{declared} declared from DEP-5 copyright files, {none} NOASSERTION"
+            ))
+        }),
+    }
 }
 
 /// The boot partition (FAT32): `files` and the manifest at `kiln/manifest.json`.

@@ -167,7 +167,7 @@ pub fn licence(text: &str) -> Licence {
         };
         match synopsis(syn) {
             Ok(e) => exprs.push(e),
-            Err(name) => return Licence::NoAssertion(format!("unmapped licence {name}")),
+            Err(name) => return Licence::NoAssertion(format!("unmapped licence name {name}")),
         }
     }
     if exprs.is_empty() {
@@ -192,19 +192,37 @@ pub fn licence(text: &str) -> Licence {
 }
 
 /// The licence of the Debian package `package` from its `.deb` at `deb`
-/// (`usr/share/doc/<package>/copyright`).
+/// (`usr/share/doc/<package>/copyright`). A package without that file (libgcc-s1, whose doc
+/// directory is a symlink to gcc-12-base's) is `NOASSERTION`: the other package's file is not
+/// read in its place.
 pub fn of_deb(deb: &std::path::Path, package: &str) -> anyhow::Result<Licence> {
     use anyhow::Context;
     let member = format!("usr/share/doc/{package}/copyright");
-    let text = crate::archive::with_deb_member(deb, &member, |r| {
+    let text = match crate::archive::with_deb_member(deb, &member, |r| {
         let mut s = String::new();
         r.read_to_string(&mut s)
             .context("reading the copyright file")?;
         Ok(s)
-    })
-    .with_context(|| format!("{member} of {}", deb.display()))?;
+    }) {
+        Ok(t) => t,
+        Err(e) if e.root_cause().to_string() == format!("no {member}") => {
+            return Ok(Licence::NoAssertion(
+                "no copyright file in the package".into(),
+            ))
+        }
+        Err(e) => return Err(e.context(format!("{member} of {}", deb.display()))),
+    };
+    if text.is_empty() {
+        // A symlink entry reads as nothing: the file it points at is another package's.
+        return Ok(Licence::NoAssertion(
+            "the copyright file is empty or a link".into(),
+        ));
+    }
     Ok(licence(&text))
 }
+
+/// This module's source: part of the key of the image step that records the licences.
+pub const SOURCE: &str = include_str!("dep5.rs");
 
 #[cfg(test)]
 mod tests {
@@ -290,7 +308,7 @@ mod tests {
         );
         assert_eq!(
             licence(&t),
-            Licence::NoAssertion("unmapped licence GPL-2+-or-X11".into())
+            Licence::NoAssertion("unmapped licence name GPL-2+-or-X11".into())
         );
     }
 }
