@@ -93,6 +93,7 @@ if mode == "pass":
           "the streamed chat is the same text")
 else:
     failed = expect["failed"]
+    check(len(failed) > 0, f"the console's report names failed checks ({', '.join(failed)})")
     check(health[0] == 503 and health[1]["status"] == "selfcheck_failed"
           and all(f in health[1]["error"] for f in failed) and health[1]["verdict"] == "FAIL",
           f"/health is 503 selfcheck_failed naming {', '.join(failed)}")
