@@ -195,6 +195,27 @@ pub const GIT: Tool = Tool {
     apt: &["git"],
 };
 
+pub const CMAKE: Tool = Tool {
+    name: "cmake",
+    why: "`bench serve` builds llama-server from llama-cpp-python's vendored llama.cpp",
+    probe: || version_of("cmake", &["--version"]),
+    apt: &["cmake"],
+};
+
+pub const MAKE: Tool = Tool {
+    name: "make",
+    why: "cmake's default generator (`bench serve`'s llama-server)",
+    probe: || version_of("make", &["--version"]),
+    apt: &["make"],
+};
+
+pub const GXX: Tool = Tool {
+    name: "g++",
+    why: "compiles llama.cpp (the llama-cpp stage's wheel, `bench serve`'s llama-server)",
+    probe: || version_of("g++", &["--version"]),
+    apt: &["g++"],
+};
+
 /// Where `debian-archive-keyring` puts the key that signs bookworm (on Debian and Ubuntu alike).
 pub const DEBIAN_KEYRING_PATH: &str = "/usr/share/keyrings/debian-archive-keyring.gpg";
 
@@ -236,6 +257,8 @@ pub const FOR_IMAGE: &[&Tool] = &[
 pub const FOR_BOOT: &[&Tool] = &[&QEMU_SYSTEM_AARCH64, &UBOOT_QEMU, &UBOOT_TOOLS];
 pub const FOR_FLASH: &[&Tool] = &[&LSBLK];
 pub const FOR_BENCH_FLASH: &[&Tool] = &[&BMAPTOOL, &LOSETUP, &LSBLK];
+/// Building llama-server (only when it is not in the cache yet).
+pub const FOR_LLAMA_SERVER_BUILD: &[&Tool] = &[&CMAKE, &MAKE, &GXX];
 /// `report` parses GPT and FAT in-process: it needs no host tool.
 pub const FOR_REPORT: &[&Tool] = &[];
 
@@ -276,6 +299,9 @@ pub fn all_tools() -> Vec<&'static Tool> {
         &DEBIAN_KEYRING,
         &GIT,
         &DEBOOTSTRAP,
+        &CMAKE,
+        &MAKE,
+        &GXX,
     ]
 }
 

@@ -53,7 +53,7 @@ enum Cli {
     Image(image::Args),
     /// Pinned inputs: check (resolve into the cache), update (re-pin Debian packages), lock.
     Pins(pins_cmd::Args),
-    /// Measure speed: `cargo xtask bench flash|matmul|gguf|image` (see README).
+    /// Measure speed: `cargo xtask bench flash|matmul|gguf|image|model|serve` (see README).
     Bench(bench::Args),
     /// SPDX 2.3 and CycloneDX 1.6 SBOMs of the built image, from its manifest.json.
     Sbom(sbom::Args),

