@@ -194,8 +194,9 @@ pub fn resolve(
     Ok(out)
 }
 
-/// The crates of `roots` in the workspace at `root_dir`, by running cargo there (offline: the
-/// image build has just compiled them, so everything is in cargo's cache).
+/// The crates of `roots` in the workspace at `root_dir`, by running cargo there. Not `--offline`:
+/// `cargo metadata` reads the manifest of every package in Cargo.lock, also those the image never
+/// compiles (dev-dependencies, other platforms), which a fresh machine has not downloaded yet.
 pub fn of_workspace(root_dir: &Path, roots: &[&str]) -> Result<Vec<Crate>> {
     // Five cargo runs cost about a second: remembered per Cargo.lock, manifests and roots (all
     // that decides cargo's answer), so that a no-op `cargo xtask image` stays quick.
@@ -237,7 +238,7 @@ fn of_workspace_uncached(root_dir: &Path, roots: &[&str]) -> Result<Vec<Crate>> 
     let metadata: Value = serde_json::from_str(
         &xshell::cmd!(
             sh,
-            "cargo metadata --locked --offline --format-version 1 --filter-platform {TARGET}"
+            "cargo metadata --locked --format-version 1 --filter-platform {TARGET}"
         )
         .quiet()
         .read()
@@ -255,7 +256,7 @@ fn of_workspace_uncached(root_dir: &Path, roots: &[&str]) -> Result<Vec<Crate>> 
             parse_tree(
                 &xshell::cmd!(
                     sh,
-                    "cargo tree --locked --offline -p {root} -e {edges} --target {TARGET} --prefix none -f {format}"
+                    "cargo tree --locked -p {root} -e {edges} --target {TARGET} --prefix none -f {format}"
                 )
                 .quiet()
                 .read()
