@@ -265,14 +265,7 @@ fn model(a: &Args) -> Result<()> {
         a.threads
     };
     let sh = crate::paths::shell()?;
-    println!("bench model: building kiln (release)");
-    cmd!(
-        sh,
-        "cargo build --locked --release -p kiln-runtime --bin kiln"
-    )
-    .run()
-    .context("building kiln (release)")?;
-    let kiln = crate::paths::target_dir().join("release/kiln");
+    let kiln = release_kiln("bench model")?;
     let script = crate::paths::project_root().join("runtime/tests/py/llama_cpp_model.py");
     let (p, n, t) = (a.prompt.to_string(), a.n.to_string(), threads.to_string());
     let mut best_k = Speed {
@@ -323,4 +316,17 @@ fn model(a: &Args) -> Result<()> {
         best_k.decode / best_l.decode
     );
     Ok(())
+}
+
+/// `kiln` built for the host with the release profile (what a benchmark measures): its path.
+pub fn release_kiln(bench: &str) -> Result<std::path::PathBuf> {
+    let sh = crate::paths::shell()?;
+    println!("{bench}: building kiln (release)");
+    cmd!(
+        sh,
+        "cargo build --locked --release -p kiln-runtime --bin kiln"
+    )
+    .run()
+    .context("building kiln (release)")?;
+    Ok(crate::paths::target_dir().join("release/kiln"))
 }

@@ -37,15 +37,7 @@ pub fn run(o: &Opts) -> Result<()> {
     );
     let gguf = smollm2()?;
     let llama = llama_server()?;
-    let sh = crate::paths::shell()?;
-    println!("bench serve: building kiln (release)");
-    cmd!(
-        sh,
-        "cargo build --locked --release -p kiln-runtime --bin kiln"
-    )
-    .run()
-    .context("building kiln (release)")?;
-    let kiln = crate::paths::target_dir().join("release/kiln");
+    let kiln = super::release_kiln("bench serve")?;
     let logs = crate::paths::target_dir().join("kiln/bench-serve");
     std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
 
