@@ -298,6 +298,27 @@ try:
     st, body = get(PORT + 2, "/v1/completions", json.dumps({"model": "broken", "prompt": "hi", "max_tokens": 2}))
     check(st == 503 and "error" in json.loads(body), "a truncated GGUF: a completion is refused 503")
 
+    # No report where one was named (the self-check wrote none), and no model: refused like a
+    # FAIL, the refusal says why, nothing claims to serve.
+    servers.append(start(PORT + 5, ["--report", os.path.join(work, "no-such-report.json")]))
+    h = health(PORT + 5, 503)
+    check(h["status"] == "selfcheck_failed" and "no self-check report" in h["error"],
+          f"a missing --report: /health 503 selfcheck_failed saying so ({h['error'][:80]!r})")
+    st, body = get(PORT + 5, "/v1/completions", json.dumps({"model": "none", "prompt": "hi", "max_tokens": 2}))
+    check(st == 503 and json.loads(body)["error"]["code"] == "selfcheck_failed", "a missing --report: a completion is refused 503")
+    st, _ = get(PORT + 5, "/kiln/report")
+    check(st == 404, "a missing --report: /kiln/report is 404, not an empty 200")
+    # A PASS report but no MODEL (a board with nothing on /models): the report is served, no
+    # inference is claimed.
+    servers.append(start(PORT + 6, ["--report", report]))
+    h = health(PORT + 6, 503)
+    check(h["status"] == "error" and "without MODEL" in h["error"] and h["verdict"] == "PASS",
+          f"no MODEL: /health 503 saying so, with the PASS verdict ({h['error'][:80]!r})")
+    st, body = get(PORT + 6, "/v1/completions", json.dumps({"model": "none", "prompt": "hi", "max_tokens": 2}))
+    check(st == 503, "no MODEL: a completion is refused 503")
+    st, body = get(PORT + 6, "/kiln/report")
+    check(st == 200 and body == open(report, "rb").read(), "no MODEL: the report is still served byte-equal")
+
     # One slot, a queue of one, short client timeout: 429 past the queue; stalled clients are cut.
     P3 = PORT + 3
     servers.append(start(P3, [model, "--parallel", "1", "--queue", "1", "--client-timeout", "2"]))
