@@ -1,6 +1,7 @@
 //! kiln's on-board runtime. See `ARCHITECTURE.md` at the repository root for the map.
 
 pub mod backend;
+pub mod civil;
 pub mod gguf;
 pub mod ledger;
 pub mod membw;
