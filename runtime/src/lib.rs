@@ -10,6 +10,7 @@ pub mod pool;
 pub mod quant;
 pub mod sched;
 pub mod selftest;
+pub mod slot;
 pub mod tokenizer;
 
 #[cfg(test)]

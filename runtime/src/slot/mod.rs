@@ -1,0 +1,180 @@
+//! The A/B boot slots and their counters, RAUC's U-Boot contract: `BOOT_ORDER` (a space list of
+//! slot names, first = tried first) and `BOOT_A_LEFT` / `BOOT_B_LEFT` (tries left, hex) in
+//! `kiln/abstate.env` on the `bootctl` partition ([`env`]: U-Boot's binary environment).
+//! `boot.scr` picks the first slot in `BOOT_ORDER` with tries left and decrements it before it
+//! boots; the self-check's verdict then marks the booted slot good or bad, as `rauc status
+//! mark-good|mark-bad` would:
+//! - good: `BOOT_x_LEFT` = 3 (RAUC's `boot-attempts`); the order is not changed;
+//! - bad: `x` leaves `BOOT_ORDER`, `BOOT_x_LEFT` = 0;
+//! - active: `x` first in `BOOT_ORDER` (the others keep their order), `BOOT_x_LEFT` = 3
+//!   (`boot-attempts-primary`).
+//!
+//! The booted slot is the kernel's `rauc.slot=A|B`, which `boot.scr` passes.
+
+pub mod env;
+
+use anyhow::{bail, Context, Result};
+use env::Env;
+
+/// RAUC's `boot-attempts` and `boot-attempts-primary` defaults, which kiln's system.conf keeps.
+pub const ATTEMPTS: u32 = 3;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Slot {
+    A,
+    B,
+}
+
+impl Slot {
+    pub const ALL: [Slot; 2] = [Slot::A, Slot::B];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Slot::A => "A",
+            Slot::B => "B",
+        }
+    }
+
+    pub fn parse(s: &str) -> Result<Slot> {
+        match s {
+            "A" => Ok(Slot::A),
+            "B" => Ok(Slot::B),
+            _ => bail!("slot {s:?}: A or B expected"),
+        }
+    }
+
+    pub fn other(self) -> Slot {
+        match self {
+            Slot::A => Slot::B,
+            Slot::B => Slot::A,
+        }
+    }
+
+    fn left_var(self) -> String {
+        format!("BOOT_{}_LEFT", self.name())
+    }
+
+    /// The slot the running kernel was booted from: `rauc.slot=` on its command line.
+    pub fn from_cmdline(cmdline: &str) -> Option<Slot> {
+        cmdline
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("rauc.slot="))
+            .and_then(|s| Slot::parse(s).ok())
+    }
+}
+
+/// The counters of both slots, with whatever else the environment holds (kept as it is).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct State {
+    env: Env,
+}
+
+impl State {
+    /// A new image: both slots hold the same system, `A B`, three tries each.
+    pub fn initial() -> State {
+        let mut env = Env::default();
+        env.set("BOOT_ORDER", "A B");
+        for s in Slot::ALL {
+            env.set(&s.left_var(), format!("{ATTEMPTS:x}"));
+        }
+        State { env }
+    }
+
+    pub fn decode(bytes: &[u8], what: &str) -> Result<State> {
+        let env = Env::decode(bytes, what)?;
+        let st = State { env };
+        st.order().with_context(|| format!("{what}: BOOT_ORDER"))?;
+        for s in Slot::ALL {
+            st.left(s)
+                .with_context(|| format!("{what}: {}", s.left_var()))?;
+        }
+        Ok(st)
+    }
+
+    pub fn encode(&self) -> Result<Vec<u8>> {
+        self.env.encode()
+    }
+
+    /// `BOOT_ORDER` as slots (an absent variable is an empty order).
+    pub fn order(&self) -> Result<Vec<Slot>> {
+        self.env
+            .get("BOOT_ORDER")
+            .unwrap_or("")
+            .split_whitespace()
+            .map(Slot::parse)
+            .collect()
+    }
+
+    /// `BOOT_x_LEFT`, read as U-Boot's `test 0x${BOOT_x_LEFT}` reads it (hex); absent is 0.
+    pub fn left(&self, s: Slot) -> Result<u32> {
+        match self.env.get(&s.left_var()) {
+            None => Ok(0),
+            Some(v) => u32::from_str_radix(v.trim_start_matches("0x"), 16)
+                .with_context(|| format!("{}={v:?} is not a hex count", s.left_var())),
+        }
+    }
+
+    /// Good in RAUC's sense: in `BOOT_ORDER` with tries left.
+    pub fn is_good(&self, s: Slot) -> Result<bool> {
+        Ok(self.order()?.contains(&s) && self.left(s)? > 0)
+    }
+
+    fn set_order(&mut self, order: &[Slot]) {
+        let names: Vec<&str> = order.iter().map(|s| s.name()).collect();
+        self.env.set("BOOT_ORDER", names.join(" "));
+    }
+
+    fn set_left(&mut self, s: Slot, n: u32) {
+        self.env.set(&s.left_var(), format!("{n:x}"));
+    }
+
+    pub fn mark_good(&mut self, s: Slot) -> Result<()> {
+        self.order()?;
+        self.set_left(s, ATTEMPTS);
+        Ok(())
+    }
+
+    pub fn mark_bad(&mut self, s: Slot) -> Result<()> {
+        let order: Vec<Slot> = self.order()?.into_iter().filter(|&x| x != s).collect();
+        self.set_order(&order);
+        self.set_left(s, 0);
+        Ok(())
+    }
+
+    pub fn mark_active(&mut self, s: Slot) -> Result<()> {
+        let mut order = vec![s];
+        order.extend(self.order()?.into_iter().filter(|&x| x != s));
+        self.set_order(&order);
+        self.set_left(s, ATTEMPTS);
+        Ok(())
+    }
+
+    pub fn env(&self) -> &Env {
+        &self.env
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rauc_semantics() {
+        let mut st = State::initial();
+        assert_eq!(st.order().unwrap(), vec![Slot::A, Slot::B]);
+        st.mark_bad(Slot::B).unwrap();
+        assert_eq!(st.order().unwrap(), vec![Slot::A]);
+        assert_eq!(st.left(Slot::B).unwrap(), 0);
+        assert!(!st.is_good(Slot::B).unwrap());
+        st.mark_active(Slot::B).unwrap();
+        assert_eq!(st.order().unwrap(), vec![Slot::B, Slot::A]);
+        assert_eq!(st.left(Slot::B).unwrap(), 3);
+        let bytes = st.encode().unwrap();
+        assert_eq!(State::decode(&bytes, "t").unwrap(), st);
+        assert_eq!(
+            Slot::from_cmdline("console=ttyAMA0 rauc.slot=B panic=-1"),
+            Some(Slot::B)
+        );
+        assert_eq!(Slot::from_cmdline("rauc.slot=C"), None);
+    }
+}
