@@ -243,6 +243,37 @@ pub fn copy_image(src: &Path, dst: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Edit the A/B counters on `image`'s `bootctl` (read in-process, written back with mtools'
+/// `mcopy -o` at the partition's offset), `work` holding the temporary file.
+pub fn edit_ab_state(
+    image: &Path,
+    work: &Path,
+    edit: impl FnOnce(&mut kiln_runtime::slot::State) -> Result<()>,
+) -> Result<kiln_runtime::slot::State> {
+    let parts = crate::disk::gpt::read(image)?;
+    let ctl = parts
+        .iter()
+        .find(|p| p.name == "bootctl")
+        .with_context(|| format!("{} has no bootctl partition", image.display()))?;
+    let bytes = fat::read_file(
+        image,
+        ctl.start_bytes(),
+        ctl.size_bytes(),
+        crate::report::ABSTATE_PATH,
+    )?;
+    let mut st = kiln_runtime::slot::State::decode(&bytes, "bootctl's kiln/abstate.env")?;
+    edit(&mut st)?;
+    let tmp = work.join("abstate.env");
+    std::fs::write(&tmp, st.encode()?).with_context(|| format!("writing {}", tmp.display()))?;
+    let sh = crate::paths::shell()?;
+    let target = format!("{}@@{}", image.display(), ctl.start_bytes());
+    cmd!(sh, "mcopy -o -i {target} {tmp} ::kiln/abstate.env")
+        .quiet()
+        .run()
+        .with_context(|| format!("writing kiln/abstate.env into {}", image.display()))?;
+    Ok(st)
+}
+
 fn kiln_args(inject: Option<&str>, run: Option<usize>, serve: bool) -> Result<String> {
     let mut a = if serve {
         "kiln.mode=test-serve"
@@ -379,6 +410,12 @@ pub fn boot_with(args: &Args, probe: Option<&Probe>) -> Result<Boot> {
     )?;
     let copy = dir.join("disk.img");
     copy_image(&image, &copy)?;
+    if probe.is_some_and(|p| p.mode == "fail") {
+        // A FAIL reboots into the other slot while that one is good: to see what a board with
+        // no good slot left serves, slot B is marked bad first (as a failed update leaves it).
+        edit_ab_state(&copy, &dir, |st| st.mark_bad(kiln_runtime::slot::Slot::B))?;
+        println!("boot-test: slot B marked bad on the copy: the FAIL stays on slot A and serves");
+    }
     let serial_log = dir.join("serial.log");
 
     let port = match probe {

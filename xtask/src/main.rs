@@ -1,6 +1,7 @@
 //! `cargo xtask`: kiln's host tool, in the cargo-xtask convention (one module per subcommand,
 //! external programs through `xshell::cmd!`, `anyhow` context at every step).
 
+mod ab_test;
 mod apt;
 mod archive;
 mod atomic;
@@ -44,6 +45,9 @@ enum Cli {
     Report(report::Args),
     /// Boot a copy of the image under qemu-system-aarch64 through U-Boot and check its verdict.
     BootTest(boot_test::Args),
+    /// The A/B slots under QEMU + U-Boot: updates, a failed update, a kernel that never reaches
+    /// init, no good slot, and seeded power cuts (`--seeds N`).
+    AbTest(ab_test::Args),
     /// Boot the image under qemu-system-aarch64 on this terminal: the self-check, then the
     /// board's console shell (Ctrl-A X quits).
     Qemu(qemu::Args),
@@ -90,6 +94,13 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
                 prepare("boot-test", doctor::FOR_IMAGE, true)?;
             }
             boot_test::run(a)
+        }
+        Cli::AbTest(a) => {
+            prepare("ab-test", doctor::FOR_BOOT, false)?;
+            if a.image.is_none() {
+                prepare("ab-test", doctor::FOR_IMAGE, true)?;
+            }
+            ab_test::run(a)
         }
         Cli::Qemu(a) => {
             prepare("qemu", doctor::FOR_BOOT, false)?;

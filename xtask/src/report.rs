@@ -1,6 +1,11 @@
 //! `cargo xtask report IMAGE_OR_DEVICE [--json]`: the self-check report a board wrote to its boot
-//! partition, read back on a laptop. GPT and FAT are parsed in-process and the image or device
-//! is only ever opened read-only, so a card can be inspected without mounting it.
+//! slot, read back on a laptop, with the A/B state (`BOOT_ORDER`, the counters) of `bootctl`.
+//! GPT and FAT are parsed in-process and the image or device is only ever opened read-only, so
+//! a card can be inspected without mounting it.
+//!
+//! Each slot (`boot_a`, `boot_b`) keeps the report of its own last boot. The one shown is the
+//! report of the slot the board runs now: the first slot of `BOOT_ORDER` that has a report, else
+//! any slot with one (A first). The other slot's verdict is listed under it.
 
 use crate::disk::{fat, gpt};
 use anyhow::{bail, Context, Result};
@@ -20,16 +25,127 @@ pub struct Args {
 /// Where the report lives on the boot partition.
 pub const REPORT_PATH: &str = "kiln/report.json";
 
-/// The boot partition: the one named `boot`, else partition 1.
-pub fn boot_partition(image: &Path) -> Result<gpt::PartitionEntryInfo> {
+/// Where the A/B counters live on `bootctl`.
+pub const ABSTATE_PATH: &str = "kiln/abstate.env";
+
+/// The boot slots of the image: `(A, boot_a)`, `(B, boot_b)`; an image from before the A/B
+/// layout has one partition `boot` (given as slot `-`).
+pub fn slots(image: &Path) -> Result<Vec<(&'static str, gpt::PartitionEntryInfo)>> {
     let parts =
         gpt::read(image).with_context(|| format!("reading the GPT of {}", image.display()))?;
-    parts
+    let mut out = Vec::new();
+    for (slot, name) in [("A", "boot_a"), ("B", "boot_b")] {
+        if let Some(p) = parts.iter().find(|p| p.name == name) {
+            out.push((slot, p.clone()));
+        }
+    }
+    if out.is_empty() {
+        if let Some(p) = parts.iter().find(|p| p.name == "boot") {
+            out.push(("-", p.clone()));
+        }
+    }
+    if out.is_empty() {
+        bail!(
+            "{} has no boot slot (no boot_a, boot_b or boot partition)",
+            image.display()
+        );
+    }
+    Ok(out)
+}
+
+/// The A/B counters on `bootctl`: None when the image has no `bootctl`, an error when the file
+/// is missing or damaged (U-Boot then boots with RAUC's defaults).
+pub fn ab_state(image: &Path) -> Option<Result<kiln_runtime::slot::State>> {
+    let parts = gpt::read(image).ok()?;
+    let ctl = parts.iter().find(|p| p.name == "bootctl")?;
+    Some(
+        fat::read_file(image, ctl.start_bytes(), ctl.size_bytes(), ABSTATE_PATH)
+            .and_then(|b| kiln_runtime::slot::State::decode(&b, "bootctl's kiln/abstate.env")),
+    )
+}
+
+/// The boot slot whose report is shown: the first of `BOOT_ORDER` that has a report, else the
+/// first slot with a report, else the first slot.
+pub fn boot_partition(image: &Path) -> Result<gpt::PartitionEntryInfo> {
+    Ok(current_slot(image)?.1)
+}
+
+/// [`boot_partition`] with its slot name.
+pub fn current_slot(image: &Path) -> Result<(&'static str, gpt::PartitionEntryInfo)> {
+    let slots = slots(image)?;
+    let has_report = |p: &gpt::PartitionEntryInfo| {
+        fat::read_file(image, p.start_bytes(), p.size_bytes(), REPORT_PATH).is_ok()
+    };
+    let order: Vec<&'static str> = match ab_state(image) {
+        Some(Ok(st)) => st
+            .order()
+            .unwrap_or_default()
+            .iter()
+            .map(|s| s.name())
+            .collect(),
+        _ => Vec::new(),
+    };
+    let first_in_order = order
         .iter()
-        .find(|p| p.name == "boot")
-        .or_else(|| parts.iter().find(|p| p.number == 1))
-        .cloned()
-        .with_context(|| format!("{} has no boot partition", image.display()))
+        .find_map(|o| slots.iter().find(|(s, p)| s == o && has_report(p)));
+    let pick = first_in_order
+        .or_else(|| slots.iter().find(|(_, p)| has_report(p)))
+        .unwrap_or(&slots[0]);
+    Ok(pick.clone())
+}
+
+/// The lines that tell the A/B state: `BOOT_ORDER`, each slot's tries left and good or bad, and
+/// the verdict of each slot's last report.
+pub fn ab_lines(image: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    match ab_state(image) {
+        None => return out,
+        Some(Err(e)) => out.push(format!(
+            "bootctl: {e:#} (U-Boot boots with RAUC's defaults: A B, 3 tries each)"
+        )),
+        Some(Ok(st)) => {
+            let order = st.env().get("BOOT_ORDER").unwrap_or("").to_string();
+            let mut l = format!("bootctl: BOOT_ORDER '{order}'");
+            let mut any_good = false;
+            for s in kiln_runtime::slot::Slot::ALL {
+                let left = st.left(s).unwrap_or(0);
+                let good = st.is_good(s).unwrap_or(false);
+                any_good |= good;
+                l.push_str(&format!(
+                    ", {} {left} left ({})",
+                    s.name(),
+                    if good { "good" } else { "bad" }
+                ));
+            }
+            if let Some(g) = st.env().get("KILN_LAST_GOOD") {
+                l.push_str(&format!(", last marked good {g}"));
+            }
+            out.push(l);
+            if !any_good {
+                out.push("bootctl: NO GOOD SLOT: U-Boot boots the slot last marked good (or A) without counting".into());
+            }
+        }
+    }
+    let current = current_slot(image).ok().map(|(s, _)| s);
+    for (slot, p) in slots(image).unwrap_or_default() {
+        let what = match fat::read_file(image, p.start_bytes(), p.size_bytes(), REPORT_PATH)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<Report>(&b).ok())
+        {
+            Some(r) => format!("last report {:?}", r.verdict),
+            None => "no report (not booted since written)".into(),
+        };
+        out.push(format!(
+            "slot {slot} ({}): {what}{}",
+            p.name,
+            if Some(slot) == current {
+                " <- shown above"
+            } else {
+                ""
+            }
+        ));
+    }
+    out
 }
 
 /// The raw bytes of `kiln/report.json` and the report parsed from them.
@@ -38,7 +154,7 @@ pub fn read_report(image: &Path) -> Result<(Vec<u8>, Report)> {
     let bytes = fat::read_file(image, boot.start_bytes(), boot.size_bytes(), REPORT_PATH)
         .with_context(|| {
             format!(
-                "no self-check report on the boot partition of {} (has this image booted?)",
+                "no self-check report on a boot slot of {} (has this image booted?)",
                 image.display()
             )
         })?;
@@ -139,7 +255,10 @@ pub fn run(args: Args) -> Result<()> {
     }
     if !args.json {
         let images = crate::paths::target_dir().join("images");
-        for l in manifest_lines(&args.image, &report, &images) {
+        for l in manifest_lines(&args.image, &report, &images)
+            .into_iter()
+            .chain(ab_lines(&args.image))
+        {
             text.push_str(&l);
             text.push('\n');
         }

@@ -326,9 +326,10 @@ pub const APPLETS: &[(&str, &[&str])] = &[
     ),
 ];
 
-/// Folders the system mounts things on: `/boot` (p1), `/models` (p2), `/data` (p3).
+/// Folders the system mounts things on: `/bootctl` (p1), `/boot` (the booted slot, p2 or p3),
+/// `/models` (p4), `/data` (p5).
 pub const MOUNTPOINTS: &[&str] = &[
-    "dev", "proc", "sys", "tmp", "run", "root", "mnt", "boot", "models", "data",
+    "dev", "proc", "sys", "tmp", "run", "root", "mnt", "boot", "bootctl", "models", "data",
 ];
 
 /// Add a folder tree from the host (the overlay) as it is: files keep their executable bit

@@ -38,6 +38,14 @@ const STAGES: &[(&str, StageFn)] = &[
     ("sbom", sbom),
     ("boot-qemu-npu-fault", boot_qemu_npu_fault),
     ("boot-qemu-faults", boot_qemu_faults),
+    ("boot-qemu-ab", |_| {
+        crate::ab_test::run(crate::ab_test::Args {
+            seeds: 12,
+            first_seed: 1,
+            cuts_only: false,
+            image: None,
+        })
+    }),
     ("flash", flash),
     ("image-checks", |_| crate::image::checks::stage()),
     ("pins-archive", pins_archive),
@@ -1135,7 +1143,7 @@ fn boot_qemu_faults(_: &Args) -> Result<()> {
             .cloned()
             .with_context(|| format!("{} has no partition {name}", image.display()))
     };
-    let (boot, models) = (part("boot")?, part("models")?);
+    let (boot, models) = (part("boot_a")?, part("models")?);
     let manifest_bytes = fat::read_file(
         &image,
         boot.start_bytes(),

@@ -23,6 +23,7 @@ pub const LAYERS: &[(&str, &[&str])] = &[
         &[
             "image",
             "boot_test",
+            "ab_test",
             "qemu",
             "flash",
             "report",

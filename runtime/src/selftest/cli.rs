@@ -22,6 +22,14 @@ pub struct Args {
     /// ends both.
     #[arg(long, value_enum, default_value_t = Console::Json)]
     pub console: Console,
+    /// The A/B counters (`/bootctl/kiln/abstate.env`): the verdict marks the booted slot
+    /// (`rauc.slot=` of ROOT/proc/cmdline) good or bad there, and the report records it.
+    #[arg(long)]
+    pub slot_env: Option<PathBuf>,
+    /// With --slot-env: a file that gets `reboot A|B` when the verdict is FAIL and the other slot
+    /// is still good (init reboots), else `stay`.
+    #[arg(long, requires = "slot_env")]
+    pub slot_action: Option<PathBuf>,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -43,7 +51,22 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
         board,
         inject: Inject::from_env()?,
     };
-    let report = run_all(&ctx);
+    let mut report = run_all(&ctx);
+    if let Some(env) = &a.slot_env {
+        let cmdline = std::fs::read_to_string(a.root.join("proc/cmdline")).unwrap_or_default();
+        let pass = report.verdict == crate::selftest::report::Verdict::Pass;
+        let d = crate::slot::judge(env, &cmdline, pass);
+        if let Some(f) = &a.slot_action {
+            let what = match &d.reboot_into {
+                Some(s) => format!("reboot {s}\n"),
+                None => "stay\n".into(),
+            };
+            if let Err(e) = std::fs::write(f, what) {
+                eprintln!("kiln selftest: cannot write {}: {e}", f.display());
+            }
+        }
+        report.slot = Some(d);
+    }
     let written = a.report_dir.as_deref().map(|dir| report.write_to(dir));
     match a.console {
         Console::Json => print!("{}", report.console()),

@@ -11,7 +11,8 @@
 //! - every model and the self-check fixtures (`fixture`, `fixtures[]`) on `/models`, and no
 //!   unlisted model there;
 //! - `/proc/cmdline`: the `append` line of the (hashed) `extlinux.conf`, word for word, with
-//!   only `kiln.*` words where `${kiln_args}` stands.
+//!   only `kiln.*` words where `${kiln_args}` stands and `rauc.slot=A` or `B` for
+//!   `rauc.slot=${kiln_slot}` (the slot `boot.scr` booted).
 //!
 //! A mismatch names the file and both hashes.
 
@@ -77,7 +78,7 @@ impl Compare {
 }
 
 /// The words of `/proc/cmdline` must be the `append` line's, in order, with `${kiln_args}`
-/// standing for any number of `kiln.*` words.
+/// standing for any number of `kiln.*` words and `rauc.slot=${kiln_slot}` for `rauc.slot=A|B`.
 fn check_cmdline(extlinux: &str, cmdline: &str) -> Result<String, String> {
     let append = extlinux
         .lines()
@@ -92,6 +93,12 @@ fn check_cmdline(extlinux: &str, cmdline: &str) -> Result<String, String> {
             while g < got.len() && got[g].starts_with("kiln.") {
                 g += 1;
             }
+            continue;
+        }
+        if *w == "rauc.slot=${kiln_slot}"
+            && matches!(got.get(g), Some(&"rauc.slot=A") | Some(&"rauc.slot=B"))
+        {
+            g += 1;
             continue;
         }
         if got.get(g) != Some(w) {
@@ -282,6 +289,25 @@ mod tests {
     }
 
     const EXTLINUX: &str = "default kiln\nlabel kiln\n    kernel /Image\n    append console=ttyAMA0 panic=-1 ${kiln_args}\n";
+
+    #[test]
+    fn the_slot_word_is_a_or_b_where_the_append_line_has_kiln_slot() {
+        let e =
+            "label kiln\n    append console=ttyAMA0 panic=-1 rauc.slot=${kiln_slot} ${kiln_args}\n";
+        for ok in [
+            "console=ttyAMA0 panic=-1 rauc.slot=A kiln.mode=test",
+            "console=ttyAMA0 panic=-1 rauc.slot=B",
+        ] {
+            assert!(check_cmdline(e, ok).is_ok(), "{ok}");
+        }
+        for bad in [
+            "console=ttyAMA0 panic=-1 rauc.slot=C",
+            "console=ttyAMA0 panic=-1 kiln.mode=test",
+            "console=ttyAMA0 panic=-1 rauc.slot=A rauc.slot=B",
+        ] {
+            assert!(check_cmdline(e, bad).is_err(), "{bad}");
+        }
+    }
 
     /// A fake booted system and the manifest that describes it.
     fn system(root: &FakeRoot) -> Value {

@@ -48,6 +48,9 @@ pub struct Report {
     pub failed: usize,
     pub skipped: usize,
     pub checks: Vec<CheckResult>,
+    /// What the verdict did to the A/B slots (`kiln selftest --slot-env`): absent on the host.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slot: Option<crate::slot::Decision>,
 }
 
 /// sha256 of a file as lowercase hex, or `None` if it cannot be read.
@@ -83,6 +86,7 @@ impl Report {
             failed,
             skipped: count(Status::Skip),
             checks,
+            slot: None,
         }
     }
 
@@ -163,6 +167,23 @@ impl Report {
             "manifest: {} (sha256 of kiln/manifest.json)",
             self.manifest.as_deref().unwrap_or("none")
         );
+        if let Some(d) = &self.slot {
+            let _ = writeln!(
+                s,
+                "slot: booted {}, {}{}{}{}",
+                d.booted.as_deref().unwrap_or("?"),
+                d.action,
+                d.after
+                    .as_deref()
+                    .map(|a| format!(" ({a})"))
+                    .unwrap_or_default(),
+                d.reboot_into
+                    .as_deref()
+                    .map(|r| format!("; rebooting into {r}"))
+                    .unwrap_or_default(),
+                if d.no_good_slot { "; NO GOOD SLOT" } else { "" }
+            );
+        }
         let _ = writeln!(
             s,
             "{} passed, {} failed, {} skipped\n",

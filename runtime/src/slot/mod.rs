@@ -178,3 +178,145 @@ mod tests {
         assert_eq!(Slot::from_cmdline("rauc.slot=C"), None);
     }
 }
+
+/// Read `path` as the A/B state (see [`State::decode`]).
+pub fn load(path: &std::path::Path) -> Result<State> {
+    let b = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    State::decode(&b, &path.display().to_string())
+}
+
+/// Write `st` to `path` as atomically as FAT allows: `<path>.new` written and synced, renamed over
+/// `path`, the folder synced. A power cut before the rename leaves the old file (and a stray
+/// `.new` that the next write replaces); after it, the new one. U-Boot's own `save` rewrites the
+/// file in place, which a cut can leave with a bad CRC: U-Boot then boots with RAUC's defaults.
+pub fn save(st: &State, path: &std::path::Path) -> Result<()> {
+    use std::io::Write as _;
+    let bytes = st.encode()?;
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".new");
+    let tmp = std::path::PathBuf::from(tmp);
+    let mut f =
+        std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+    f.write_all(&bytes)
+        .and_then(|_| f.sync_all())
+        .with_context(|| format!("writing {}", tmp.display()))?;
+    drop(f);
+    std::fs::rename(&tmp, path)
+        .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
+    if let Some(dir) = path.parent() {
+        if let Ok(d) = std::fs::File::open(dir) {
+            let _ = d.sync_all();
+        }
+    }
+    Ok(())
+}
+
+/// The variable `boot.scr` boots when no slot has tries left: the slot the self-check last
+/// marked good (RAUC does not write it; RAUC's tools keep it as it is).
+pub const LAST_GOOD: &str = "KILN_LAST_GOOD";
+
+/// What the self-check's verdict did to the slots: the JSON of the report's `slot` field.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize, PartialEq)]
+pub struct Decision {
+    /// The slot this system was booted from (`rauc.slot=`), if any.
+    pub booted: Option<String>,
+    /// `BOOT_ORDER` and the counters as U-Boot left them for this boot.
+    pub at_boot: Option<String>,
+    /// … and as the verdict left them.
+    pub after: Option<String>,
+    /// `marked good`, `marked bad`, or why nothing was marked.
+    pub action: String,
+    /// The slot to reboot into now (a FAIL with the other slot still good).
+    pub reboot_into: Option<String>,
+    /// Neither slot is good after the verdict.
+    pub no_good_slot: bool,
+}
+
+fn describe(st: &State) -> String {
+    let left = |s: Slot| {
+        st.left(s)
+            .map(|n| n.to_string())
+            .unwrap_or_else(|_| "?".into())
+    };
+    format!(
+        "BOOT_ORDER '{}', A {} left, B {} left",
+        st.env.get("BOOT_ORDER").unwrap_or(""),
+        left(Slot::A),
+        left(Slot::B)
+    )
+}
+
+/// The self-check's verdict judges the booted slot (from `cmdline`): PASS marks it good (RAUC's
+/// mark-good, and [`LAST_GOOD`]), FAIL marks it bad (RAUC's mark-bad) and names the other slot
+/// to reboot into when that one is still good. The state is written with [`save`].
+pub fn judge(env_path: &std::path::Path, cmdline: &str, pass: bool) -> Decision {
+    let mut d = Decision {
+        booted: None,
+        at_boot: None,
+        after: None,
+        action: String::new(),
+        reboot_into: None,
+        no_good_slot: false,
+    };
+    let Some(booted) = Slot::from_cmdline(cmdline) else {
+        d.action = "nothing marked: no rauc.slot= on the kernel command line (not booted through boot.scr)".into();
+        return d;
+    };
+    d.booted = Some(booted.name().into());
+    let mut st = match load(env_path) {
+        Ok(st) => st,
+        Err(e) => {
+            d.action = format!("nothing marked: {e:#}");
+            return d;
+        }
+    };
+    d.at_boot = Some(describe(&st));
+    let marked = if pass {
+        st.mark_good(booted)
+            .map(|_| st.env.set(LAST_GOOD, booted.name()))
+    } else {
+        st.mark_bad(booted)
+    };
+    if let Err(e) = marked.and_then(|_| save(&st, env_path)) {
+        d.action = format!("nothing marked: {e:#}");
+        return d;
+    }
+    d.action = if pass { "marked good" } else { "marked bad" }.into();
+    d.after = Some(describe(&st));
+    let other = booted.other();
+    let other_good = st.is_good(other).unwrap_or(false);
+    d.no_good_slot = !st.is_good(booted).unwrap_or(false) && !other_good;
+    if !pass && other_good {
+        d.reboot_into = Some(other.name().into());
+    }
+    d
+}
+
+#[cfg(test)]
+mod judge_tests {
+    use super::*;
+
+    #[test]
+    fn the_verdict_marks_the_booted_slot_and_names_the_reboot() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("abstate.env");
+        save(&State::initial(), &p).unwrap();
+        let d = judge(&p, "console=x rauc.slot=A", true);
+        assert_eq!(d.action, "marked good");
+        assert_eq!(load(&p).unwrap().env.get(LAST_GOOD), Some("A"));
+        let d = judge(&p, "rauc.slot=B", false);
+        assert_eq!(
+            (d.action.as_str(), d.reboot_into.as_deref()),
+            ("marked bad", Some("A"))
+        );
+        assert_eq!(load(&p).unwrap().order().unwrap(), vec![Slot::A]);
+        let d = judge(&p, "rauc.slot=A", false);
+        assert!(d.no_good_slot && d.reboot_into.is_none(), "{d:?}");
+        let d = judge(&p, "no slot", true);
+        assert!(d.action.contains("rauc.slot"));
+        std::fs::write(&p, b"garbage").unwrap();
+        let d = judge(&p, "rauc.slot=A", true);
+        assert!(d.action.starts_with("nothing marked"), "{d:?}");
+        assert!(!dir.path().join("abstate.env.new").exists());
+    }
+}

@@ -41,13 +41,22 @@ struct RawBoardTable {
 #[derive(Clone, Debug, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Partitions {
+    /// p1 `bootctl` (FAT): `boot.scr` and `kiln/abstate.env` only.
+    #[serde(default = "default_bootctl_mib")]
+    pub bootctl_mib: u64,
+    /// Each of p2 `boot_a` and p3 `boot_b` (FAT): a whole system.
     pub boot_mib: u64,
     pub data_mib: u64,
+}
+
+fn default_bootctl_mib() -> u64 {
+    8
 }
 
 impl Default for Partitions {
     fn default() -> Self {
         Partitions {
+            bootctl_mib: default_bootctl_mib(),
             boot_mib: 64,
             data_mib: 32,
         }

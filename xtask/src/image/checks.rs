@@ -75,8 +75,8 @@ pub fn stage() -> Result<()> {
         .as_array()
         .context("manifest: no partitions")?;
     ensure!(
-        parts.len() == 3 && want.len() == 3,
-        "expected 3 partitions, sfdisk lists {}",
+        parts.len() == 5 && want.len() == 5,
+        "expected 5 partitions (bootctl, boot_a, boot_b, models, data), sfdisk lists {}",
         parts.len()
     );
     let mut files = Vec::new();
@@ -119,7 +119,7 @@ pub fn stage() -> Result<()> {
         let attrs = p["attrs"].as_str().unwrap_or("");
         ensure!(
             (i == 0) == attrs.contains("LegacyBIOSBootable"),
-            "p{}: attrs {attrs:?} (only boot is legacy-BIOS-bootable)",
+            "p{}: attrs {attrs:?} (only bootctl is legacy-BIOS-bootable)",
             i + 1
         );
         let out = tmp.path().join(format!("p{}", i + 1));
@@ -128,23 +128,63 @@ pub fn stage() -> Result<()> {
     }
     ensure!(
         parts[0]["start"] == 32768,
-        "boot partition does not start at 16 MiB"
+        "bootctl does not start at 16 MiB"
     );
     println!(
         "image-checks: sfdisk --json agrees with the manifest (GUIDs, offsets, names, attributes)"
     );
 
-    let (p1, p2, p3) = (&files[0], &files[1], &files[2]);
-    cmd!(sh, "fsck.vfat -n {p1}")
-        .run()
-        .context("fsck.vfat -n on the boot partition")?;
-    cmd!(sh, "fsck.erofs {p2}")
+    ensure!(
+        files.len() == 5,
+        "{} partitions, 5 expected (bootctl, boot_a, boot_b, models, data)",
+        files.len()
+    );
+    let (ctl, p1, slot_b, models, data) = (&files[0], &files[1], &files[2], &files[3], &files[4]);
+    for (p, what) in [(ctl, "bootctl"), (p1, "boot_a"), (slot_b, "boot_b")] {
+        cmd!(sh, "fsck.vfat -n {p}")
+            .run()
+            .with_context(|| format!("fsck.vfat -n on {what}"))?;
+    }
+    cmd!(sh, "fsck.erofs {models}")
         .run()
         .context("fsck.erofs on the models partition")?;
-    cmd!(sh, "e2fsck -fn {p3}")
+    cmd!(sh, "e2fsck -fn {data}")
         .run()
         .context("e2fsck -fn on the data partition")?;
-    println!("image-checks: fsck.vfat, fsck.erofs and e2fsck find the partitions clean");
+    println!("image-checks: fsck.vfat (bootctl, boot_a, boot_b), fsck.erofs and e2fsck find the partitions clean");
+    ensure!(
+        std::fs::read(p1)? == std::fs::read(slot_b)?,
+        "boot_a and boot_b differ: a new image carries the same system in both slots"
+    );
+    println!("image-checks: boot_a and boot_b are byte-identical");
+    // bootctl holds only the chooser and its counters, which libubootenv reads as RAUC does.
+    let listing = cmd!(sh, "mdir -/ -b -i {ctl} ::/").read()?;
+    let mut listed: Vec<&str> = listing
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.ends_with('/'))
+        .collect();
+    listed.sort();
+    ensure!(
+        listed == ["::/boot.scr", "::/kiln/abstate.env"],
+        "bootctl holds {listed:?}, only boot.scr and kiln/abstate.env expected"
+    );
+    let scr = tmp.path().join("boot.scr");
+    cmd!(sh, "mcopy -n -i {ctl} ::/boot.scr {scr}").run()?;
+    let info = cmd!(sh, "mkimage -l {scr}").read()?;
+    ensure!(
+        info.contains("AArch64 Linux Script (uncompressed)"),
+        "mkimage -l boot.scr: {info}"
+    );
+    let env = tmp.path().join("abstate.env");
+    cmd!(sh, "mcopy -n -i {ctl} ::/kiln/abstate.env {env}").run()?;
+    let st =
+        kiln_runtime::slot::State::decode(&std::fs::read(&env)?, "bootctl's kiln/abstate.env")?;
+    ensure!(
+        st == kiln_runtime::slot::State::initial(),
+        "bootctl's kiln/abstate.env is not BOOT_ORDER 'A B' with 3 tries each: {st:?}"
+    );
+    println!("image-checks: bootctl holds only boot.scr (mkimage -l: a script image) and kiln/abstate.env (A B, 3, 3)");
 
     // mtools lists and reads the boot files.
     let listing = cmd!(sh, "mdir -/ -b -i {p1} ::/").read()?;

@@ -1,6 +1,8 @@
-//! The partition table of every kiln image: p1 `boot` at 16 MiB (legacy-BIOS-bootable, which
-//! U-Boot's distro boot scans), then `models` and `data`, each aligned to 1 MiB; every GUID from
-//! the seed (board + commit). Below 16 MiB only the GPT and the board's bootloader blobs.
+//! The partition table of every kiln image: p1 `bootctl` at 16 MiB (legacy-BIOS-bootable, the one
+//! partition U-Boot's distro boot scans: `boot.scr` and the A/B counters), p2 `boot_a` and p3
+//! `boot_b` (the two boot slots, FAT), then `models` and `data`, each aligned to 1 MiB; every
+//! GUID from the seed (board + commit). Below 16 MiB only the GPT and the board's bootloader
+//! blobs.
 
 use super::board::FIRST_PARTITION_LBA;
 use crate::disk::{self, gpt::PartitionSpec, Guid};
@@ -15,7 +17,11 @@ pub struct Layout {
     pub parts: Vec<PartitionSpec>,
 }
 
-/// Lay out `(name, bytes)` partitions in order; the first is the boot partition.
+/// The partitions of every image, in order (p1 … p5).
+pub const NAMES: [&str; 5] = ["bootctl", "boot_a", "boot_b", "models", "data"];
+
+/// Lay out `(name, bytes)` partitions in order; the first is the one U-Boot scans (`bootctl`),
+/// FAT boot slots (`boot_*`) are basic data, the rest Linux file systems.
 pub fn plan(seed: &str, sizes: &[(&str, u64)]) -> Result<Layout> {
     let mut lba = FIRST_PARTITION_LBA;
     let mut parts = Vec::new();
@@ -28,6 +34,8 @@ pub fn plan(seed: &str, sizes: &[(&str, u64)]) -> Result<Layout> {
             name: name.to_string(),
             type_guid: if i == 0 {
                 disk::gpt::types::efi_system()
+            } else if name.starts_with("boot_") {
+                disk::gpt::types::basic_data()
             } else {
                 disk::gpt::types::linux_fs()
             },

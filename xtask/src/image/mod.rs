@@ -5,6 +5,7 @@
 
 pub mod bench;
 pub mod board;
+pub mod bootscr;
 pub mod checks;
 pub mod fixture;
 mod known;
@@ -141,7 +142,7 @@ pub fn extlinux_conf(board: &Board, dtb: Option<&str>) -> String {
     let fdt = dtb.map(|d| format!("    fdt /{d}\n")).unwrap_or_default();
     format!(
         "default kiln\nprompt 0\ntimeout 1\nlabel kiln\n    kernel /Image\n    initrd /initramfs.cpio.gz\n\
-         {fdt}    append console={} panic=-1 ${{kiln_args}}\n",
+         {fdt}    append console={} panic=-1 rauc.slot=${{kiln_slot}} ${{kiln_args}}\n",
         board.console
     )
 }
@@ -230,7 +231,15 @@ pub fn build(args: &Args) -> Result<Built> {
     known::add_matmul(&mut manifest, &known_matmul)?;
     steps::manifest_known_answers_nll(&mut manifest, &nll, &llama)?;
     let boot_part = run.run(steps::boot_partition(&ctx, boot_files, &manifest)?)?;
-    let parts = [&boot_part, &models_part, &data_part];
+    let bootctl_part = run.run(steps::bootctl_partition(&ctx)?)?;
+    // Both slots hold the same system: the same file system image, byte for byte.
+    let parts = [
+        &bootctl_part,
+        &boot_part,
+        &boot_part,
+        &models_part,
+        &data_part,
+    ];
     let out_dir = crate::paths::target_dir().join("images");
     std::fs::create_dir_all(&out_dir)?;
     let disk = run.run(steps::disk_image(&ctx, &out_dir, &layout, parts, &blobs)?)?;
@@ -269,7 +278,7 @@ mod tests {
         let c = extlinux_conf(&b, None);
         assert!(!c.contains("menu"));
         assert!(c.starts_with("default kiln\nprompt 0\ntimeout 1\nlabel kiln\n"));
-        assert!(c.contains("append console=ttyAMA0 panic=-1 ${kiln_args}\n"));
+        assert!(c.contains("append console=ttyAMA0 panic=-1 rauc.slot=${kiln_slot} ${kiln_args}\n"));
         assert!(!c.contains("fdt"));
         let r = Board::load("rock-5b").unwrap();
         assert!(extlinux_conf(&r, Some("rk3588-rock-5b.dtb")).contains("fdt /rk3588-rock-5b.dtb\n"));

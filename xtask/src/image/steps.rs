@@ -511,9 +511,11 @@ pub fn layout(ctx: &Ctx, models: &Product) -> Result<layout::Layout> {
     layout::plan(
         &ctx.seed,
         &[
-            ("boot", ctx.board.partitions.boot_mib << 20),
-            ("models", models_size),
-            ("data", ctx.board.partitions.data_mib << 20),
+            (layout::NAMES[0], ctx.board.partitions.bootctl_mib << 20),
+            (layout::NAMES[1], ctx.board.partitions.boot_mib << 20),
+            (layout::NAMES[2], ctx.board.partitions.boot_mib << 20),
+            (layout::NAMES[3], models_size),
+            (layout::NAMES[4], ctx.board.partitions.data_mib << 20),
         ],
     )
 }
@@ -713,20 +715,53 @@ pub fn boot_partition<'a>(
     })
 }
 
-/// The disk image (GPT, the three partitions, the raw blobs; sparse) and its `.sha256` file.
+/// p1 `bootctl` (FAT): `boot.scr` and `kiln/abstate.env` ([`super::bootscr`]).
+pub fn bootctl_partition(ctx: &Ctx) -> Result<Step<'_>> {
+    let files = super::bootscr::files(ctx.epoch)?;
+    let volume_id = disk::u32_from_seed(&ctx.seed, "bootctl-fs");
+    let size_mib = ctx.board.partitions.bootctl_mib;
+    let mut parts = vec![
+        "bootctl-v1".to_string(),
+        ctx.epoch.to_string(),
+        volume_id.to_string(),
+        size_mib.to_string(),
+    ];
+    parts.extend(
+        files
+            .iter()
+            .map(|(p, b)| format!("{p}={}", Sha256::of_bytes(b))),
+    );
+    Ok(Step {
+        name: "bootctl partition",
+        key: key_of(&parts.iter().map(String::as_str).collect::<Vec<_>>()),
+        outputs: vec![ctx.work.join("bootctl.vfat")],
+        make: Box::new(move |tmp: &[PathBuf]| {
+            disk::fat::build(
+                &tmp[0],
+                size_mib << 20,
+                volume_id,
+                "KILN-CTL",
+                &files,
+                ctx.epoch,
+            )?;
+            Ok("boot.scr and kiln/abstate.env (BOOT_ORDER A B, 3 tries each)".into())
+        }),
+    })
+}
+
+/// The disk image (GPT, the five partitions, the raw blobs; sparse) and its `.sha256` file.
 pub fn disk_image<'a>(
     ctx: &'a Ctx,
     out_dir: &Path,
     lay: &'a layout::Layout,
-    parts: [&'a Product; 3],
+    parts: [&'a Product; 5],
     blobs: &'a [Blob],
 ) -> Result<Step<'a>> {
     let img = out_dir.join(format!("kiln-{}.img", ctx.board.name));
+    let mut key_parts = vec!["image-v2".to_string()];
+    key_parts.extend(parts.iter().map(|p| p.key.to_string()));
     let key = key_of(&[
-        "image-v1",
-        &parts[0].key.to_string(),
-        &parts[1].key.to_string(),
-        &parts[2].key.to_string(),
+        &key_parts.join(","),
         &serde_json::to_string(&lay.describe())?,
         &blobs
             .iter()
@@ -832,7 +867,7 @@ pub fn manifest_file<'a>(
     out_dir: &Path,
     mut manifest: Value,
     disk: &Product,
-    parts: [&Product; 3],
+    parts: [&Product; 5],
     size: u64,
 ) -> Result<Step<'a>> {
     let boot_sha = Sha256::of_bytes(&boot_manifest_bytes(&manifest)?);

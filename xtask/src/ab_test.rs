@@ -1,0 +1,662 @@
+//! `cargo xtask ab-test [--seeds N]`: the A/B slots under real QEMU, real U-Boot (Debian's
+//! `u-boot-qemu`, running `boot.scr` from `bootctl`) and the image's own init and self-check, on
+//! copies of the built qemu-virt image (nothing is built here but the image, when missing).
+//!
+//! The machine runs *without* `-no-reboot`: a FAIL reboots into the other slot and a kernel that
+//! never reaches init spends U-Boot's tries, exactly as on a board; a chain of boots ends when
+//! init powers off after a verdict (`kiln.mode=test`). The console is split into boots at
+//! `boot.scr`'s `kiln-boot: booting slot X` lines.
+//!
+//! An update is installed from the host as `rauc install` does it on the board (the target slot
+//! marked bad, its file system image written, then marked active): these scenarios prove the
+//! boot counting and the self-check's judgement, not RAUC's bundle handling.
+//!
+//! Scenarios: a new image boots A and marks it good; v2 in B boots and is marked good with A
+//! kept behind it; v3 in B fails its self-check, is marked bad and the board reboots into A; v4
+//! in B has a broken initramfs, U-Boot spends B's three tries and boots A; with no good slot
+//! left U-Boot boots the slot last marked good and the report says so.
+//!
+//! Power cuts: from the state right after an update, QEMU is killed with SIGKILL at a seeded
+//! moment of the boot chain (U-Boot's counter write, the kernel, the self-check, the mark-good
+//! write, the power-off); then the board is booted again until a PASS, which must come within 7
+//! boots, with `fsck.vfat -n` clean on `bootctl` and both slots and no slot marked good (the
+//! last marked good) whose report is not a PASS.
+
+use crate::boot_test::{copy_image, edit_ab_state, ensure_image, pflash_with, qemu_command};
+use crate::disk::{fat, gpt};
+use anyhow::{bail, ensure, Context, Result};
+use kiln_runtime::selftest::report::{Report, Verdict, VERDICT_PREFIX};
+use kiln_runtime::slot::{Slot, State};
+use std::io::Read;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use xshell::cmd;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// How many seeded power cuts (CI runs 12).
+    #[arg(long, default_value_t = 12)]
+    pub seeds: u64,
+    /// The first seed: `--first-seed 7 --seeds 1` runs seed 7 again.
+    #[arg(long, default_value_t = 1)]
+    pub first_seed: u64,
+    /// Only the power cuts, not the scenarios.
+    #[arg(long)]
+    pub cuts_only: bool,
+    /// The image (default: target/images/kiln-qemu-virt.img, built first when missing).
+    #[arg(long)]
+    pub image: Option<PathBuf>,
+}
+
+/// The boots a machine may take, in one chain, before it counts as a loop.
+const MAX_BOOTS: usize = 8;
+/// The boots a power cut may cost before a PASS (the issue's bound).
+const RECOVERY_BOOTS: usize = 7;
+const BOOT_LINE: &str = "kiln-boot: booting slot ";
+const NO_GOOD_LINE: &str = "kiln-boot: NO GOOD SLOT";
+
+/// One boot seen on the console.
+#[derive(Debug, Clone, PartialEq)]
+struct Seen {
+    slot: String,
+    /// PASS or FAIL, when the self-check gave a verdict.
+    verdict: Option<String>,
+    /// U-Boot found no slot with tries left.
+    no_good: bool,
+}
+
+struct Chain {
+    boots: Vec<Seen>,
+    /// QEMU was killed (a power cut), not powered off by init.
+    killed: bool,
+    secs: f64,
+}
+
+fn boots_of(console: &str) -> Vec<Seen> {
+    let mut out: Vec<Seen> = Vec::new();
+    let mut no_good = false;
+    for l in console.lines().map(|l| l.trim_end_matches('\r')) {
+        if l.starts_with(NO_GOOD_LINE) {
+            no_good = true;
+            if let Some(i) = l.find("booting slot ") {
+                let slot = l[i + 13..].chars().next().unwrap_or('?').to_string();
+                out.push(Seen {
+                    slot,
+                    verdict: None,
+                    no_good,
+                });
+            }
+            no_good = false;
+        } else if let Some(rest) = l.strip_prefix(BOOT_LINE) {
+            out.push(Seen {
+                slot: rest.chars().next().unwrap_or('?').to_string(),
+                verdict: None,
+                no_good,
+            });
+        } else if let Some(rest) = l.strip_prefix(VERDICT_PREFIX) {
+            if let Some(b) = out.last_mut() {
+                b.verdict = rest.split_whitespace().next().map(str::to_string);
+            }
+        }
+    }
+    out
+}
+
+fn show(boots: &[Seen]) -> String {
+    boots
+        .iter()
+        .map(|b| {
+            format!(
+                "{}{}:{}",
+                if b.no_good { "(no good slot) " } else { "" },
+                b.slot,
+                b.verdict.as_deref().unwrap_or("no verdict")
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(" -> ")
+}
+
+/// A qemu-virt machine with its own disk and U-Boot environment.
+struct Machine {
+    dir: PathBuf,
+    disk: PathBuf,
+    pflash: PathBuf,
+}
+
+impl Machine {
+    fn new(dir: &Path, image: &Path) -> Result<Machine> {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let pflash = pflash_with(dir, "kiln.mode=test")?;
+        let disk = dir.join("disk.img");
+        copy_image(image, &disk)?;
+        Ok(Machine {
+            dir: dir.to_path_buf(),
+            disk,
+            pflash,
+        })
+    }
+
+    /// Boot until init powers off (or `kill_after` passes: SIGKILL, a power cut).
+    fn chain(&self, what: &str, kill_after: Option<Duration>) -> Result<Chain> {
+        let argv = qemu_command(&self.pflash, &self.disk, "none", &[]);
+        let log_path = self.dir.join(format!("{what}.serial.log"));
+        let mut child = std::process::Command::new(&argv[0])
+            .args(&argv[1..])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .context("starting qemu-system-aarch64")?;
+        let mut out = child.stdout.take().context("qemu's stdout")?;
+        let seen: Arc<Mutex<Vec<u8>>> = Arc::default();
+        let reader = {
+            let seen = Arc::clone(&seen);
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 4096];
+                while let Ok(n) = out.read(&mut buf) {
+                    if n == 0 {
+                        break;
+                    }
+                    seen.lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .extend_from_slice(&buf[..n]);
+                }
+            })
+        };
+        let text = || {
+            String::from_utf8_lossy(&seen.lock().unwrap_or_else(|e| e.into_inner())).into_owned()
+        };
+        let started = Instant::now();
+        let per_boot = Duration::from_secs(120);
+        let mut killed = false;
+        let mut failure = None;
+        loop {
+            if child.try_wait()?.is_some() {
+                break;
+            }
+            if kill_after.is_some_and(|k| started.elapsed() >= k) {
+                child.kill().context("SIGKILL to qemu")?;
+                killed = true;
+                break;
+            }
+            let boots = boots_of(&text()).len();
+            if boots > MAX_BOOTS {
+                failure = Some(format!(
+                    "more than {MAX_BOOTS} boots without a power-off: a boot loop"
+                ));
+            } else if started.elapsed() > per_boot * (boots.max(1) as u32) {
+                failure = Some(format!(
+                    "no power-off within {} s of boot {boots}",
+                    per_boot.as_secs()
+                ));
+            }
+            if failure.is_some() {
+                let _ = child.kill();
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = child.wait();
+        let _ = reader.join();
+        let console = text();
+        std::fs::write(&log_path, &console)
+            .with_context(|| format!("writing {}", log_path.display()))?;
+        if let Some(f) = failure {
+            bail!("{what}: {f}; serial log {}", log_path.display());
+        }
+        Ok(Chain {
+            boots: boots_of(&console),
+            killed,
+            secs: started.elapsed().as_secs_f64(),
+        })
+    }
+
+    fn part(&self, name: &str) -> Result<gpt::PartitionEntryInfo> {
+        gpt::read(&self.disk)?
+            .into_iter()
+            .find(|p| p.name == name)
+            .with_context(|| format!("{} has no partition {name}", self.disk.display()))
+    }
+
+    fn read_part(&self, name: &str) -> Result<Vec<u8>> {
+        let p = self.part(name)?;
+        let f = std::fs::File::open(&self.disk)?;
+        let mut b = vec![0u8; usize::try_from(p.size_bytes())?];
+        f.read_exact_at(&mut b, p.start_bytes())
+            .with_context(|| format!("reading {name} of {}", self.disk.display()))?;
+        Ok(b)
+    }
+
+    fn write_part(&self, name: &str, bytes: &[u8]) -> Result<()> {
+        let p = self.part(name)?;
+        ensure!(
+            bytes.len() as u64 == p.size_bytes(),
+            "{name}: {} bytes for a partition of {}",
+            bytes.len(),
+            p.size_bytes()
+        );
+        let f = std::fs::OpenOptions::new().write(true).open(&self.disk)?;
+        f.write_all_at(bytes, p.start_bytes())?;
+        f.sync_all()?;
+        Ok(())
+    }
+
+    fn state(&self) -> Result<State> {
+        let p = self.part("bootctl")?;
+        let b = fat::read_file(
+            &self.disk,
+            p.start_bytes(),
+            p.size_bytes(),
+            "kiln/abstate.env",
+        )?;
+        State::decode(&b, "bootctl's kiln/abstate.env")
+    }
+
+    fn report(&self, slot: Slot) -> Option<Report> {
+        let p = self.part(part_of(slot)).ok()?;
+        let b = fat::read_file(
+            &self.disk,
+            p.start_bytes(),
+            p.size_bytes(),
+            "kiln/report.json",
+        )
+        .ok()?;
+        serde_json::from_slice(&b).ok()
+    }
+
+    /// As `rauc install` into `slot`: mark it bad, write its file system, mark it active.
+    fn install(&self, slot: Slot, fs: &[u8]) -> Result<()> {
+        edit_ab_state(&self.disk, &self.dir, |st| st.mark_bad(slot))?;
+        self.write_part(part_of(slot), fs)?;
+        edit_ab_state(&self.disk, &self.dir, |st| st.mark_active(slot))?;
+        Ok(())
+    }
+
+    /// `fsck.vfat -n` on the three FAT partitions: clean, or with the dirty bit as its only
+    /// finding (Linux sets it while it has the file system mounted read-write, so a cut then
+    /// leaves it; it is no damage and U-Boot ignores it). Returns the partitions left dirty.
+    fn fsck(&self) -> Result<Vec<&'static str>> {
+        let mut dirty = Vec::new();
+        let sh = crate::paths::shell()?;
+        for name in ["bootctl", "boot_a", "boot_b"] {
+            let f = self.dir.join(format!("{name}.vfat"));
+            std::fs::write(&f, self.read_part(name)?)?;
+            let out = cmd!(sh, "fsck.vfat -n {f}")
+                .quiet()
+                .ignore_status()
+                .output()?;
+            let text = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            if !out.status.success() {
+                // The dirty bit of FAT32 is byte 65 of the boot sector (37 on FAT16), which
+                // the backup boot sector does not carry: fsck names that difference too.
+                let benign = [
+                    "fsck.fat ",
+                    "Dirty bit is set.",
+                    "Automatically removing dirty bit.",
+                    "Leaving filesystem unchanged.",
+                    "There are differences between boot sector and its backup.",
+                    "This is mostly harmless. Differences: (offset:original/backup)",
+                    "65:01/00",
+                    "37:01/00",
+                    "Not automatically fixing this.",
+                ];
+                let other: Vec<&str> = text
+                    .lines()
+                    .map(str::trim)
+                    .filter(|l| !l.is_empty())
+                    .filter(|l| {
+                        !benign
+                            .iter()
+                            .any(|b| l.starts_with(b) && (b.len() > 8 || *l == *b))
+                    })
+                    .filter(|l| !l.contains(" files, "))
+                    .collect();
+                ensure!(
+                    text.contains("Dirty bit is set.") && other.is_empty(),
+                    "fsck.vfat -n finds {name} damaged: {text}"
+                );
+                dirty.push(name);
+            }
+            if dirty.last() == Some(&name) || out.status.success() {
+                let _ = std::fs::remove_file(&f);
+            }
+        }
+        Ok(dirty)
+    }
+
+    /// No slot marked good whose report is not a PASS.
+    fn good_means_passed(&self) -> Result<()> {
+        let st = self.state()?;
+        if let Some(g) = st.env().get(kiln_runtime::slot::LAST_GOOD) {
+            let slot = Slot::parse(g)?;
+            let r = self.report(slot);
+            ensure!(
+                r.as_ref().is_some_and(|r| r.verdict == Verdict::Pass),
+                "slot {g} is the last marked good, but its report is {:?}",
+                r.map(|r| r.verdict)
+            );
+        }
+        Ok(())
+    }
+}
+
+fn part_of(slot: Slot) -> &'static str {
+    match slot {
+        Slot::A => "boot_a",
+        Slot::B => "boot_b",
+    }
+}
+
+fn expect(chain: &Chain, what: &str, want: &[(&str, Option<&str>)]) -> Result<()> {
+    let got: Vec<(String, Option<String>)> = chain
+        .boots
+        .iter()
+        .map(|b| (b.slot.clone(), b.verdict.clone()))
+        .collect();
+    let want: Vec<(String, Option<String>)> = want
+        .iter()
+        .map(|(s, v)| (s.to_string(), v.map(str::to_string)))
+        .collect();
+    ensure!(
+        got == want,
+        "{what}: boots {} (expected {})",
+        show(&chain.boots),
+        want.iter()
+            .map(|(s, v)| format!("{s}:{}", v.as_deref().unwrap_or("no verdict")))
+            .collect::<Vec<_>>()
+            .join(" -> ")
+    );
+    println!(
+        "ab-test: {what}: {} ({:.0} s)",
+        show(&chain.boots),
+        chain.secs
+    );
+    Ok(())
+}
+
+fn expect_state(m: &Machine, what: &str, order: &str, a: u32, b: u32) -> Result<()> {
+    let st = m.state()?;
+    let got = (
+        st.env().get("BOOT_ORDER").unwrap_or("").to_string(),
+        st.left(Slot::A)?,
+        st.left(Slot::B)?,
+    );
+    ensure!(
+        got == (order.to_string(), a, b),
+        "{what}: BOOT_ORDER '{}', A {} left, B {} left; expected '{order}', {a}, {b}",
+        got.0,
+        got.1,
+        got.2
+    );
+    Ok(())
+}
+
+/// A slot file system like `fs` with `path` replaced by `bytes` (mtools on a copy).
+fn edited(work: &Path, fs: &[u8], path: &str, bytes: &[u8]) -> Result<Vec<u8>> {
+    let img = work.join("edit.vfat");
+    let file = work.join("edit.file");
+    std::fs::write(&img, fs)?;
+    std::fs::write(&file, bytes)?;
+    let sh = crate::paths::shell()?;
+    let target = format!("::{path}");
+    cmd!(sh, "mcopy -o -i {img} {file} {target}")
+        .quiet()
+        .run()
+        .with_context(|| format!("replacing {path} in a slot image"))?;
+    Ok(std::fs::read(&img)?)
+}
+
+/// splitmix64: the seeded moments, the same on every machine.
+fn splitmix(seed: u64) -> u64 {
+    let mut z = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+pub fn run(args: Args) -> Result<()> {
+    crate::doctor::ensure(&[
+        &crate::doctor::QEMU_SYSTEM_AARCH64,
+        &crate::doctor::UBOOT_QEMU,
+        &crate::doctor::UBOOT_TOOLS,
+    ])?;
+    let image = ensure_image("qemu-virt", args.image.as_deref(), false, &[])?;
+    let work = crate::paths::target_dir().join("ab-test");
+    std::fs::create_dir_all(&work)?;
+    let t = Instant::now();
+    let m = Machine::new(&work.join("scenarios"), &image)?;
+    let v2 = m.read_part("boot_a")?;
+    if !args.cuts_only {
+        scenarios(&m, &v2)?;
+    }
+    cuts(&args, &work, &image, &v2)?;
+    println!("ab-test: done in {:.0} s", t.elapsed().as_secs_f64());
+    Ok(())
+}
+
+fn scenarios(m: &Machine, v2: &[u8]) -> Result<()> {
+    // A new image: A boots, passes, is marked good; B is untouched.
+    let c = m.chain("1-new", None)?;
+    expect(&c, "a new image", &[("A", Some("PASS"))])?;
+    expect_state(m, "after the first boot", "A B", 3, 3)?;
+
+    // v2 into B: B boots first, passes, is marked good; A stays behind it.
+    m.install(Slot::B, v2)?;
+    let c = m.chain("2-v2", None)?;
+    expect(&c, "v2 installed in B", &[("B", Some("PASS"))])?;
+    expect_state(m, "after v2", "B A", 3, 3)?;
+
+    // v3 into B, a system whose manifest does not match its kernel: image.manifest fails.
+    let manifest = fat::read_file(
+        &m.disk,
+        m.part("boot_a")?.start_bytes(),
+        m.part("boot_a")?.size_bytes(),
+        "kiln/manifest.json",
+    )?;
+    let mut mv: serde_json::Value = serde_json::from_slice(&manifest)?;
+    let img = mv["boot"]["files"]["/Image"]["sha256"]
+        .as_str()
+        .context("manifest: no /Image sha256")?
+        .to_string();
+    mv["boot"]["files"]["/Image"]["sha256"] =
+        serde_json::json!(img.chars().rev().collect::<String>());
+    let v3 = edited(
+        &m.dir,
+        v2,
+        "kiln/manifest.json",
+        &serde_json::to_vec_pretty(&mv)?,
+    )?;
+    m.install(Slot::B, &v3)?;
+    let c = m.chain("3-v3-fail", None)?;
+    expect(
+        &c,
+        "v3 (fails its self-check) in B",
+        &[("B", Some("FAIL")), ("A", Some("PASS"))],
+    )?;
+    expect_state(m, "after v3", "A", 3, 0)?;
+    let rb = m.report(Slot::B).context("no report on boot_b after v3")?;
+    let ra = m.report(Slot::A).context("no report on boot_a after v3")?;
+    ensure!(
+        rb.verdict == Verdict::Fail
+            && rb.failed_ids().contains(&"image.manifest")
+            && rb
+                .slot
+                .as_ref()
+                .is_some_and(|d| d.action == "marked bad" && d.reboot_into.as_deref() == Some("A")),
+        "boot_b's report does not say FAIL on image.manifest, marked bad, rebooting into A: {:?}",
+        rb.slot
+    );
+    ensure!(
+        ra.verdict == Verdict::Pass && ra.slot.as_ref().is_some_and(|d| d.action == "marked good"),
+        "boot_a's report does not say PASS, marked good: {:?}",
+        ra.slot
+    );
+    println!("ab-test: the card holds both boots: boot_b FAIL (image.manifest, marked bad), boot_a PASS (marked good)");
+
+    // v4 into B, an initramfs the kernel cannot unpack: no init, no verdict; U-Boot spends
+    // B's three tries and then boots A.
+    let size = usize::try_from(
+        mv["boot"]["files"]["/initramfs.cpio.gz"]["size"]
+            .as_u64()
+            .context("manifest: no initramfs size")?,
+    )?;
+    let v4 = edited(&m.dir, v2, "initramfs.cpio.gz", &vec![0x5a; size])?;
+    m.install(Slot::B, &v4)?;
+    let c = m.chain("4-v4-broken", None)?;
+    expect(
+        &c,
+        "v4 (broken initramfs) in B",
+        &[("B", None), ("B", None), ("B", None), ("A", Some("PASS"))],
+    )?;
+    expect_state(m, "after v4", "B A", 3, 0)?;
+
+    // No good slot: both out of BOOT_ORDER. U-Boot boots the last marked good (A) and saves
+    // nothing; the report says there is no good slot.
+    edit_ab_state(&m.disk, &m.dir, |st| {
+        st.mark_bad(Slot::A)?;
+        st.mark_bad(Slot::B)
+    })?;
+    let c = m.chain("5-no-good", None)?;
+    ensure!(
+        c.boots.len() == 1
+            && c.boots[0].no_good
+            && c.boots[0].slot == "A"
+            && c.boots[0].verdict.as_deref() == Some("PASS"),
+        "no good slot: boots {} (expected one boot of A, said to be without a good slot, PASS)",
+        show(&c.boots)
+    );
+    let ra = m.report(Slot::A).context("no report on boot_a")?;
+    ensure!(
+        ra.slot.as_ref().is_some_and(|d| d.no_good_slot),
+        "boot_a's report does not say there is no good slot: {:?}",
+        ra.slot
+    );
+    println!(
+        "ab-test: no good slot: {} ({:.0} s); the report says NO GOOD SLOT",
+        show(&c.boots),
+        c.secs
+    );
+    let dirty = m.fsck()?;
+    ensure!(
+        dirty.is_empty(),
+        "the dirty bit is set on {dirty:?} after clean power-offs"
+    );
+    println!("ab-test: fsck.vfat -n finds bootctl, boot_a and boot_b clean after the scenarios");
+    Ok(())
+}
+
+fn cuts(args: &Args, work: &Path, image: &Path, v2: &[u8]) -> Result<()> {
+    if args.seeds == 0 {
+        return Ok(());
+    }
+    // The uncut chain from the same state gives the span the moments are drawn from.
+    let reference = Machine::new(&work.join("cut-reference"), image)?;
+    reference.install(Slot::B, v2)?;
+    let c = reference.chain("reference", None)?;
+    expect(
+        &c,
+        "uncut reference (v2 installed in B)",
+        &[("B", Some("PASS"))],
+    )?;
+    let span_ms = (c.secs * 1000.0) as u64;
+    let mut failures = Vec::new();
+    for seed in args.first_seed..args.first_seed + args.seeds {
+        let at = Duration::from_millis(splitmix(seed) % span_ms.max(1));
+        let m = Machine::new(&work.join(format!("cut-{seed}")), image)?;
+        m.install(Slot::B, v2)?;
+        let r = (|| -> Result<String> {
+            let cut = m.chain("cut", Some(at))?;
+            let mut boots = cut.boots.clone();
+            let mut n = 0;
+            while !boots.iter().any(|b| b.verdict.as_deref() == Some("PASS")) {
+                n += 1;
+                ensure!(
+                    boots.len() <= RECOVERY_BOOTS,
+                    "no PASS within {RECOVERY_BOOTS} boots: {}",
+                    show(&boots)
+                );
+                let c = m.chain(&format!("after-{n}"), None)?;
+                boots.extend(c.boots);
+            }
+            let pass_at = boots
+                .iter()
+                .position(|b| b.verdict.as_deref() == Some("PASS"))
+                .unwrap_or(0);
+            ensure!(
+                pass_at < RECOVERY_BOOTS,
+                "the PASS came at boot {} (more than {RECOVERY_BOOTS}): {}",
+                pass_at + 1,
+                show(&boots)
+            );
+            let dirty = m.fsck()?;
+            m.good_means_passed()?;
+            let st = m.state()?;
+            Ok(format!(
+                "{}{}; then BOOT_ORDER '{}', A {}, B {}; fsck.vfat: {}",
+                if cut.killed {
+                    ""
+                } else {
+                    "(finished before the cut) "
+                },
+                show(&boots),
+                st.env().get("BOOT_ORDER").unwrap_or(""),
+                st.left(Slot::A)?,
+                st.left(Slot::B)?,
+                if dirty.is_empty() {
+                    "clean".to_string()
+                } else {
+                    format!("clean but the dirty bit on {}", dirty.join(", "))
+                }
+            ))
+        })();
+        match r {
+            Ok(s) => {
+                println!(
+                    "ab-test: seed {seed}: cut at {:.2} s of {:.1}: {s}",
+                    at.as_secs_f64(),
+                    c.secs
+                );
+                let _ = std::fs::remove_file(&m.disk);
+            }
+            Err(e) => {
+                println!(
+                    "ab-test: seed {seed}: cut at {:.2} s: FAILED: {e:#}",
+                    at.as_secs_f64()
+                );
+                failures.push(seed);
+            }
+        }
+    }
+    ensure!(
+        failures.is_empty(),
+        "power cuts: seeds {failures:?} failed (rerun one with --first-seed N --seeds 1)"
+    );
+    println!(
+        "ab-test: {} power cuts: each reached a PASS within {RECOVERY_BOOTS} boots, FAT clean, no slot marked good without a PASS",
+        args.seeds
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_console_splits_into_boots() {
+        let log = "U-Boot\nkiln-boot: booting slot B (p3), BOOT_A_LEFT 3, BOOT_B_LEFT 2\nKILN-SELFTEST: FAIL 3/4 manifest=x\n\
+                   kiln-boot: booting slot A (p2), BOOT_A_LEFT 2, BOOT_B_LEFT 0\nKILN-SELFTEST: PASS 4/4 manifest=x\n\
+                   kiln-boot: NO GOOD SLOT (BOOT_ORDER '', A 0 left, B 0 left): booting slot A, the last\n";
+        let b = boots_of(log);
+        assert_eq!(show(&b), "B:FAIL -> A:PASS -> (no good slot) A:no verdict");
+        assert_ne!(splitmix(1), splitmix(2));
+    }
+}
