@@ -42,6 +42,9 @@ enum Cli {
     /// /v1/chat/completions, streamed as server-sent events), /health, /kiln/report, /metrics;
     /// inference on its own thread, up to --parallel sequences at once.
     Serve(serve::Args),
+    /// The A/B boot slots' counters (kiln/abstate.env on bootctl, RAUC's U-Boot contract):
+    /// `status` (--json), `mark-good|mark-bad|mark-active [A|B|booted|other]` as rauc does them.
+    Slot(cli::slot::Args),
 }
 
 fn main() {
@@ -65,6 +68,7 @@ fn main() {
         Cli::Chat(a) => cli::chat::run(a),
         Cli::Tokenize(a) => cli::tokenize::run(a),
         Cli::Serve(a) => serve::run(a),
+        Cli::Slot(a) => cli::slot::run(a),
     };
     if let Err(e) = result {
         // One line: the file, the byte offset and what was wrong travel in the chain.

@@ -183,9 +183,19 @@ pub const APT_DOWNLOAD: Tool = Tool {
 
 pub const UBOOT_TOOLS: Tool = Tool {
     name: "mkenvimage",
-    why: "writes the boot test's U-Boot environment (pflash)",
+    why: "writes the boot test's U-Boot environment (pflash); mkenvimage is a reference for the \
+          A/B counters file in the slot tests",
     probe: || version_of("mkenvimage", &["-V"]),
     apt: &["u-boot-tools"],
+};
+
+pub const FW_PRINTENV: Tool = Tool {
+    name: "fw_printenv",
+    why: "reads/writes the A/B counters file as RAUC does (libubootenv's fw_printenv/fw_setenv, \
+          the reference `kiln slot` is tested against)",
+    // fw_printenv -V prints the version and exits 0 without reading an environment.
+    probe: || version_of("fw_printenv", &["-V"]),
+    apt: &["libubootenv-tool"],
 };
 
 pub const GIT: Tool = Tool {
@@ -294,6 +304,7 @@ pub fn all_tools() -> Vec<&'static Tool> {
         &QEMU_SYSTEM_AARCH64,
         &UBOOT_QEMU,
         &UBOOT_TOOLS,
+        &FW_PRINTENV,
         &APT_DOWNLOAD,
         &APT_HELPER,
         &DEBIAN_KEYRING,

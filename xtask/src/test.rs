@@ -125,6 +125,9 @@ fn stage_tools(stage: &str) -> (Vec<&'static doctor::Tool>, bool) {
                 &QEMU_SYSTEM_AARCH64,
                 &UBOOT_QEMU,
                 &APT_HELPER,
+                // runtime/tests/slot_tools.rs: the references for kiln/abstate.env.
+                &FW_PRINTENV,
+                &UBOOT_TOOLS,
             ]);
             (t, false)
         }

@@ -14,6 +14,7 @@ pub mod plan;
 pub mod ppl;
 pub mod run;
 pub mod selftest;
+pub mod slot;
 pub mod tokenize;
 
 /// Which backend a command runs on, for tests and diagnosis (default: the board order).

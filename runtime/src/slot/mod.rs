@@ -10,14 +10,28 @@
 //!   (`boot-attempts-primary`).
 //!
 //! The booted slot is the kernel's `rauc.slot=A|B`, which `boot.scr` passes.
+//!
+//! Debian 12's rauc 1.8 writes `BOOT_x_LEFT` as hex on mark-good but as decimal on mark-active
+//! (its `set_primary` used `%d`, fixed in 1.10): `18` for 18 attempts, which U-Boot's
+//! `test 0x${BOOT_x_LEFT}` reads as 0x18. [`State::left`] reads every value as U-Boot does (a
+//! decimal string is a valid hex string, so it never fails on what rauc writes); with kiln's
+//! 3 attempts the two spellings are the same. `runtime/tests/slot_rauc.rs` shows both.
+//!
+//! [`store`] reads and writes the file (atomically as far as FAT allows); [`status`] is what
+//! `kiln slot` reports and does.
 
 pub mod env;
+pub mod status;
+pub mod store;
 
 use anyhow::{bail, Context, Result};
 use env::Env;
 
 /// RAUC's `boot-attempts` and `boot-attempts-primary` defaults, which kiln's system.conf keeps.
 pub const ATTEMPTS: u32 = 3;
+
+/// Where the running system finds the counters: the init mounts `bootctl` at `/boot/ctl`.
+pub const ENV_PATH: &str = "/boot/ctl/kiln/abstate.env";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Slot {
@@ -112,6 +126,17 @@ impl State {
             Some(v) => u32::from_str_radix(v.trim_start_matches("0x"), 16)
                 .with_context(|| format!("{}={v:?} is not a hex count", s.left_var())),
         }
+    }
+
+    /// The slot U-Boot boots next, RAUC's `boot_primary`: the first in `BOOT_ORDER` with tries
+    /// left; `None` if there is none (`boot.scr` then falls back to its defaults).
+    pub fn primary(&self) -> Result<Option<Slot>> {
+        for s in self.order()? {
+            if self.left(s)? > 0 {
+                return Ok(Some(s));
+            }
+        }
+        Ok(None)
     }
 
     /// Good in RAUC's sense: in `BOOT_ORDER` with tries left.

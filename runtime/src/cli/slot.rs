@@ -1,0 +1,110 @@
+//! `kiln slot`: the A/B boot slots' counters in `kiln/abstate.env` (RAUC's U-Boot contract):
+//! `status`, and `mark-good|mark-bad|mark-active [SLOT]` as `rauc status mark-*` would edit them.
+//! The logic is `kiln_runtime::slot`.
+
+use anyhow::{bail, Context};
+use kiln_runtime::slot::status::{self, Mark};
+use kiln_runtime::slot::{Slot, ENV_PATH};
+use std::path::{Path, PathBuf};
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(subcommand)]
+    cmd: Cmd,
+    /// The counters file (U-Boot binary environment, 0x4000 bytes).
+    #[arg(long, global = true, default_value = ENV_PATH)]
+    env: PathBuf,
+    /// Where the booted slot (`rauc.slot=`) is read from.
+    #[arg(long, global = true, default_value = "/proc/cmdline")]
+    cmdline: PathBuf,
+}
+
+#[derive(clap::Subcommand)]
+enum Cmd {
+    /// The booted slot, BOOT_ORDER, the primary slot and each slot's tries left and good/bad;
+    /// a damaged file (bad CRC: U-Boot uses its defaults) is reported as such.
+    Status {
+        /// One JSON object instead of the human form.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Tries left = 3 (RAUC's boot-attempts); BOOT_ORDER unchanged.
+    MarkGood(MarkArgs),
+    /// Out of BOOT_ORDER, tries left = 0.
+    MarkBad(MarkArgs),
+    /// First in BOOT_ORDER, tries left = 3 (RAUC's boot-attempts-primary).
+    MarkActive(MarkArgs),
+}
+
+#[derive(clap::Args)]
+struct MarkArgs {
+    /// A, B, `booted` or `other` (as rauc names them); default: the booted slot.
+    slot: Option<String>,
+    /// If the file is damaged or missing, start from the initial state (BOOT_ORDER "A B", 3
+    /// tries each, U-Boot's defaults) instead of refusing. A readable state is always kept.
+    #[arg(long)]
+    reset: bool,
+}
+
+/// The slot a mark names: A/B, or `booted`/`other` (or nothing) from the command line's.
+fn resolve(arg: Option<&str>, cmdline: &Path) -> anyhow::Result<Slot> {
+    match arg {
+        Some(s @ ("A" | "B")) => Slot::parse(s),
+        None | Some("booted" | "other") => {
+            let booted = status::booted(cmdline)?.with_context(|| {
+                format!(
+                    "no slot given and no booted slot known: {} has no rauc.slot= (not booted \
+                     through boot.scr); name the slot, e.g. `kiln slot mark-good A`",
+                    cmdline.display()
+                )
+            })?;
+            Ok(if arg == Some("other") {
+                booted.other()
+            } else {
+                booted
+            })
+        }
+        Some(s) => bail!("slot {s:?}: A, B, booted or other expected"),
+    }
+}
+
+pub fn run(a: Args) -> anyhow::Result<()> {
+    let (m, ma) = match a.cmd {
+        Cmd::Status { json } => {
+            // The booted slot is informative here: an unreadable command line is "unknown".
+            let booted = status::booted(&a.cmdline).unwrap_or(None);
+            let st = status::status(&a.env, booted)?;
+            let out = if json {
+                let mut s = serde_json::to_string(&st)?;
+                s.push('\n');
+                s
+            } else {
+                st.human()
+            };
+            return super::print_all(&out);
+        }
+        Cmd::MarkGood(ma) => (Mark::Good, ma),
+        Cmd::MarkBad(ma) => (Mark::Bad, ma),
+        Cmd::MarkActive(ma) => (Mark::Active, ma),
+    };
+    let slot = resolve(ma.slot.as_deref(), &a.cmdline)?;
+    let (before, after) = status::mark(&a.env, m, slot, ma.reset)?;
+    let describe = |st: &kiln_runtime::slot::State| -> anyhow::Result<String> {
+        Ok(format!(
+            "BOOT_ORDER \"{}\", A {} left, B {} left",
+            st.env().get("BOOT_ORDER").unwrap_or(""),
+            st.left(Slot::A)?,
+            st.left(Slot::B)?
+        ))
+    };
+    let from = match &before {
+        Some(st) => describe(st)?,
+        None => "a damaged or missing file, reset to the initial state".into(),
+    };
+    super::print_all(&format!(
+        "kiln slot: {} slot {}: {} (was {from})\n",
+        m.name(),
+        slot.name(),
+        describe(&after)?
+    ))
+}
