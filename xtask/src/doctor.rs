@@ -189,6 +189,17 @@ pub const UBOOT_TOOLS: Tool = Tool {
     apt: &["u-boot-tools"],
 };
 
+pub const RAUC: Tool = Tool {
+    name: "rauc (with dbus-daemon)",
+    why: "the RAUC service whose mark-good/mark-bad/mark-active and status `kiln slot` and the \
+          self-check's marks must equal (runtime/tests/slot_rauc.rs, on a private D-Bus bus)",
+    probe: || {
+        version_of("rauc", &["--version"])
+            .and_then(|v| version_of("dbus-daemon", &["--version"]).map(|_| v))
+    },
+    apt: &["rauc", "dbus-daemon"],
+};
+
 pub const FW_PRINTENV: Tool = Tool {
     name: "fw_printenv",
     why: "reads/writes the A/B counters file as RAUC does (libubootenv's fw_printenv/fw_setenv, \
@@ -305,6 +316,7 @@ pub fn all_tools() -> Vec<&'static Tool> {
         &UBOOT_QEMU,
         &UBOOT_TOOLS,
         &FW_PRINTENV,
+        &RAUC,
         &APT_DOWNLOAD,
         &APT_HELPER,
         &DEBIAN_KEYRING,

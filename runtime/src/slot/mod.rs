@@ -30,8 +30,9 @@ use env::Env;
 /// RAUC's `boot-attempts` and `boot-attempts-primary` defaults, which kiln's system.conf keeps.
 pub const ATTEMPTS: u32 = 3;
 
-/// Where the running system finds the counters: the init mounts `bootctl` at `/boot/ctl`.
-pub const ENV_PATH: &str = "/boot/ctl/kiln/abstate.env";
+/// Where the running system finds the counters: init mounts `bootctl` on `/bootctl` (read-only
+/// but while something writes it: see `cli/slot.rs` and init).
+pub const ENV_PATH: &str = "/bootctl/kiln/abstate.env";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Slot {
@@ -204,36 +205,12 @@ mod tests {
     }
 }
 
-/// Read `path` as the A/B state (see [`State::decode`]).
+/// Read `path` as the A/B state; a damaged file (bad CRC) is an error here.
 pub fn load(path: &std::path::Path) -> Result<State> {
-    let b = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-    State::decode(&b, &path.display().to_string())
-}
-
-/// Write `st` to `path` as atomically as FAT allows: `<path>.new` written and synced, renamed over
-/// `path`, the folder synced. A power cut before the rename leaves the old file (and a stray
-/// `.new` that the next write replaces); after it, the new one. U-Boot's own `save` rewrites the
-/// file in place, which a cut can leave with a bad CRC: U-Boot then boots with RAUC's defaults.
-pub fn save(st: &State, path: &std::path::Path) -> Result<()> {
-    use std::io::Write as _;
-    let bytes = st.encode()?;
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".new");
-    let tmp = std::path::PathBuf::from(tmp);
-    let mut f =
-        std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
-    f.write_all(&bytes)
-        .and_then(|_| f.sync_all())
-        .with_context(|| format!("writing {}", tmp.display()))?;
-    drop(f);
-    std::fs::rename(&tmp, path)
-        .with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
-    if let Some(dir) = path.parent() {
-        if let Ok(d) = std::fs::File::open(dir) {
-            let _ = d.sync_all();
-        }
+    match store::read(path)? {
+        store::Read::State(st) => Ok(st),
+        store::Read::Damaged(e) => Err(e),
     }
-    Ok(())
 }
 
 /// The variable `boot.scr` boots when no slot has tries left: the slot the self-check last
@@ -302,7 +279,9 @@ pub fn judge(env_path: &std::path::Path, cmdline: &str, pass: bool) -> Decision 
     } else {
         st.mark_bad(booted)
     };
-    if let Err(e) = marked.and_then(|_| save(&st, env_path)) {
+    if let Err(e) =
+        marked.and_then(|_| store::with_writable(env_path, || store::save(&st, env_path)))
+    {
         d.action = format!("nothing marked: {e:#}");
         return d;
     }
@@ -325,7 +304,7 @@ mod judge_tests {
     fn the_verdict_marks_the_booted_slot_and_names_the_reboot() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("abstate.env");
-        save(&State::initial(), &p).unwrap();
+        store::save(&State::initial(), &p).unwrap();
         let d = judge(&p, "console=x rauc.slot=A", true);
         assert_eq!(d.action, "marked good");
         assert_eq!(load(&p).unwrap().env.get(LAST_GOOD), Some("A"));

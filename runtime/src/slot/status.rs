@@ -198,7 +198,7 @@ pub fn mark(env: &Path, m: Mark, slot: Slot, reset: bool) -> Result<(Option<Stat
     let mut after = before.clone().unwrap_or_else(State::initial);
     m.apply(&mut after, slot)
         .with_context(|| format!("{}: {} slot {}", env.display(), m.name(), slot.name()))?;
-    store::save(&after, env)?;
+    store::with_writable(env, || store::save(&after, env))?;
     Ok((before, after))
 }
 

@@ -80,6 +80,70 @@ pub fn save(st: &State, path: &Path) -> Result<()> {
     })
 }
 
+/// Run `f` with the file system holding `path` writable: when it is mounted read-only (init
+/// mounts `bootctl` so), it is remounted read-write and synchronous (each write reaches the card
+/// in the order it is made: the new file's data and chain before the rename's directory entry)
+/// for `f`, then read-only again, which clears FAT's dirty bit. Linux only; elsewhere `f` runs.
+pub fn with_writable<T>(path: &Path, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    let Some(mp) = read_only_mount_of(path) else {
+        return f();
+    };
+    remount(&mp, libc::MS_SYNCHRONOUS).with_context(|| {
+        format!(
+            "remounting {} read-write to write {}",
+            mp.display(),
+            path.display()
+        )
+    })?;
+    let r = f();
+    let back = remount(&mp, libc::MS_RDONLY)
+        .with_context(|| format!("remounting {} read-only again", mp.display()));
+    let out = r?;
+    back?;
+    Ok(out)
+}
+
+fn remount(mp: &Path, flags: libc::c_ulong) -> Result<()> {
+    use std::os::unix::ffi::OsStrExt as _;
+    let c = std::ffi::CString::new(mp.as_os_str().as_bytes())?;
+    // SAFETY: a valid NUL-terminated path; null source, type and data are allowed for a remount.
+    let rc = unsafe {
+        libc::mount(
+            std::ptr::null(),
+            c.as_ptr(),
+            std::ptr::null(),
+            libc::MS_REMOUNT | flags,
+            std::ptr::null(),
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error().into());
+    }
+    Ok(())
+}
+
+/// The mount point holding `path` when it is mounted read-only (`/proc/self/mountinfo`).
+fn read_only_mount_of(path: &Path) -> Option<PathBuf> {
+    let dir = path.parent()?.canonicalize().ok()?;
+    let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    let mut best: Option<(PathBuf, bool)> = None;
+    for l in info.lines() {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        let (Some(mp), Some(opts)) = (f.get(4), f.get(5)) else {
+            continue;
+        };
+        let mp = PathBuf::from(mp.replace("\\040", " "));
+        if dir.starts_with(&mp)
+            && best
+                .as_ref()
+                .is_none_or(|(b, _)| mp.as_os_str().len() >= b.as_os_str().len())
+        {
+            best = Some((mp, opts.split(',').any(|o| o == "ro")));
+        }
+    }
+    best.and_then(|(mp, ro)| ro.then_some(mp))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

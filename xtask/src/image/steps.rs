@@ -1037,6 +1037,14 @@ fn initramfs_tree(
     }
     t.add("usr/bin/kiln", 0o755, NodeKind::File(kiln.to_vec()), "kiln")?;
     let mut roots = vec!["usr/bin/kiln"];
+    // fsck.fat alone from dosfstools: init repairs the FAT partitions before mounting them.
+    let dosfs = rootfs::deb_tree(deb("dosfstools")?, "dosfstools")?;
+    let fsck = dosfs
+        .nodes
+        .get("sbin/fsck.fat")
+        .context("dosfstools has no /sbin/fsck.fat")?;
+    t.add("sbin/fsck.fat", 0o755, fsck.kind.clone(), "dosfstools")?;
+    roots.push("sbin/fsck.fat");
     if let Some((lib, origin)) = npu {
         t.add(
             "usr/lib/librknnrt.so",
@@ -1071,6 +1079,7 @@ fn initramfs_tree(
         if matches!(input.source, pins::Source::Deb { .. })
             && input.file.ends_with("rootfs/packages.toml")
             && name != "busybox-static"
+            && name != "dosfstools"
         {
             for (path, n) in rootfs::deb_tree(p, name)?.nodes {
                 if libs
