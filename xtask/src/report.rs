@@ -343,6 +343,78 @@ pub(crate) mod tests {
         )
     }
 
+    /// A disk in the A/B layout: bootctl with `state`, boot_a and boot_b with their files.
+    fn ab_disk(
+        dir: &Path,
+        state: &kiln_runtime::slot::State,
+        a: &[(String, Vec<u8>)],
+        b: &[(String, Vec<u8>)],
+    ) -> PathBuf {
+        let size = 8 * 1024 * 1024;
+        let mut parts = Vec::new();
+        let ctl_files = [("kiln/abstate.env".to_string(), state.encode().unwrap())];
+        for (i, (name, files)) in [("bootctl", &ctl_files[..]), ("boot_a", a), ("boot_b", b)]
+            .into_iter()
+            .enumerate()
+        {
+            let fat = dir.join(format!("{name}.vfat"));
+            fat::build(&fat, size, 0x1234_5678, "BOOT", files, 1_700_000_000).unwrap();
+            let spec = gpt::PartitionSpec {
+                name: name.into(),
+                type_guid: gpt::types::basic_data(),
+                unique_guid: guid_from_seed("test", name),
+                first_lba: 2048 + i as u64 * (size / 512),
+                size_bytes: size,
+                attributes: 0,
+            };
+            parts.push((spec, fat));
+        }
+        let img = dir.join("ab.img");
+        gpt::assemble(
+            &img,
+            32 * 1024 * 1024,
+            guid_from_seed("test", "disk"),
+            &parts,
+            &[],
+        )
+        .unwrap();
+        img
+    }
+
+    #[test]
+    fn the_report_shown_is_the_first_slot_of_boot_order_with_one() {
+        use kiln_runtime::slot::{Slot, State};
+        let dir = tempfile::tempdir().unwrap();
+        let rep = |fail: bool| {
+            vec![(
+                REPORT_PATH.to_string(),
+                serde_json::to_vec(&report(fail)).unwrap(),
+            )]
+        };
+        let mut st = State::initial();
+        st.mark_active(Slot::B).unwrap();
+        // B first in BOOT_ORDER, but only A has booted: A's report.
+        let img = ab_disk(dir.path(), &st, &rep(false), &[]);
+        assert_eq!(current_slot(&img).unwrap().0, "A");
+        let lines = ab_lines(&img).join("\n");
+        assert!(
+            lines.contains("BOOT_ORDER 'B A', A 3 left (good), B 3 left (good)"),
+            "{lines}"
+        );
+        assert!(lines.contains("slot B (boot_b): no report"), "{lines}");
+        // Both booted: B's (the FAIL), as B is first.
+        let img = ab_disk(dir.path(), &st, &rep(false), &rep(true));
+        assert_eq!(current_slot(&img).unwrap().0, "B");
+        assert_eq!(read_report(&img).unwrap().1.verdict, Verdict::Fail);
+        // B marked bad: A's again; neither good: said.
+        st.mark_bad(Slot::B).unwrap();
+        let img = ab_disk(dir.path(), &st, &rep(false), &rep(true));
+        assert_eq!(current_slot(&img).unwrap().0, "A");
+        st.mark_bad(Slot::A).unwrap();
+        let img = ab_disk(dir.path(), &st, &rep(false), &rep(true));
+        assert!(ab_lines(&img).join("\n").contains("NO GOOD SLOT"));
+    }
+
     #[test]
     fn reads_the_report_back_from_the_boot_partition() {
         let dir = tempfile::tempdir().unwrap();
