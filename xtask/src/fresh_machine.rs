@@ -292,6 +292,37 @@ pub fn stage() -> Result<()> {
         );
     }
     println!("fresh-machine: the fresh machine built the same image: {inside_sha}");
+    // Two builds from two clones: the same SBOM bytes beside the image.
+    for ext in ["spdx.json", "cdx.json"] {
+        let name = format!("kiln-qemu-virt.{ext}");
+        let inside = src.join("target/images").join(&name);
+        let outside_f = crate::paths::target_dir().join("images").join(&name);
+        let read = |p: &Path| std::fs::read(p).with_context(|| format!("reading {}", p.display()));
+        let (a, b) = (read(&outside_f)?, read(&inside)?);
+        if a != b {
+            let mut diffs = Vec::new();
+            crate::image::checks::json_diff(
+                &crate::image::checks::read_json(&outside_f)?,
+                &crate::image::checks::read_json(&inside)?,
+                "",
+                &mut diffs,
+                40,
+            );
+            bail!(
+                "the same image, but the SBOM {name} built on the fresh machine differs from the \
+                 one built outside ({} vs {}); differing entries (outside vs inside):\n  {}\n\
+                 (root kept in {} for inspection)",
+                outside_f.display(),
+                inside.display(),
+                diffs.join("\n  "),
+                base.display()
+            );
+        }
+        println!(
+            "fresh-machine: {name}: the same {} bytes from both builds",
+            a.len()
+        );
+    }
     clean(&base)?;
     Ok(())
 }
