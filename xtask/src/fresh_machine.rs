@@ -9,8 +9,10 @@
 //! lists of the host. The commit is cloned to `/home/kiln/src/kiln` under another `$HOME`; inside, as
 //! root, `cargo xtask image` exactly as the README writes it (which makes the bookworm tools root
 //! inside trixie and builds the kernel in it), then `cargo xtask boot-test`. The image's sha256
-//! must equal the one built outside, in this checkout: the same bytes across distribution
-//! releases, host compilers, paths, time zones (`TZ=CHAST-12:45CHADT`), umasks (077), times
+//! must equal the one built outside, in this checkout, and so must the bytes of the SBOMs beside
+//! it (`kiln-qemu-virt.{spdx,cdx}.json`: two builds from two clones, the same SBOMs): the same
+//! bytes across distribution releases, host compilers, paths, time zones
+//! (`TZ=CHAST-12:45CHADT`), umasks (077), times
 //! and the user's default Rust toolchain (inside, rustup's default is another release than the
 //! pinned one when the host has a second toolchain: `rust-toolchain.toml` must win).
 
