@@ -9,8 +9,10 @@
 //! lists of the host. The commit is cloned to `/home/kiln/src/kiln` under another `$HOME`; inside, as
 //! root, `cargo xtask image` exactly as the README writes it (which makes the bookworm tools root
 //! inside trixie and builds the kernel in it), then `cargo xtask boot-test`. The image's sha256
-//! must equal the one built outside, in this checkout: the same bytes across distribution
-//! releases, host compilers, paths, time zones (`TZ=CHAST-12:45CHADT`), umasks (077), times
+//! must equal the one built outside, in this checkout, and so must the bytes of the SBOMs beside
+//! it (`kiln-qemu-virt.{spdx,cdx}.json`: two builds from two clones, the same SBOMs): the same
+//! bytes across distribution releases, host compilers, paths, time zones
+//! (`TZ=CHAST-12:45CHADT`), umasks (077), times
 //! and the user's default Rust toolchain (inside, rustup's default is another release than the
 //! pinned one when the host has a second toolchain: `rust-toolchain.toml` must win).
 
@@ -292,6 +294,37 @@ pub fn stage() -> Result<()> {
         );
     }
     println!("fresh-machine: the fresh machine built the same image: {inside_sha}");
+    // Two builds from two clones: the same SBOM bytes beside the image.
+    for ext in ["spdx.json", "cdx.json"] {
+        let name = format!("kiln-qemu-virt.{ext}");
+        let inside = src.join("target/images").join(&name);
+        let outside_f = crate::paths::target_dir().join("images").join(&name);
+        let read = |p: &Path| std::fs::read(p).with_context(|| format!("reading {}", p.display()));
+        let (a, b) = (read(&outside_f)?, read(&inside)?);
+        if a != b {
+            let mut diffs = Vec::new();
+            crate::image::checks::json_diff(
+                &crate::image::checks::read_json(&outside_f)?,
+                &crate::image::checks::read_json(&inside)?,
+                "",
+                &mut diffs,
+                40,
+            );
+            bail!(
+                "the same image, but the SBOM {name} built on the fresh machine differs from the \
+                 one built outside ({} vs {}); differing entries (outside vs inside):\n  {}\n\
+                 (root kept in {} for inspection)",
+                outside_f.display(),
+                inside.display(),
+                diffs.join("\n  "),
+                base.display()
+            );
+        }
+        println!(
+            "fresh-machine: {name}: the same {} bytes from both builds",
+            a.len()
+        );
+    }
     clean(&base)?;
     Ok(())
 }

@@ -258,6 +258,34 @@ fn unpack_source(spec: &KernelSpec, file: &Path, sha: &Sha256) -> Result<PathBuf
     bail!("no kernel tree (Makefile + Kconfig) in {}", dir.display())
 }
 
+/// The kernel's licence as its source tree states it: `COPYING`, and the two texts it points at.
+pub const LICENCE_FILES: &[&str] = &[
+    "COPYING",
+    "LICENSES/preferred/GPL-2.0",
+    "LICENSES/exceptions/Linux-syscall-note",
+];
+
+/// The [`LICENCE_FILES`] of the kernel source, as (path in the tree, bytes), from the unpacked
+/// source (unpacked first if it is not).
+pub fn licence_texts(
+    spec: &KernelSpec,
+    source: &Path,
+    source_sha: &Sha256,
+) -> Result<Vec<(String, Vec<u8>)>> {
+    let src = unpack_source(spec, source, source_sha)?;
+    LICENCE_FILES
+        .iter()
+        .map(|f| {
+            let p = src.join(f);
+            Ok((
+                f.to_string(),
+                std::fs::read(&p)
+                    .with_context(|| format!("the kernel's licence text {f} ({})", p.display()))?,
+            ))
+        })
+        .collect()
+}
+
 /// The key of a kernel build: every input that can change its bytes.
 pub fn build_key(
     spec: &KernelSpec,

@@ -5,6 +5,15 @@
 //! manifest gives the same bytes. `cargo xtask image` writes both beside the image (its `sboms`
 //! step, remade when the manifest or this module changes).
 //!
+//! The card carries them too: `kiln/sbom/kiln-<board>.spdx.json` and `.cdx.json` on the boot
+//! partition, made from the boot manifest (`kiln/manifest.json`, which has no `image`) with
+//! [`Root::System`]: the root element is the system on the card (`kiln-<board> system`, version =
+//! the commit, no hash; the image that contains the documents cannot be named by its hash), its
+//! own SPDX namespace and CycloneDX serial number, and everything below it as beside the image.
+//! They are listed in the boot manifest's `boot.files` after they are made (they read nothing of
+//! `boot.files`, so they hold neither their own hash nor the manifest's), and `image.manifest`
+//! hashes them on the board. Beside them, `kiln/licenses/` holds the licence texts ([`texts`]).
+//!
 //! Covered so far: the Debian inputs (`pkg:deb/debian/…`), the kernel built from source (with the
 //! Linux kernel CPE), `kiln` itself (the commit), the NPU stand-in library when the board installs
 //! it, the models and fixtures of the models partition, the Rust crates compiled into `kiln`
@@ -45,6 +54,7 @@
 
 pub mod crates;
 pub mod dep5;
+pub mod texts;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
@@ -385,27 +395,87 @@ fn spdx_id(i: usize, it: &Item) -> String {
     format!("SPDXRef-{i}-{clean}")
 }
 
-/// The SPDX 2.3 document of a manifest.
-pub fn spdx(m: &Value) -> Result<Value> {
+/// What an SBOM describes: its root element. Everything below the root is the same for both.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Root {
+    /// The disk image `kiln-<board>.img`, with its sha256 (the manifest's `image.sha256`): the
+    /// documents beside the image.
+    Image,
+    /// The system on the card, `kiln-<board> system`, with no hash: the documents on the boot
+    /// partition (`kiln/sbom/`), which the image contains and so cannot name the image's hash.
+    /// Made from the boot manifest, which has no `image`.
+    System,
+}
+
+/// The root element of a document: ids, name, and the hash it has.
+struct RootOf {
+    spdx_id: &'static str,
+    bom_ref: &'static str,
+    name: String,
+    sha256: Option<String>,
+    /// Appended to the SPDX namespace and the CycloneDX serial seed: two documents, two ids.
+    suffix: &'static str,
+}
+
+impl Root {
+    fn of(self, m: &Value, board: &str) -> Result<RootOf> {
+        Ok(match self {
+            Root::Image => RootOf {
+                spdx_id: "SPDXRef-image",
+                bom_ref: "image",
+                name: format!("kiln-{board}.img"),
+                sha256: Some(s(&m["image"]["sha256"], "image.sha256")?),
+                suffix: "",
+            },
+            Root::System => RootOf {
+                spdx_id: "SPDXRef-system",
+                bom_ref: "system",
+                name: format!("kiln-{board} system"),
+                sha256: None,
+                suffix: "/system",
+            },
+        })
+    }
+
+    /// Where the documents of this root are written, for a board: beside the image
+    /// (`kiln-<board>.<ext>`), or `kiln/sbom/kiln-<board>.<ext>` on the boot partition.
+    pub fn file_names(self, board: &str) -> [String; 2] {
+        let dir = match self {
+            Root::Image => "",
+            Root::System => "kiln/sbom/",
+        };
+        [
+            format!("{dir}kiln-{board}.spdx.json"),
+            format!("{dir}kiln-{board}.cdx.json"),
+        ]
+    }
+}
+
+/// The SPDX 2.3 document of a manifest, rooted at `root`.
+pub fn spdx(m: &Value, root: Root) -> Result<Value> {
     let its = items(m)?;
     let board = s(&m["board"], "board")?;
     let commit = s(&m["commit"], "commit")?;
-    let image = &m["image"];
-    let mut packages = vec![json!({
-        "SPDXID": "SPDXRef-image",
-        "name": format!("kiln-{board}.img"),
+    let r = root.of(m, &board)?;
+    let root_id = r.spdx_id;
+    let mut top = json!({
+        "SPDXID": root_id,
+        "name": r.name,
         "versionInfo": commit,
         "downloadLocation": "NOASSERTION",
         "filesAnalyzed": false,
-        "checksums": [{"algorithm": "SHA256", "checksumValue": s(&image["sha256"], "image.sha256")?}],
         "licenseConcluded": "NOASSERTION",
         "licenseDeclared": "NOASSERTION",
         "copyrightText": "NOASSERTION",
         "primaryPackagePurpose": "OPERATING-SYSTEM",
-    })];
+    });
+    if let Some(h) = &r.sha256 {
+        top["checksums"] = json!([{"algorithm": "SHA256", "checksumValue": h}]);
+    }
+    let mut packages = vec![top];
     let mut rels = vec![json!({
         "spdxElementId": "SPDXRef-DOCUMENT", "relationshipType": "DESCRIBES",
-        "relatedSpdxElement": "SPDXRef-image",
+        "relatedSpdxElement": root_id,
     })];
     let ids: Vec<String> = its
         .iter()
@@ -477,8 +547,8 @@ pub fn spdx(m: &Value) -> Result<Value> {
         let (a, t, b) = match it.kind {
             "kernel-source" => (id, "GENERATED_FROM", "SPDXRef-kernel".to_string()),
             // "A BUILD_TOOL_OF B": A is used to build B.
-            "build-tool" => (id, "BUILD_TOOL_OF", "SPDXRef-image".to_string()),
-            _ => ("SPDXRef-image".to_string(), "CONTAINS", id),
+            "build-tool" => (id, "BUILD_TOOL_OF", root_id.to_string()),
+            _ => (root_id.to_string(), "CONTAINS", id),
         };
         rels.push(json!({"spdxElementId": a, "relationshipType": t, "relatedSpdxElement": b}));
     }
@@ -507,17 +577,18 @@ pub fn spdx(m: &Value) -> Result<Value> {
         "dataLicense": "CC0-1.0",
         "SPDXID": "SPDXRef-DOCUMENT",
         "name": format!("kiln-{board}"),
-        "documentNamespace": format!("https://kiln.invalid/spdx/{board}/{commit}"),
+        "documentNamespace": format!("https://kiln.invalid/spdx/{board}/{commit}{}", r.suffix),
         "creationInfo": {"created": created(m)?, "creators": ["Tool: kiln-xtask"]},
         "packages": packages,
         "relationships": rels,
     }))
 }
 
-/// A UUID-shaped serial number from the board and commit (not random: same commit, same bytes).
-fn serial(board: &str, commit: &str) -> String {
+/// A UUID-shaped serial number from the board and commit (not random: same commit, same bytes),
+/// and the root's suffix (the documents on the card are other documents).
+fn serial(board: &str, commit: &str, suffix: &str) -> String {
     use sha2::{Digest, Sha256};
-    let h = Sha256::digest(format!("kiln-sbom:{board}:{commit}").as_bytes());
+    let h = Sha256::digest(format!("kiln-sbom:{board}:{commit}{suffix}").as_bytes());
     let x: String = h.iter().take(16).map(|b| format!("{b:02x}")).collect();
     format!(
         "urn:uuid:{}-{}-5{}-8{}-{}",
@@ -529,11 +600,12 @@ fn serial(board: &str, commit: &str) -> String {
     )
 }
 
-/// The CycloneDX 1.6 document of a manifest.
-pub fn cyclonedx(m: &Value) -> Result<Value> {
+/// The CycloneDX 1.6 document of a manifest, rooted at `root`.
+pub fn cyclonedx(m: &Value, root: Root) -> Result<Value> {
     let its = items(m)?;
     let board = s(&m["board"], "board")?;
     let commit = s(&m["commit"], "commit")?;
+    let r = root.of(m, &board)?;
     let refs: Vec<String> = its
         .iter()
         .enumerate()
@@ -595,25 +667,27 @@ pub fn cyclonedx(m: &Value) -> Result<Value> {
             .map(|(_, r)| r)
             .collect()
     };
-    let mut deps = vec![json!({"ref": "image", "dependsOn": its.iter().zip(&refs)
+    let mut deps = vec![json!({"ref": r.bom_ref, "dependsOn": its.iter().zip(&refs)
         .filter(|(it, _)| !matches!(it.kind, "rust-crate" | "build-tool")).map(|(_, r)| r).collect::<Vec<_>>()})];
     for (it, r) in its.iter().zip(&refs) {
         if matches!(it.kind, "kiln" | "npu-runtime") {
             deps.push(json!({"ref": r, "dependsOn": of(it.kind)}));
         }
     }
+    let mut top = json!({
+        "type": "firmware", "bom-ref": r.bom_ref, "name": r.name, "version": commit,
+    });
+    if let Some(h) = &r.sha256 {
+        top["hashes"] = json!([{"alg": "SHA-256", "content": h}]);
+    }
     let mut bom = json!({
         "bomFormat": "CycloneDX",
         "specVersion": "1.6",
-        "serialNumber": serial(&board, &commit),
+        "serialNumber": serial(&board, &commit, r.suffix),
         "version": 1,
         "metadata": {
             "timestamp": created(m)?,
-            "component": {
-                "type": "firmware", "bom-ref": "image", "name": format!("kiln-{board}.img"),
-                "version": commit,
-                "hashes": [{"alg": "SHA-256", "content": s(&m["image"]["sha256"], "image.sha256")?}],
-            },
+            "component": top,
         },
         "components": comps,
         "dependencies": deps,
@@ -629,12 +703,12 @@ pub fn cyclonedx(m: &Value) -> Result<Value> {
     Ok(bom)
 }
 
-/// Write the SBOMs of the manifest at `manifest` into its directory; returns the paths written.
-/// The SPDX 2.3 and CycloneDX 1.6 documents of a manifest, as the files hold them.
-pub fn documents(m: &Value) -> Result<[Vec<u8>; 2]> {
+/// The SPDX 2.3 and CycloneDX 1.6 documents of a manifest, rooted at `root`, as the files hold
+/// them (in the order of [`Root::file_names`]).
+pub fn documents(m: &Value, root: Root) -> Result<[Vec<u8>; 2]> {
     Ok([
-        serde_json::to_vec_pretty(&spdx(m)?)?,
-        serde_json::to_vec_pretty(&cyclonedx(m)?)?,
+        serde_json::to_vec_pretty(&spdx(m, root)?)?,
+        serde_json::to_vec_pretty(&cyclonedx(m, root)?)?,
     ])
 }
 
@@ -642,6 +716,8 @@ pub fn documents(m: &Value) -> Result<[Vec<u8>; 2]> {
 /// say makes them again.
 pub const SOURCE: &str = include_str!("sbom.rs");
 
+/// Write the SBOMs of the manifest at `manifest` (the published one, with `image`) into its
+/// directory; returns the paths written.
 pub fn write(manifest: &std::path::Path, format: &str) -> Result<Vec<PathBuf>> {
     let m: Value = serde_json::from_slice(
         &std::fs::read(manifest).with_context(|| format!("reading {}", manifest.display()))?,
@@ -658,12 +734,15 @@ pub fn write(manifest: &std::path::Path, format: &str) -> Result<Vec<PathBuf>> {
     };
     if sp {
         let p = dir.join(format!("kiln-{board}.spdx.json"));
-        crate::atomic::write_atomic(&p, &serde_json::to_vec_pretty(&spdx(&m)?)?)?;
+        crate::atomic::write_atomic(&p, &serde_json::to_vec_pretty(&spdx(&m, Root::Image)?)?)?;
         out.push(p);
     }
     if cd {
         let p = dir.join(format!("kiln-{board}.cdx.json"));
-        crate::atomic::write_atomic(&p, &serde_json::to_vec_pretty(&cyclonedx(&m)?)?)?;
+        crate::atomic::write_atomic(
+            &p,
+            &serde_json::to_vec_pretty(&cyclonedx(&m, Root::Image)?)?,
+        )?;
         out.push(p);
     }
     Ok(out)
@@ -744,7 +823,7 @@ mod tests {
         ];
         let (tools, crates) = (["e50f", "9cc1"], ["6ea2", "01d0", "5e4d"]);
         let want: Vec<&str> = [&in_image[..], &tools, &crates].concat();
-        let sp = spdx(&m).unwrap();
+        let sp = spdx(&m, Root::Image).unwrap();
         let mut got: Vec<String> = sp["packages"]
             .as_array()
             .unwrap()
@@ -758,7 +837,7 @@ mod tests {
             .collect();
         assert_eq!(got.remove(0), "aa1e");
         assert_eq!(got, want);
-        let cd = cyclonedx(&m).unwrap();
+        let cd = cyclonedx(&m, Root::Image).unwrap();
         let got: Vec<&str> = cd["components"]
             .as_array()
             .unwrap()
@@ -788,7 +867,7 @@ mod tests {
     #[test]
     fn debian_packages_carry_their_dep5_licences() {
         let m = manifest();
-        let sp = spdx(&m).unwrap();
+        let sp = spdx(&m, Root::Image).unwrap();
         let pkgs = sp["packages"].as_array().unwrap();
         let pkg = |n: &str| pkgs.iter().find(|p| p["name"] == n).unwrap();
         assert_eq!(pkg("zlib1g")["licenseDeclared"], "Zlib");
@@ -799,7 +878,7 @@ mod tests {
             .unwrap()
             .contains("kiln:license-noassertion: not DEP-5 (no Format: header)"));
         assert_eq!(pkg("linux-source-6.1")["licenseDeclared"], "NOASSERTION");
-        let cd = cyclonedx(&m).unwrap();
+        let cd = cyclonedx(&m, Root::Image).unwrap();
         let comps = cd["components"].as_array().unwrap();
         let comp = |n: &str| comps.iter().find(|c| c["name"] == n).unwrap();
         assert_eq!(comp("zlib1g")["licenses"], json!([{"expression": "Zlib"}]));
@@ -820,7 +899,7 @@ mod tests {
     #[test]
     fn tools_root_packages_are_build_tools_of_the_image() {
         let m = manifest();
-        let sp = spdx(&m).unwrap();
+        let sp = spdx(&m, Root::Image).unwrap();
         let pkgs = sp["packages"].as_array().unwrap();
         let erofs = pkgs.iter().find(|p| p["name"] == "erofs-utils").unwrap();
         assert_eq!(
@@ -841,7 +920,7 @@ mod tests {
                      "relatedSpdxElement": "SPDXRef-image"})
             ]
         );
-        let cd = cyclonedx(&m).unwrap();
+        let cd = cyclonedx(&m, Root::Image).unwrap();
         assert!(!cd["components"]
             .as_array()
             .unwrap()
@@ -859,13 +938,16 @@ mod tests {
         // A manifest of before the tools root was listed has no formulation.
         let mut old = m.clone();
         old["tools_root"] = json!({"key": "c0de", "packages": 2});
-        assert!(cyclonedx(&old).unwrap().get("formulation").is_none());
+        assert!(cyclonedx(&old, Root::Image)
+            .unwrap()
+            .get("formulation")
+            .is_none());
     }
 
     #[test]
     fn crates_have_cargo_purls_licences_and_relationships() {
         let m = manifest();
-        let sp = spdx(&m).unwrap();
+        let sp = spdx(&m, Root::Image).unwrap();
         let pkgs = sp["packages"].as_array().unwrap();
         let pkg = |n: &str| pkgs.iter().find(|p| p["name"] == n).unwrap();
         let half = pkg("half");
@@ -902,7 +984,7 @@ mod tests {
             .iter()
             .any(|r| r["relatedSpdxElement"] == half_id && r["spdxElementId"] == "SPDXRef-image"));
 
-        let cd = cyclonedx(&m).unwrap();
+        let cd = cyclonedx(&m, Root::Image).unwrap();
         let comps = cd["components"].as_array().unwrap();
         let comp = |n: &str| comps.iter().find(|c| c["name"] == n).unwrap();
         assert_eq!(comp("half")["purl"], "pkg:cargo/half@2.7.1");
@@ -930,7 +1012,7 @@ mod tests {
     #[test]
     fn models_carry_their_gguf_metadata() {
         let m = manifest();
-        let cd = cyclonedx(&m).unwrap();
+        let cd = cyclonedx(&m, Root::Image).unwrap();
         let c = cd["components"]
             .as_array()
             .unwrap()
@@ -955,7 +1037,7 @@ mod tests {
                 "{k}={v}: {props:?}"
             );
         }
-        let sp = spdx(&m).unwrap();
+        let sp = spdx(&m, Root::Image).unwrap();
         let p = sp["packages"]
             .as_array()
             .unwrap()
@@ -977,13 +1059,98 @@ mod tests {
         assert_eq!(model_license("llama3.2"), None);
     }
 
+    /// The documents on the card: made from the boot manifest (no `image`), rooted at the
+    /// system (no hash, its own ids), and otherwise the documents beside the image.
+    #[test]
+    fn card_documents_are_the_image_ones_with_the_system_as_root() {
+        let m = manifest();
+        let mut boot = m.clone();
+        boot.as_object_mut().unwrap().remove("image");
+        assert!(
+            spdx(&boot, Root::Image).is_err(),
+            "a boot manifest has no image hash"
+        );
+        let (a, b) = (
+            spdx(&m, Root::Image).unwrap(),
+            spdx(&boot, Root::System).unwrap(),
+        );
+        let root = &b["packages"][0];
+        assert_eq!(root["SPDXID"], "SPDXRef-system");
+        assert_eq!(root["name"], "kiln-qemu-virt system");
+        assert_eq!(root["versionInfo"], m["commit"]);
+        assert_eq!(root["primaryPackagePurpose"], "OPERATING-SYSTEM");
+        assert!(root.get("checksums").is_none());
+        assert_eq!(a["packages"][0]["checksums"][0]["checksumValue"], "aa1e");
+        assert_eq!(
+            b["documentNamespace"],
+            format!("{}/system", a["documentNamespace"].as_str().unwrap())
+        );
+        assert_eq!(
+            a["packages"].as_array().unwrap()[1..],
+            b["packages"].as_array().unwrap()[1..]
+        );
+        let as_image = |v: &Value| {
+            serde_json::from_str::<Value>(
+                &v.to_string()
+                    .replace("\"SPDXRef-system\"", "\"SPDXRef-image\""),
+            )
+            .unwrap()
+        };
+        assert_eq!(a["relationships"], as_image(&b["relationships"]));
+        for k in [
+            "spdxVersion",
+            "dataLicense",
+            "SPDXID",
+            "name",
+            "creationInfo",
+        ] {
+            assert_eq!(a[k], b[k], "{k}");
+        }
+        assert_eq!(a.as_object().unwrap().len(), b.as_object().unwrap().len());
+
+        let (a, b) = (
+            cyclonedx(&m, Root::Image).unwrap(),
+            cyclonedx(&boot, Root::System).unwrap(),
+        );
+        assert_eq!(
+            b["metadata"]["component"],
+            json!({"type": "firmware", "bom-ref": "system", "name": "kiln-qemu-virt system",
+                   "version": m["commit"]})
+        );
+        assert_eq!(a["metadata"]["component"]["hashes"][0]["content"], "aa1e");
+        assert_eq!(a["metadata"]["timestamp"], b["metadata"]["timestamp"]);
+        assert_ne!(a["serialNumber"], b["serialNumber"]);
+        assert_eq!(a["components"], b["components"]);
+        assert_eq!(a["formulation"], b["formulation"]);
+        let mut deps = b["dependencies"].clone();
+        assert_eq!(deps[0]["ref"], "system");
+        deps[0]["ref"] = json!("image");
+        assert_eq!(a["dependencies"], deps);
+        assert_eq!(a.as_object().unwrap().len(), b.as_object().unwrap().len());
+        // Deterministic, and the same whether the manifest has an image or not.
+        assert_eq!(
+            documents(&boot, Root::System).unwrap(),
+            documents(&m, Root::System).unwrap()
+        );
+        assert_eq!(
+            Root::System.file_names("qemu-virt"),
+            [
+                "kiln/sbom/kiln-qemu-virt.spdx.json",
+                "kiln/sbom/kiln-qemu-virt.cdx.json"
+            ]
+        );
+    }
+
     #[test]
     fn sbom_is_deterministic_and_dated_from_the_manifest() {
         let m = manifest();
-        let a = serde_json::to_vec_pretty(&spdx(&m).unwrap()).unwrap();
-        assert_eq!(a, serde_json::to_vec_pretty(&spdx(&m).unwrap()).unwrap());
+        let a = serde_json::to_vec_pretty(&spdx(&m, Root::Image).unwrap()).unwrap();
         assert_eq!(
-            spdx(&m).unwrap()["creationInfo"]["created"],
+            a,
+            serde_json::to_vec_pretty(&spdx(&m, Root::Image).unwrap()).unwrap()
+        );
+        assert_eq!(
+            spdx(&m, Root::Image).unwrap()["creationInfo"]["created"],
             "2026-12-03T15:43:02Z"
         );
         assert_eq!(time_of(0), "1970-01-01T00:00:00Z");
@@ -991,8 +1158,8 @@ mod tests {
         let mut m2 = m.clone();
         m2["commit"] = json!("0000000000000000000000000000000000000000");
         assert_ne!(
-            cyclonedx(&m).unwrap()["serialNumber"],
-            cyclonedx(&m2).unwrap()["serialNumber"]
+            cyclonedx(&m, Root::Image).unwrap()["serialNumber"],
+            cyclonedx(&m2, Root::Image).unwrap()["serialNumber"]
         );
     }
 }

@@ -958,7 +958,127 @@ fn sbom(_: &Args) -> Result<()> {
         spdx.display(),
         cdx.display()
     );
+
+    // The card: its SBOMs and licence texts, read from the image's boot partition, each listed
+    // with its hash in the card's kiln/manifest.json (so image.manifest covers it on the board).
+    let image = images.join(format!("kiln-{board}.img"));
+    let m = read(&manifest)?;
+    let p1 = &m["disk"]["partitions"][0];
+    let (off, size) = (
+        p1["first_lba"]
+            .as_u64()
+            .context("manifest: no disk.partitions[0].first_lba")?
+            * 512,
+        p1["size_bytes"]
+            .as_u64()
+            .context("manifest: no disk.partitions[0].size_bytes")?,
+    );
+    let on_card = |path: &str| crate::disk::fat::read_file(&image, off, size, path);
+    let boot: serde_json::Value = serde_json::from_slice(&on_card("kiln/manifest.json")?)
+        .context("parsing the card's kiln/manifest.json")?;
+    let listed = boot["boot"]["files"]
+        .as_object()
+        .context("the card's manifest has no boot.files")?;
+    let entries = crate::disk::fat::list(&image, off, size)?;
+    let paths: Vec<String> = entries
+        .iter()
+        .filter(|e| !e.is_dir)
+        .map(|e| e.path.clone())
+        .collect();
+    let (n, bytes) = card_files_listed(&paths, listed, on_card)?;
+    for p in ["kiln/licenses/README", "kiln/licenses/kernel/COPYING"] {
+        ensure!(
+            entries.iter().any(|e| e.path == p),
+            "{p} is not on the card"
+        );
+    }
+    println!(
+        "sbom: {n} files under kiln/sbom/ and kiln/licenses/ on the card ({:.2} MiB), each in \
+         boot.files with its sha256",
+        bytes as f64 / 1048576.0
+    );
+    let names = crate::sbom::Root::System.file_names(board);
+    let want = crate::sbom::documents(&boot, crate::sbom::Root::System)?;
+    let mut card = Vec::new();
+    for (name, want) in names.iter().zip(want) {
+        let data = on_card(name)?;
+        ensure!(
+            data == want,
+            "{name} on the card differs from the SBOM of the card's kiln/manifest.json"
+        );
+        let file_name = std::path::Path::new(name)
+            .file_name()
+            .context("SBOM name")?;
+        let out = work.join("card").join(file_name);
+        std::fs::create_dir_all(work.join("card"))?;
+        crate::atomic::write_atomic(&out, &data)?;
+        card.push(out);
+    }
+    let (card_spdx, card_cdx) = (&card[0], &card[1]);
+    cmd!(sh, "{pyspdxtools} -i {card_spdx}")
+        .run()
+        .with_context(|| {
+            format!(
+                "pyspdxtools rejects {} (from the card)",
+                card_spdx.display()
+            )
+        })?;
+    if !cdx_ok(card_cdx) {
+        bail!(
+            "{} (from the card) is not valid CycloneDX 1.6",
+            card_cdx.display()
+        );
+    }
+    let (a, b) = (read(cdx)?, read(card_cdx)?);
+    ensure!(
+        a["components"] == b["components"] && b["metadata"]["component"].get("hashes").is_none(),
+        "the card's CycloneDX SBOM has other components than the one beside the image, or \
+         names a hash for the system"
+    );
+    println!(
+        "sbom: the card's {} and {} (root: the system, no hash) pass pyspdxtools and the \
+         CycloneDX 1.6 schema, with the components of those beside the image",
+        names[0], names[1]
+    );
     Ok(())
+}
+
+/// Every file under `kiln/sbom/` and `kiln/licenses/` of the card (`paths`, read with `read`) is
+/// in the boot manifest's `boot.files` (`listed`) with its sha256 and size, so `image.manifest`
+/// checks it on the board; every listed file is on the card. Returns how many files and bytes.
+fn card_files_listed(
+    paths: &[String],
+    listed: &serde_json::Map<String, serde_json::Value>,
+    read: impl Fn(&str) -> Result<Vec<u8>>,
+) -> Result<(usize, usize)> {
+    let (mut n, mut bytes) = (0usize, 0usize);
+    for p in paths
+        .iter()
+        .filter(|p| p.starts_with("kiln/sbom/") || p.starts_with("kiln/licenses/"))
+    {
+        let data = read(p)?;
+        let want = listed.get(&format!("/{p}")).with_context(|| {
+            format!(
+                "{p} is on the card but not in its manifest's boot.files: image.manifest would \
+                 not check it"
+            )
+        })?;
+        let got = crate::pins::Sha256::of_bytes(&data).to_string();
+        ensure!(
+            want["sha256"] == got.as_str() && want["size"] == data.len(),
+            "{p} on the card: sha256 {got}, {} bytes; boot.files says {want}",
+            data.len()
+        );
+        n += 1;
+        bytes += data.len();
+    }
+    for p in listed.keys() {
+        ensure!(
+            paths.iter().any(|e| format!("/{e}") == *p),
+            "boot.files lists {p}, which is not on the card"
+        );
+    }
+    Ok((n, bytes))
 }
 
 /// A virtualenv under `target/` with the pinned gguf-py; returns its python.
@@ -1469,7 +1589,49 @@ fn find_bytes(hay: &[u8], needle: &[u8]) -> Option<usize> {
 
 #[cfg(test)]
 mod tests {
-    use super::ggml_x86_without_amx;
+    use super::{card_files_listed, ggml_x86_without_amx};
+
+    /// A file under kiln/licenses on the card that boot.files does not list, or lists with
+    /// another hash, fails the sbom stage; so does a listed file missing from the card.
+    #[test]
+    fn card_files_must_be_listed_with_their_hashes() {
+        let files: std::collections::BTreeMap<String, Vec<u8>> = [
+            ("Image", b"k".to_vec()),
+            ("kiln/licenses/README", b"r".to_vec()),
+            ("kiln/sbom/kiln-qemu-virt.spdx.json", b"{}".to_vec()),
+        ]
+        .into_iter()
+        .map(|(p, b)| (p.to_string(), b))
+        .collect();
+        let entry = |b: &[u8]| serde_json::json!({"size": b.len(), "sha256": crate::pins::Sha256::of_bytes(b)});
+        let listed = |skip: &str| -> serde_json::Map<String, serde_json::Value> {
+            files
+                .iter()
+                .filter(|(p, _)| p.as_str() != skip)
+                .map(|(p, b)| (format!("/{p}"), entry(b)))
+                .collect()
+        };
+        let paths: Vec<String> = files.keys().cloned().collect();
+        let read = |p: &str| Ok(files[p].clone());
+        assert_eq!(
+            card_files_listed(&paths, &listed(""), read).unwrap(),
+            (2, 3)
+        );
+        let err = card_files_listed(&paths, &listed("kiln/licenses/README"), read).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("kiln/licenses/README is on the card but not in"),
+            "{err}"
+        );
+        let mut wrong = listed("");
+        wrong["/kiln/sbom/kiln-qemu-virt.spdx.json"] = entry(b"[]");
+        let err = card_files_listed(&paths, &wrong, read).unwrap_err();
+        assert!(err.to_string().contains("boot.files says"), "{err}");
+        let mut extra = listed("");
+        extra.insert("/kiln/licenses/gone".into(), entry(b"x"));
+        let err = card_files_listed(&paths, &extra, read).unwrap_err();
+        assert!(err.to_string().contains("not on the card"), "{err}");
+    }
 
     #[test]
     fn amx_is_left_out_and_the_rest_follows_the_flags() {

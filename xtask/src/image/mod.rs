@@ -206,8 +206,10 @@ pub fn build(args: &Args) -> Result<Built> {
     let data_part = run.run(steps::data_partition(&ctx))?;
     let layout = steps::layout(&ctx, &models_part)?;
     let blobs = steps::blobs(&ctx)?;
-    let boot_files = steps::boot_files(&ctx, &kernel, &initramfs)?;
     let licences = run.run(steps::licences(&ctx))?;
+    let texts = run.run(steps::licence_texts(&ctx, &runtime)?)?;
+    let mut boot_files = steps::boot_files(&ctx, &kernel, &initramfs)?;
+    boot_files.extend(steps::licence_files(&texts)?);
     let mut manifest = steps::manifest(
         &ctx,
         &steps::ManifestOf {
@@ -230,6 +232,8 @@ pub fn build(args: &Args) -> Result<Built> {
     let known_matmul = run.run(known::matmul_step(&ctx, &models, &fixtures))?;
     known::add_matmul(&mut manifest, &known_matmul)?;
     steps::manifest_known_answers_nll(&mut manifest, &nll, &llama)?;
+    // Last: the SBOMs on the card are made from the manifest as it is complete, then listed in it.
+    boot_files.extend(steps::card_sboms(&mut manifest)?);
     let boot_part = run.run(steps::boot_partition(&ctx, boot_files, &manifest)?)?;
     let bootctl_part = run.run(steps::bootctl_partition(&ctx)?)?;
     // Both slots hold the same system: the same file system image, byte for byte.

@@ -677,6 +677,146 @@ pub fn licences(ctx: &Ctx) -> Step<'_> {
     }
 }
 
+/// `licence-texts.tar`: the licence texts for `kiln/licenses/` on the boot partition
+/// ([`crate::sbom::texts`]): each Debian input's copyright file, the kernel source's licence
+/// texts, each crate's licence files and a README. Keyed by the debs' and the kernel source's
+/// hashes and by each crate licence file's hash (a stat each through the memo), so a no-op
+/// rebuild opens no .deb and unpacks no kernel.
+pub fn licence_texts<'a>(ctx: &'a Ctx, rt: &'a Runtime) -> Result<Step<'a>> {
+    use crate::sbom::{dep5, texts};
+    let debs: Vec<(&pins::Input, &PathBuf, &str)> = ctx
+        .inputs
+        .values()
+        .filter_map(|(i, p)| match &i.source {
+            pins::Source::Deb { package, .. } => Some((i, p, package.as_str())),
+            pins::Source::Supplied { .. } => None,
+        })
+        .collect();
+    let spec = &ctx.board.kernel;
+    let (kernel_input, kernel_src) = ctx
+        .inputs
+        .get(&spec.source)
+        .with_context(|| format!("kernel source input {} not declared", spec.source))?;
+    let kernel_sha = kernel_input.sha256.context("kernel source not locked")?;
+    let texts::CrateTexts {
+        files: crate_files,
+        without: crates_without,
+    } = texts::crate_files(&rt.crates)?;
+    let kiln_licence = workspace_licence()?;
+    let mut parts = vec![
+        "licence-texts-v1".to_string(),
+        Sha256::of_bytes(texts::SOURCE.as_bytes()).to_string(),
+        Sha256::of_bytes(dep5::SOURCE.as_bytes()).to_string(),
+        format!("kernel {} {kernel_sha}", spec.source),
+        format!("kiln {kiln_licence}"),
+    ];
+    for (i, _, package) in &debs {
+        let sha = i.sha256.map(|h| h.to_string()).unwrap_or_default();
+        parts.push(format!("{} {package} {sha}", i.name));
+    }
+    for (card, file) in &crate_files {
+        parts.push(format!("{card}={}", Sha256::of_file_memo(file)?));
+    }
+    parts.push(format!("without {}", crates_without.join(",")));
+    let key = key_of(&parts.iter().map(String::as_str).collect::<Vec<_>>());
+    let crates_with = rt.crates.len() - crates_without.len();
+    Ok(Step {
+        name: "licence texts",
+        key,
+        outputs: vec![ctx.work.join("licence-texts.tar")],
+        make: Box::new(move |tmp: &[PathBuf]| {
+            let mut files: Vec<(String, Vec<u8>)> = Vec::new();
+            let mut deb_state = Vec::new();
+            for (i, path, package) in &debs {
+                match dep5::copyright_of_deb(path, package)
+                    .with_context(|| format!("the copyright file of {}", i.name))?
+                {
+                    Ok(b) => {
+                        files.push((format!("{}/deb/{}/copyright", texts::DIR, i.name), b));
+                        deb_state.push((i.name.as_str(), None));
+                    }
+                    Err(why) => deb_state.push((i.name.as_str(), Some(why))),
+                }
+            }
+            for (f, b) in kernel::licence_texts(spec, kernel_src, &kernel_sha)? {
+                files.push((format!("{}/kernel/{f}", texts::DIR), b));
+            }
+            for (card, file) in &crate_files {
+                files.push((
+                    card.clone(),
+                    std::fs::read(file).with_context(|| format!("reading {}", file.display()))?,
+                ));
+            }
+            let readme = texts::readme(&texts::Gathered {
+                debs: deb_state,
+                kernel: Some(&ctx.board.expect.kernel_release),
+                crates_with,
+                crates_without: &crates_without,
+                kiln: &kiln_licence,
+            });
+            files.push((format!("{}/README", texts::DIR), readme.into_bytes()));
+            files.sort();
+            texts::write_tar(&tmp[0], &files)?;
+            let size: usize = files.iter().map(|(_, b)| b.len()).sum();
+            Ok(format!(
+                "{} files, {:.2} MiB ({} crates without a licence file)",
+                files.len(),
+                size as f64 / 1048576.0,
+                crates_without.len()
+            ))
+        }),
+    })
+}
+
+/// The `license` of the workspace's Cargo.toml (`[workspace.package]`): kiln's own.
+fn workspace_licence() -> Result<String> {
+    let p = crate::paths::project_root().join("Cargo.toml");
+    let v: toml::Value = toml::from_str(
+        &std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?,
+    )
+    .with_context(|| format!("parsing {}", p.display()))?;
+    v.get("workspace")
+        .and_then(|w| w.get("package"))
+        .and_then(|p| p.get("license"))
+        .and_then(|l| l.as_str())
+        .map(str::to_string)
+        .with_context(|| format!("{}: no [workspace.package] license", p.display()))
+}
+
+/// The boot files of the [`licence_texts`] step's product.
+pub fn licence_files(texts: &Product) -> Result<Vec<(String, Vec<u8>)>> {
+    crate::sbom::texts::read_tar(texts.path())
+}
+
+/// `kiln/sbom/kiln-<board>.{spdx,cdx}.json` for the boot partition: the SBOMs of the boot
+/// manifest with the system on the card as their root ([`crate::sbom::Root::System`]: the
+/// image that contains them cannot be named by its hash). Made from the manifest as it is, then
+/// listed in its `boot.files` (so `image.manifest` hashes them on the board): the SBOMs read
+/// nothing of `boot.files`, so neither their own hashes nor the manifest's are in them.
+pub fn card_sboms(manifest: &mut Value) -> Result<Vec<(String, Vec<u8>)>> {
+    use crate::sbom::{self, Root};
+    let board = manifest["board"]
+        .as_str()
+        .context("manifest: no board")?
+        .to_string();
+    let docs = sbom::documents(manifest, Root::System)?;
+    let files: Vec<(String, Vec<u8>)> = Root::System
+        .file_names(&board)
+        .into_iter()
+        .zip(docs)
+        .collect();
+    let listing = manifest["boot"]["files"]
+        .as_object_mut()
+        .context("manifest: no boot.files")?;
+    for (p, b) in &files {
+        listing.insert(
+            format!("/{p}"),
+            json!({"size": b.len(), "sha256": Sha256::of_bytes(b)}),
+        );
+    }
+    Ok(files)
+}
+
 /// The boot partition (FAT32): `files` and the manifest at `kiln/manifest.json`.
 pub fn boot_partition<'a>(
     ctx: &'a Ctx,
@@ -845,7 +985,7 @@ pub fn sboms<'a>(manifest: &'a Product, board: &str) -> Result<Step<'a>> {
                 &std::fs::read(manifest.path())
                     .with_context(|| format!("reading {}", manifest.path().display()))?,
             )?;
-            let [spdx, cdx] = crate::sbom::documents(&m)?;
+            let [spdx, cdx] = crate::sbom::documents(&m, crate::sbom::Root::Image)?;
             std::fs::write(&tmp[0], spdx)?;
             std::fs::write(&tmp[1], cdx)?;
             Ok("SPDX 2.3 and CycloneDX 1.6".into())
@@ -1138,6 +1278,36 @@ fn stage_file(path: &Path, bytes: &[u8]) -> Result<()> {
 mod tests {
     use super::*;
     use kiln_runtime::selftest::model_nll;
+
+    /// The card's SBOMs are those of the manifest before they were listed in it (so neither
+    /// their own hashes nor the manifest's are in them), and `boot.files` lists them after.
+    #[test]
+    fn card_sboms_are_listed_after_they_are_made() {
+        let mut m = json!({
+            "board": "qemu-virt", "commit": "ce98691998e7fe36e0b2c29d74b0476de3e837df",
+            "source_date_epoch": 1796312582, "inputs": [],
+            "kernel": {"release": "6.1.192-kiln", "image_sha256": "4596"},
+            "runtime": {"sha256": "d6e5"},
+            "fixture": {"name": "kiln-selftest.gguf", "sha256": "5b20"},
+            "boot": {"files": {"/Image": {"size": 1, "sha256": "ab"}}},
+        });
+        let before = m.clone();
+        let files = card_sboms(&mut m).unwrap();
+        let want = crate::sbom::documents(&before, crate::sbom::Root::System).unwrap();
+        assert_eq!(files.len(), 2);
+        for ((p, b), w) in files.iter().zip(&want) {
+            assert_eq!(b, w, "{p}");
+            assert_eq!(
+                m["boot"]["files"][format!("/{p}")],
+                json!({"size": b.len(), "sha256": Sha256::of_bytes(b)})
+            );
+        }
+        assert_eq!(files[0].0, "kiln/sbom/kiln-qemu-virt.spdx.json");
+        assert_eq!(m["boot"]["files"].as_object().unwrap().len(), 3);
+        // Made again from the manifest that lists them: the same bytes.
+        let again = crate::sbom::documents(&m, crate::sbom::Root::System).unwrap();
+        assert_eq!(again, want);
+    }
 
     /// The self-check fixture's metadata and its four tensor types, read by kiln's GGUF parser.
     #[test]

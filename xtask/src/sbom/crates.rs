@@ -42,6 +42,10 @@ pub struct Crate {
     pub linked: bool,
     /// The root packages whose artifact it is compiled into (`kiln-runtime`, `rknn-standin`).
     pub roots: Vec<String>,
+    /// Its source folder on this machine (where its Cargo.toml is), for its licence texts; not
+    /// in the manifest (it differs between machines).
+    #[serde(default)]
+    pub dir: Option<std::path::PathBuf>,
 }
 
 impl Crate {
@@ -179,6 +183,10 @@ pub fn resolve(
                 license: p["license"].as_str().map(str::to_string),
                 linked: false,
                 roots: Vec::new(),
+                dir: p["manifest_path"]
+                    .as_str()
+                    .and_then(|m| Path::new(m).parent())
+                    .map(Path::to_path_buf),
             });
             e.linked |= linked.contains(c);
             e.roots.push(root.clone());
@@ -214,6 +222,8 @@ pub fn of_workspace(root_dir: &Path, roots: &[&str]) -> Result<Vec<Crate>> {
     }
     key.update(roots.join(",").as_bytes());
     key.update(TARGET.as_bytes());
+    // v2: with each crate's source folder.
+    key.update(b"crates-memo-v2");
     let memo = crate::paths::target_dir()
         .join("kiln/crates")
         .join(format!("{}.json", hex::encode(&key.finalize()[..12])));

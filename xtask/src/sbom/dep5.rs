@@ -197,28 +197,44 @@ pub fn licence(text: &str) -> Licence {
 /// read in its place.
 pub fn of_deb(deb: &std::path::Path, package: &str) -> anyhow::Result<Licence> {
     use anyhow::Context;
+    let bytes = match copyright_of_deb(deb, package)? {
+        Ok(b) => b,
+        Err(why) => return Ok(Licence::NoAssertion(why)),
+    };
+    let text = String::from_utf8(bytes).with_context(|| {
+        format!(
+            "usr/share/doc/{package}/copyright of {}: not UTF-8",
+            deb.display()
+        )
+    })?;
+    Ok(licence(&text))
+}
+
+/// The bytes of a package's `copyright` file as its .deb holds it, or why there are none (the
+/// reason [`of_deb`] gives for `NOASSERTION`). The image puts them on the card as they are.
+pub fn copyright_of_deb(
+    deb: &std::path::Path,
+    package: &str,
+) -> anyhow::Result<Result<Vec<u8>, String>> {
+    use anyhow::Context;
     let member = format!("usr/share/doc/{package}/copyright");
-    let text = match crate::archive::with_deb_member(deb, &member, |r| {
-        let mut s = String::new();
-        r.read_to_string(&mut s)
+    let bytes = match crate::archive::with_deb_member(deb, &member, |r| {
+        let mut b = Vec::new();
+        r.read_to_end(&mut b)
             .context("reading the copyright file")?;
-        Ok(s)
+        Ok(b)
     }) {
-        Ok(t) => t,
+        Ok(b) => b,
         Err(e) if e.root_cause().to_string() == format!("no {member}") => {
-            return Ok(Licence::NoAssertion(
-                "no copyright file in the package".into(),
-            ))
+            return Ok(Err("no copyright file in the package".into()))
         }
         Err(e) => return Err(e.context(format!("{member} of {}", deb.display()))),
     };
-    if text.is_empty() {
+    if bytes.is_empty() {
         // A symlink entry reads as nothing: the file it points at is another package's.
-        return Ok(Licence::NoAssertion(
-            "the copyright file is empty or a link".into(),
-        ));
+        return Ok(Err("the copyright file is empty or a link".into()));
     }
-    Ok(licence(&text))
+    Ok(Ok(bytes))
 }
 
 /// This module's source: part of the key of the image step that records the licences.
