@@ -132,7 +132,7 @@ pub fn ab_lines(image: &Path) -> Vec<String> {
             .ok()
             .and_then(|b| serde_json::from_slice::<Report>(&b).ok())
         {
-            Some(r) => format!("last report {:?}", r.verdict),
+            Some(r) => format!("last report {}", r.verdict.word()),
             None => "no report (not booted since written)".into(),
         };
         out.push(format!(

@@ -963,7 +963,11 @@ fn sbom(_: &Args) -> Result<()> {
     // with its hash in the card's kiln/manifest.json (so image.manifest covers it on the board).
     let image = images.join(format!("kiln-{board}.img"));
     let m = read(&manifest)?;
-    let p1 = &m["disk"]["partitions"][0];
+    // The boot slot A (the same file system as B on a new image).
+    let p1 = m["disk"]["partitions"]
+        .as_array()
+        .and_then(|ps| ps.iter().find(|p| p["name"] == "boot_a"))
+        .context("manifest: no partition boot_a")?;
     let (off, size) = (
         p1["first_lba"]
             .as_u64()
