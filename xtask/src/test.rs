@@ -938,13 +938,47 @@ fn sbom(_: &Args) -> Result<()> {
         );
     }
     println!("sbom: pyspdxtools rejects a licence id that is not in the SPDX list");
+    // Fault: a package URL that is not one (SPDX checks the purl form).
+    let mut bad = read(spdx)?;
+    let purl = bad["packages"]
+        .as_array_mut()
+        .into_iter()
+        .flatten()
+        .flat_map(|p| p["externalRefs"].as_array_mut().into_iter().flatten())
+        .find(|r| r["referenceType"] == "purl")
+        .context("no SPDX package with a purl")?;
+    purl["referenceLocator"] = serde_json::json!("debian/busybox 1.35");
+    crate::atomic::write_atomic(&bad_spdx, &serde_json::to_vec_pretty(&bad)?)?;
+    if spdx_ok(&bad_spdx) {
+        bail!(
+            "pyspdxtools accepted {} (a purl that is not one)",
+            bad_spdx.display()
+        );
+    }
+    println!("sbom: pyspdxtools rejects a purl that is not one");
+    // Fault: a checksum that is not one (CycloneDX checks the hash form; its schema does not
+    // check a purl's form, which the sbom unit tests hold).
+    let mut bad = read(cdx)?;
+    let comp = bad["components"]
+        .as_array_mut()
+        .and_then(|cs| cs.iter_mut().find(|c| c.get("hashes").is_some()))
+        .context("no CycloneDX component with hashes")?;
+    comp["hashes"][0]["content"] = serde_json::json!("not-a-sha256");
+    let bad_cdx = work.join("broken.cdx.json");
+    crate::atomic::write_atomic(&bad_cdx, &serde_json::to_vec_pretty(&bad)?)?;
+    if cdx_ok(&bad_cdx) {
+        bail!(
+            "the CycloneDX validator accepted {} (a SHA-256 that is not hex)",
+            bad_cdx.display()
+        );
+    }
+    println!("sbom: the CycloneDX 1.6 schema rejects a hash that is not one");
     // Fault: a component without its required `name` (CycloneDX) must be rejected.
     let mut bad = read(cdx)?;
     bad["components"][0]
         .as_object_mut()
         .context("no CycloneDX component")?
         .remove("name");
-    let bad_cdx = work.join("broken.cdx.json");
     crate::atomic::write_atomic(&bad_cdx, &serde_json::to_vec_pretty(&bad)?)?;
     if cdx_ok(&bad_cdx) {
         bail!(
