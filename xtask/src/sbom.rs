@@ -48,7 +48,9 @@
 //! A `general.license` that is an SPDX id (in any case: `apache-2.0`) is declared; another is
 //! a CycloneDX licence name and SPDX `NOASSERTION`.
 //!
-//! Not yet: the crates' build-dependencies; licences of the kernel, `kiln` itself, the
+//! `kiln` and the NPU stand-in: the workspace's `license` (MIT OR Apache-2.0).
+//!
+//! Not yet: the crates' build-dependencies; licences of the kernel, the
 //! tools root's packages, and of the kernel source package (DEP-5, but it names licences with no
 //! exact SPDX id: GPL-2+-or-X11, CRYPTOGAMS, Unicode-data, Xen-interface), all `NOASSERTION`.
 
@@ -251,8 +253,12 @@ pub fn items(m: &Value) -> Result<Vec<Item>> {
             s(&k["image_sha256"], "kernel.image_sha256")?,
         )
     });
+    // kiln and the stand-in are built from this workspace, whose `license` (Cargo.toml's
+    // `[workspace.package]`) every crate of it takes, this one included.
+    let ours = || License::Spdx(env!("CARGO_PKG_LICENSE").to_string());
     out.push(Item {
         purl: Some(format!("pkg:generic/kiln@{commit}")),
+        license: ours(),
         ..Item::new(
             "kiln",
             "kiln".into(),
@@ -265,6 +271,7 @@ pub fn items(m: &Value) -> Result<Vec<Item>> {
     if npu["from"] == "rknn-standin" {
         out.push(Item {
             purl: Some(format!("pkg:generic/rknn-standin@{commit}")),
+            license: ours(),
             facts: vec![("kiln:path".into(), s(&npu["path"], "npu_runtime.path")?)],
             ..Item::new(
                 "npu-runtime",
@@ -959,6 +966,9 @@ mod tests {
         assert_eq!(half["licenseConcluded"], "NOASSERTION");
         assert_eq!(pkg("old")["licenseDeclared"], "MIT OR Apache-2.0");
         assert_eq!(pkg("serde_derive")["licenseDeclared"], "NOASSERTION");
+        // kiln and the stand-in: the workspace's licence.
+        assert_eq!(pkg("kiln")["licenseDeclared"], "MIT OR Apache-2.0");
+        assert_eq!(pkg("rknn-standin")["licenseDeclared"], "MIT OR Apache-2.0");
         assert!(half["comment"]
             .as_str()
             .unwrap()
