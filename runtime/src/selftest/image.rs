@@ -396,6 +396,47 @@ mod tests {
     }
 
     #[test]
+    fn the_cards_notices_are_one_line_when_they_match_and_named_when_not() {
+        let root = FakeRoot::new();
+        let mut m = system(&root);
+        let files = m["boot"]["files"].as_object_mut().unwrap();
+        for (rel, text) in [
+            ("kiln/licenses/deb/libc6/copyright", "GPL"),
+            ("kiln/licenses/README", "what is where"),
+            ("kiln/sbom/kiln-test.spdx.json", "{}"),
+        ] {
+            root.file(&format!("boot/{rel}"), text);
+            files.insert(
+                format!("/{rel}"),
+                serde_json::json!({"sha256": hex_of(text.as_bytes())}),
+            );
+        }
+        write_manifest(&root, &m);
+        let o = manifest(&ctx(&root));
+        assert_eq!(o.status, Status::Pass, "{o:?}");
+        assert!(
+            o.evidence
+                .iter()
+                .any(|e| e == "/boot/kiln/licenses 2 files, each sha256 as the manifest lists"),
+            "{o:?}"
+        );
+        assert!(
+            o.evidence
+                .iter()
+                .any(|e| e == "/boot/kiln/sbom 1 files, each sha256 as the manifest lists"),
+            "{o:?}"
+        );
+        assert!(!o.evidence.iter().any(|e| e.contains("copyright")), "{o:?}");
+        root.file("boot/kiln/licenses/deb/libc6/copyright", "edited");
+        let o = manifest(&ctx(&root));
+        assert_eq!(o.status, Status::Fail, "{o:?}");
+        assert!(o
+            .reason
+            .unwrap()
+            .contains("/boot/kiln/licenses/deb/libc6/copyright"));
+    }
+
+    #[test]
     fn each_difference_fails_naming_the_file_and_both_hashes() {
         // A manifest edited to another kiln hash.
         let root = FakeRoot::new();
