@@ -817,76 +817,82 @@ pub fn card_sboms(manifest: &mut Value) -> Result<Vec<(String, Vec<u8>)>> {
     Ok(files)
 }
 
-/// The boot partition (FAT32): `files` and the manifest at `kiln/manifest.json`.
+/// A FAT partition image of `files`: its volume id from the seed and `role`, dated `epoch`,
+/// keyed on the files' hashes (`version` names the step's key format).
+struct FatPart<'a> {
+    name: &'static str,
+    version: &'static str,
+    role: &'static str,
+    label: &'static str,
+    file: &'static str,
+    size_mib: u64,
+    said: Option<&'static str>,
+    ctx: &'a Ctx,
+}
+
+impl<'a> FatPart<'a> {
+    fn step(self, files: Vec<(String, Vec<u8>)>) -> Step<'a> {
+        let ctx = self.ctx;
+        let volume_id = disk::u32_from_seed(&ctx.seed, self.role);
+        let size_mib = self.size_mib;
+        let mut parts = vec![
+            self.version.to_string(),
+            ctx.epoch.to_string(),
+            volume_id.to_string(),
+            size_mib.to_string(),
+        ];
+        parts.extend(
+            files
+                .iter()
+                .map(|(p, b)| format!("{p}={}", Sha256::of_bytes(b))),
+        );
+        let (label, said) = (self.label, self.said);
+        Step {
+            name: self.name,
+            key: key_of(&parts.iter().map(String::as_str).collect::<Vec<_>>()),
+            outputs: vec![ctx.work.join(self.file)],
+            make: Box::new(move |tmp: &[PathBuf]| {
+                disk::fat::build(&tmp[0], size_mib << 20, volume_id, label, &files, ctx.epoch)?;
+                Ok(said.map_or_else(|| format!("FAT, {} files", files.len()), str::to_string))
+            }),
+        }
+    }
+}
+
+/// The boot slot's file system (FAT32; `boot_a` and `boot_b` on a new image): `files` and the
+/// manifest at `kiln/manifest.json`.
 pub fn boot_partition<'a>(
     ctx: &'a Ctx,
     mut files: Vec<(String, Vec<u8>)>,
     manifest: &Value,
 ) -> Result<Step<'a>> {
     files.push(("kiln/manifest.json".into(), boot_manifest_bytes(manifest)?));
-    let volume_id = disk::u32_from_seed(&ctx.seed, "boot-fs");
-    let size_mib = ctx.board.partitions.boot_mib;
-    let mut parts = vec![
-        "boot-v1".to_string(),
-        ctx.epoch.to_string(),
-        volume_id.to_string(),
-        size_mib.to_string(),
-    ];
-    parts.extend(
-        files
-            .iter()
-            .map(|(p, b)| format!("{p}={}", Sha256::of_bytes(b))),
-    );
-    Ok(Step {
+    Ok(FatPart {
         name: "boot partition",
-        key: key_of(&parts.iter().map(String::as_str).collect::<Vec<_>>()),
-        outputs: vec![ctx.work.join("boot.vfat")],
-        make: Box::new(move |tmp: &[PathBuf]| {
-            disk::fat::build(
-                &tmp[0],
-                size_mib << 20,
-                volume_id,
-                "KILN-BOOT",
-                &files,
-                ctx.epoch,
-            )?;
-            Ok(format!("FAT32, {} files", files.len()))
-        }),
-    })
+        version: "boot-v1",
+        role: "boot-fs",
+        label: "KILN-BOOT",
+        file: "boot.vfat",
+        size_mib: ctx.board.partitions.boot_mib,
+        said: None,
+        ctx,
+    }
+    .step(files))
 }
 
 /// p1 `bootctl` (FAT): `boot.scr` and `kiln/abstate.env` ([`super::bootscr`]).
 pub fn bootctl_partition(ctx: &Ctx) -> Result<Step<'_>> {
-    let files = super::bootscr::files(ctx.epoch)?;
-    let volume_id = disk::u32_from_seed(&ctx.seed, "bootctl-fs");
-    let size_mib = ctx.board.partitions.bootctl_mib;
-    let mut parts = vec![
-        "bootctl-v1".to_string(),
-        ctx.epoch.to_string(),
-        volume_id.to_string(),
-        size_mib.to_string(),
-    ];
-    parts.extend(
-        files
-            .iter()
-            .map(|(p, b)| format!("{p}={}", Sha256::of_bytes(b))),
-    );
-    Ok(Step {
+    Ok(FatPart {
         name: "bootctl partition",
-        key: key_of(&parts.iter().map(String::as_str).collect::<Vec<_>>()),
-        outputs: vec![ctx.work.join("bootctl.vfat")],
-        make: Box::new(move |tmp: &[PathBuf]| {
-            disk::fat::build(
-                &tmp[0],
-                size_mib << 20,
-                volume_id,
-                "KILN-CTL",
-                &files,
-                ctx.epoch,
-            )?;
-            Ok("boot.scr and kiln/abstate.env (BOOT_ORDER A B, 3 tries each)".into())
-        }),
-    })
+        version: "bootctl-v1",
+        role: "bootctl-fs",
+        label: "KILN-CTL",
+        file: "bootctl.vfat",
+        size_mib: ctx.board.partitions.bootctl_mib,
+        said: Some("boot.scr and kiln/abstate.env (BOOT_ORDER A B, 3 tries each)"),
+        ctx,
+    }
+    .step(super::bootscr::files(ctx.epoch)?))
 }
 
 /// The disk image (GPT, the five partitions, the raw blobs; sparse) and its `.sha256` file.
