@@ -22,16 +22,16 @@
 //! boots, with `fsck.vfat -n` clean on `bootctl` and both slots and no slot marked good (the
 //! last marked good) whose report is not a PASS.
 
-use crate::boot_test::{copy_image, edit_ab_state, ensure_image, pflash_with, qemu_command};
+use crate::boot_test::{
+    console_reader, copy_image, edit_ab_state, ensure_image, pflash_with, qemu_command,
+};
 use crate::disk::{fat, gpt};
 use anyhow::{bail, ensure, Context, Result};
 use kiln_runtime::selftest::report::{Report, Verdict, VERDICT_PREFIX};
 use kiln_runtime::slot::{Slot, State};
-use std::io::Read;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use xshell::cmd;
 
@@ -151,22 +151,8 @@ impl Machine {
             .stderr(Stdio::inherit())
             .spawn()
             .context("starting qemu-system-aarch64")?;
-        let mut out = child.stdout.take().context("qemu's stdout")?;
-        let seen: Arc<Mutex<Vec<u8>>> = Arc::default();
-        let reader = {
-            let seen = Arc::clone(&seen);
-            std::thread::spawn(move || {
-                let mut buf = [0u8; 4096];
-                while let Ok(n) = out.read(&mut buf) {
-                    if n == 0 {
-                        break;
-                    }
-                    seen.lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .extend_from_slice(&buf[..n]);
-                }
-            })
-        };
+        let out = child.stdout.take().context("qemu's stdout")?;
+        let (seen, reader) = console_reader(out, None);
         let text = || {
             String::from_utf8_lossy(&seen.lock().unwrap_or_else(|e| e.into_inner())).into_owned()
         };

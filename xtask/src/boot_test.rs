@@ -243,6 +243,33 @@ pub fn copy_image(src: &Path, dst: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Collect a child's console: a thread appends what `out` gives to the returned buffer (and to
+/// `log`, when given) until it closes.
+pub fn console_reader(
+    mut out: impl Read + Send + 'static,
+    mut log: Option<std::fs::File>,
+) -> (Arc<Mutex<Vec<u8>>>, std::thread::JoinHandle<()>) {
+    let seen: Arc<Mutex<Vec<u8>>> = Arc::default();
+    let handle = {
+        let seen = Arc::clone(&seen);
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = out.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                if let Some(l) = log.as_mut() {
+                    let _ = l.write_all(&buf[..n]);
+                }
+                seen.lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .extend_from_slice(&buf[..n]);
+            }
+        })
+    };
+    (seen, handle)
+}
+
 /// Edit the A/B counters on `image`'s `bootctl` (read in-process, written back with mtools'
 /// `mcopy -o` at the partition's offset), `work` holding the temporary file.
 pub fn edit_ab_state(

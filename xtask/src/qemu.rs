@@ -140,9 +140,9 @@ pub fn drive(
     timeout: std::time::Duration,
     probe: Option<&boot_test::Probe>,
 ) -> Result<String> {
-    use std::io::{Read, Write};
+    use std::io::Write;
     use std::process::Stdio;
-    use std::sync::{Arc, Mutex};
+
     use std::time::Instant;
     let host_port = match probe {
         Some(_) => Some(boot_test::free_port()?),
@@ -174,25 +174,10 @@ pub fn drive(
         .spawn()
         .context("starting qemu-system-aarch64")?;
     let mut stdin = child.stdin.take().context("qemu's stdin")?;
-    let mut out = child.stdout.take().context("qemu's stdout")?;
-    let seen: Arc<Mutex<Vec<u8>>> = Arc::default();
-    let reader = {
-        let seen = Arc::clone(&seen);
-        let mut log = std::fs::File::create(&log_path)
-            .with_context(|| format!("creating {}", log_path.display()))?;
-        std::thread::spawn(move || {
-            let mut buf = [0u8; 4096];
-            while let Ok(n) = out.read(&mut buf) {
-                if n == 0 {
-                    break;
-                }
-                let _ = log.write_all(&buf[..n]);
-                seen.lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .extend_from_slice(&buf[..n]);
-            }
-        })
-    };
+    let out = child.stdout.take().context("qemu's stdout")?;
+    let log = std::fs::File::create(&log_path)
+        .with_context(|| format!("creating {}", log_path.display()))?;
+    let (seen, reader) = boot_test::console_reader(out, Some(log));
     let text = || {
         let s = seen.lock().unwrap_or_else(|e| e.into_inner());
         String::from_utf8_lossy(&s).into_owned()
