@@ -256,6 +256,7 @@ fn aarch64_tests(cpu: &str, dotprod: bool) -> Result<()> {
         ])
         .env("CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER", runner)
         .env("KILN_EXPECT_ARCH", "aarch64")
+        .env("KILN_UNDER_QEMU_USER", "1")
         .env("KILN_EXPECT_DOTPROD", if dotprod { "1" } else { "0" })
         .env("KILN_RKNN_STANDIN", standin)
         .env("KILN_RKNN_STANDIN_ABI1", abi1)

@@ -11,7 +11,24 @@ use std::process::{Command, Output};
 
 /// `name` on PATH, or `None` after a loud SKIPPED line: a missing reference tool skips the test
 /// unless `KILN_REQUIRE_TOOLS=1`, which makes it a failure.
+/// Under qemu-user (the aarch64 stages, `KILN_UNDER_QEMU_USER`) these tests would spawn the
+/// aarch64 `kiln` with no runner, beside the host's x86 references: they are host tests, run by
+/// `host-tests`. True (after a SKIPPED line) when the test must return.
+pub fn under_qemu_user(test: &str) -> bool {
+    if std::env::var_os("KILN_UNDER_QEMU_USER").is_none() {
+        return false;
+    }
+    let line = format!(
+        "\n******** SKIPPED {test}: under qemu-user; the slot interop tests run in host-tests ********\n"
+    );
+    let _ = std::io::stderr().write_all(line.as_bytes());
+    true
+}
+
 pub fn tool(name: &str, package: &str, test: &str) -> Option<PathBuf> {
+    if under_qemu_user(test) {
+        return None;
+    }
     let found = std::env::var_os("PATH").and_then(|p| {
         std::env::split_paths(&p)
             .map(|d| d.join(name))
