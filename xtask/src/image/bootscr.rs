@@ -11,7 +11,11 @@
 //!    a chain of `test`s, not `setexpr`, which the rock-5b U-Boot lacks; a count above 9 becomes
 //!    9 (kiln writes 3);
 //! 4. `sysboot` the slot's `extlinux/extlinux.conf`, whose `append` has `rauc.slot=${kiln_slot}`:
-//!    both slots hold the same files, the slot name comes from here;
+//!    both slots hold the same files, the slot name comes from here. A U-Boot built without
+//!    `sysboot` (Debian 13's `qemu_arm64`, standard boot only) boots the same files directly:
+//!    `load` the slot's `Image`, initramfs (and dtb) and `booti` them with extlinux.conf's
+//!    `append` line (the same text, from [`super::append_line`]); the dtb is U-Boot's own
+//!    (`${fdtcontroladdr}`) where the board ships none;
 //! 5. no slot with tries left: boot the slot last marked good (`KILN_LAST_GOOD`, which
 //!    `kiln slot mark-good` writes; RAUC does not), or A, saying so on the console, and save
 //!    nothing: the board's report then says "no good slot". No reset loop.
@@ -27,8 +31,9 @@ const NAME: &str = "kiln A/B slot chooser";
 /// The partition numbers of the slots (see `layout::NAMES`).
 const SLOTS: [(&str, u32); 2] = [("A", 2), ("B", 3)];
 
-/// The text of the chooser.
-pub fn script() -> String {
+/// The text of the chooser; `append` is the kernel command line of extlinux.conf, `dtb` the
+/// board's dtb file on the slot, if any.
+pub fn script(append: &str, dtb: Option<&str>) -> String {
     let mut s = String::from(
         "# kiln A/B slot chooser (the U-Boot contract of RAUC, the counters in kiln/abstate.env of p1).\n\
          # Made by cargo xtask image: see xtask/src/image/bootscr.rs.\n\
@@ -101,10 +106,25 @@ pub fn script() -> String {
          \x20 fi\n\
          \x20 echo \"kiln-boot: NO GOOD SLOT (BOOT_ORDER [${BOOT_ORDER}], A ${BOOT_A_LEFT} left, B ${BOOT_B_LEFT} left): booting slot ${kiln_slot}, the last marked good (or A); nothing saved\"\n\
          fi\n\
-         sysboot ${devtype} ${devnum}:${kiln_part} any ${pxefile_addr_r} /extlinux/extlinux.conf\n\
-         echo \"kiln-boot: slot ${kiln_slot} (p${kiln_part}) did not boot; resetting (the try is spent)\"\n\
-         reset\n",
+         sysboot ${devtype} ${devnum}:${kiln_part} any ${pxefile_addr_r} /extlinux/extlinux.conf\n",
     );
+    // No sysboot (or it returned): the same files and command line, booted directly.
+    let (fdt_load, fdt) = match dtb {
+        Some(d) => (
+            format!("load ${{devtype}} ${{devnum}}:${{kiln_part}} ${{fdt_addr_r}} /{d} && "),
+            "${fdt_addr_r}",
+        ),
+        None => (String::new(), "${fdtcontroladdr}"),
+    };
+    s.push_str(&format!(
+        "echo \"kiln-boot: sysboot did not boot slot ${{kiln_slot}}: booting its Image directly with the append line of its extlinux.conf\"\n\
+         setenv bootargs \"{append}\"\n\
+         if {fdt_load}load ${{devtype}} ${{devnum}}:${{kiln_part}} ${{kernel_addr_r}} /Image && load ${{devtype}} ${{devnum}}:${{kiln_part}} ${{ramdisk_addr_r}} /initramfs.cpio.gz; then\n\
+         \x20 booti ${{kernel_addr_r}} ${{ramdisk_addr_r}}:${{filesize}} {fdt}\n\
+         fi\n\
+         echo \"kiln-boot: slot ${{kiln_slot}} (p${{kiln_part}}) did not boot; resetting (the try is spent)\"\n\
+         reset\n"
+    ));
     s
 }
 
@@ -133,10 +153,10 @@ pub fn uimage(text: &str, epoch: i64) -> Result<Vec<u8>> {
     Ok(h)
 }
 
-/// The files of p1 `bootctl`.
-pub fn files(epoch: i64) -> Result<Vec<(String, Vec<u8>)>> {
+/// The files of p1 `bootctl` for a board whose slots boot with `append` (and `dtb`).
+pub fn files(epoch: i64, append: &str, dtb: Option<&str>) -> Result<Vec<(String, Vec<u8>)>> {
     Ok(vec![
-        ("boot.scr".into(), uimage(&script(), epoch)?),
+        ("boot.scr".into(), uimage(&script(append, dtb), epoch)?),
         (
             "kiln/abstate.env".into(),
             kiln_runtime::slot::State::initial().encode()?,
@@ -155,7 +175,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let src = dir.path().join("boot.cmd");
         let out = dir.path().join("boot.scr");
-        for text in [script(), "echo odd\n".to_string()] {
+        for text in [script(A, None), "echo odd\n".to_string()] {
             std::fs::write(&src, &text).unwrap();
             xshell::cmd!(
                 sh,
@@ -175,7 +195,7 @@ mod tests {
 
     #[test]
     fn chooser_counts_down_every_value_and_never_uses_setexpr() {
-        let s = script();
+        let s = script(A, None);
         assert!(!s.contains("setexpr") && !s.contains("saveenv"));
         // U-Boot's hush takes a single quote inside double quotes as the start of a quote.
         assert!(!s.contains('\''), "no single quote anywhere in boot.scr");
@@ -188,5 +208,17 @@ mod tests {
             }
         }
         assert!(s.contains("sysboot ${devtype} ${devnum}:${kiln_part} any"));
+        // Without sysboot: the same command line, U-Boot's dtb, or the board's from the slot.
+        assert!(s.contains(&format!("setenv bootargs \"{A}\"\n")));
+        assert!(
+            s.contains("booti ${kernel_addr_r} ${ramdisk_addr_r}:${filesize} ${fdtcontroladdr}\n")
+        );
+        let r = script(A, Some("rk3588-rock-5b.dtb"));
+        assert!(r.contains(
+            "load ${devtype} ${devnum}:${kiln_part} ${fdt_addr_r} /rk3588-rock-5b.dtb && "
+        ));
+        assert!(r.contains("${filesize} ${fdt_addr_r}\n"));
     }
+
+    const A: &str = "console=ttyAMA0 panic=-1 rauc.slot=${kiln_slot} ${kiln_args}";
 }

@@ -142,7 +142,16 @@ pub fn extlinux_conf(board: &Board, dtb: Option<&str>) -> String {
     let fdt = dtb.map(|d| format!("    fdt /{d}\n")).unwrap_or_default();
     format!(
         "default kiln\nprompt 0\ntimeout 1\nlabel kiln\n    kernel /Image\n    initrd /initramfs.cpio.gz\n\
-         {fdt}    append console={} panic=-1 rauc.slot=${{kiln_slot}} ${{kiln_args}}\n",
+         {fdt}    append {}\n",
+        append_line(board)
+    )
+}
+
+/// The kernel command line of every slot, as extlinux.conf's `append` (and `boot.scr`'s direct
+/// boot, for a U-Boot without `sysboot`) gives it: U-Boot expands `${kiln_slot}` and `${kiln_args}`.
+pub fn append_line(board: &Board) -> String {
+    format!(
+        "console={} panic=-1 rauc.slot=${{kiln_slot}} ${{kiln_args}}",
         board.console
     )
 }

@@ -521,13 +521,17 @@ pub fn layout(ctx: &Ctx, models: &Product) -> Result<layout::Layout> {
 }
 
 /// The files of the boot partition but the manifest: extlinux.conf, kernel, initramfs, dtb.
-pub fn boot_files(ctx: &Ctx, k: &KernelOut, initramfs: &Product) -> Result<Vec<(String, Vec<u8>)>> {
-    let dtb_name = ctx
-        .board
+/// The board's dtb as its file name on the slot (`kernel.dtb` without its folder).
+fn dtb_file_name(board: &Board) -> Option<String> {
+    board
         .kernel
         .dtb
         .as_ref()
-        .map(|d| d.rsplit('/').next().unwrap_or(d).to_string());
+        .map(|d| d.rsplit('/').next().unwrap_or(d).to_string())
+}
+
+pub fn boot_files(ctx: &Ctx, k: &KernelOut, initramfs: &Product) -> Result<Vec<(String, Vec<u8>)>> {
+    let dtb_name = dtb_file_name(&ctx.board);
     let extlinux = super::extlinux_conf(&ctx.board, dtb_name.as_deref());
     let mut files: Vec<(String, Vec<u8>)> = vec![
         ("extlinux/extlinux.conf".into(), extlinux.into_bytes()),
@@ -892,7 +896,11 @@ pub fn bootctl_partition(ctx: &Ctx) -> Result<Step<'_>> {
         said: Some("boot.scr and kiln/abstate.env (BOOT_ORDER A B, 3 tries each)"),
         ctx,
     }
-    .step(super::bootscr::files(ctx.epoch)?))
+    .step(super::bootscr::files(
+        ctx.epoch,
+        &super::append_line(&ctx.board),
+        dtb_file_name(&ctx.board).as_deref(),
+    )?))
 }
 
 /// The disk image (GPT, the five partitions, the raw blobs; sparse) and its `.sha256` file.
