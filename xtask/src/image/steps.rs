@@ -628,20 +628,24 @@ pub fn manifest(ctx: &Ctx, m: &ManifestOf) -> Result<Value> {
     }))
 }
 
+/// The Debian inputs of the board: the pin, the cached .deb and its package name.
+fn deb_inputs(ctx: &Ctx) -> Vec<(&pins::Input, &PathBuf, &str)> {
+    ctx.inputs
+        .values()
+        .filter_map(|(i, p)| match &i.source {
+            pins::Source::Deb { package, .. } => Some((i, p, package.as_str())),
+            pins::Source::Supplied { .. } => None,
+        })
+        .collect()
+}
+
 /// `licences.json`: the declared licence of every Debian input, from the DEP-5 `copyright` file
 /// in its .deb ([`crate::sbom::dep5`]): `{"<input>": {"license": <SPDX expression or
 /// NOASSERTION>, "reason": <why NOASSERTION>}}`. Keyed by the debs' hashes and the reader's
 /// source, so a no-op rebuild opens no .deb; the manifest records the result per input.
 pub fn licences(ctx: &Ctx) -> Step<'_> {
     use crate::sbom::dep5;
-    let debs: Vec<(&pins::Input, &PathBuf, &str)> = ctx
-        .inputs
-        .values()
-        .filter_map(|(i, p)| match &i.source {
-            pins::Source::Deb { package, .. } => Some((i, p, package.as_str())),
-            pins::Source::Supplied { .. } => None,
-        })
-        .collect();
+    let debs = deb_inputs(ctx);
     let mut parts = vec![
         "licences-v1".to_string(),
         Sha256::of_bytes(dep5::SOURCE.as_bytes()).to_string(),
@@ -688,14 +692,7 @@ pub fn licences(ctx: &Ctx) -> Step<'_> {
 /// rebuild opens no .deb and unpacks no kernel.
 pub fn licence_texts<'a>(ctx: &'a Ctx, rt: &'a Runtime) -> Result<Step<'a>> {
     use crate::sbom::{dep5, texts};
-    let debs: Vec<(&pins::Input, &PathBuf, &str)> = ctx
-        .inputs
-        .values()
-        .filter_map(|(i, p)| match &i.source {
-            pins::Source::Deb { package, .. } => Some((i, p, package.as_str())),
-            pins::Source::Supplied { .. } => None,
-        })
-        .collect();
+    let debs = deb_inputs(ctx);
     let spec = &ctx.board.kernel;
     let (kernel_input, kernel_src) = ctx
         .inputs
