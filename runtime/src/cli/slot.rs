@@ -89,22 +89,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     };
     let slot = resolve(ma.slot.as_deref(), &a.cmdline)?;
     let (before, after) = status::mark(&a.env, m, slot, ma.reset)?;
-    let describe = |st: &kiln_runtime::slot::State| -> anyhow::Result<String> {
-        Ok(format!(
-            "BOOT_ORDER \"{}\", A {} left, B {} left",
-            st.env().get("BOOT_ORDER").unwrap_or(""),
-            st.left(Slot::A)?,
-            st.left(Slot::B)?
-        ))
-    };
     let from = match &before {
-        Some(st) => describe(st)?,
+        Some(st) => st.describe(),
         None => "a damaged or missing file, reset to the initial state".into(),
     };
     super::print_all(&format!(
         "kiln slot: {} slot {}: {} (was {from})\n",
         m.name(),
         slot.name(),
-        describe(&after)?
+        after.describe()
     ))
 }

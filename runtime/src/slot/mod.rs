@@ -234,18 +234,21 @@ pub struct Decision {
     pub no_good_slot: bool,
 }
 
-fn describe(st: &State) -> String {
-    let left = |s: Slot| {
-        st.left(s)
-            .map(|n| n.to_string())
-            .unwrap_or_else(|_| "?".into())
-    };
-    format!(
-        "BOOT_ORDER '{}', A {} left, B {} left",
-        st.env.get("BOOT_ORDER").unwrap_or(""),
-        left(Slot::A),
-        left(Slot::B)
-    )
+impl State {
+    /// `BOOT_ORDER 'A B', A 3 left, B 3 left`: the line the report and `kiln slot` print.
+    pub fn describe(&self) -> String {
+        let left = |s: Slot| {
+            self.left(s)
+                .map(|n| n.to_string())
+                .unwrap_or_else(|_| "?".into())
+        };
+        format!(
+            "BOOT_ORDER '{}', A {} left, B {} left",
+            self.env.get("BOOT_ORDER").unwrap_or(""),
+            left(Slot::A),
+            left(Slot::B)
+        )
+    }
 }
 
 /// The self-check's verdict judges the booted slot (from `cmdline`): PASS marks it good (RAUC's
@@ -272,7 +275,7 @@ pub fn judge(env_path: &std::path::Path, cmdline: &str, pass: bool) -> Decision 
             return d;
         }
     };
-    d.at_boot = Some(describe(&st));
+    d.at_boot = Some(st.describe());
     let marked = if pass {
         st.mark_good(booted)
             .map(|_| st.env.set(LAST_GOOD, booted.name()))
@@ -286,7 +289,7 @@ pub fn judge(env_path: &std::path::Path, cmdline: &str, pass: bool) -> Decision 
         return d;
     }
     d.action = if pass { "marked good" } else { "marked bad" }.into();
-    d.after = Some(describe(&st));
+    d.after = Some(st.describe());
     let other = booted.other();
     let other_good = st.is_good(other).unwrap_or(false);
     d.no_good_slot = !st.is_good(booted).unwrap_or(false) && !other_good;
