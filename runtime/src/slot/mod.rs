@@ -288,6 +288,23 @@ pub fn judge(env_path: &std::path::Path, cmdline: &str, pass: bool) -> Decision 
         d.action = format!("nothing marked: {e:#}");
         return d;
     }
+    // What the card holds now, read back: the report says what was written, not what was meant.
+    let st = match load(env_path) {
+        Ok(back) if back == st => back,
+        Ok(back) => {
+            d.action = format!(
+                "marking failed: {} reads back as {}, not {}",
+                env_path.display(),
+                back.describe(),
+                st.describe()
+            );
+            return d;
+        }
+        Err(e) => {
+            d.action = format!("marking failed: reading it back: {e:#}");
+            return d;
+        }
+    };
     d.action = if pass { "marked good" } else { "marked bad" }.into();
     d.after = Some(st.describe());
     let other = booted.other();
