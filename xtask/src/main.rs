@@ -8,6 +8,7 @@ mod atomic;
 mod bench;
 mod bmap;
 mod boot_test;
+mod bootloader;
 mod build;
 mod civil;
 mod disk;
@@ -55,6 +56,8 @@ enum Cli {
     Flash(flash::Args),
     /// Build the bootable, reproducible disk image of a board into target/images/.
     Image(image::Args),
+    /// Build a board's U-Boot alone from its recipe's [bootloader] (--twice: again, compared).
+    Bootloader(image::loader::Args),
     /// Pinned inputs: check (resolve into the cache), update (re-pin Debian packages), lock.
     Pins(pins_cmd::Args),
     /// Measure speed: `cargo xtask bench flash|matmul|gguf|image|model|serve` (see README).
@@ -116,6 +119,10 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Cli::Image(a) => {
             prepare("image", doctor::FOR_IMAGE, true)?;
             image::run(a)
+        }
+        Cli::Bootloader(a) => {
+            prepare("bootloader", doctor::FOR_IMAGE, false)?;
+            image::loader::run(a)
         }
         Cli::Pins(a) => {
             prepare("pins", doctor::FOR_PINS, false)?;

@@ -99,8 +99,11 @@ impl<'de> serde::Deserialize<'de> for Sha256 {
 pub struct RawInput {
     pub name: String,
     pub version: String,
-    /// `deb` (a Debian package fetched with apt) or `supplied` (a file the user gives).
+    /// `deb` (a Debian package fetched with apt), `url` (a file fetched from `url`) or
+    /// `supplied` (a file the user gives).
     pub kind: String,
+    /// For `url`: where the file is fetched from (http or https).
+    pub url: Option<String>,
     pub package: Option<String>,
     pub arch: Option<String>,
     /// For `supplied`: how to get the file, shown when it is missing.
@@ -165,8 +168,18 @@ pub enum Identity {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Source {
-    Deb { package: String, arch: String },
-    Supplied { how: String, identity: Identity },
+    Deb {
+        package: String,
+        arch: String,
+    },
+    Supplied {
+        how: String,
+        identity: Identity,
+    },
+    /// A file fetched from a URL into the cache and verified by its pinned sha256.
+    Url {
+        url: String,
+    },
 }
 
 /// A checked input.
@@ -237,10 +250,25 @@ impl Input {
                     identity,
                 }
             }
-            k => bail!("{}: unknown kind {k:?} (deb or supplied)", ctx()),
+            "url" => {
+                let url = raw
+                    .url
+                    .clone()
+                    .with_context(|| format!("{}: a url input needs `url`", ctx()))?;
+                ensure!(
+                    url.starts_with("https://") || url.starts_with("http://"),
+                    "{}: url {url:?} is not http(s)",
+                    ctx()
+                );
+                Source::Url { url }
+            }
+            k => bail!("{}: unknown kind {k:?} (deb, url or supplied)", ctx()),
         };
-        if matches!(source, Source::Deb { .. }) && sha256.is_none() {
-            bail!("{}: a deb input must carry its sha256", ctx());
+        if matches!(source, Source::Deb { .. } | Source::Url { .. }) && sha256.is_none() {
+            bail!("{}: a {} input must carry its sha256", ctx(), raw.kind);
+        }
+        if raw.url.is_some() && !matches!(source, Source::Url { .. }) {
+            bail!("{}: `url` belongs to kind = \"url\"", ctx());
         }
         let snapshot = match (&raw.snapshot, &raw.snapshot_path) {
             (None, None) => None,
@@ -285,6 +313,7 @@ impl Input {
         match &self.source {
             Source::Deb { package, arch } => format!("debian {package}:{arch}={}", self.version),
             Source::Supplied { .. } => "supplied by the user (cargo xtask pins lock)".into(),
+            Source::Url { url } => format!("url {url}"),
         }
     }
 }
@@ -428,12 +457,23 @@ impl DebSource {
         let (deb, from) = match found {
             Download::Got(deb) => (deb, "Debian's archive".to_string()),
             Download::NotFound(apt_says) => {
-                let snap = match &input.snapshot {
-                    None => Err(format!(
+                // Another suite's package (e.g. trixie's, with bookworm lists): the live
+                // archive's pool serves it at the path the pin records.
+                let live = input.snapshot.as_ref().and_then(|sn| {
+                    let a = crate::apt::ARCHIVES.iter().find(|a| a.name == sn.archive)?;
+                    let url = format!("{}/{}", a.url, sn.pool);
+                    let name = sn.pool.rsplit('/').next().unwrap_or("live.deb");
+                    let dest = dir.join(name);
+                    println!("pins: {spec} is not in kiln's lists: trying {url}");
+                    self.apt.fetch_url(&url, &dest).ok().map(|()| (dest, url))
+                });
+                let snap = match (live, &input.snapshot) {
+                    (Some(got), _) => Ok(got),
+                    (None, None) => Err(format!(
                         "no snapshot timestamp is recorded for it in {}",
                         input.file.display()
                     )),
-                    Some(sn) => {
+                    (None, Some(sn)) => {
                         let url = sn.url(&self.snapshot_base);
                         println!("pins: {spec} is not in the live archive: trying {url}");
                         let name = sn.pool.rsplit('/').next().unwrap_or("snapshot.deb");
@@ -485,9 +525,46 @@ impl DebSource {
     }
 }
 
-/// The real fetcher: [`DebSource::kiln`].
+/// The real fetcher: [`DebSource::kiln`] for a deb, [`fetch_url`] for a url input.
 pub fn apt_fetch(input: &Input, dir: &Path) -> Result<PathBuf> {
-    DebSource::kiln().fetch(input, dir)
+    match &input.source {
+        Source::Url { url } => fetch_url(input, url, dir),
+        _ => DebSource::kiln().fetch(input, dir),
+    }
+}
+
+/// Download a url input into `dir` (apt's own downloader, which speaks http and https); the
+/// caller verifies the sha256.
+pub fn fetch_url(input: &Input, url: &str, dir: &Path) -> Result<PathBuf> {
+    let name = url
+        .rsplit('/')
+        .next()
+        .filter(|n| !n.is_empty() && !n.starts_with('.'))
+        .unwrap_or("download");
+    let dest = dir.join(name);
+    println!("pins: downloading {} from {url}", input.name);
+    let t = std::time::Instant::now();
+    Apt::kiln().fetch_url(url, &dest)?;
+    let size = std::fs::metadata(&dest)
+        .with_context(|| format!("{}", dest.display()))?
+        .len();
+    println!(
+        "pins: downloaded {} ({:.1} MiB in {:.1} s)",
+        input.name,
+        size as f64 / 1048576.0,
+        t.elapsed().as_secs_f64()
+    );
+    Ok(dest)
+}
+
+/// How to put a url input into the cache by hand, for a machine that cannot reach its URL.
+pub fn seed_hint(cache: &Cache, input: &Input) -> String {
+    let sha = input.sha256.map(|h| h.to_string()).unwrap_or_default();
+    format!(
+        "to build without reaching it, fetch the file elsewhere and seed the cache: `cargo xtask \
+         pins seed FILE` (or copy it to {}), whose sha256 must be {sha}",
+        cache.dir.join(&sha).display()
+    )
 }
 
 /// The verified cached file of a pinned input: from the cache, else fetched (unless offline).
@@ -510,9 +587,62 @@ pub fn resolve(cache: &Cache, input: &Input, offline: bool, fetch: Fetcher) -> R
         );
     }
     let tmp = tempfile::tempdir().context("temporary download dir")?;
+    if let Source::Url { url } = &input.source {
+        // A url input's failure names the input, the URL and how to seed the cache instead.
+        let got = fetch(input, tmp.path()).with_context(|| {
+            format!(
+                "input {} {} ({}): cannot fetch {url}; {}",
+                input.name,
+                input.version,
+                input.file.display(),
+                seed_hint(cache, input)
+            )
+        })?;
+        let (_, p) = cache.put(&input.name, &got, Some(want)).with_context(|| {
+            format!(
+                "input {} {} fetched from {url} is not the pinned file; {}",
+                input.name,
+                input.version,
+                seed_hint(cache, input)
+            )
+        })?;
+        return Ok(p);
+    }
     let got = fetch(input, tmp.path())?;
     let (_, p) = cache.put(&input.name, &got, Some(want))?;
     Ok(p)
+}
+
+/// `pins seed`: put files into the cache, each only if it is the pinned file of one of the
+/// inputs of `files` (by sha256); the names of the inputs seeded.
+pub fn seed(files: &[PathBuf], given: &[PathBuf]) -> Result<Vec<String>> {
+    let cache = Cache::user()?;
+    let inputs = inputs_of(files)?;
+    let mut seeded = Vec::new();
+    for f in given {
+        let got = Sha256::of_file(f)?;
+        let Some(input) = inputs.iter().find(|i| i.sha256 == Some(got)) else {
+            bail!(
+                "{} (sha256 {got}) is the pinned file of no input in {}",
+                f.display(),
+                files
+                    .iter()
+                    .map(|p| p.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        };
+        cache.put(&input.name, f, Some(&got))?;
+        println!(
+            "pins: seeded {} {} ({}) into {}",
+            input.name,
+            input.version,
+            f.display(),
+            cache.path(&got).display()
+        );
+        seeded.push(input.name.clone());
+    }
+    Ok(seeded)
 }
 
 /// How many pinned inputs are fetched at once.
@@ -607,7 +737,9 @@ pub fn missing_message(input: &Input) -> String {
                 input.name, input.version, input.name
             )
         }
-        Source::Deb { .. } => format!("missing input {} {}", input.name, input.version),
+        Source::Deb { .. } | Source::Url { .. } => {
+            format!("missing input {} {}", input.name, input.version)
+        }
     }
 }
 

@@ -35,6 +35,15 @@ pub enum PinsCmd {
         #[arg(long = "input", required = true)]
         inputs: Vec<String>,
     },
+    /// Put files fetched elsewhere into the download cache, each only if it is (by sha256) the
+    /// pinned file of one of the board's inputs: for a machine that cannot reach a url input.
+    Seed {
+        #[arg(long, default_value = "rock-5b")]
+        board: String,
+        /// The files, e.g. the rkbin DDR blob.
+        #[arg(required = true)]
+        files: Vec<std::path::PathBuf>,
+    },
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -47,6 +56,10 @@ pub fn run(args: Args) -> Result<()> {
         }
         PinsCmd::Update => pins::update(),
         PinsCmd::UpdateToolsRoot => crate::tools_root::update(),
+        PinsCmd::Seed { board, files } => {
+            let board = Board::load(&board)?;
+            pins::seed(&board.pin_files(), &files).map(|_| ())
+        }
         PinsCmd::Lock { board, inputs } => {
             let board = Board::load(&board)?;
             for spec in inputs {

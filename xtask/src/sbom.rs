@@ -222,15 +222,22 @@ pub fn items(m: &Value) -> Result<Vec<Item>> {
             .starts_with("debian ")
             .then(|| deb_purl(&name, &version, &arch));
         let is_kernel = name.starts_with("linux-source");
+        let url = source.strip_prefix("url ");
         let kind = if is_kernel {
             "kernel-source"
+        } else if url.is_some() {
+            // A file pinned by URL and sha256 (U-Boot's source, the DDR init blob).
+            "url-input"
         } else {
             "debian-package"
         };
         let sha = s(&i["sha256"], "inputs[].sha256")?;
         // The image step's reading of the package's DEP-5 copyright file (`NOASSERTION` with
         // its reason when there is no exact SPDX answer).
-        let (license, facts) = deb_license(i);
+        let (license, mut facts) = deb_license(i);
+        if let Some(u) = url {
+            facts.push(("kiln:url".into(), u.to_string()));
+        }
         out.push(Item {
             purl,
             license,
@@ -266,6 +273,43 @@ pub fn items(m: &Value) -> Result<Vec<Item>> {
             s(&m["runtime"]["sha256"], "runtime.sha256")?,
         )
     });
+    // U-Boot built from the inputs above, as written at its LBA outside the partitions (the SPI
+    // product, not in the image, is not listed).
+    let b = &m["bootloader"];
+    let in_image = |p: &&Value| {
+        m["raw_blobs"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|r| r["input"] == p["file"])
+    };
+    if let Some(v) = b["version"].as_str() {
+        for p in b["products"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(in_image)
+        {
+            out.push(Item {
+                facts: vec![
+                    (
+                        "kiln:defconfig".into(),
+                        s(&b["defconfig"], "bootloader.defconfig")?,
+                    ),
+                    (
+                        "kiln:bl31-elf-sha256".into(),
+                        s(&b["bl31"]["elf_sha256"], "bootloader.bl31")?,
+                    ),
+                ],
+                ..Item::new(
+                    "bootloader",
+                    s(&p["file"], "bootloader.products[].file")?,
+                    v.to_string(),
+                    s(&p["sha256"], "bootloader.products[].sha256")?,
+                )
+            });
+        }
+    }
     // The NPU stand-in is built from this commit; a supplied library is one of the inputs.
     let npu = &m["npu_runtime"];
     if npu["from"] == "rknn-standin" {
@@ -625,6 +669,8 @@ pub fn cyclonedx(m: &Value, root: Root) -> Result<Value> {
             "build-tool" => "application",
             "kernel-source" | "kiln" | "npu-runtime" => "application",
             "kernel" => "operating-system",
+            "bootloader" => "firmware",
+            "url-input" => "file",
             "model" => "machine-learning-model",
             _ => "data",
         };

@@ -48,6 +48,7 @@ const STAGES: &[(&str, StageFn)] = &[
     }),
     ("flash", flash),
     ("image-checks", |_| crate::image::checks::stage()),
+    ("u-boot", |_| crate::image::loader::stage()),
     ("pins-archive", pins_archive),
     ("fresh-machine", |_| crate::fresh_machine::stage()),
 ];
@@ -138,6 +139,7 @@ fn stage_tools(stage: &str) -> (Vec<&'static doctor::Tool>, bool) {
         s if s.starts_with("boot-qemu") => ([FOR_IMAGE, FOR_BOOT, &[&PYTHON_VENV]].concat(), true),
         "flash" => (vec![&BMAPTOOL, &LSBLK, &LOSETUP, &MKE2FS, &SFDISK], false),
         "image-checks" => ([FOR_IMAGE, judges].concat(), true),
+        "u-boot" => ([FOR_IMAGE, &[&SFDISK, &BMAPTOOL, &LSBLK]].concat(), false),
         "pins-archive" => (FOR_PINS.to_vec(), false),
         "fresh-machine" => ([FOR_IMAGE, FOR_BOOT, &[&DEBOOTSTRAP]].concat(), true),
         _ => (all_tools(), true),

@@ -16,7 +16,15 @@ pub const LAYERS: &[(&str, &[&str])] = &[
     ("inputs", &["pins"]),
     (
         "builders",
-        &["tools_root", "kernel", "rootfs", "disk", "bmap", "build"],
+        &[
+            "tools_root",
+            "kernel",
+            "bootloader",
+            "rootfs",
+            "disk",
+            "bmap",
+            "build",
+        ],
     ),
     (
         "pipelines and commands",

@@ -52,6 +52,20 @@ pub const TOOLS: &[&str] = &[
     "libssl-dev",
     "erofs-utils",
     "e2fsprogs",
+    // U-Boot (crate::bootloader): binman is Python and reads BL31's ELF segments (pyelftools);
+    // its libfdt binding is built from U-Boot's own tree with swig against Python's headers;
+    // the host tools link OpenSSL (mkimage), GnuTLS and libuuid (mkeficapsule), found by
+    // pkg-config.
+    "python3",
+    "python3-dev",
+    "python3-setuptools",
+    "python3-pyelftools",
+    "swig",
+    "libgnutls28-dev",
+    "uuid-dev",
+    "pkgconf",
+    // Debian's U-Boot source comes as a .tar.bz2, unpacked inside the root.
+    "bzip2",
 ];
 
 /// The programs whose versions the manifest records, with the package that provides each.
@@ -69,6 +83,9 @@ pub const RECORDED: &[(&str, &str)] = &[
     ("openssl", "libssl-dev"),
     ("mkfs.erofs", "erofs-utils"),
     ("mke2fs", "e2fsprogs"),
+    ("python3 (U-Boot's binman)", "python3"),
+    ("pyelftools (binman)", "python3-pyelftools"),
+    ("swig (U-Boot's pylibfdt)", "swig"),
 ];
 
 fn pins_path() -> PathBuf {
@@ -327,7 +344,7 @@ impl ToolsRoot {
             "debs": self.pins.iter().map(|i| {
                 let (package, arch) = match &i.source {
                     Source::Deb { package, arch } => (package.as_str(), arch.as_str()),
-                    Source::Supplied { .. } => (i.name.as_str(), ARCH),
+                    Source::Supplied { .. } | Source::Url { .. } => (i.name.as_str(), ARCH),
                 };
                 serde_json::json!({
                     "name": package, "version": i.version, "arch": arch,

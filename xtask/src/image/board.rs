@@ -1,6 +1,7 @@
 //! A board recipe, `images/<board>.toml`: its kernel, bootloader blobs, NPU runtime, partition
 //! sizes and what the self-check expects. Parsed once into checked types.
 
+use crate::bootloader::BootloaderSpec;
 use crate::kernel::KernelSpec;
 use anyhow::{bail, Context, Result};
 use std::path::PathBuf;
@@ -14,6 +15,8 @@ struct RawBoard {
     expect: Expect,
     #[serde(default)]
     raw: Vec<RawBlob>,
+    /// U-Boot built from pinned inputs (`crate::bootloader`).
+    bootloader: Option<BootloaderSpec>,
     serve: Option<Serve>,
     network: Option<Network>,
     /// Supplied inputs (read by `pins`).
@@ -63,12 +66,23 @@ impl Default for Partitions {
     }
 }
 
-/// A bootloader blob written raw at an LBA, outside the partition table.
+/// A bootloader blob written raw at an LBA, outside the partition table: a pinned input
+/// (`input = NAME`) or a product of the recipe's `[bootloader]` build (`bootloader = FILE`, one
+/// of `crate::bootloader::PRODUCTS`).
 #[derive(Clone, Debug, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawBlob {
+    #[serde(default)]
     pub input: String,
+    pub bootloader: Option<String>,
     pub lba: u64,
+}
+
+impl RawBlob {
+    /// The input name, or the built product's file name.
+    pub fn name(&self) -> &str {
+        self.bootloader.as_deref().unwrap_or(&self.input)
+    }
 }
 
 /// `[serve]`: what `/init` starts once the self-check has a verdict (`kiln serve`). After a PASS
@@ -163,6 +177,7 @@ pub struct Board {
     pub npu_budget_mib: Option<u64>,
     pub partitions: Partitions,
     pub raw: Vec<RawBlob>,
+    pub bootloader: Option<BootloaderSpec>,
     pub expect: Expect,
     pub serve: Option<Serve>,
     pub network: Option<Network>,
@@ -210,12 +225,34 @@ impl Board {
             other => NpuRuntime::Supplied(other.to_string()),
         };
         for b in &raw.raw {
+            match (&b.bootloader, b.input.is_empty()) {
+                (Some(p), true) => {
+                    if raw.bootloader.is_none() {
+                        bail!(
+                            "{}: blob {p} is built by [bootloader], which the recipe lacks",
+                            path.display()
+                        );
+                    }
+                    if !crate::bootloader::PRODUCTS.contains(&p.as_str()) {
+                        bail!(
+                            "{}: [bootloader] builds {}, not {p}",
+                            path.display(),
+                            crate::bootloader::PRODUCTS.join(", ")
+                        );
+                    }
+                }
+                (None, false) => {}
+                _ => bail!(
+                    "{}: a [[raw]] blob is either `input = NAME` or `bootloader = FILE`",
+                    path.display()
+                ),
+            }
             if b.lba < 34 || b.lba >= FIRST_PARTITION_LBA {
                 bail!(
                     "{}: blob {} at LBA {} must lie between the GPT (LBA 34) and the first \
                      partition (LBA {FIRST_PARTITION_LBA})",
                     path.display(),
-                    b.input,
+                    b.name(),
                     b.lba
                 );
             }
@@ -230,6 +267,7 @@ impl Board {
             npu_budget_mib: raw.board.npu_budget_mib,
             partitions: raw.partitions,
             raw: raw.raw,
+            bootloader: raw.bootloader,
             expect: raw.expect,
             serve: raw.serve,
             network: raw.network,
@@ -409,8 +447,8 @@ mod tests {
         assert!(q.raw.is_empty());
         let r = Board::load("rock-5b").unwrap();
         assert_eq!(
-            r.raw.iter().map(|b| b.lba).collect::<Vec<_>>(),
-            vec![64, 16384]
+            r.raw.iter().map(|b| (b.name(), b.lba)).collect::<Vec<_>>(),
+            vec![("u-boot-rockchip.bin", 64)]
         );
         assert!(r.expect.npu_driver.is_some());
         assert_eq!(r.npu_budget_mib, Some(1024));

@@ -316,12 +316,7 @@ pub fn stage() -> Result<()> {
         Ok(_) => bail!("rock-5b built without its vendor inputs"),
         Err(e) => {
             let e = format!("{e:#}");
-            for n in [
-                "linux-rk35xx-vendor",
-                "idbloader",
-                "u-boot-itb",
-                "librknnrt",
-            ] {
+            for n in ["linux-rk35xx-vendor", "librknnrt"] {
                 ensure!(
                     e.contains(&format!("missing input {n}")),
                     "rock-5b build did not list {n}: {e}"

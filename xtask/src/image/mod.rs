@@ -10,6 +10,7 @@ pub mod checks;
 pub mod fixture;
 mod known;
 pub mod layout;
+pub mod loader;
 mod runner;
 mod steps;
 
@@ -204,6 +205,7 @@ pub fn build(args: &Args) -> Result<Built> {
     };
 
     let kernel = steps::kernel(&mut run, &ctx)?;
+    let uboot = steps::bootloader(&mut run, &ctx)?;
     let runtime = steps::runtime(&mut run, &ctx)?;
     let board_toml = ctx.board.board_toml(steps::kernel_config(&ctx.board)?)?;
     let serve_env = ctx.board.serve_env()?;
@@ -214,7 +216,7 @@ pub fn build(args: &Args) -> Result<Built> {
     let nll = run.run(steps::known_answers_nll(&ctx, &models, &llama)?)?;
     let data_part = run.run(steps::data_partition(&ctx))?;
     let layout = steps::layout(&ctx, &models_part)?;
-    let blobs = steps::blobs(&ctx)?;
+    let blobs = steps::blobs(&ctx, uboot.as_ref())?;
     let licences = run.run(steps::licences(&ctx))?;
     let texts = run.run(steps::licence_texts(&ctx, &runtime)?)?;
     let mut boot_files = steps::boot_files(&ctx, &kernel, &initramfs)?;
@@ -228,6 +230,7 @@ pub fn build(args: &Args) -> Result<Built> {
             runtime: &runtime,
             layout: &layout,
             blobs: &blobs,
+            bootloader: uboot.as_ref(),
             initramfs: &initramfs,
             boot_files: &boot_files,
             board_toml: &board_toml,
@@ -256,6 +259,23 @@ pub fn build(args: &Args) -> Result<Built> {
     let out_dir = crate::paths::target_dir().join("images");
     std::fs::create_dir_all(&out_dir)?;
     let disk = run.run(steps::disk_image(&ctx, &out_dir, &layout, parts, &blobs)?)?;
+    if let Some(b) = &uboot {
+        // For the board's SPI NOR (README: "Writing U-Boot to the SPI flash"); not in the image.
+        let spi = out_dir.join(format!(
+            "kiln-{}.{}",
+            ctx.board.name,
+            crate::bootloader::PRODUCTS[1]
+        ));
+        crate::atomic::write_atomic(
+            &spi,
+            &std::fs::read(b.product(crate::bootloader::PRODUCTS[1]))?,
+        )?;
+        run.say(&format!(
+            "{} (sha256 {}): U-Boot for the SPI flash, beside the image",
+            spi.display(),
+            b.products[1].1.short()
+        ));
+    }
     let bmap = run.run(steps::bmap(&disk))?;
     let manifest = run.run(steps::manifest_file(
         &out_dir,
@@ -306,12 +326,7 @@ mod tests {
         };
         let b = Board::load("rock-5b").unwrap();
         let err = resolve_inputs(&b, &cache, true).unwrap_err().to_string();
-        for name in [
-            "linux-rk35xx-vendor",
-            "idbloader",
-            "u-boot-itb",
-            "librknnrt",
-        ] {
+        for name in ["linux-rk35xx-vendor", "librknnrt"] {
             assert!(
                 err.contains(&format!("missing input {name}")),
                 "{name}: {err}"

@@ -8,6 +8,7 @@ use super::board::{Board, NpuRuntime};
 use super::runner::{key_of, Product, Runner, Step};
 use super::{fixture, layout, Commit, Inputs};
 use crate::atomic::write_atomic;
+use crate::bootloader::{self, BootloaderOut};
 use crate::disk;
 use crate::kernel::{self, KernelOut};
 use crate::pins::{self, Sha256};
@@ -478,7 +479,44 @@ pub fn data_partition(ctx: &Ctx) -> Step<'_> {
     }
 }
 
-/// A raw bootloader blob of the recipe: where it goes, its file, its input name and sha256.
+/// U-Boot built from the recipe's `[bootloader]` (none without one). Its `SOURCE_DATE_EPOCH` is
+/// the time of the last commit that touched the recipe, so a commit elsewhere reuses the build.
+pub fn bootloader(run: &mut Runner, ctx: &Ctx) -> Result<Option<BootloaderOut>> {
+    let Some(spec) = &ctx.board.bootloader else {
+        return Ok(None);
+    };
+    let t = Instant::now();
+    let input = |n: &str| -> Result<(&Path, Sha256)> {
+        let (i, p) = ctx
+            .inputs
+            .get(n)
+            .with_context(|| format!("[bootloader] input {n} is not declared"))?;
+        Ok((
+            p.as_path(),
+            i.sha256.context("bootloader input not pinned")?,
+        ))
+    };
+    let inputs = bootloader::Inputs {
+        source: input(&spec.source)?,
+        bl31_deb: input(&spec.bl31)?,
+        tpl: input(&spec.tpl)?,
+    };
+    let recipe = ctx.board.path.display().to_string();
+    let epoch = super::git(&["log", "-1", "--format=%ct", "--", &recipe])?
+        .parse()
+        .unwrap_or(ctx.epoch);
+    let b = bootloader::build(spec, &inputs, epoch, &ctx.tools, false)?;
+    run.record(
+        "u-boot",
+        b.reused,
+        &format!("{} build {}", b.version, b.key.short()),
+        t,
+    );
+    Ok(Some(b))
+}
+
+/// A raw bootloader blob of the recipe: where it goes, its file, its input name (or built
+/// product's name) and sha256.
 pub struct Blob {
     pub lba: u64,
     pub path: PathBuf,
@@ -486,11 +524,22 @@ pub struct Blob {
     pub sha256: Sha256,
 }
 
-pub fn blobs(ctx: &Ctx) -> Result<Vec<Blob>> {
+pub fn blobs(ctx: &Ctx, built: Option<&BootloaderOut>) -> Result<Vec<Blob>> {
     ctx.board
         .raw
         .iter()
         .map(|b| {
+            if let Some(p) = &b.bootloader {
+                let built = built.context("a [bootloader] blob without a [bootloader] build")?;
+                return Ok(Blob {
+                    lba: b.lba,
+                    path: built.product(p),
+                    input: p.clone(),
+                    sha256: built
+                        .sha256_of(p)
+                        .with_context(|| format!("U-Boot's build has no {p}"))?,
+                });
+            }
             let (i, p) = ctx
                 .inputs
                 .get(&b.input)
@@ -552,6 +601,7 @@ pub struct ManifestOf<'a> {
     pub runtime: &'a Runtime,
     pub layout: &'a layout::Layout,
     pub blobs: &'a [Blob],
+    pub bootloader: Option<&'a BootloaderOut>,
     pub initramfs: &'a Product,
     pub boot_files: &'a [(String, Vec<u8>)],
     pub board_toml: &'a str,
@@ -622,6 +672,14 @@ pub fn manifest(ctx: &Ctx, m: &ManifestOf) -> Result<Value> {
         "tools_root": ctx.tools.describe(),
         "disk": m.layout.describe(),
         "raw_blobs": m.blobs.iter().map(|b| json!({"input": b.input, "lba": b.lba, "sha256": b.sha256})).collect::<Vec<_>>(),
+        "bootloader": m.bootloader.zip(board.bootloader.as_ref()).map(|(b, s)| json!({
+            "version": b.version, "key": b.key, "defconfig": b.defconfig,
+            "build_timestamp": b.build_timestamp, "cross_gcc": b.toolchain,
+            "source": {"input": s.source, "sha256": ctx.inputs.get(&s.source).and_then(|(i, _)| i.sha256)},
+            "bl31": {"input": s.bl31, "path": s.bl31_in_deb, "deb_sha256": ctx.inputs.get(&s.bl31).and_then(|(i, _)| i.sha256), "elf_sha256": b.bl31_sha256},
+            "rockchip_tpl": {"input": s.tpl, "sha256": ctx.inputs.get(&s.tpl).and_then(|(i, _)| i.sha256)},
+            "products": b.products.iter().map(|(n, h)| json!({"file": n, "sha256": h})).collect::<Vec<_>>(),
+        })),
         "initramfs": {"sha256": initramfs_sha, "size": initramfs_size, "files": initramfs_files},
         "boot": {"files": boot_listing},
         "expect": toml::from_str::<toml::Value>(m.board_toml)?,
@@ -634,7 +692,7 @@ fn deb_inputs(ctx: &Ctx) -> Vec<(&pins::Input, &PathBuf, &str)> {
         .values()
         .filter_map(|(i, p)| match &i.source {
             pins::Source::Deb { package, .. } => Some((i, p, package.as_str())),
-            pins::Source::Supplied { .. } => None,
+            pins::Source::Supplied { .. } | pins::Source::Url { .. } => None,
         })
         .collect()
 }

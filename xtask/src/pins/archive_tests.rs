@@ -224,3 +224,138 @@ fn pins_update_records_a_snapshot_for_the_served_version() {
     let ts = apt.release_timestamp(&archive).unwrap();
     assert!(ts.len() == 16 && ts.ends_with('Z'), "{ts}");
 }
+
+/// A `url` input named `name` at `url`, pinned to `sha`.
+fn url_pin(name: &str, url: &str, sha: Sha256) -> Input {
+    let raw = RawInput {
+        name: name.into(),
+        version: "v1".into(),
+        kind: "url".into(),
+        url: Some(url.into()),
+        package: None,
+        arch: None,
+        how: None,
+        identity: BTreeMap::new(),
+        sha256: sha.to_string(),
+        snapshot: None,
+        snapshot_path: None,
+    };
+    Input::parse(raw, Path::new("images/test.toml")).unwrap()
+}
+
+/// A url input is fetched over HTTP by the real downloader, verified, and cached by its hash;
+/// the second resolve takes the cache and fetches nothing.
+#[test]
+fn url_input_is_fetched_verified_and_cached() {
+    let web = tempfile::tempdir().unwrap();
+    let bytes = b"a DDR init blob, in a test".to_vec();
+    std::fs::write(web.path().join("blob.bin"), &bytes).unwrap();
+    let base = serve(web.path().to_path_buf());
+    let dir = tempfile::tempdir().unwrap();
+    let cache = temp_cache(dir.path());
+    let sha = Sha256::of_bytes(&bytes);
+    let pin = url_pin("ddr", &format!("{base}/blob.bin"), sha);
+    let p = resolve(&cache, &pin, false, &apt_fetch).unwrap();
+    assert_eq!(p, cache.path(&sha));
+    assert_eq!(std::fs::read(&p).unwrap(), bytes);
+    let again = resolve(&cache, &pin, false, &|_: &Input, _: &Path| {
+        bail!("fetched although the cache holds it")
+    });
+    assert_eq!(again.unwrap(), p);
+}
+
+/// A URL serving other bytes: refused, naming the input, the URL, both hashes and how to seed.
+#[test]
+fn url_serving_other_bytes_is_refused_naming_the_input_url_and_seed() {
+    let web = tempfile::tempdir().unwrap();
+    std::fs::write(web.path().join("blob.bin"), b"not the pinned blob").unwrap();
+    let base = serve(web.path().to_path_buf());
+    let dir = tempfile::tempdir().unwrap();
+    let cache = temp_cache(dir.path());
+    let want = Sha256::of_bytes(b"the pinned blob");
+    let url = format!("{base}/blob.bin");
+    let e = format!(
+        "{:#}",
+        resolve(&cache, &url_pin("ddr", &url, want), false, &apt_fetch).unwrap_err()
+    );
+    for s in [
+        "input ddr v1",
+        url.as_str(),
+        &want.to_string(),
+        &Sha256::of_bytes(b"not the pinned blob").to_string(),
+        "cargo xtask pins seed",
+    ] {
+        assert!(e.contains(s), "{s:?} not in: {e}");
+    }
+    assert!(!cache.path(&want).exists());
+}
+
+/// An unreachable URL: the error names the input, the URL and how to seed the cache.
+#[test]
+fn unreachable_url_names_the_input_url_and_seed() {
+    // A port nothing listens on (bound, then closed).
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("http://127.0.0.1:{port}/rk3588_ddr.bin");
+    let dir = tempfile::tempdir().unwrap();
+    let cache = temp_cache(dir.path());
+    let sha = Sha256::of_bytes(b"x");
+    let e = format!(
+        "{:#}",
+        resolve(&cache, &url_pin("ddr", &url, sha), false, &apt_fetch).unwrap_err()
+    );
+    for s in [
+        "input ddr v1",
+        "cannot fetch",
+        url.as_str(),
+        "cargo xtask pins seed",
+        &cache.path(&sha).display().to_string(),
+    ] {
+        assert!(e.contains(s), "{s:?} not in: {e}");
+    }
+}
+
+/// The recipe's url inputs parse; a url input needs `url`, an http(s) one, and its sha256.
+#[test]
+fn url_inputs_parse_and_are_checked() {
+    let inputs = read_inputs(&crate::paths::project_root().join("images/rock-5b.toml")).unwrap();
+    let ddr = inputs
+        .iter()
+        .find(|i| i.name == "rkbin-rk3588-ddr")
+        .unwrap();
+    assert!(
+        matches!(&ddr.source, Source::Url { url } if url.starts_with("https://github.com/rockchip-linux/rkbin/raw/f43a462e"))
+    );
+    let raw = |f: &dyn Fn(&mut RawInput)| {
+        let mut r = RawInput {
+            name: "x".into(),
+            version: "1".into(),
+            kind: "url".into(),
+            url: Some("https://example.org/x".into()),
+            package: None,
+            arch: None,
+            how: None,
+            identity: BTreeMap::new(),
+            sha256: Sha256::of_bytes(b"x").to_string(),
+            snapshot: None,
+            snapshot_path: None,
+        };
+        f(&mut r);
+        Input::parse(r, Path::new("t.toml")).map(|_| ())
+    };
+    assert!(raw(&|_| {}).is_ok());
+    assert!(raw(&|r| r.url = None).is_err());
+    assert!(raw(&|r| r.url = Some("file:///etc/passwd".into())).is_err());
+    assert!(raw(&|r| r.sha256 = String::new()).is_err());
+    // `url` on another kind is refused, not ignored.
+    assert!(raw(&|r| {
+        r.kind = "deb".into();
+        r.arch = Some("all".into());
+    })
+    .unwrap_err()
+    .to_string()
+    .contains("`url` belongs to kind"));
+}

@@ -95,6 +95,8 @@ pub fn idbloader(bytes: &[u8]) -> Result<()> {
 struct Node {
     path: String,
     props: Vec<(String, Vec<u8>)>,
+    /// Where each property's value starts in the device tree, in `props` order.
+    offsets: Vec<usize>,
 }
 
 impl Node {
@@ -146,6 +148,7 @@ fn fdt_nodes(b: &[u8]) -> Result<Vec<Node>> {
                 nodes.push(Node {
                     path: stack.join("/"),
                     props: Vec::new(),
+                    offsets: Vec::new(),
                 });
             }
             2 => {
@@ -172,6 +175,7 @@ fn fdt_nodes(b: &[u8]) -> Result<Vec<Node>> {
                 let name = String::from_utf8_lossy(&names[..nlen]).into_owned();
                 let node = *open.last().context("property outside any node")?;
                 nodes[node].props.push((name, value));
+                nodes[node].offsets.push(at - len.div_ceil(4) * 4);
             }
             4 => {}
             9 => break,
@@ -222,6 +226,183 @@ pub fn uboot_itb(bytes: &[u8]) -> Result<()> {
         uboot.join(", ")
     );
     Ok(())
+}
+
+/// One image of a FIT: its node name, `os`, `type`, load address and where its data lies in the
+/// bytes that were read.
+#[derive(Clone, Debug)]
+pub struct FitImage {
+    pub name: String,
+    pub os: String,
+    pub kind: String,
+    pub load: Option<u64>,
+    pub data: std::ops::Range<usize>,
+}
+
+/// What [`rockchip_loader`] read: where the FIT starts, its images (those some configuration
+/// loads), and the end of the loader (the FIT's last data byte) in the bytes read.
+#[derive(Clone, Debug)]
+pub struct RockchipLoader {
+    pub fit_offset: usize,
+    pub images: Vec<FitImage>,
+    pub end: usize,
+}
+
+impl RockchipLoader {
+    pub fn with_os(&self, os: &str) -> Vec<&FitImage> {
+        self.images
+            .iter()
+            .filter(|i| i.os.eq_ignore_ascii_case(os))
+            .collect()
+    }
+}
+
+/// A big-endian cell list (`<hi lo>` or `<lo>`) as one number.
+fn cells(v: &[u8]) -> Option<u64> {
+    match v.len() {
+        4 => Some(u32::from_be_bytes(v.try_into().ok()?) as u64),
+        8 => Some(u64::from_be_bytes(v.try_into().ok()?)),
+        _ => None,
+    }
+}
+
+/// `bytes` (from the RK3588 loader's first sector, LBA 64) is a mainline U-Boot
+/// `u-boot-rockchip.bin`: the v2 boot header `RKNS` (TPL + SPL) and, after it on a sector
+/// boundary, a FIT whose configurations load an `os = "u-boot"` image and at least one
+/// `os = "arm-trusted-firmware"` image (BL31), each with its data inside `bytes` (embedded
+/// `data`, or external `data-offset`/`data-position` + `data-size` as binman writes them).
+pub fn rockchip_loader(bytes: &[u8]) -> Result<RockchipLoader> {
+    idbloader(bytes).context("the loader's boot header")?;
+    let fit_offset = (4..bytes.len() / 512)
+        .map(|s| s * 512)
+        .find(|&at| bytes[at..].starts_with(&[0xd0, 0x0d, 0xfe, 0xed]))
+        .context(
+            "no FIT (device tree magic d00dfeed on a sector boundary) after the boot header",
+        )?;
+    let fit = &bytes[fit_offset..];
+    let nodes = fdt_nodes(fit).with_context(|| format!("the FIT at byte {fit_offset:#x}"))?;
+    let totalsize = be32(fit, 4)? as usize;
+    let external_base = fit_offset + totalsize.div_ceil(4) * 4;
+    let loaded: std::collections::BTreeSet<String> = nodes
+        .iter()
+        .filter(|n| n.path.starts_with("/configurations/"))
+        .flat_map(|n| [n.strings("firmware"), n.strings("loadables")].concat())
+        .collect();
+    let mut images = Vec::new();
+    for n in nodes
+        .iter()
+        .filter(|n| n.path.starts_with("/images/") && n.path.matches('/').count() == 2)
+    {
+        let name = n.path.rsplit('/').next().unwrap_or_default().to_string();
+        if !loaded.contains(&name) {
+            continue;
+        }
+        let prop = |k: &str| {
+            n.props
+                .iter()
+                .find(|(p, _)| p == k)
+                .map(|(_, v)| v.as_slice())
+        };
+        let data = if let Some(i) = n.props.iter().position(|(p, _)| p == "data") {
+            // Embedded: the value's place inside the FIT.
+            let start = fit_offset + n.offsets[i];
+            start..start + n.props[i].1.len()
+        } else {
+            let size = prop("data-size")
+                .and_then(cells)
+                .with_context(|| format!("FIT image {name}: no data and no data-size"))?
+                as usize;
+            let start = if let Some(o) = prop("data-offset").and_then(cells) {
+                external_base + o as usize
+            } else {
+                fit_offset
+                    + prop("data-position")
+                        .and_then(cells)
+                        .with_context(|| format!("FIT image {name}: no data-offset"))?
+                        as usize
+            };
+            start..start + size
+        };
+        ensure!(
+            data.end <= bytes.len(),
+            "FIT image {name}: its data ({:#x}..{:#x}) lies beyond the loader's {} bytes",
+            data.start,
+            data.end,
+            bytes.len()
+        );
+        images.push(FitImage {
+            os: n.strings("os").into_iter().next().unwrap_or_default(),
+            kind: n.strings("type").into_iter().next().unwrap_or_default(),
+            load: prop("load").and_then(cells),
+            name,
+            data,
+        });
+    }
+    let loader = RockchipLoader {
+        fit_offset,
+        end: images
+            .iter()
+            .map(|i| i.data.end)
+            .max()
+            .unwrap_or(external_base)
+            .max(fit_offset + totalsize),
+        images,
+    };
+    let names = || {
+        loader
+            .images
+            .iter()
+            .map(|i| format!("{} (os {:?})", i.name, i.os))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    ensure!(
+        !loader.with_os("u-boot").is_empty(),
+        "the FIT at byte {fit_offset:#x} loads no os = \"u-boot\" image (loads: {})",
+        names()
+    );
+    ensure!(
+        !loader.with_os("arm-trusted-firmware").is_empty(),
+        "the FIT at byte {fit_offset:#x} loads no os = \"arm-trusted-firmware\" image: no BL31 \
+         (loads: {})",
+        names()
+    );
+    Ok(loader)
+}
+
+/// Every loadable segment of the BL31 ELF `elf` is, byte for byte, the data of one of the
+/// loader's BL31 images loaded at its physical address (binman splits BL31 that way).
+pub fn bl31_in_loader(bytes: &[u8], loader: &RockchipLoader, elf: &[u8]) -> Result<usize> {
+    let e = goblin::elf::Elf::parse(elf).context("BL31 is not an ELF file")?;
+    let atf = loader.with_os("arm-trusted-firmware");
+    let mut n = 0;
+    for ph in e
+        .program_headers
+        .iter()
+        .filter(|p| p.p_type == goblin::elf::program_header::PT_LOAD && p.p_filesz > 0)
+    {
+        let seg = elf
+            .get(ph.p_offset as usize..(ph.p_offset + ph.p_filesz) as usize)
+            .context("a BL31 segment lies outside its ELF")?;
+        let img = atf
+            .iter()
+            .find(|i| i.load == Some(ph.p_paddr))
+            .with_context(|| {
+                format!(
+                    "no BL31 image of the FIT loads at {:#x} (BL31 segment of {} bytes)",
+                    ph.p_paddr, ph.p_filesz
+                )
+            })?;
+        ensure!(
+            &bytes[img.data.clone()] == seg,
+            "FIT image {} (load {:#x}) is not the pinned BL31's segment at that address",
+            img.name,
+            ph.p_paddr
+        );
+        n += 1;
+    }
+    ensure!(n > 0, "BL31 has no loadable segment");
+    Ok(n)
 }
 
 fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
