@@ -68,6 +68,10 @@ impl BootloaderOut {
     pub fn product(&self, name: &str) -> PathBuf {
         self.dir.join(name)
     }
+    /// The BL31 ELF that went into the build.
+    pub fn bl31(&self) -> PathBuf {
+        self.dir.join("bl31.elf")
+    }
     pub fn sha256_of(&self, name: &str) -> Option<Sha256> {
         self.products
             .iter()
@@ -255,6 +259,8 @@ pub fn build(
         products.push((p.to_string(), Sha256::of_file(&tmp.join(p))?));
     }
     std::fs::copy(obj.join(".config"), tmp.join("config"))?;
+    // The BL31 that went in, for the checks that read it back out of the loader.
+    std::fs::copy(&bl31, tmp.join("bl31.elf"))?;
     let out = BootloaderOut {
         key,
         version,
@@ -315,6 +321,7 @@ fn load_cached(dir: &Path, key: &Sha256) -> Result<Option<BootloaderOut>> {
     b.dir = dir.to_path_buf();
     b.reused = true;
     let ok = b.key == *key
+        && Sha256::of_file_memo(&b.bl31()).ok() == Some(b.bl31_sha256)
         && b.products.len() == PRODUCTS.len()
         && b.products
             .iter()
@@ -381,4 +388,19 @@ fn run_with_progress(mut c: std::process::Command) -> Result<()> {
         t.elapsed().as_secs_f64()
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn version_is_u_boot_propers_banner_not_spls() {
+        let b = b"x\0U-Boot SPL 2025.01 (Dec 04 2026 - 10:33:30 +0000)\0U-Boot 2025.01 (Dec 04 2026 - 10:33:30 +0000)\0";
+        assert_eq!(
+            version_string(b).as_deref(),
+            Some("U-Boot 2025.01 (Dec 04 2026 - 10:33:30 +0000)")
+        );
+        assert_eq!(version_string(b"U-Boot SPL 2025.01 (x)\0"), None);
+    }
 }

@@ -12,6 +12,10 @@ use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 use xshell::cmd;
 
+/// Where `u-boot-rockchip-spi.bin` holds the boot header (the boot ROM reads the SPI NOR's
+/// header at 32 KiB; U-Boot's FIT is at 0x60000).
+const SPI_HEADER_OFFSET: usize = 0x8000;
+
 #[derive(clap::Args)]
 pub struct Args {
     /// Board recipe under `images/` with a `[bootloader]` table.
@@ -141,15 +145,22 @@ pub fn check_disk(img: &Path, bl31: &[u8]) -> Result<String> {
         .as_array()
         .and_then(|p| p.iter().filter_map(|p| p["start"].as_u64()).min())
         .context("sfdisk lists no partition")?;
+    check_region(img, first, bl31)
+}
+
+/// [`check_disk`] with the first partition's LBA given (the image build's own layout).
+pub fn check_region(img: &Path, first: u64, bl31: &[u8]) -> Result<String> {
     let mut f = std::fs::File::open(img).with_context(|| format!("opening {}", img.display()))?;
     f.seek(SeekFrom::Start(LOADER_LBA * 512))?;
+    // Read up to where kiln's first partition belongs (or further, to a later first partition),
+    // so that a partition placed over the loader is named as such, not as a cut loader.
+    let upto = first.max(super::board::FIRST_PARTITION_LBA);
     let mut region = Vec::new();
-    f.take(first.saturating_sub(LOADER_LBA) * 512)
+    f.take(upto.saturating_sub(LOADER_LBA) * 512)
         .read_to_end(&mut region)?;
     let what = check_loader(&region, bl31)
         .with_context(|| format!("the loader at LBA {LOADER_LBA} of {}", img.display()))?;
     let l = identity::rockchip_loader(&region)?;
-    // `region` ends where the first partition starts: a loader cut by it has data beyond.
     let end_lba = LOADER_LBA + (l.end as u64).div_ceil(512);
     ensure!(
         end_lba <= first,
@@ -174,13 +185,11 @@ fn test_disk(dir: &Path, name: &str, loader: &[u8], first_lba: u64) -> Result<Pa
         .quiet()
         .run()
         .context("sfdisk")?;
-    let mut bytes = std::fs::read(&img)?;
-    let at = (LOADER_LBA * 512) as usize;
-    let end = at + loader.len();
-    ensure!(end <= bytes.len(), "loader larger than the test disk");
-    // Write the loader, but never over the partition table itself or a partition's first bytes.
-    bytes[at..end].copy_from_slice(loader);
-    std::fs::write(&img, bytes)?;
+    // Written in place: the rest of the file stays a hole, as in a built image.
+    use std::io::Write;
+    let mut f = std::fs::OpenOptions::new().write(true).open(&img)?;
+    f.seek(SeekFrom::Start(LOADER_LBA * 512))?;
+    f.write_all(loader)?;
     Ok(img)
 }
 
@@ -196,11 +205,14 @@ pub fn stage() -> Result<()> {
     same_bytes(&first, &second)?;
     let loader = std::fs::read(first.product(PRODUCTS[0]))?;
     println!("u-boot: {}", check_loader(&loader, &bl31)?);
+    // The SPI image: the boot ROM reads its header at 32 KiB of the NOR, U-Boot's FIT follows.
     let spi = std::fs::read(first.product(PRODUCTS[1]))?;
-    ensure!(
-        spi.starts_with(identity::RKNS),
-        "{} does not start with RKNS",
-        PRODUCTS[1]
+    let at = SPI_HEADER_OFFSET;
+    ensure!(spi.len() > at, "{} is {} bytes", PRODUCTS[1], spi.len());
+    println!(
+        "u-boot: {} at {at:#x}: {}",
+        PRODUCTS[1],
+        check_loader(&spi[at..], &bl31).with_context(|| PRODUCTS[1].to_string())?
     );
 
     let tmp = tempfile::tempdir()?;
@@ -249,6 +261,8 @@ pub fn stage() -> Result<()> {
         }
     };
     let l = identity::rockchip_loader(&loader)?;
+    // The FIT's own device tree ends where the first image's external data starts.
+    let fdt_end = l.images.iter().map(|i| i.data.start).min().unwrap_or(l.end);
     let mut no_rkns = loader.clone();
     no_rkns[0] = b'X';
     let d = test_disk(tmp.path(), "no-rkns.img", &no_rkns, 32768)?;
@@ -257,7 +271,7 @@ pub fn stage() -> Result<()> {
     let mut no_atf = loader.clone();
     let fit = l.fit_offset;
     let pat = b"arm-trusted-firmware";
-    let n = replace_all(&mut no_atf[fit..l.end], pat, b"arm-trusted-firmwarX");
+    let n = replace_all(&mut no_atf[fit..fdt_end], pat, b"arm-trusted-firmwarX");
     ensure!(n > 0, "the FIT names no arm-trusted-firmware");
     let d = test_disk(tmp.path(), "no-bl31.img", &no_atf, 32768)?;
     expect_fail("FIT without BL31", check_disk(&d, &bl31), "no BL31")?;
@@ -273,8 +287,8 @@ pub fn stage() -> Result<()> {
     )?;
 
     let mut no_uboot = loader.clone();
-    let n = replace_all(&mut no_uboot[fit..l.end], b"u-boot\0", b"u-boox\0");
-    ensure!(n > 0, "the FIT names no os u-boot");
+    let n = replace_all(&mut no_uboot[fit..fdt_end], b"U-Boot\0", b"U-Boox\0");
+    ensure!(n > 0, "the FIT names no os U-Boot");
     let d = test_disk(tmp.path(), "no-u-boot.img", &no_uboot, 32768)?;
     expect_fail(
         "FIT without U-Boot",
@@ -283,16 +297,11 @@ pub fn stage() -> Result<()> {
     )?;
 
     // The first partition at 1 MiB, as a PC image would have it: over the loader's FIT.
-    let d = test_disk(
-        tmp.path(),
-        "overlap.img",
-        &loader[..(2048 - 64) * 512],
-        2048,
-    )?;
+    let d = test_disk(tmp.path(), "overlap.img", &loader, 2048)?;
     expect_fail(
         "first partition over the loader",
         check_disk(&d, &bl31),
-        "FIT",
+        "the GPT's first partition starts at LBA 2048, inside the loader",
     )?;
     Ok(())
 }

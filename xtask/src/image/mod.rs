@@ -260,6 +260,13 @@ pub fn build(args: &Args) -> Result<Built> {
     std::fs::create_dir_all(&out_dir)?;
     let disk = run.run(steps::disk_image(&ctx, &out_dir, &layout, parts, &blobs)?)?;
     if let Some(b) = &uboot {
+        // The loader as written: RKNS at LBA 64, the FIT's U-Boot and BL31, before the GPT's first
+        // partition (the `u-boot` stage shows each of these failing on a broken image).
+        let first = layout.parts.iter().map(|p| p.first_lba).min().unwrap_or(0);
+        let bl31 = std::fs::read(b.bl31())?;
+        let found = loader::check_region(disk.path(), first, &bl31)
+            .context("the image's boot loader region")?;
+        run.say(&format!("boot loader in the image: {found}"));
         // For the board's SPI NOR (README: "Writing U-Boot to the SPI flash"); not in the image.
         let spi = out_dir.join(format!(
             "kiln-{}.{}",

@@ -273,11 +273,16 @@ fn cells(v: &[u8]) -> Option<u64> {
 /// `data`, or external `data-offset`/`data-position` + `data-size` as binman writes them).
 pub fn rockchip_loader(bytes: &[u8]) -> Result<RockchipLoader> {
     idbloader(bytes).context("the loader's boot header")?;
+    // The first device tree on a sector boundary that has `/images` (SPL carries its own plain
+    // device tree, which is no FIT).
     let fit_offset = (4..bytes.len() / 512)
         .map(|s| s * 512)
-        .find(|&at| bytes[at..].starts_with(&[0xd0, 0x0d, 0xfe, 0xed]))
+        .filter(|&at| bytes[at..].starts_with(&[0xd0, 0x0d, 0xfe, 0xed]))
+        .find(|&at| {
+            fdt_nodes(&bytes[at..]).is_ok_and(|n| n.iter().any(|n| n.path.starts_with("/images/")))
+        })
         .context(
-            "no FIT (device tree magic d00dfeed on a sector boundary) after the boot header",
+            "no FIT (a device tree with /images, on a sector boundary) after the boot header",
         )?;
     let fit = &bytes[fit_offset..];
     let nodes = fdt_nodes(fit).with_context(|| format!("the FIT at byte {fit_offset:#x}"))?;
