@@ -52,6 +52,10 @@ pub const TOOLS: &[&str] = &[
     "libssl-dev",
     "erofs-utils",
     "e2fsprogs",
+    // `cargo xtask bundle`: RAUC signs the boot slot's image into a verity bundle, whose payload
+    // is a squashfs made by mksquashfs.
+    "rauc",
+    "squashfs-tools",
 ];
 
 /// The programs whose versions the manifest records, with the package that provides each.
@@ -69,6 +73,8 @@ pub const RECORDED: &[(&str, &str)] = &[
     ("openssl", "libssl-dev"),
     ("mkfs.erofs", "erofs-utils"),
     ("mke2fs", "e2fsprogs"),
+    ("rauc", "rauc"),
+    ("mksquashfs", "squashfs-tools"),
 ];
 
 fn pins_path() -> PathBuf {
