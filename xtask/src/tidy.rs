@@ -34,6 +34,7 @@ pub const LAYERS: &[(&str, &[&str])] = &[
             "readme",
             "tidy",
             "sbom",
+            "bundle",
         ],
     ),
     ("crate root", &["main"]),
