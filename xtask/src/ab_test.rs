@@ -70,6 +70,8 @@ struct Seen {
 
 struct Chain {
     boots: Vec<Seen>,
+    /// The serial console of the whole chain.
+    console: String,
     /// QEMU was killed (a power cut), not powered off by init.
     killed: bool,
     secs: f64,
@@ -142,7 +144,34 @@ impl Machine {
 
     /// Boot until init powers off (or `kill_after` passes: SIGKILL, a power cut).
     fn chain(&self, what: &str, kill_after: Option<Duration>) -> Result<Chain> {
-        let argv = qemu_command(&self.pflash, &self.disk, "none", &[]);
+        self.chain_with(what, kill_after, None)
+    }
+
+    /// [`Machine::chain`] with an update: `kiln.update=vdb:/FILE` on the kernel command line
+    /// and `disk` (an erofs holding FILE) as the second virtio disk.
+    fn chain_with(
+        &self,
+        what: &str,
+        kill_after: Option<Duration>,
+        update: Option<(&Path, &str)>,
+    ) -> Result<Chain> {
+        let mut pflash = self.pflash.clone();
+        let mut argv = if let Some((disk, file)) = update {
+            let d = self.dir.join("update-flash");
+            std::fs::create_dir_all(&d)?;
+            pflash = pflash_with(&d, &format!("kiln.mode=test kiln.update=vdb:/{file}"))?;
+            let mut a = qemu_command(&pflash, &self.disk, "none", &[]);
+            a.extend([
+                "-drive".to_string(),
+                format!("if=none,id=d1,file={},format=raw,readonly=on", disk.display()),
+                "-device".into(),
+                "virtio-blk-pci,drive=d1".into(),
+            ]);
+            a
+        } else {
+            qemu_command(&pflash, &self.disk, "none", &[])
+        };
+        let argv = std::mem::take(&mut argv);
         let log_path = self.dir.join(format!("{what}.serial.log"));
         let mut child = std::process::Command::new(&argv[0])
             .args(&argv[1..])
@@ -196,6 +225,7 @@ impl Machine {
         }
         Ok(Chain {
             boots: boots_of(&console),
+            console: console.clone(),
             killed,
             secs: started.elapsed().as_secs_f64(),
         })
@@ -229,6 +259,10 @@ impl Machine {
         f.write_all_at(bytes, p.start_bytes())?;
         f.sync_all()?;
         Ok(())
+    }
+
+    fn part_sha(&self, name: &str) -> Result<crate::pins::Sha256> {
+        Ok(crate::pins::Sha256::of_bytes(&self.read_part(name)?))
     }
 
     fn state(&self) -> Result<State> {
@@ -395,17 +429,155 @@ pub fn run(args: Args) -> Result<()> {
     Ok(())
 }
 
+/// The erofs disk of the update scenarios: a bundle of this image (`v2.raucb`) and the bundles
+/// RAUC must refuse.
+fn update_disk(dir: &Path) -> Result<PathBuf> {
+    let keys = crate::paths::project_root().join("xtask/src/image/update-keys");
+    let bundles = dir.join("bundles");
+    std::fs::create_dir_all(&bundles)?;
+    let make = |name: &str, key: Option<(&str, &str)>, compatible: Option<&str>| {
+        crate::bundle::make(&crate::bundle::Args {
+            board: "qemu-virt".into(),
+            models: vec![],
+            key: key.map(|(k, _)| keys.join(k)),
+            cert: key.map(|(_, c)| keys.join(c)),
+            out: Some(bundles.join(name)),
+            compatible: compatible.map(str::to_string),
+            offline: false,
+        })
+    };
+    let good = make("v2.raucb", None, None)?;
+    make(
+        "other-key.raucb",
+        Some(("other-key.pem", "other-cert.pem")),
+        None,
+    )?;
+    make("other-board.raucb", None, Some("kiln-rock-5b"))?;
+    let bytes = std::fs::read(&good.path)?;
+    let mut head = bytes.clone();
+    head[0x20] ^= 0x01;
+    std::fs::write(bundles.join("flipped-head.raucb"), &head)?;
+    let mut sig = bytes;
+    let at = sig.len() - 200;
+    sig[at] ^= 0x01;
+    std::fs::write(bundles.join("flipped-sig.raucb"), &sig)?;
+    let files: Vec<(String, PathBuf)> = [
+        "v2.raucb",
+        "other-key.raucb",
+        "other-board.raucb",
+        "flipped-head.raucb",
+        "flipped-sig.raucb",
+    ]
+    .iter()
+    .map(|n| (n.to_string(), bundles.join(n)))
+    .collect();
+    let disk = dir.join("update.erofs");
+    crate::disk::erofs::build_files(
+        &disk,
+        &files,
+        crate::disk::guid_from_seed("ab-test", "update-disk"),
+        0,
+        None,
+    )?;
+    Ok(disk)
+}
+
+/// `rauc status` on the board (printed by init under `kiln.mode=test`) reads the counters as
+/// kiln does: the same good/bad per slot and the same primary.
+fn rauc_agrees(c: &Chain, m: &Machine) -> Result<()> {
+    let line = c
+        .console
+        .lines()
+        .rev()
+        .find_map(|l| l.split("kiln-rauc-status: ").nth(1))
+        .context("no `kiln-rauc-status:` line on the console: RAUC did not run")?;
+    let v: serde_json::Value = serde_json::from_str(line.trim())
+        .with_context(|| format!("rauc status --output-format=json: {line}"))?;
+    let st = m.state()?;
+    let primary = st.primary()?.map(|s| match s {
+        Slot::A => "boot.0",
+        Slot::B => "boot.1",
+    });
+    ensure!(
+        v["boot_primary"].as_str() == primary,
+        "rauc status: primary {:?}, kiln: {primary:?}",
+        v["boot_primary"]
+    );
+    let slots = v["slots"].as_array().context("rauc status: no slots")?;
+    for (slot, name) in [(Slot::A, "boot.0"), (Slot::B, "boot.1")] {
+        let s = slots
+            .iter()
+            .find_map(|o| o.get(name))
+            .with_context(|| format!("rauc status: no slot {name}"))?;
+        let good = st.is_good(slot)?;
+        let rauc_good = s["boot_status"].as_str() == Some("good");
+        ensure!(
+            rauc_good == good,
+            "rauc status: {name} boot_status {:?}, kiln: {}",
+            s["boot_status"],
+            if good { "good" } else { "bad" }
+        );
+    }
+    Ok(())
+}
+
 fn scenarios(m: &Machine, v2: &[u8]) -> Result<()> {
     // A new image: A boots, passes, is marked good; B is untouched.
     let c = m.chain("1-new", None)?;
     expect(&c, "a new image", &[("A", Some("PASS"))])?;
     expect_state(m, "after the first boot", "A B", 3, 3)?;
 
-    // v2 into B: B boots first, passes, is marked good; A stays behind it.
-    m.install(Slot::B, v2)?;
-    let c = m.chain("2-v2", None)?;
-    expect(&c, "v2 installed in B", &[("B", Some("PASS"))])?;
+    // v2 into B by RAUC on the board: `kiln.update=` a signed bundle of this image's boot slot
+    // on a second disk. B is blanked first, so that B can only boot what RAUC wrote. A boots,
+    // passes, installs, reboots; B boots first, passes, is marked good; A stays behind it.
+    let ub = update_disk(&m.dir)?;
+    m.write_part("boot_b", &vec![0u8; v2.len()])?;
+    let c = m.chain_with("2-v2-rauc", None, Some((&ub, "v2.raucb")))?;
+    expect(
+        &c,
+        "v2 installed by `rauc install` on A",
+        &[("A", Some("PASS")), ("B", Some("PASS"))],
+    )?;
+    ensure!(
+        c.console.contains("update: installed; rebooting into it"),
+        "the console does not say the bundle was installed"
+    );
     expect_state(m, "after v2", "B A", 3, 3)?;
+    rauc_agrees(&c, m)?;
+    println!("ab-test: RAUC installed the bundle into the blanked slot B; rauc status reads the counters as kiln does");
+
+    // Bundles RAUC must refuse: nothing written to the slot it would install into (A), the
+    // counters as they were. (B, booted, only gets its new report.)
+    for (file, why) in [
+        ("other-key.raucb", "signed by a key the board does not trust"),
+        ("other-board.raucb", "made for another board (compatible kiln-rock-5b)"),
+        ("flipped-head.raucb", "one byte flipped in its squashfs superblock"),
+        ("flipped-sig.raucb", "one byte flipped in its signature"),
+    ] {
+        let a = m.part_sha("boot_a")?;
+        let c = m.chain_with(&format!("2-refuse-{file}"), None, Some((&ub, file)))?;
+        expect(&c, &format!("a bundle {why}"), &[("B", Some("PASS"))])?;
+        ensure!(
+            c.console.contains("update: RAUC refused"),
+            "a bundle {why}: the console does not say RAUC refused it"
+        );
+        ensure!(
+            m.part_sha("boot_a")? == a,
+            "a bundle {why}: boot_a changed although RAUC refused the bundle"
+        );
+        expect_state(m, &format!("after the bundle {why}"), "B A", 3, 3)?;
+        let said: Vec<&str> = c
+            .console
+            .lines()
+            .filter(|l| l.contains("kiln-rauc: ") && !l.contains("kiln-rauc-status"))
+            .map(|l| l.split("kiln-rauc: ").nth(1).unwrap_or("").trim())
+            .filter(|l| !l.is_empty())
+            .collect();
+        println!(
+            "ab-test: refused, boot_a unchanged: a bundle {why}: {}",
+            said.last().unwrap_or(&"(rauc said nothing)")
+        );
+    }
 
     // v3 into B, a system whose manifest does not match its kernel: image.manifest fails.
     let manifest = fat::read_file(

@@ -209,7 +209,7 @@ pub fn make(args: &Args) -> Result<Bundle> {
         .or_else(|_| std::fs::copy(&raucb, &out).map(|_| ()))
         .with_context(|| format!("writing {}", out.display()))?;
     write_atomic(
-        &out.with_extension("json"),
+        &PathBuf::from(format!("{}.json", out.display())),
         &serde_json::to_vec_pretty(&serde_json::json!({
             "bundle": out.file_name().and_then(|n| n.to_str()),
             "sha256": Sha256::of_file(&out)?.to_string(),

@@ -339,6 +339,10 @@ pub fn write_dir(tree: &Tree, dir: &Path) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     for (p, n) in &tree.nodes {
         let at = dir.join(p);
+        if let Some(parent) = at.parent() {
+            std::fs::create_dir_all(parent)
+                .with_context(|| format!("creating {}", parent.display()))?;
+        }
         match &n.kind {
             NodeKind::Dir => std::fs::create_dir_all(&at),
             NodeKind::File(b) => std::fs::write(&at, b),

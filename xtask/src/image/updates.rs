@@ -28,9 +28,10 @@ const PROGRAMS: &[(&str, &str)] = &[
     ("usr/bin/fw_setenv", "libubootenv-tool"),
 ];
 
-/// Packages whose files the initramfs already has (the C library and its loader): the tree
-/// does not carry a second copy.
-const IN_INITRAMFS: &[&str] = &["libc6", "libgcc-s1", "libstdc++6"];
+/// Files the initramfs always has (the C library and its loader, which `kiln` and busybox's
+/// neighbours load): the tree does not carry a second copy. The rest of glibc the programs
+/// need (e.g. `libresolv.so.2`) comes along.
+const IN_INITRAMFS: &[&str] = &["libc.so.6", "ld-linux-aarch64.so.1"];
 
 /// The development certificate every image trusts unless its recipe names a keyring
 /// (`update-keys/README.md`), and its key, which signs bundles when no `--key` is given.
@@ -237,7 +238,7 @@ pub fn step(ctx: &Ctx) -> Step<'_> {
         })
         .collect();
     let key = key_of(&[
-        "updates-v1",
+        "updates-v2",
         &ctx.tools.key.to_string(),
         &ctx.epoch.to_string(),
         &uuid.to_string(),
