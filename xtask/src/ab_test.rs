@@ -299,8 +299,31 @@ impl Machine {
     /// `fsck.vfat -n` on the three FAT partitions: clean (init repairs a FAT a cut left
     /// inconsistent before it mounts it, and the chain ended in a clean power-off).
     fn fsck(&self) -> Result<()> {
+        self.fsck_of(&["bootctl", "boot_a", "boot_b"])
+    }
+
+    /// [`Machine::fsck`] of bootctl and the slots U-Boot may boot (those in `BOOT_ORDER`); a
+    /// slot out of it is one RAUC marked bad before writing it, and a cut during the write
+    /// leaves it half written until the next install. Returns the slots left out.
+    fn fsck_bootable(&self) -> Result<Vec<&'static str>> {
+        let st = self.state()?;
+        let order = st.order()?;
+        let mut names = vec!["bootctl"];
+        let mut skipped = vec![];
+        for s in [Slot::A, Slot::B] {
+            if order.contains(&s) {
+                names.push(part_of(s));
+            } else {
+                skipped.push(part_of(s));
+            }
+        }
+        self.fsck_of(&names)?;
+        Ok(skipped)
+    }
+
+    fn fsck_of(&self, names: &[&str]) -> Result<()> {
         let sh = crate::paths::shell()?;
-        for name in ["bootctl", "boot_a", "boot_b"] {
+        for &name in names {
             let f = self.dir.join(format!("{name}.vfat"));
             std::fs::write(&f, self.read_part(name)?)?;
             let out = cmd!(sh, "fsck.vfat -n {f}")
@@ -401,6 +424,32 @@ fn edited(work: &Path, fs: &[u8], path: &str, bytes: &[u8]) -> Result<Vec<u8>> {
     Ok(std::fs::read(&img)?)
 }
 
+/// Where a cut chain was when the power went: the last milestone on its console.
+fn phase_of(console: &str) -> String {
+    const MILESTONES: &[(&str, &str)] = &[
+        (BOOT_LINE, "U-Boot/kernel start"),
+        ("kiln-init: started", "init, before the verdict"),
+        ("KILN-SELFTEST:", "the verdict and its mark-good/bad write"),
+        ("updates: rauc service up", "RAUC up, before the install"),
+        ("update: rauc install", "rauc install writing the other slot"),
+        ("update: installed; rebooting", "the reboot after the install"),
+        ("powering off", "the power-off"),
+    ];
+    let mut best: Option<(usize, &str)> = None;
+    for (m, what) in MILESTONES {
+        if let Some(at) = console.rfind(m) {
+            if best.is_none_or(|(b, _)| at > b) {
+                best = Some((at, what));
+            }
+        }
+    }
+    let boot = boots_of(console).len();
+    match best {
+        Some((_, what)) => format!("boot {boot}, {what}"),
+        None => "before U-Boot".into(),
+    }
+}
+
 /// splitmix64: the seeded moments, the same on every machine.
 fn splitmix(seed: u64) -> u64 {
     let mut z = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
@@ -421,10 +470,11 @@ pub fn run(args: Args) -> Result<()> {
     let t = Instant::now();
     let m = Machine::new(&work.join("scenarios"), &image)?;
     let v2 = m.read_part("boot_a")?;
+    let ub = update_disk(&work)?;
     if !args.cuts_only {
-        scenarios(&m, &v2)?;
+        scenarios(&m, &v2, &ub)?;
     }
-    cuts(&args, &work, &image, &v2)?;
+    cuts(&args, &work, &image, &ub)?;
     println!("ab-test: done in {:.0} s", t.elapsed().as_secs_f64());
     Ok(())
 }
@@ -457,6 +507,10 @@ fn update_disk(dir: &Path) -> Result<PathBuf> {
     let mut head = bytes.clone();
     head[0x20] ^= 0x01;
     std::fs::write(bundles.join("flipped-head.raucb"), &head)?;
+    let mut mid = bytes.clone();
+    let at = mid.len() / 2;
+    mid[at] ^= 0x01;
+    std::fs::write(bundles.join("flipped-payload.raucb"), &mid)?;
     let mut sig = bytes;
     let at = sig.len() - 200;
     sig[at] ^= 0x01;
@@ -466,6 +520,7 @@ fn update_disk(dir: &Path) -> Result<PathBuf> {
         "other-key.raucb",
         "other-board.raucb",
         "flipped-head.raucb",
+        "flipped-payload.raucb",
         "flipped-sig.raucb",
     ]
     .iter()
@@ -521,7 +576,7 @@ fn rauc_agrees(c: &Chain, m: &Machine) -> Result<()> {
     Ok(())
 }
 
-fn scenarios(m: &Machine, v2: &[u8]) -> Result<()> {
+fn scenarios(m: &Machine, v2: &[u8], ub: &Path) -> Result<()> {
     // A new image: A boots, passes, is marked good; B is untouched.
     let c = m.chain("1-new", None)?;
     expect(&c, "a new image", &[("A", Some("PASS"))])?;
@@ -530,9 +585,8 @@ fn scenarios(m: &Machine, v2: &[u8]) -> Result<()> {
     // v2 into B by RAUC on the board: `kiln.update=` a signed bundle of this image's boot slot
     // on a second disk. B is blanked first, so that B can only boot what RAUC wrote. A boots,
     // passes, installs, reboots; B boots first, passes, is marked good; A stays behind it.
-    let ub = update_disk(&m.dir)?;
     m.write_part("boot_b", &vec![0u8; v2.len()])?;
-    let c = m.chain_with("2-v2-rauc", None, Some((&ub, "v2.raucb")))?;
+    let c = m.chain_with("2-v2-rauc", None, Some((ub, "v2.raucb")))?;
     expect(
         &c,
         "v2 installed by `rauc install` on A",
@@ -548,14 +602,35 @@ fn scenarios(m: &Machine, v2: &[u8]) -> Result<()> {
 
     // Bundles RAUC must refuse: nothing written to the slot it would install into (A), the
     // counters as they were. (B, booted, only gets its new report.)
-    for (file, why) in [
-        ("other-key.raucb", "signed by a key the board does not trust"),
-        ("other-board.raucb", "made for another board (compatible kiln-rock-5b)"),
-        ("flipped-head.raucb", "one byte flipped in its squashfs superblock"),
-        ("flipped-sig.raucb", "one byte flipped in its signature"),
+    for (file, why, reason) in [
+        (
+            "other-key.raucb",
+            "signed by a key the board does not trust",
+            "signature verification failed",
+        ),
+        (
+            "other-board.raucb",
+            "made for another board (compatible kiln-rock-5b)",
+            "Compatible mismatch",
+        ),
+        (
+            "flipped-head.raucb",
+            "one byte flipped in its squashfs superblock",
+            "dm-verity",
+        ),
+        (
+            "flipped-payload.raucb",
+            "one byte flipped in the middle of its payload",
+            "does not read back as its signed manifest says",
+        ),
+        (
+            "flipped-sig.raucb",
+            "one byte flipped in its signature",
+            "no valid CMS",
+        ),
     ] {
         let a = m.part_sha("boot_a")?;
-        let c = m.chain_with(&format!("2-refuse-{file}"), None, Some((&ub, file)))?;
+        let c = m.chain_with(&format!("2-refuse-{file}"), None, Some((ub, file)))?;
         expect(&c, &format!("a bundle {why}"), &[("B", Some("PASS"))])?;
         ensure!(
             c.console.contains("update: RAUC refused"),
@@ -566,16 +641,17 @@ fn scenarios(m: &Machine, v2: &[u8]) -> Result<()> {
             "a bundle {why}: boot_a changed although RAUC refused the bundle"
         );
         expect_state(m, &format!("after the bundle {why}"), "B A", 3, 3)?;
-        let said: Vec<&str> = c
+        let said = c
             .console
             .lines()
-            .filter(|l| l.contains("kiln-rauc: ") && !l.contains("kiln-rauc-status"))
-            .map(|l| l.split("kiln-rauc: ").nth(1).unwrap_or("").trim())
-            .filter(|l| !l.is_empty())
-            .collect();
+            .map(|l| l.split("kiln-rauc: ").nth(1).unwrap_or(l))
+            .find(|l| l.contains(reason))
+            .with_context(|| {
+                format!("a bundle {why}: refused, but RAUC's output does not name `{reason}`")
+            })?;
         println!(
             "ab-test: refused, boot_a unchanged: a bundle {why}: {}",
-            said.last().unwrap_or(&"(rauc said nothing)")
+            said.trim()
         );
     }
 
@@ -674,30 +750,32 @@ fn scenarios(m: &Machine, v2: &[u8]) -> Result<()> {
     Ok(())
 }
 
-fn cuts(args: &Args, work: &Path, image: &Path, v2: &[u8]) -> Result<()> {
+fn cuts(args: &Args, work: &Path, image: &Path, ub: &Path) -> Result<()> {
     if args.seeds == 0 {
         return Ok(());
     }
-    // The uncut chain from the same state gives the span the moments are drawn from.
+    // The uncut chain gives the span the moments are drawn from: A boots and passes, RAUC
+    // installs the bundle into B (marks B bad, writes it, marks it active), the board reboots,
+    // B boots, passes and is marked good.
     let reference = Machine::new(&work.join("cut-reference"), image)?;
-    reference.install(Slot::B, v2)?;
-    let c = reference.chain("reference", None)?;
+    let c = reference.chain_with("reference", None, Some((ub, "v2.raucb")))?;
     expect(
         &c,
-        "uncut reference (v2 installed in B)",
-        &[("B", Some("PASS"))],
+        "uncut reference (rauc install of v2 from A)",
+        &[("A", Some("PASS")), ("B", Some("PASS"))],
     )?;
     let span_ms = (c.secs * 1000.0) as u64;
     let mut failures = Vec::new();
     for seed in args.first_seed..args.first_seed + args.seeds {
         let at = Duration::from_millis(splitmix(seed) % span_ms.max(1));
         let m = Machine::new(&work.join(format!("cut-{seed}")), image)?;
-        m.install(Slot::B, v2)?;
         let r = (|| -> Result<String> {
-            let cut = m.chain("cut", Some(at))?;
+            let cut = m.chain_with("cut", Some(at), Some((ub, "v2.raucb")))?;
             let mut boots = cut.boots.clone();
+            // Power comes back: the board boots (again, without the update) until a PASS.
+            let mut after: Vec<Seen> = Vec::new();
             let mut n = 0;
-            while !boots.iter().any(|b| b.verdict.as_deref() == Some("PASS")) {
+            while cut.killed && !after.iter().any(|b| b.verdict.as_deref() == Some("PASS")) {
                 n += 1;
                 ensure!(
                     boots.len() <= RECOVERY_BOOTS,
@@ -705,32 +783,41 @@ fn cuts(args: &Args, work: &Path, image: &Path, v2: &[u8]) -> Result<()> {
                     show(&boots)
                 );
                 let c = m.chain(&format!("after-{n}"), None)?;
-                boots.extend(c.boots);
+                boots.extend(c.boots.clone());
+                after.extend(c.boots);
             }
-            let pass_at = boots
+            let pass_at = after
                 .iter()
                 .position(|b| b.verdict.as_deref() == Some("PASS"))
                 .unwrap_or(0);
             ensure!(
                 pass_at < RECOVERY_BOOTS,
-                "the PASS came at boot {} (more than {RECOVERY_BOOTS}): {}",
+                "the PASS came at boot {} after the cut (more than {RECOVERY_BOOTS}): {}",
                 pass_at + 1,
                 show(&boots)
             );
-            m.fsck()?;
+            let skipped = m.fsck_bootable()?;
             m.good_means_passed()?;
             let st = m.state()?;
             Ok(format!(
-                "{}{}; then BOOT_ORDER '{}', A {}, B {}; fsck.vfat -n clean",
+                "{}{}; then BOOT_ORDER '{}', A {}, B {}; fsck.vfat -n clean{}",
                 if cut.killed {
-                    ""
+                    format!("in {}: ", phase_of(&cut.console))
                 } else {
-                    "(finished before the cut) "
+                    "(finished before the cut) ".into()
                 },
                 show(&boots),
                 st.env().get("BOOT_ORDER").unwrap_or(""),
                 st.left(Slot::A)?,
-                st.left(Slot::B)?
+                st.left(Slot::B)?,
+                if skipped.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        " (bootctl and the bootable slots; {} marked bad, not checked)",
+                        skipped.join(", ")
+                    )
+                }
             ))
         })();
         match r {
