@@ -485,7 +485,10 @@ fn update_disk(dir: &Path) -> Result<PathBuf> {
     let keys = crate::paths::project_root().join("xtask/src/image/update-keys");
     let bundles = dir.join("bundles");
     std::fs::create_dir_all(&bundles)?;
-    let make = |name: &str, key: Option<(&str, &str)>, compatible: Option<&str>| {
+    let make = |name: &str,
+                key: Option<(&str, &str)>,
+                compatible: Option<&str>,
+                needs: Option<&str>| {
         crate::bundle::make(&crate::bundle::Args {
             board: "qemu-virt".into(),
             models: vec![],
@@ -493,16 +496,24 @@ fn update_disk(dir: &Path) -> Result<PathBuf> {
             cert: key.map(|(_, c)| keys.join(c)),
             out: Some(bundles.join(name)),
             compatible: compatible.map(str::to_string),
+            needs_model: needs.map(|n| vec![n.to_string()]).unwrap_or_default(),
             offline: false,
         })
     };
-    let good = make("v2.raucb", None, None)?;
+    let good = make("v2.raucb", None, None, None)?;
     make(
         "other-key.raucb",
         Some(("other-key.pem", "other-cert.pem")),
         None,
+        None,
     )?;
-    make("other-board.raucb", None, Some("kiln-rock-5b"))?;
+    make("other-board.raucb", None, Some("kiln-rock-5b"), None)?;
+    make(
+        "other-models.raucb",
+        None,
+        None,
+        Some("SmolLM2-360M-Instruct-Q4_1.gguf:b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
+    )?;
     let bytes = std::fs::read(&good.path)?;
     let mut head = bytes.clone();
     head[0x20] ^= 0x01;
@@ -519,6 +530,7 @@ fn update_disk(dir: &Path) -> Result<PathBuf> {
         "v2.raucb",
         "other-key.raucb",
         "other-board.raucb",
+        "other-models.raucb",
         "flipped-head.raucb",
         "flipped-payload.raucb",
         "flipped-sig.raucb",
@@ -612,6 +624,11 @@ fn scenarios(m: &Machine, v2: &[u8], ub: &Path) -> Result<()> {
             "other-board.raucb",
             "made for another board (compatible kiln-rock-5b)",
             "Compatible mismatch",
+        ),
+        (
+            "other-models.raucb",
+            "whose system needs a model the card does not hold",
+            "does not hold: SmolLM2-360M-Instruct-Q4_1.gguf",
         ),
         (
             "flipped-head.raucb",

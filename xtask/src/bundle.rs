@@ -36,6 +36,10 @@ pub struct Args {
     /// A `compatible` other than the board's (for tests of RAUC's refusal).
     #[arg(long, hide = true)]
     pub compatible: Option<String>,
+    /// An extra `NAME:SHA256` the bundle's system says it needs on /models (for tests of the
+    /// refusal of a bundle whose models the card does not hold).
+    #[arg(long, hide = true)]
+    pub needs_model: Vec<String>,
     /// Build from the download cache alone.
     #[arg(long)]
     pub offline: bool,
@@ -71,6 +75,76 @@ fn pem(path: &Path, what: &str, marker: &str) -> Result<Vec<u8>> {
         );
     }
     Ok(bytes)
+}
+
+/// The bundle's list of what its system needs on /models: `sha256  name` lines.
+const MODELS_FILE: &str = "kiln-models.txt";
+
+/// The models partition is not a slot: the system in a bundle runs only with the models (and
+/// self-check fixtures) its manifest names, so RAUC's install-check hook refuses a bundle whose
+/// list the card does not hold, naming them. The card's holding is the booted slot's manifest,
+/// which the self-check that passed at this boot measured /models against. A hook replaces
+/// RAUC's own `compatible` check, so it makes that check too.
+const HOOK: &str = r#"#!/bin/sh
+# kiln bundle hook (made by cargo xtask bundle: xtask/src/bundle.rs).
+[ "$1" = install-check ] || exit 0
+if [ "$RAUC_MF_COMPATIBLE" != "$RAUC_SYSTEM_COMPATIBLE" ]; then
+    echo "Compatible mismatch: Expected '$RAUC_SYSTEM_COMPATIBLE' but bundle manifest has '$RAUC_MF_COMPATIBLE'" >&2
+    exit 10
+fi
+list="$(dirname "$0")/kiln-models.txt"
+if [ ! -r "$list" ]; then
+    echo "the bundle has no readable $list" >&2
+    exit 10
+fi
+missing=
+while read -r sha name; do
+    [ -n "$name" ] || continue
+    if [ ! -e "/models/$name" ] || ! grep -q ""$sha"" /boot/kiln/manifest.json; then
+        missing="$missing $name"
+    fi
+done < "$list"
+if [ -n "$missing" ]; then
+    echo "this system needs on /models what the card does not hold:$missing (bundles do not update the models partition: reflash the card with them)" >&2
+    exit 10
+fi
+exit 0
+"#;
+
+fn write_hook(path: &Path) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::write(path, HOOK)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755))?;
+    Ok(())
+}
+
+/// `sha256  name` of every file the image's manifest puts on /models (models and fixtures),
+/// then `extra` (`NAME:SHA256`).
+fn models_needed(manifest: &Path, extra: &[String]) -> Result<String> {
+    let m: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(manifest).with_context(|| format!("reading {}", manifest.display()))?,
+    )
+    .with_context(|| format!("parsing {}", manifest.display()))?;
+    let mut entries: Vec<&serde_json::Value> = vec![&m["fixture"]];
+    for k in ["fixtures", "models"] {
+        if let Some(a) = m[k].as_array() {
+            entries.extend(a);
+        }
+    }
+    let mut out = String::new();
+    for e in entries {
+        let (Some(name), Some(sha)) = (e["name"].as_str(), e["sha256"].as_str()) else {
+            bail!("{}: a model entry without name and sha256: {e}", manifest.display());
+        };
+        out.push_str(&format!("{sha}  {name}\n"));
+    }
+    for x in extra {
+        let (name, sha) = x
+            .split_once(':')
+            .with_context(|| format!("--needs-model {x}: NAME:SHA256 expected"))?;
+        out.push_str(&format!("{sha}  {name}\n"));
+    }
+    Ok(out)
 }
 
 /// Make the bundle of `args.board`'s image at this commit.
@@ -131,6 +205,10 @@ pub fn make(args: &Args) -> Result<Bundle> {
          [bundle]\n\
          format=verity\n\
          \n\
+         [hooks]\n\
+         filename=hook.sh\n\
+         hooks=install-check\n\
+         \n\
          [image.boot]\n\
          filename=boot.vfat\n",
         board = args.board,
@@ -138,6 +216,9 @@ pub fn make(args: &Args) -> Result<Bundle> {
         epoch = commit.epoch,
     );
     std::fs::write(content.join("manifest.raucm"), &manifest)?;
+    let models = models_needed(&built.manifest, &args.needs_model)?;
+    std::fs::write(content.join(MODELS_FILE), &models)?;
+    write_hook(&content.join("hook.sh"))?;
     let keyfile = tmp.path().join("key.pem");
     {
         use std::io::Write as _;
