@@ -7,20 +7,28 @@
 //! init powers off after a verdict (`kiln.mode=test`). The console is split into boots at
 //! `boot.scr`'s `kiln-boot: booting slot X` lines.
 //!
-//! An update is installed from the host as `rauc install` does it on the board (the target slot
-//! marked bad, its file system image written, then marked active): these scenarios prove the
-//! boot counting and the self-check's judgement, not RAUC's bundle handling.
+//! Updates go through RAUC on the board: `kiln.update=vdb:/FILE` on the kernel command line and
+//! an erofs second disk holding bundles made by `cargo xtask bundle` (signed with the public
+//! development key, plus the ones RAUC must refuse). Scenarios that need a slot no bundle would
+//! carry (a failing or unbootable system) write it from the host as `rauc install` does (the
+//! target marked bad, its file system written, then marked active).
 //!
-//! Scenarios: a new image boots A and marks it good; v2 in B boots and is marked good with A
-//! kept behind it; v3 in B fails its self-check, is marked bad and the board reboots into A; v4
-//! in B has a broken initramfs, U-Boot spends B's three tries and boots A; with no good slot
-//! left U-Boot boots the slot last marked good and the report says so.
+//! Scenarios: a new image boots A and marks it good; `rauc install` of v2 from A into a blanked
+//! B, B boots and is marked good with A kept behind it, and `rauc status` on the board reads the
+//! counters as kiln does; bundles signed by another key, for another board, needing models the
+//! card does not hold, with a byte flipped in the squashfs superblock, in the payload or in the
+//! signature: each refused, the slot it would go to unchanged, the counters as they were; v3 in
+//! B fails its self-check, is marked bad and the board reboots into A; v4 in B has a broken
+//! initramfs, U-Boot spends B's three tries and boots A; with no good slot left U-Boot boots
+//! the slot last marked good and the report says so.
 //!
-//! Power cuts: from the state right after an update, QEMU is killed with SIGKILL at a seeded
-//! moment of the boot chain (U-Boot's counter write, the kernel, the self-check, the mark-good
-//! write, the power-off); then the board is booted again until a PASS, which must come within 7
-//! boots, with `fsck.vfat -n` clean on `bootctl` and both slots and no slot marked good (the
-//! last marked good) whose report is not a PASS.
+//! Power cuts: QEMU killed with SIGKILL at a seeded moment of the whole update chain (A's boot
+//! and mark-good write, the verification and `rauc install` writing B, the reboot, B's boot and
+//! mark-good write, the power-off), the phase printed; then the board is booted again until a
+//! PASS, which must come within 7 boots, with `fsck.vfat -n` clean on `bootctl` and on every
+//! slot U-Boot may boot (a slot RAUC had marked bad and was writing stays half written, out of
+//! `BOOT_ORDER`, until the next install) and no slot marked good (the last marked good) whose
+//! report is not a PASS.
 
 use crate::boot_test::{
     console_reader, copy_image, edit_ab_state, ensure_image, pflash_with, qemu_command,
