@@ -171,7 +171,10 @@ impl Machine {
             let mut a = qemu_command(&pflash, &self.disk, "none", &[]);
             a.extend([
                 "-drive".to_string(),
-                format!("if=none,id=d1,file={},format=raw,readonly=on", disk.display()),
+                format!(
+                    "if=none,id=d1,file={},format=raw,readonly=on",
+                    disk.display()
+                ),
                 "-device".into(),
                 "virtio-blk-pci,drive=d1".into(),
             ]);
@@ -439,8 +442,14 @@ fn phase_of(console: &str) -> String {
         ("kiln-init: started", "init, before the verdict"),
         ("KILN-SELFTEST:", "the verdict and its mark-good/bad write"),
         ("updates: rauc service up", "RAUC up, before the install"),
-        ("update: rauc install", "rauc install writing the other slot"),
-        ("update: installed; rebooting", "the reboot after the install"),
+        (
+            "update: rauc install",
+            "rauc install writing the other slot",
+        ),
+        (
+            "update: installed; rebooting",
+            "the reboot after the install",
+        ),
         ("powering off", "the power-off"),
     ];
     let mut best: Option<(usize, &str)> = None;
@@ -493,21 +502,19 @@ fn update_disk(dir: &Path) -> Result<PathBuf> {
     let keys = crate::paths::project_root().join("xtask/src/image/update-keys");
     let bundles = dir.join("bundles");
     std::fs::create_dir_all(&bundles)?;
-    let make = |name: &str,
-                key: Option<(&str, &str)>,
-                compatible: Option<&str>,
-                needs: Option<&str>| {
-        crate::bundle::make(&crate::bundle::Args {
-            board: "qemu-virt".into(),
-            models: vec![],
-            key: key.map(|(k, _)| keys.join(k)),
-            cert: key.map(|(_, c)| keys.join(c)),
-            out: Some(bundles.join(name)),
-            compatible: compatible.map(str::to_string),
-            needs_model: needs.map(|n| vec![n.to_string()]).unwrap_or_default(),
-            offline: false,
-        })
-    };
+    let make =
+        |name: &str, key: Option<(&str, &str)>, compatible: Option<&str>, needs: Option<&str>| {
+            crate::bundle::make(&crate::bundle::Args {
+                board: "qemu-virt".into(),
+                models: vec![],
+                key: key.map(|(k, _)| keys.join(k)),
+                cert: key.map(|(_, c)| keys.join(c)),
+                out: Some(bundles.join(name)),
+                compatible: compatible.map(str::to_string),
+                needs_model: needs.map(|n| vec![n.to_string()]).unwrap_or_default(),
+                offline: false,
+            })
+        };
     let good = make("v2.raucb", None, None, None)?;
     make(
         "other-key.raucb",

@@ -134,7 +134,10 @@ fn models_needed(manifest: &Path, extra: &[String]) -> Result<String> {
     let mut out = String::new();
     for e in entries {
         let (Some(name), Some(sha)) = (e["name"].as_str(), e["sha256"].as_str()) else {
-            bail!("{}: a model entry without name and sha256: {e}", manifest.display());
+            bail!(
+                "{}: a model entry without name and sha256: {e}",
+                manifest.display()
+            );
         };
         out.push_str(&format!("{sha}  {name}\n"));
     }
