@@ -7,20 +7,28 @@
 //! init powers off after a verdict (`kiln.mode=test`). The console is split into boots at
 //! `boot.scr`'s `kiln-boot: booting slot X` lines.
 //!
-//! An update is installed from the host as `rauc install` does it on the board (the target slot
-//! marked bad, its file system image written, then marked active): these scenarios prove the
-//! boot counting and the self-check's judgement, not RAUC's bundle handling.
+//! Updates go through RAUC on the board: `kiln.update=vdb:/FILE` on the kernel command line and
+//! an erofs second disk holding bundles made by `cargo xtask bundle` (signed with the public
+//! development key, plus the ones RAUC must refuse). Scenarios that need a slot no bundle would
+//! carry (a failing or unbootable system) write it from the host as `rauc install` does (the
+//! target marked bad, its file system written, then marked active).
 //!
-//! Scenarios: a new image boots A and marks it good; v2 in B boots and is marked good with A
-//! kept behind it; v3 in B fails its self-check, is marked bad and the board reboots into A; v4
-//! in B has a broken initramfs, U-Boot spends B's three tries and boots A; with no good slot
-//! left U-Boot boots the slot last marked good and the report says so.
+//! Scenarios: a new image boots A and marks it good; `rauc install` of v2 from A into a blanked
+//! B, B boots and is marked good with A kept behind it, and `rauc status` on the board reads the
+//! counters as kiln does; bundles signed by another key, for another board, needing models the
+//! card does not hold, with a byte flipped in the squashfs superblock, in the payload or in the
+//! signature: each refused, the slot it would go to unchanged, the counters as they were; v3 in
+//! B fails its self-check, is marked bad and the board reboots into A; v4 in B has a broken
+//! initramfs, U-Boot spends B's three tries and boots A; with no good slot left U-Boot boots
+//! the slot last marked good and the report says so.
 //!
-//! Power cuts: from the state right after an update, QEMU is killed with SIGKILL at a seeded
-//! moment of the boot chain (U-Boot's counter write, the kernel, the self-check, the mark-good
-//! write, the power-off); then the board is booted again until a PASS, which must come within 7
-//! boots, with `fsck.vfat -n` clean on `bootctl` and both slots and no slot marked good (the
-//! last marked good) whose report is not a PASS.
+//! Power cuts: QEMU killed with SIGKILL at a seeded moment of the whole update chain (A's boot
+//! and mark-good write, the verification and `rauc install` writing B, the reboot, B's boot and
+//! mark-good write, the power-off), the phase printed; then the board is booted again until a
+//! PASS, which must come within 7 boots, with `fsck.vfat -n` clean on `bootctl` and on every
+//! slot U-Boot may boot (a slot RAUC had marked bad and was writing stays half written, out of
+//! `BOOT_ORDER`, until the next install) and no slot marked good (the last marked good) whose
+//! report is not a PASS.
 
 use crate::boot_test::{
     console_reader, copy_image, edit_ab_state, ensure_image, pflash_with, qemu_command,
@@ -70,6 +78,8 @@ struct Seen {
 
 struct Chain {
     boots: Vec<Seen>,
+    /// The serial console of the whole chain.
+    console: String,
     /// QEMU was killed (a power cut), not powered off by init.
     killed: bool,
     secs: f64,
@@ -142,7 +152,37 @@ impl Machine {
 
     /// Boot until init powers off (or `kill_after` passes: SIGKILL, a power cut).
     fn chain(&self, what: &str, kill_after: Option<Duration>) -> Result<Chain> {
-        let argv = qemu_command(&self.pflash, &self.disk, "none", &[]);
+        self.chain_with(what, kill_after, None)
+    }
+
+    /// [`Machine::chain`] with an update: `kiln.update=vdb:/FILE` on the kernel command line
+    /// and `disk` (an erofs holding FILE) as the second virtio disk.
+    fn chain_with(
+        &self,
+        what: &str,
+        kill_after: Option<Duration>,
+        update: Option<(&Path, &str)>,
+    ) -> Result<Chain> {
+        let mut pflash = self.pflash.clone();
+        let mut argv = if let Some((disk, file)) = update {
+            let d = self.dir.join("update-flash");
+            std::fs::create_dir_all(&d)?;
+            pflash = pflash_with(&d, &format!("kiln.mode=test kiln.update=vdb:/{file}"))?;
+            let mut a = qemu_command(&pflash, &self.disk, "none", &[]);
+            a.extend([
+                "-drive".to_string(),
+                format!(
+                    "if=none,id=d1,file={},format=raw,readonly=on",
+                    disk.display()
+                ),
+                "-device".into(),
+                "virtio-blk-pci,drive=d1".into(),
+            ]);
+            a
+        } else {
+            qemu_command(&pflash, &self.disk, "none", &[])
+        };
+        let argv = std::mem::take(&mut argv);
         let log_path = self.dir.join(format!("{what}.serial.log"));
         let mut child = std::process::Command::new(&argv[0])
             .args(&argv[1..])
@@ -196,6 +236,7 @@ impl Machine {
         }
         Ok(Chain {
             boots: boots_of(&console),
+            console: console.clone(),
             killed,
             secs: started.elapsed().as_secs_f64(),
         })
@@ -229,6 +270,10 @@ impl Machine {
         f.write_all_at(bytes, p.start_bytes())?;
         f.sync_all()?;
         Ok(())
+    }
+
+    fn part_sha(&self, name: &str) -> Result<crate::pins::Sha256> {
+        Ok(crate::pins::Sha256::of_bytes(&self.read_part(name)?))
     }
 
     fn state(&self) -> Result<State> {
@@ -265,8 +310,31 @@ impl Machine {
     /// `fsck.vfat -n` on the three FAT partitions: clean (init repairs a FAT a cut left
     /// inconsistent before it mounts it, and the chain ended in a clean power-off).
     fn fsck(&self) -> Result<()> {
+        self.fsck_of(&["bootctl", "boot_a", "boot_b"])
+    }
+
+    /// [`Machine::fsck`] of bootctl and the slots U-Boot may boot (those in `BOOT_ORDER`); a
+    /// slot out of it is one RAUC marked bad before writing it, and a cut during the write
+    /// leaves it half written until the next install. Returns the slots left out.
+    fn fsck_bootable(&self) -> Result<Vec<&'static str>> {
+        let st = self.state()?;
+        let order = st.order()?;
+        let mut names = vec!["bootctl"];
+        let mut skipped = vec![];
+        for s in [Slot::A, Slot::B] {
+            if order.contains(&s) {
+                names.push(part_of(s));
+            } else {
+                skipped.push(part_of(s));
+            }
+        }
+        self.fsck_of(&names)?;
+        Ok(skipped)
+    }
+
+    fn fsck_of(&self, names: &[&str]) -> Result<()> {
         let sh = crate::paths::shell()?;
-        for name in ["bootctl", "boot_a", "boot_b"] {
+        for &name in names {
             let f = self.dir.join(format!("{name}.vfat"));
             std::fs::write(&f, self.read_part(name)?)?;
             let out = cmd!(sh, "fsck.vfat -n {f}")
@@ -367,6 +435,38 @@ fn edited(work: &Path, fs: &[u8], path: &str, bytes: &[u8]) -> Result<Vec<u8>> {
     Ok(std::fs::read(&img)?)
 }
 
+/// Where a cut chain was when the power went: the last milestone on its console.
+fn phase_of(console: &str) -> String {
+    const MILESTONES: &[(&str, &str)] = &[
+        (BOOT_LINE, "U-Boot/kernel start"),
+        ("kiln-init: started", "init, before the verdict"),
+        ("KILN-SELFTEST:", "the verdict and its mark-good/bad write"),
+        ("updates: rauc service up", "RAUC up, before the install"),
+        (
+            "update: rauc install",
+            "rauc install writing the other slot",
+        ),
+        (
+            "update: installed; rebooting",
+            "the reboot after the install",
+        ),
+        ("powering off", "the power-off"),
+    ];
+    let mut best: Option<(usize, &str)> = None;
+    for (m, what) in MILESTONES {
+        if let Some(at) = console.rfind(m) {
+            if best.is_none_or(|(b, _)| at > b) {
+                best = Some((at, what));
+            }
+        }
+    }
+    let boot = boots_of(console).len();
+    match best {
+        Some((_, what)) => format!("boot {boot}, {what}"),
+        None => "before U-Boot".into(),
+    }
+}
+
 /// splitmix64: the seeded moments, the same on every machine.
 fn splitmix(seed: u64) -> u64 {
     let mut z = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
@@ -387,25 +487,205 @@ pub fn run(args: Args) -> Result<()> {
     let t = Instant::now();
     let m = Machine::new(&work.join("scenarios"), &image)?;
     let v2 = m.read_part("boot_a")?;
+    let ub = update_disk(&work)?;
     if !args.cuts_only {
-        scenarios(&m, &v2)?;
+        scenarios(&m, &v2, &ub)?;
     }
-    cuts(&args, &work, &image, &v2)?;
+    cuts(&args, &work, &image, &ub)?;
     println!("ab-test: done in {:.0} s", t.elapsed().as_secs_f64());
     Ok(())
 }
 
-fn scenarios(m: &Machine, v2: &[u8]) -> Result<()> {
+/// The erofs disk of the update scenarios: a bundle of this image (`v2.raucb`) and the bundles
+/// RAUC must refuse.
+fn update_disk(dir: &Path) -> Result<PathBuf> {
+    let keys = crate::paths::project_root().join("xtask/src/image/update-keys");
+    let bundles = dir.join("bundles");
+    std::fs::create_dir_all(&bundles)?;
+    let make =
+        |name: &str, key: Option<(&str, &str)>, compatible: Option<&str>, needs: Option<&str>| {
+            crate::bundle::make(&crate::bundle::Args {
+                board: "qemu-virt".into(),
+                models: vec![],
+                key: key.map(|(k, _)| keys.join(k)),
+                cert: key.map(|(_, c)| keys.join(c)),
+                out: Some(bundles.join(name)),
+                compatible: compatible.map(str::to_string),
+                needs_model: needs.map(|n| vec![n.to_string()]).unwrap_or_default(),
+                offline: false,
+            })
+        };
+    let good = make("v2.raucb", None, None, None)?;
+    make(
+        "other-key.raucb",
+        Some(("other-key.pem", "other-cert.pem")),
+        None,
+        None,
+    )?;
+    make("other-board.raucb", None, Some("kiln-rock-5b"), None)?;
+    make(
+        "other-models.raucb",
+        None,
+        None,
+        Some("SmolLM2-360M-Instruct-Q4_1.gguf:b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
+    )?;
+    let bytes = std::fs::read(&good.path)?;
+    let mut head = bytes.clone();
+    head[0x20] ^= 0x01;
+    std::fs::write(bundles.join("flipped-head.raucb"), &head)?;
+    let mut mid = bytes.clone();
+    let at = mid.len() / 2;
+    mid[at] ^= 0x01;
+    std::fs::write(bundles.join("flipped-payload.raucb"), &mid)?;
+    let mut sig = bytes;
+    let at = sig.len() - 200;
+    sig[at] ^= 0x01;
+    std::fs::write(bundles.join("flipped-sig.raucb"), &sig)?;
+    let files: Vec<(String, PathBuf)> = [
+        "v2.raucb",
+        "other-key.raucb",
+        "other-board.raucb",
+        "other-models.raucb",
+        "flipped-head.raucb",
+        "flipped-payload.raucb",
+        "flipped-sig.raucb",
+    ]
+    .iter()
+    .map(|n| (n.to_string(), bundles.join(n)))
+    .collect();
+    let disk = dir.join("update.erofs");
+    crate::disk::erofs::build_files(
+        &disk,
+        &files,
+        crate::disk::guid_from_seed("ab-test", "update-disk"),
+        0,
+        None,
+    )?;
+    Ok(disk)
+}
+
+/// `rauc status` on the board (printed by init under `kiln.mode=test`) reads the counters as
+/// kiln does: the same good/bad per slot and the same primary.
+fn rauc_agrees(c: &Chain, m: &Machine) -> Result<()> {
+    let line = c
+        .console
+        .lines()
+        .rev()
+        .find_map(|l| l.split("kiln-rauc-status: ").nth(1))
+        .context("no `kiln-rauc-status:` line on the console: RAUC did not run")?;
+    let v: serde_json::Value = serde_json::from_str(line.trim())
+        .with_context(|| format!("rauc status --output-format=json: {line}"))?;
+    let st = m.state()?;
+    let primary = st.primary()?.map(|s| match s {
+        Slot::A => "boot.0",
+        Slot::B => "boot.1",
+    });
+    ensure!(
+        v["boot_primary"].as_str() == primary,
+        "rauc status: primary {:?}, kiln: {primary:?}",
+        v["boot_primary"]
+    );
+    let slots = v["slots"].as_array().context("rauc status: no slots")?;
+    for (slot, name) in [(Slot::A, "boot.0"), (Slot::B, "boot.1")] {
+        let s = slots
+            .iter()
+            .find_map(|o| o.get(name))
+            .with_context(|| format!("rauc status: no slot {name}"))?;
+        let good = st.is_good(slot)?;
+        let rauc_good = s["boot_status"].as_str() == Some("good");
+        ensure!(
+            rauc_good == good,
+            "rauc status: {name} boot_status {:?}, kiln: {}",
+            s["boot_status"],
+            if good { "good" } else { "bad" }
+        );
+    }
+    Ok(())
+}
+
+fn scenarios(m: &Machine, v2: &[u8], ub: &Path) -> Result<()> {
     // A new image: A boots, passes, is marked good; B is untouched.
     let c = m.chain("1-new", None)?;
     expect(&c, "a new image", &[("A", Some("PASS"))])?;
     expect_state(m, "after the first boot", "A B", 3, 3)?;
 
-    // v2 into B: B boots first, passes, is marked good; A stays behind it.
-    m.install(Slot::B, v2)?;
-    let c = m.chain("2-v2", None)?;
-    expect(&c, "v2 installed in B", &[("B", Some("PASS"))])?;
+    // v2 into B by RAUC on the board: `kiln.update=` a signed bundle of this image's boot slot
+    // on a second disk. B is blanked first, so that B can only boot what RAUC wrote. A boots,
+    // passes, installs, reboots; B boots first, passes, is marked good; A stays behind it.
+    m.write_part("boot_b", &vec![0u8; v2.len()])?;
+    let c = m.chain_with("2-v2-rauc", None, Some((ub, "v2.raucb")))?;
+    expect(
+        &c,
+        "v2 installed by `rauc install` on A",
+        &[("A", Some("PASS")), ("B", Some("PASS"))],
+    )?;
+    ensure!(
+        c.console.contains("update: installed; rebooting into it"),
+        "the console does not say the bundle was installed"
+    );
     expect_state(m, "after v2", "B A", 3, 3)?;
+    rauc_agrees(&c, m)?;
+    println!("ab-test: RAUC installed the bundle into the blanked slot B; rauc status reads the counters as kiln does");
+
+    // Bundles RAUC must refuse: nothing written to the slot it would install into (A), the
+    // counters as they were. (B, booted, only gets its new report.)
+    for (file, why, reason) in [
+        (
+            "other-key.raucb",
+            "signed by a key the board does not trust",
+            "signature verification failed",
+        ),
+        (
+            "other-board.raucb",
+            "made for another board (compatible kiln-rock-5b)",
+            "Compatible mismatch",
+        ),
+        (
+            "other-models.raucb",
+            "whose system needs a model the card does not hold",
+            "does not hold: SmolLM2-360M-Instruct-Q4_1.gguf",
+        ),
+        (
+            "flipped-head.raucb",
+            "one byte flipped in its squashfs superblock",
+            "dm-verity",
+        ),
+        (
+            "flipped-payload.raucb",
+            "one byte flipped in the middle of its payload",
+            "does not read back as its signed manifest says",
+        ),
+        (
+            "flipped-sig.raucb",
+            "one byte flipped in its signature",
+            "no valid CMS",
+        ),
+    ] {
+        let a = m.part_sha("boot_a")?;
+        let c = m.chain_with(&format!("2-refuse-{file}"), None, Some((ub, file)))?;
+        expect(&c, &format!("a bundle {why}"), &[("B", Some("PASS"))])?;
+        ensure!(
+            c.console.contains("update: RAUC refused"),
+            "a bundle {why}: the console does not say RAUC refused it"
+        );
+        ensure!(
+            m.part_sha("boot_a")? == a,
+            "a bundle {why}: boot_a changed although RAUC refused the bundle"
+        );
+        expect_state(m, &format!("after the bundle {why}"), "B A", 3, 3)?;
+        let said = c
+            .console
+            .lines()
+            .map(|l| l.split("kiln-rauc: ").nth(1).unwrap_or(l))
+            .find(|l| l.contains(reason))
+            .with_context(|| {
+                format!("a bundle {why}: refused, but RAUC's output does not name `{reason}`")
+            })?;
+        println!(
+            "ab-test: refused, boot_a unchanged: a bundle {why}: {}",
+            said.trim()
+        );
+    }
 
     // v3 into B, a system whose manifest does not match its kernel: image.manifest fails.
     let manifest = fat::read_file(
@@ -502,30 +782,32 @@ fn scenarios(m: &Machine, v2: &[u8]) -> Result<()> {
     Ok(())
 }
 
-fn cuts(args: &Args, work: &Path, image: &Path, v2: &[u8]) -> Result<()> {
+fn cuts(args: &Args, work: &Path, image: &Path, ub: &Path) -> Result<()> {
     if args.seeds == 0 {
         return Ok(());
     }
-    // The uncut chain from the same state gives the span the moments are drawn from.
+    // The uncut chain gives the span the moments are drawn from: A boots and passes, RAUC
+    // installs the bundle into B (marks B bad, writes it, marks it active), the board reboots,
+    // B boots, passes and is marked good.
     let reference = Machine::new(&work.join("cut-reference"), image)?;
-    reference.install(Slot::B, v2)?;
-    let c = reference.chain("reference", None)?;
+    let c = reference.chain_with("reference", None, Some((ub, "v2.raucb")))?;
     expect(
         &c,
-        "uncut reference (v2 installed in B)",
-        &[("B", Some("PASS"))],
+        "uncut reference (rauc install of v2 from A)",
+        &[("A", Some("PASS")), ("B", Some("PASS"))],
     )?;
     let span_ms = (c.secs * 1000.0) as u64;
     let mut failures = Vec::new();
     for seed in args.first_seed..args.first_seed + args.seeds {
         let at = Duration::from_millis(splitmix(seed) % span_ms.max(1));
         let m = Machine::new(&work.join(format!("cut-{seed}")), image)?;
-        m.install(Slot::B, v2)?;
         let r = (|| -> Result<String> {
-            let cut = m.chain("cut", Some(at))?;
+            let cut = m.chain_with("cut", Some(at), Some((ub, "v2.raucb")))?;
             let mut boots = cut.boots.clone();
+            // Power comes back: the board boots (again, without the update) until a PASS.
+            let mut after: Vec<Seen> = Vec::new();
             let mut n = 0;
-            while !boots.iter().any(|b| b.verdict.as_deref() == Some("PASS")) {
+            while cut.killed && !after.iter().any(|b| b.verdict.as_deref() == Some("PASS")) {
                 n += 1;
                 ensure!(
                     boots.len() <= RECOVERY_BOOTS,
@@ -533,32 +815,41 @@ fn cuts(args: &Args, work: &Path, image: &Path, v2: &[u8]) -> Result<()> {
                     show(&boots)
                 );
                 let c = m.chain(&format!("after-{n}"), None)?;
-                boots.extend(c.boots);
+                boots.extend(c.boots.clone());
+                after.extend(c.boots);
             }
-            let pass_at = boots
+            let pass_at = after
                 .iter()
                 .position(|b| b.verdict.as_deref() == Some("PASS"))
                 .unwrap_or(0);
             ensure!(
                 pass_at < RECOVERY_BOOTS,
-                "the PASS came at boot {} (more than {RECOVERY_BOOTS}): {}",
+                "the PASS came at boot {} after the cut (more than {RECOVERY_BOOTS}): {}",
                 pass_at + 1,
                 show(&boots)
             );
-            m.fsck()?;
+            let skipped = m.fsck_bootable()?;
             m.good_means_passed()?;
             let st = m.state()?;
             Ok(format!(
-                "{}{}; then BOOT_ORDER '{}', A {}, B {}; fsck.vfat -n clean",
+                "{}{}; then BOOT_ORDER '{}', A {}, B {}; fsck.vfat -n clean{}",
                 if cut.killed {
-                    ""
+                    format!("in {}: ", phase_of(&cut.console))
                 } else {
-                    "(finished before the cut) "
+                    "(finished before the cut) ".into()
                 },
                 show(&boots),
                 st.env().get("BOOT_ORDER").unwrap_or(""),
                 st.left(Slot::A)?,
-                st.left(Slot::B)?
+                st.left(Slot::B)?,
+                if skipped.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        " (bootctl and the bootable slots; {} marked bad, not checked)",
+                        skipped.join(", ")
+                    )
+                }
             ))
         })();
         match r {

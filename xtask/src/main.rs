@@ -10,6 +10,7 @@ mod bmap;
 mod boot_test;
 mod bootloader;
 mod build;
+mod bundle;
 mod civil;
 mod disk;
 mod doctor;
@@ -64,6 +65,8 @@ enum Cli {
     Bench(bench::Args),
     /// SPDX 2.3 and CycloneDX 1.6 SBOMs of the built image, from its manifest.json.
     Sbom(sbom::Args),
+    /// A signed RAUC bundle (verity) of the board's boot slot, for `rauc install` on the board.
+    Bundle(bundle::Args),
 }
 
 /// An expected error (a missing tool, a wrong pin) is one line: the cause chain and the remedy,
@@ -86,6 +89,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
         }
         Cli::Test(a) => test::run(a),
         Cli::Sbom(a) => sbom::run(a),
+        Cli::Bundle(a) => bundle::run(a),
         Cli::Report(a) => {
             prepare("report", doctor::FOR_REPORT, false)?;
             report::run(a)

@@ -332,6 +332,31 @@ pub const MOUNTPOINTS: &[&str] = &[
     "dev", "proc", "sys", "tmp", "run", "root", "mnt", "boot", "bootctl", "models", "data",
 ];
 
+/// Write a tree out as a folder (files with their modes, folders, symlinks), for a `mkfs` that
+/// takes a folder. `dir` must not exist.
+pub fn write_dir(tree: &Tree, dir: &Path) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    for (p, n) in &tree.nodes {
+        let at = dir.join(p);
+        if let Some(parent) = at.parent() {
+            std::fs::create_dir_all(parent)
+                .with_context(|| format!("creating {}", parent.display()))?;
+        }
+        match &n.kind {
+            NodeKind::Dir => std::fs::create_dir_all(&at),
+            NodeKind::File(b) => std::fs::write(&at, b),
+            NodeKind::Symlink(t) => std::os::unix::fs::symlink(t, &at),
+        }
+        .with_context(|| format!("writing {}", at.display()))?;
+        if !matches!(n.kind, NodeKind::Symlink(_)) {
+            std::fs::set_permissions(&at, std::fs::Permissions::from_mode(n.mode))
+                .with_context(|| format!("chmod {}", at.display()))?;
+        }
+    }
+    Ok(())
+}
+
 /// Add a folder tree from the host (the overlay) as it is: files keep their executable bit
 /// (0755 or 0644), folders are 0755, symlinks are kept as links.
 pub fn add_host_tree(into: &mut Tree, dir: &Path, origin: &str) -> Result<()> {

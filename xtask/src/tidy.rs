@@ -42,6 +42,7 @@ pub const LAYERS: &[(&str, &[&str])] = &[
             "readme",
             "tidy",
             "sbom",
+            "bundle",
         ],
     ),
     ("crate root", &["main"]),

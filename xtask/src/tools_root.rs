@@ -66,6 +66,10 @@ pub const TOOLS: &[&str] = &[
     "pkgconf",
     // Debian's U-Boot source comes as a .tar.bz2, unpacked inside the root.
     "bzip2",
+    // `cargo xtask bundle`: RAUC signs the boot slot's image into a verity bundle, whose payload
+    // is a squashfs made by mksquashfs.
+    "rauc",
+    "squashfs-tools",
 ];
 
 /// The programs whose versions the manifest records, with the package that provides each.
@@ -86,6 +90,8 @@ pub const RECORDED: &[(&str, &str)] = &[
     ("python3 (U-Boot's binman)", "python3"),
     ("pyelftools (binman)", "python3-pyelftools"),
     ("swig (U-Boot's pylibfdt)", "swig"),
+    ("rauc", "rauc"),
+    ("mksquashfs", "squashfs-tools"),
 ];
 
 fn pins_path() -> PathBuf {

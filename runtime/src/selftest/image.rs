@@ -52,6 +52,34 @@ fn loaded_npu_lib(maps: &Path, names: &[&str]) -> Option<PathBuf> {
         .map(PathBuf::from)
 }
 
+/// [`sha256_of`] of every path, on as many threads as the CPU has (the boot files are tens of
+/// MiB and the verdict waits for them), in the order given.
+fn sha256_all(paths: &[PathBuf]) -> Vec<std::io::Result<String>> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Mutex;
+    let next = AtomicUsize::new(0);
+    let out: Mutex<Vec<Option<std::io::Result<String>>>> =
+        Mutex::new((0..paths.len()).map(|_| None).collect());
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(paths.len().max(1));
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(p) = paths.get(i) else { break };
+                let r = sha256_of(p);
+                out.lock().unwrap_or_else(|e| e.into_inner())[i] = Some(r);
+            });
+        }
+    });
+    out.into_inner()
+        .unwrap_or_else(|e| e.into_inner())
+        .into_iter()
+        .map(|r| r.unwrap_or_else(|| Err(std::io::Error::other("not hashed"))))
+        .collect()
+}
+
 struct Compare {
     ok: Vec<String>,
     bad: Vec<String>,
@@ -59,12 +87,23 @@ struct Compare {
 
 impl Compare {
     fn file(&mut self, what: &str, path: &Path, want: Option<&str>) {
+        self.hashed(what, path, want, sha256_of(path))
+    }
+
+    /// [`Compare::file`] with the file's hash already taken.
+    fn hashed(
+        &mut self,
+        what: &str,
+        path: &Path,
+        want: Option<&str>,
+        got: std::io::Result<String>,
+    ) {
         let Some(want) = want else {
             self.bad
                 .push(format!("{what}: the manifest records no sha256 for it"));
             return;
         };
-        match sha256_of(path) {
+        match got {
             Ok(got) if got == want => self.ok.push(format!("{what} sha256 {got}")),
             Ok(got) => self.bad.push(format!(
                 "{what} ({}): sha256 {got}, manifest says {want}",
@@ -196,10 +235,14 @@ pub fn manifest(ctx: &Ctx) -> Outcome {
             // The card's notices (SBOMs, licence texts) are checked one by one like the rest,
             // but a folder whose files all match is one evidence line, not hundreds.
             let mut folders: std::collections::BTreeMap<&str, usize> = Default::default();
-            for (rel, v) in files {
-                let p = ctx.paths.boot.join(rel.trim_start_matches('/'));
+            let paths: Vec<PathBuf> = files
+                .keys()
+                .map(|rel| ctx.paths.boot.join(rel.trim_start_matches('/')))
+                .collect();
+            let hashes = sha256_all(&paths);
+            for (((rel, v), p), got) in files.iter().zip(&paths).zip(hashes) {
                 let before = c.ok.len();
-                c.file(&format!("/boot{rel}"), &p, v["sha256"].as_str());
+                c.hashed(&format!("/boot{rel}"), p, v["sha256"].as_str(), got);
                 if let Some(dir) = ["/kiln/licenses/", "/kiln/sbom/"]
                     .into_iter()
                     .find(|d| rel.starts_with(d))

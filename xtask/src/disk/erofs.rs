@@ -19,6 +19,28 @@ pub fn build(
     epoch: i64,
     tools: Option<&ToolsRoot>,
 ) -> Result<()> {
+    build_with(out, src_dir, uuid, epoch, tools, &[])
+}
+
+/// [`build`], lz4hc-compressed (the kernel's `EROFS_FS_ZIP`): for files read once, not mapped.
+pub fn build_compressed(
+    out: &Path,
+    src_dir: &Path,
+    uuid: Guid,
+    epoch: i64,
+    tools: Option<&ToolsRoot>,
+) -> Result<()> {
+    build_with(out, src_dir, uuid, epoch, tools, &["-zlz4hc"])
+}
+
+fn build_with(
+    out: &Path,
+    src_dir: &Path,
+    uuid: Guid,
+    epoch: i64,
+    tools: Option<&ToolsRoot>,
+    extra: &[&str],
+) -> Result<()> {
     ensure!(epoch >= 0, "erofs time {epoch} is before 1970");
     ensure!(
         src_dir.is_dir(),
@@ -36,10 +58,14 @@ pub fn build(
         format!("-U{uuid}"),
         "--all-root".into(),
         "-x-1".into(),
+    ]
+    .into_iter()
+    .chain(extra.iter().map(|s| s.to_string()))
+    .chain([
         tmp.path().display().to_string(),
         src_dir.display().to_string(),
-    ]
-    .into();
+    ])
+    .collect();
     run_fs_tool(tools, epoch, &[], &argv)
         .with_context(|| format!("mkfs.erofs of {} into {}", src_dir.display(), out.display()))?;
     tmp.commit()

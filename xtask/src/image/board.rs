@@ -19,6 +19,8 @@ struct RawBoard {
     bootloader: Option<BootloaderSpec>,
     serve: Option<Serve>,
     network: Option<Network>,
+    #[serde(default)]
+    update: Update,
     /// Supplied inputs (read by `pins`).
     #[serde(default)]
     #[allow(dead_code)]
@@ -38,6 +40,15 @@ struct RawBoardTable {
     /// NPU memory for converted weights, MiB (the runtime's default: 1024; cap 4096).
     #[serde(default)]
     npu_budget_mib: Option<u64>,
+}
+
+/// `[update]`: what the board's RAUC trusts.
+#[derive(Clone, Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Update {
+    /// PEM certificate(s) the board's RAUC accepts bundles signed under (a path from the project
+    /// root). None: kiln's public development certificate, with a warning.
+    pub keyring: Option<String>,
 }
 
 /// Partition sizes in MiB. The models partition is as large as its erofs image needs.
@@ -181,6 +192,7 @@ pub struct Board {
     pub expect: Expect,
     pub serve: Option<Serve>,
     pub network: Option<Network>,
+    pub update: Update,
 }
 
 /// The LBA where the first partition starts (16 MiB): room for RK3588's blobs below it.
@@ -271,6 +283,7 @@ impl Board {
             expect: raw.expect,
             serve: raw.serve,
             network: raw.network,
+            update: raw.update,
         })
         .and_then(|b| {
             b.serve_env()

@@ -13,6 +13,7 @@ pub mod layout;
 pub mod loader;
 mod runner;
 mod steps;
+pub mod updates;
 
 use crate::pins::{self, Cache, Input, Sha256};
 use anyhow::{bail, Context, Result};
@@ -71,6 +72,11 @@ pub struct Built {
     /// How many steps ran, and the names of those that were reused rather than redone.
     pub steps: usize,
     pub reused: Vec<String>,
+    /// The boot slot's file system image (`boot.vfat`, the same bytes in `boot_a` and
+    /// `boot_b`): what a bundle carries.
+    pub boot_fs: PathBuf,
+    /// The commit the image is of, and its time (`SOURCE_DATE_EPOCH`).
+    pub commit: Commit,
 }
 
 fn git(args: &[&str]) -> Result<String> {
@@ -84,6 +90,7 @@ fn git(args: &[&str]) -> Result<String> {
 }
 
 /// The commit, its time (`SOURCE_DATE_EPOCH`) and whether the tree has uncommitted changes.
+#[derive(Clone, Debug)]
 pub struct Commit {
     pub hash: String,
     pub epoch: i64,
@@ -219,7 +226,11 @@ pub fn build(args: &Args) -> Result<Built> {
     let blobs = steps::blobs(&ctx, uboot.as_ref())?;
     let licences = run.run(steps::licences(&ctx))?;
     let texts = run.run(steps::licence_texts(&ctx, &runtime)?)?;
-    let mut boot_files = steps::boot_files(&ctx, &kernel, &initramfs)?;
+    if updates::keyring(&ctx)?.1 {
+        run.say(&format!("WARNING: {}", updates::DEV_WARNING));
+    }
+    let updates_tree = run.run(updates::step(&ctx))?;
+    let mut boot_files = steps::boot_files(&ctx, &kernel, &initramfs, &updates_tree)?;
     boot_files.extend(steps::licence_files(&texts)?);
     let mut manifest = steps::manifest(
         &ctx,
@@ -305,6 +316,8 @@ pub fn build(args: &Args) -> Result<Built> {
         seconds: run.elapsed(),
         steps: run.done.len(),
         reused: run.reused(),
+        boot_fs: boot_part.path().to_path_buf(),
+        commit: ctx.commit.clone(),
     })
 }
 

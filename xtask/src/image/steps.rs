@@ -271,6 +271,7 @@ pub fn initramfs<'a>(
             )
         })
         .collect();
+    let (keyring, _) = super::updates::keyring(ctx)?;
     let key = key_of(&[
         "initramfs-v1",
         &ctx.epoch.to_string(),
@@ -283,6 +284,7 @@ pub fn initramfs<'a>(
         &overlay_key.to_string(),
         board_toml,
         serve_env,
+        &Sha256::of_bytes(&keyring).to_string(),
     ]);
     Ok(Step {
         name: "initramfs",
@@ -292,7 +294,8 @@ pub fn initramfs<'a>(
             ctx.work.join("initramfs.files.json"),
         ],
         make: Box::new(move |tmp: &[PathBuf]| {
-            let tree = initramfs_tree(&ctx.inputs, &rt.kiln, &rt.npu, board_toml, serve_env)?;
+            let mut tree = initramfs_tree(&ctx.inputs, &rt.kiln, &rt.npu, board_toml, serve_env)?;
+            super::updates::add_to_initramfs(&mut tree, &ctx.board.name, &keyring)?;
             let epoch32 = u32::try_from(ctx.epoch)
                 .context("SOURCE_DATE_EPOCH does not fit cpio's 32 bits")?;
             disk::cpio::write_newc_gz(&tmp[0], &to_cpio(&tree), epoch32)?;
@@ -579,13 +582,19 @@ fn dtb_file_name(board: &Board) -> Option<String> {
         .map(|d| d.rsplit('/').next().unwrap_or(d).to_string())
 }
 
-pub fn boot_files(ctx: &Ctx, k: &KernelOut, initramfs: &Product) -> Result<Vec<(String, Vec<u8>)>> {
+pub fn boot_files(
+    ctx: &Ctx,
+    k: &KernelOut,
+    initramfs: &Product,
+    updates: &Product,
+) -> Result<Vec<(String, Vec<u8>)>> {
     let dtb_name = dtb_file_name(&ctx.board);
     let extlinux = super::extlinux_conf(&ctx.board, dtb_name.as_deref());
     let mut files: Vec<(String, Vec<u8>)> = vec![
         ("extlinux/extlinux.conf".into(), extlinux.into_bytes()),
         ("Image".into(), std::fs::read(k.image())?),
         ("initramfs.cpio.gz".into(), std::fs::read(initramfs.path())?),
+        (super::updates::FILE.into(), std::fs::read(updates.path())?),
     ];
     if let (Some(name), Some(p)) = (&dtb_name, k.dtb()) {
         files.push((name.clone(), std::fs::read(p)?));

@@ -1,0 +1,309 @@
+//! `cargo xtask bundle`: a signed RAUC bundle (verity format) of the boot slot, made by Debian's
+//! `rauc` in the tools root from the image pipeline's own `boot.vfat` (built, or reused, by the
+//! same run). `compatible` = `kiln-<board>` (what the board's `/etc/rauc/system.conf` says),
+//! `version` = the commit. One image, `boot.vfat`, for the slot class `boot` (RAUC installs it
+//! into whichever of `boot_a`/`boot_b` is not booted).
+//!
+//! What is the same from the same commit, and what is not: the payload (`boot.vfat`, and the
+//! squashfs mksquashfs makes of it under `SOURCE_DATE_EPOCH`) is byte-identical; the bundle is
+//! not, because RAUC draws a random dm-verity salt for every bundle and the CMS signature holds
+//! its signing time. `bundle.json` beside the bundle records the payload's sha256 for comparison.
+
+use crate::atomic::write_atomic;
+use crate::image::updates;
+use crate::pins::Sha256;
+use anyhow::{bail, Context, Result};
+use std::path::{Path, PathBuf};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Board recipe under `images/` (its image is built, or reused, first).
+    #[arg(long, default_value = "qemu-virt")]
+    pub board: String,
+    /// A GGUF model on the models partition of the image the bundle is of (repeatable; as for
+    /// `cargo xtask image`). The bundle carries the boot slot only.
+    #[arg(long = "model")]
+    pub models: Vec<PathBuf>,
+    /// The signing key (PEM). Without it: kiln's public development key, with a warning.
+    #[arg(long, requires = "cert")]
+    pub key: Option<PathBuf>,
+    /// The signing certificate (PEM); the board's keyring must hold it or its CA.
+    #[arg(long, requires = "key")]
+    pub cert: Option<PathBuf>,
+    /// Where to write the bundle (default: target/images/kiln-<board>-<commit>.raucb).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    /// A `compatible` other than the board's (for tests of RAUC's refusal).
+    #[arg(long, hide = true)]
+    pub compatible: Option<String>,
+    /// An extra `NAME:SHA256` the bundle's system says it needs on /models (for tests of the
+    /// refusal of a bundle whose models the card does not hold).
+    #[arg(long, hide = true)]
+    pub needs_model: Vec<String>,
+    /// Build from the download cache alone.
+    #[arg(long)]
+    pub offline: bool,
+}
+
+/// What a bundle run made.
+pub struct Bundle {
+    pub path: PathBuf,
+    /// sha256 of the payload (`boot.vfat`).
+    pub payload: Sha256,
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let b = make(&args)?;
+    println!(
+        "bundle: {} (payload boot.vfat sha256 {})",
+        b.path.display(),
+        b.payload
+    );
+    println!(
+        "bundle: on the board: `rauc install {}` (or `kiln.update=` on the kernel command line)",
+        b.path.file_name().and_then(|n| n.to_str()).unwrap_or("")
+    );
+    Ok(())
+}
+
+fn pem(path: &Path, what: &str, marker: &str) -> Result<Vec<u8>> {
+    let bytes = std::fs::read(path).with_context(|| format!("{what} {}", path.display()))?;
+    if !String::from_utf8_lossy(&bytes).contains(marker) {
+        bail!(
+            "{what} {}: no `{marker}` in it (a PEM file is expected)",
+            path.display()
+        );
+    }
+    Ok(bytes)
+}
+
+/// The bundle's list of what its system needs on /models: `sha256  name` lines.
+const MODELS_FILE: &str = "kiln-models.txt";
+
+/// The models partition is not a slot: the system in a bundle runs only with the models (and
+/// self-check fixtures) its manifest names, so RAUC's install-check hook refuses a bundle whose
+/// list the card does not hold, naming them. The card's holding is the booted slot's manifest,
+/// which the self-check that passed at this boot measured /models against. A hook replaces
+/// RAUC's own `compatible` check, so it makes that check too.
+const HOOK: &str = r#"#!/bin/sh
+# kiln bundle hook (made by cargo xtask bundle: xtask/src/bundle.rs).
+[ "$1" = install-check ] || exit 0
+if [ "$RAUC_MF_COMPATIBLE" != "$RAUC_SYSTEM_COMPATIBLE" ]; then
+    echo "Compatible mismatch: Expected '$RAUC_SYSTEM_COMPATIBLE' but bundle manifest has '$RAUC_MF_COMPATIBLE'" >&2
+    exit 10
+fi
+list="$(dirname "$0")/kiln-models.txt"
+if [ ! -r "$list" ]; then
+    echo "the bundle has no readable $list" >&2
+    exit 10
+fi
+missing=
+while read -r sha name; do
+    [ -n "$name" ] || continue
+    if [ ! -e "/models/$name" ] || ! grep -q ""$sha"" /boot/kiln/manifest.json; then
+        missing="$missing $name"
+    fi
+done < "$list"
+if [ -n "$missing" ]; then
+    echo "this system needs on /models what the card does not hold:$missing (bundles do not update the models partition: reflash the card with them)" >&2
+    exit 10
+fi
+exit 0
+"#;
+
+fn write_hook(path: &Path) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::write(path, HOOK)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755))?;
+    Ok(())
+}
+
+/// `sha256  name` of every file the image's manifest puts on /models (models and fixtures),
+/// then `extra` (`NAME:SHA256`).
+fn models_needed(manifest: &Path, extra: &[String]) -> Result<String> {
+    let m: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(manifest).with_context(|| format!("reading {}", manifest.display()))?,
+    )
+    .with_context(|| format!("parsing {}", manifest.display()))?;
+    let mut entries: Vec<&serde_json::Value> = vec![&m["fixture"]];
+    for k in ["fixtures", "models"] {
+        if let Some(a) = m[k].as_array() {
+            entries.extend(a);
+        }
+    }
+    let mut out = String::new();
+    for e in entries {
+        let (Some(name), Some(sha)) = (e["name"].as_str(), e["sha256"].as_str()) else {
+            bail!(
+                "{}: a model entry without name and sha256: {e}",
+                manifest.display()
+            );
+        };
+        out.push_str(&format!("{sha}  {name}\n"));
+    }
+    for x in extra {
+        let (name, sha) = x
+            .split_once(':')
+            .with_context(|| format!("--needs-model {x}: NAME:SHA256 expected"))?;
+        out.push_str(&format!("{sha}  {name}\n"));
+    }
+    Ok(out)
+}
+
+/// Make the bundle of `args.board`'s image at this commit.
+pub fn make(args: &Args) -> Result<Bundle> {
+    let (key, cert) = match (&args.key, &args.cert) {
+        (Some(k), Some(c)) => (
+            pem(k, "--key", "PRIVATE KEY")?,
+            pem(c, "--cert", "CERTIFICATE")?,
+        ),
+        _ => {
+            println!("bundle: WARNING: signing with {}", updates::DEV_WARNING);
+            (
+                updates::DEV_KEY.as_bytes().to_vec(),
+                updates::DEV_CERT.as_bytes().to_vec(),
+            )
+        }
+    };
+    let built = crate::image::build(&crate::image::Args {
+        board: args.board.clone(),
+        models: args.models.clone(),
+        offline: args.offline,
+    })?;
+    let tools = crate::tools_root::ensure(args.offline)?;
+    let commit = &built.commit;
+    let short = &commit.hash[..12.min(commit.hash.len())];
+    let version = if commit.dirty {
+        format!("{short}-dirty")
+    } else {
+        short.to_string()
+    };
+    let out = match &args.out {
+        Some(p) => std::path::absolute(p)?,
+        None => crate::paths::target_dir()
+            .join("images")
+            .join(format!("kiln-{}-{version}.raucb", args.board)),
+    };
+    let compatible = args
+        .compatible
+        .clone()
+        .unwrap_or_else(|| updates::compatible(&args.board));
+
+    // Everything rauc reads must be under target/ (the tools root sees the checkout and target/).
+    let work = crate::paths::target_dir().join("kiln/bundle");
+    std::fs::create_dir_all(&work)?;
+    let tmp = tempfile::tempdir_in(&work)?;
+    let content = tmp.path().join("content");
+    std::fs::create_dir(&content)?;
+    let payload = Sha256::of_file(&built.boot_fs)?;
+    std::fs::copy(&built.boot_fs, content.join("boot.vfat"))
+        .with_context(|| format!("copying {}", built.boot_fs.display()))?;
+    let manifest = format!(
+        "[update]\n\
+         compatible={compatible}\n\
+         version={version}\n\
+         description=kiln {board} boot slot ({commit})\n\
+         build={epoch}\n\
+         \n\
+         [bundle]\n\
+         format=verity\n\
+         \n\
+         [hooks]\n\
+         filename=hook.sh\n\
+         hooks=install-check\n\
+         \n\
+         [image.boot]\n\
+         filename=boot.vfat\n",
+        board = args.board,
+        commit = commit.hash,
+        epoch = commit.epoch,
+    );
+    std::fs::write(content.join("manifest.raucm"), &manifest)?;
+    let models = models_needed(&built.manifest, &args.needs_model)?;
+    std::fs::write(content.join(MODELS_FILE), &models)?;
+    write_hook(&content.join("hook.sh"))?;
+    let keyfile = tmp.path().join("key.pem");
+    {
+        use std::io::Write as _;
+        use std::os::unix::fs::OpenOptionsExt as _;
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&keyfile)?
+            .write_all(&key)?;
+    }
+    let certfile = tmp.path().join("cert.pem");
+    std::fs::write(&certfile, &cert)?;
+    let raucb = tmp.path().join("out.raucb");
+    let env = [
+        ("TZ", "UTC".to_string()),
+        ("LC_ALL", "C".to_string()),
+        ("SOURCE_DATE_EPOCH", commit.epoch.to_string()),
+    ];
+    println!(
+        "bundle: rauc bundle (verity) of boot.vfat ({:.1} MiB, sha256 {}), compatible {compatible}, version {version}",
+        std::fs::metadata(&built.boot_fs)?.len() as f64 / 1048576.0,
+        payload.short()
+    );
+    let p = |x: &Path| x.display().to_string();
+    tools
+        .read(
+            tmp.path(),
+            &env,
+            &[
+                "rauc",
+                "bundle",
+                "--cert",
+                &p(&certfile),
+                "--key",
+                &p(&keyfile),
+                &p(&content),
+                &p(&raucb),
+            ],
+        )
+        .context("rauc bundle")?;
+    // What the board will check: the signature against the certificate it was made with.
+    let info = tools
+        .read(
+            tmp.path(),
+            &env,
+            &[
+                "rauc",
+                "info",
+                "--keyring",
+                &p(&certfile),
+                "--output-format=json",
+                &p(&raucb),
+            ],
+        )
+        .context("rauc info of the new bundle")?;
+    let info: serde_json::Value =
+        serde_json::from_str(&info).context("rauc info --output-format=json")?;
+    if info["compatible"].as_str() != Some(compatible.as_str()) {
+        bail!(
+            "rauc info reads compatible {:?}, not {compatible}",
+            info["compatible"]
+        );
+    }
+    if let Some(d) = out.parent() {
+        std::fs::create_dir_all(d)?;
+    }
+    std::fs::rename(&raucb, &out)
+        .or_else(|_| std::fs::copy(&raucb, &out).map(|_| ()))
+        .with_context(|| format!("writing {}", out.display()))?;
+    write_atomic(
+        &PathBuf::from(format!("{}.json", out.display())),
+        &serde_json::to_vec_pretty(&serde_json::json!({
+            "bundle": out.file_name().and_then(|n| n.to_str()),
+            "sha256": Sha256::of_file(&out)?.to_string(),
+            "compatible": compatible,
+            "version": version,
+            "commit": commit.hash,
+            "payload": {"boot.vfat": payload.to_string()},
+            "image_sha256": built.sha256.to_string(),
+            "not_reproducible": "the dm-verity salt (random per bundle) and the CMS signing time",
+        }))?,
+    )?;
+    Ok(Bundle { path: out, payload })
+}
