@@ -7,7 +7,7 @@
 //! `fast.rs`, so every kernel and both paths give bit-identical results.
 
 use super::fast::{f16_bits_to_f32, Activations};
-use super::kernels::{f32_lanes, sum_blocks, Kernel, LANES};
+use super::kernels::{f32_lanes, reduce_lanes, Kernel, BLOCK_LANES, LANES};
 use crate::backend::Weight;
 use crate::quant::GgmlType;
 use half::f16;
@@ -88,8 +88,32 @@ fn arr<const N: usize>(b: &[u8], at: usize) -> &[u8; N] {
     }
 }
 
+/// [`super::kernels::sum_blocks`] written out where it is used: `$term` (an expression of block index `$b`)
+/// summed in the canonical order. A macro, not a closure, because a closure does not inherit the
+/// `target_feature(dotprod)` of [`neon::row_dot_sdot`] and `sdot` would not assemble in it.
+macro_rules! canonical_sum {
+    ($nb:expr, |$b:ident| $term:expr) => {{
+        let nb: usize = $nb;
+        let mut acc = [0.0f32; BLOCK_LANES];
+        let full = nb / BLOCK_LANES * BLOCK_LANES;
+        let mut base = 0;
+        while base < full {
+            for (j, a) in acc.iter_mut().enumerate() {
+                let $b = base + j;
+                *a += $term;
+            }
+            base += BLOCK_LANES;
+        }
+        for (j, a) in acc.iter_mut().enumerate().take(nb - full) {
+            let $b = full + j;
+            *a += $term;
+        }
+        reduce_lanes(&acc)
+    }};
+}
+
 /// Σ over blocks of one weight row (`src`, whole blocks of `ty`) · activation row `row`, in the
-/// canonical order ([`sum_blocks`]).
+/// canonical order ([`super::kernels::sum_blocks`]).
 #[inline(always)]
 fn row_dot<D: BlockDot>(ty: GgmlType, src: &[u8], act: &Activations<'_>, row: usize) -> f32 {
     let k = act.k;
@@ -101,45 +125,50 @@ fn row_dot<D: BlockDot>(ty: GgmlType, src: &[u8], act: &Activations<'_>, row: us
     }
     let aq = &act.qs[row * k..row * k + k];
     let ad = &act.d[row * nb..row * nb + nb];
-    let a = |b: usize| -> &[i8; 32] {
-        match <&[i8; 32]>::try_from(&aq[32 * b..32 * b + 32]) {
-            Ok(a) => a,
-            Err(_) => &[0; 32],
-        }
-    };
-    let blk = |b: usize| &src[b * bb..b * bb + bb];
     match ty {
-        GgmlType::Q8_0 => sum_blocks::<false>(nb, |b| {
-            let w = blk(b);
-            D::q8(arr::<32>(w, 2), a(b)) as f32 * f16_le(w, 0) * ad[b]
+        GgmlType::Q8_0 => canonical_sum!(nb, |b| {
+            let (w, a) = (&src[b * bb..], act32(aq, b));
+            D::q8(arr::<32>(w, 2), a) as f32 * f16_le(w, 0) * ad[b]
         }),
-        GgmlType::Q4_0 => sum_blocks::<false>(nb, |b| {
-            let w = blk(b);
-            D::q4(arr::<16>(w, 2), 8, a(b)) as f32 * f16_le(w, 0) * ad[b]
+        GgmlType::Q4_0 => canonical_sum!(nb, |b| {
+            let (w, a) = (&src[b * bb..], act32(aq, b));
+            D::q4(arr::<16>(w, 2), 8, a) as f32 * f16_le(w, 0) * ad[b]
         }),
-        GgmlType::Q5_0 => sum_blocks::<false>(nb, |b| {
-            let w = blk(b);
+        GgmlType::Q5_0 => canonical_sum!(nb, |b| {
+            let (w, a) = (&src[b * bb..], act32(aq, b));
             let qh = u32::from_le_bytes(*arr::<4>(w, 2));
-            D::q5(arr::<16>(w, 6), qh, 16, a(b)) as f32 * f16_le(w, 0) * ad[b]
+            D::q5(arr::<16>(w, 6), qh, 16, a) as f32 * f16_le(w, 0) * ad[b]
         }),
         GgmlType::Q4_1 => {
             let as_ = &act.s[row * nb..row * nb + nb];
-            sum_blocks::<false>(nb, |b| {
-                let w = blk(b);
-                let dot = D::q4(arr::<16>(w, 4), 0, a(b));
+            canonical_sum!(nb, |b| {
+                let (w, a) = (&src[b * bb..], act32(aq, b));
+                let dot = D::q4(arr::<16>(w, 4), 0, a);
                 (f16_le(w, 0) * ad[b]) * dot as f32 + f16_le(w, 2) * as_[b]
             })
         }
         GgmlType::Q5_1 => {
             let as_ = &act.s[row * nb..row * nb + nb];
-            sum_blocks::<false>(nb, |b| {
-                let w = blk(b);
+            canonical_sum!(nb, |b| {
+                let (w, a) = (&src[b * bb..], act32(aq, b));
                 let qh = u32::from_le_bytes(*arr::<4>(w, 4));
-                let dot = D::q5(arr::<16>(w, 8), qh, 0, a(b));
+                let dot = D::q5(arr::<16>(w, 8), qh, 0, a);
                 (f16_le(w, 0) * ad[b]) * dot as f32 + f16_le(w, 2) * as_[b]
             })
         }
         _ => 0.0,
+    }
+}
+
+/// Activation block `b` of a row's quants as a fixed-size view (the caller's K is whole blocks).
+#[inline(always)]
+fn act32(aq: &[i8], b: usize) -> &[i8; 32] {
+    match aq
+        .get(32 * b..32 * b + 32)
+        .and_then(|s| <&[i8; 32]>::try_from(s).ok())
+    {
+        Some(a) => a,
+        None => &[0; 32],
     }
 }
 
@@ -166,8 +195,7 @@ unsafe fn row_dot_avx2(ty: GgmlType, src: &[u8], act: &Activations<'_>, row: usi
 /// shape, with its reassociation fixed once (`BLOCK_LANES`) for every kernel.
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::super::kernels::{reduce_lanes, BLOCK_LANES};
-    use super::{f16_le, Activations, GgmlType};
+    use super::{f16_le, reduce_lanes, Activations, GgmlType, BLOCK_LANES};
     use std::arch::x86_64::*;
 
     /// The 32 nibbles of a 4-bit block as bytes 0..=15: low nibbles are elements 0..16.
