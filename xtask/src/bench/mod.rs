@@ -13,9 +13,10 @@ use xshell::cmd;
 pub struct Args {
     /// What to measure: `flash`, `matmul`, `gguf`, `image`, `model`, `serve`.
     pub what: String,
-    /// `model`, `serve`: threads for both kiln and llama.cpp (0 = one per core).
-    #[arg(long, default_value_t = 0)]
-    pub threads: usize,
+    /// `model`, `serve`: threads for both kiln and llama.cpp (0 = one per core); `model` takes a
+    /// list (`--threads 1,2`) and measures each count in turn.
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    pub threads: Vec<usize>,
     /// `model`: prompt tokens (prefill).
     #[arg(short = 'p', default_value_t = 128)]
     pub prompt: usize,
@@ -46,12 +47,18 @@ pub fn run(args: Args) -> Result<()> {
         "gguf" => gguf(),
         "image" => crate::image::bench::run(args.empty_cache),
         "model" => model(&args),
-        "serve" => serve::run(&serve::Opts {
-            clients: args.clients.clone(),
-            rounds: args.rounds,
-            threads: args.threads,
-            max_tokens: args.n,
-        }),
+        "serve" => match args.threads[..] {
+            [threads] => serve::run(&serve::Opts {
+                clients: args.clients.clone(),
+                rounds: args.rounds,
+                threads,
+                max_tokens: args.n,
+            }),
+            _ => bail!(
+                "bench serve takes one thread count, got --threads {:?}",
+                args.threads
+            ),
+        },
         other => {
             bail!("no bench named {other:?} (known: flash, matmul, gguf, image, model, serve)")
         }
@@ -252,70 +259,97 @@ fn speed_of(what: &str, out: &str) -> Result<Speed> {
 
 /// `kiln bench` (release build, CPU fast path) and llama.cpp (llama-cpp-python, the `llama-cpp`
 /// stage's pinned venv) on SmolLM2-135M Q4_1: the same threads, prompt and generation lengths,
-/// f16 KV cache, no flash attention. Prints both sides' prefill and decode tok/s and kiln ÷
-/// llama.cpp. Each side runs three times, alternating, and the best run counts (the machine is
-/// shared). No assertion: speed belongs here, not in tests.
+/// f16 KV cache, no flash attention, for each thread count asked for. Prints every run of both
+/// sides (with the time it started: the machine is shared), then per thread count the best run's
+/// prefill and decode tok/s and kiln ÷ llama.cpp. Each side runs three times, alternating. No
+/// assertion: speed belongs here, not in tests.
 fn model(a: &Args) -> Result<()> {
     doctor::ensure(&[&doctor::PYTHON_VENV])?;
     let python = crate::test::llama_cpp_venv()?;
     let gguf = crate::test::smollm2_model(&python)?;
-    let threads = if a.threads == 0 {
-        std::thread::available_parallelism().map_or(1, |n| n.get())
-    } else {
-        a.threads
-    };
+    if a.threads.is_empty() {
+        bail!("bench model: --threads names no thread count");
+    }
     let sh = crate::paths::shell()?;
     let kiln = release_kiln("bench model")?;
     let script = crate::paths::project_root().join("runtime/tests/py/llama_cpp_model.py");
-    let (p, n, t) = (a.prompt.to_string(), a.n.to_string(), threads.to_string());
-    let mut best_k = Speed {
-        prefill: 0.0,
-        decode: 0.0,
-    };
-    let mut best_l = Speed {
-        prefill: 0.0,
-        decode: 0.0,
-    };
-    for round in 1..=3 {
-        println!("bench model: round {round}/3 (kiln, then llama.cpp)");
-        let out = cmd!(
-            sh,
-            "{kiln} bench {gguf} -p {p} -n {n} --threads {t} --backend cpu --kv f16 --json"
-        )
-        .quiet()
-        .read()
-        .context("kiln bench")?;
-        let k = speed_of("kiln bench", &out)?;
-        let out = cmd!(
-            sh,
-            "{python} {script} bench --model {gguf} -p {p} -n {n} --threads {t}"
-        )
-        .quiet()
-        .read()
-        .context("llama.cpp bench (llama_cpp_model.py bench)")?;
-        let l = speed_of("llama.cpp bench", &out)?;
-        best_k.prefill = best_k.prefill.max(k.prefill);
-        best_k.decode = best_k.decode.max(k.decode);
-        best_l.prefill = best_l.prefill.max(l.prefill);
-        best_l.decode = best_l.decode.max(l.decode);
+    let (p, n) = (a.prompt.to_string(), a.n.to_string());
+    let mut tables = Vec::new();
+    for &asked in &a.threads {
+        let threads = if asked == 0 {
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        } else {
+            asked
+        };
+        let t = threads.to_string();
+        let mut best_k = Speed {
+            prefill: 0.0,
+            decode: 0.0,
+        };
+        let mut best_l = Speed {
+            prefill: 0.0,
+            decode: 0.0,
+        };
+        for round in 1..=3 {
+            let at = utc_time_of_day();
+            let out = cmd!(
+                sh,
+                "{kiln} bench {gguf} -p {p} -n {n} --threads {t} --backend cpu --kv f16 --json"
+            )
+            .quiet()
+            .read()
+            .context("kiln bench")?;
+            let k = speed_of("kiln bench", &out)?;
+            let out = cmd!(
+                sh,
+                "{python} {script} bench --model {gguf} -p {p} -n {n} --threads {t}"
+            )
+            .quiet()
+            .read()
+            .context("llama.cpp bench (llama_cpp_model.py bench)")?;
+            let l = speed_of("llama.cpp bench", &out)?;
+            println!(
+                "bench model: {threads} threads, round {round}/3 at {at} UTC: kiln {:.1} / {:.1}, \
+                 llama.cpp {:.1} / {:.1} tok/s (prefill / decode)",
+                k.prefill, k.decode, l.prefill, l.decode
+            );
+            best_k.prefill = best_k.prefill.max(k.prefill);
+            best_k.decode = best_k.decode.max(k.decode);
+            best_l.prefill = best_l.prefill.max(l.prefill);
+            best_l.decode = best_l.decode.max(l.decode);
+        }
+        tables.push((threads, best_k, best_l));
     }
-    println!("SmolLM2-135M Q4_1, {threads} threads, prompt {p}, generate {n}, f16 KV (best of 3)");
-    println!("{:<10} {:>14} {:>14}", "", "prefill tok/s", "decode tok/s");
-    println!(
-        "{:<10} {:>14.1} {:>14.1}",
-        "kiln", best_k.prefill, best_k.decode
-    );
-    println!(
-        "{:<10} {:>14.1} {:>14.1}",
-        "llama.cpp", best_l.prefill, best_l.decode
-    );
-    println!(
-        "{:<10} {:>14.2} {:>14.2}",
-        "ratio",
-        best_k.prefill / best_l.prefill,
-        best_k.decode / best_l.decode
-    );
+    for (threads, best_k, best_l) in tables {
+        println!(
+            "SmolLM2-135M Q4_1, {threads} threads, prompt {p}, generate {n}, f16 KV (best of 3)"
+        );
+        println!("{:<10} {:>14} {:>14}", "", "prefill tok/s", "decode tok/s");
+        println!(
+            "{:<10} {:>14.1} {:>14.1}",
+            "kiln", best_k.prefill, best_k.decode
+        );
+        println!(
+            "{:<10} {:>14.1} {:>14.1}",
+            "llama.cpp", best_l.prefill, best_l.decode
+        );
+        println!(
+            "{:<10} {:>14.2} {:>14.2}",
+            "ratio",
+            best_k.prefill / best_l.prefill,
+            best_k.decode / best_l.decode
+        );
+    }
     Ok(())
+}
+
+/// The time of day now, UTC, as `hh:mm:ss` (for figures taken on a shared machine).
+fn utc_time_of_day() -> String {
+    let s = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+        % 86_400;
+    format!("{:02}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60)
 }
 
 /// `kiln` built for the host with the release profile (what a benchmark measures): its path.

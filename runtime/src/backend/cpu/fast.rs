@@ -3,7 +3,7 @@
 //! for the K-quants), weight blocks are unpacked to i8, and the products are integer dots scaled
 //! once per block. F16/BF16 rows are widened to f32 and accumulated in f32.
 
-use super::kernels::{dot_f32, Kernel};
+use super::kernels::{dot_f32, sum_blocks, Kernel};
 use crate::quant::{
     get_scale_min_k4, q8_0_block, q8_1_block, q8_k_block, BlockQ8K, GgmlType, QK_K,
 };
@@ -293,64 +293,74 @@ impl RowScratch {
         }
     }
 
-    /// The dot product of the unpacked row with activation row `row` of `act`.
+    /// The dot product of the unpacked row with activation row `row` of `act`, blocks summed in
+    /// the canonical order ([`sum_blocks`]).
     pub fn dot(&mut self, kernel: Kernel, ty: GgmlType, act: &Activations<'_>, row: usize) -> f32 {
+        self.dot_in::<false>(kernel, ty, act, row)
+    }
+
+    /// [`Self::dot`]; `SERIAL` (tests only) sums the blocks in one running sum, the order fault
+    /// the order tests must catch.
+    #[inline(always)]
+    pub fn dot_in<const SERIAL: bool>(
+        &mut self,
+        kernel: Kernel,
+        ty: GgmlType,
+        act: &Activations<'_>,
+        row: usize,
+    ) -> f32 {
         let k = act.k;
         match act.fmt {
             ActFormat::F32 => dot_f32(&self.f, &act.f32s[row * k..row * k + k]),
             ActFormat::Q8_0 | ActFormat::Q8_1 => {
                 let nb = k / 32;
-                let aq = &act.qs[row * k..row * k + k];
                 let ad = &act.d[row * nb..row * nb + nb];
                 self.dots.resize(nb, 0);
-                kernel.dots::<32>(&self.qs, aq, &mut self.dots);
-                let mut sum = 0.0f32;
+                kernel.dots::<32>(&self.qs, &act.qs[row * k..row * k + k], &mut self.dots);
+                let (dots, wd) = (&self.dots[..nb], &self.d[..nb]);
                 if act.fmt == ActFormat::Q8_0 {
-                    for ((dot, wd), ad) in self.dots.iter().zip(&self.d).zip(ad) {
-                        sum += *dot as f32 * wd * ad;
-                    }
+                    sum_blocks::<SERIAL>(nb, |b| dots[b] as f32 * wd[b] * ad[b])
                 } else {
                     let as_ = &act.s[row * nb..row * nb + nb];
-                    let scales = self.d.iter().zip(&self.m).zip(ad.iter().zip(as_));
-                    for (dot, ((wd, wm), (ad, as_))) in self.dots.iter().zip(scales) {
-                        sum += (wd * ad) * *dot as f32 + wm * as_;
-                    }
+                    let wm = &self.m[..nb];
+                    sum_blocks::<SERIAL>(nb, |b| (wd[b] * ad[b]) * dots[b] as f32 + wm[b] * as_[b])
                 }
-                sum
             }
             ActFormat::Q8K => {
                 let nb = k / QK_K;
                 let aq = &act.qs[row * k..row * k + k];
                 let ad = &act.d[row * nb..row * nb + nb];
                 let bsums = &act.bsums[row * nb * 16..(row + 1) * nb * 16];
-                let mut sum = 0.0f32;
+                let wd = &self.d[..nb];
                 if ty == GgmlType::Q6K {
                     self.dots.resize(k / 16, 0);
                     kernel.dots::<16>(&self.qs, aq, &mut self.dots);
-                    let groups = self.sc.chunks_exact(16).zip(self.dots.chunks_exact(16));
-                    for ((sc, dots), (wd, ad)) in groups.zip(self.d.iter().zip(ad)) {
+                    let (sc, dots) = (&self.sc[..nb * 16], &self.dots[..nb * 16]);
+                    sum_blocks::<SERIAL>(nb, |b| {
+                        let (sc, dots) = (&sc[16 * b..16 * b + 16], &dots[16 * b..16 * b + 16]);
                         let isum: i32 = sc.iter().zip(dots).map(|(s, d)| s * d).sum();
-                        sum += wd * ad * isum as f32;
-                    }
+                        wd[b] * ad[b] * isum as f32
+                    })
                 } else {
                     self.dots.resize(k / 32, 0);
                     kernel.dots::<32>(&self.qs, aq, &mut self.dots);
-                    let subs = self.sc.chunks_exact(8).zip(self.mins.chunks_exact(8));
-                    let blocks = subs
-                        .zip(self.dots.chunks_exact(8))
-                        .zip(bsums.chunks_exact(16));
-                    let scales = self.d.iter().zip(&self.m).zip(ad);
-                    for ((((sc, mins), dots), bs), ((wd, wmin), ad)) in blocks.zip(scales) {
-                        let isum: i32 = sc.iter().zip(dots).map(|(s, d)| s * d).sum();
-                        let msum: i32 = mins
+                    let (sc, mins) = (&self.sc[..nb * 8], &self.mins[..nb * 8]);
+                    let (dots, wmin) = (&self.dots[..nb * 8], &self.m[..nb]);
+                    sum_blocks::<SERIAL>(nb, |b| {
+                        let r = 8 * b..8 * b + 8;
+                        let isum: i32 = sc[r.clone()]
                             .iter()
-                            .zip(bs.chunks_exact(2))
+                            .zip(&dots[r.clone()])
+                            .map(|(s, d)| s * d)
+                            .sum();
+                        let msum: i32 = mins[r]
+                            .iter()
+                            .zip(bsums[16 * b..16 * b + 16].chunks_exact(2))
                             .map(|(m, pair)| m * (pair[0] as i32 + pair[1] as i32))
                             .sum();
-                        sum += ad * (wd * isum as f32 - wmin * msum as f32);
-                    }
+                        ad[b] * (wd[b] * isum as f32 - wmin[b] * msum as f32)
+                    })
                 }
-                sum
             }
         }
     }

@@ -7,7 +7,7 @@
 //! `fast.rs`, so every kernel and both paths give bit-identical results.
 
 use super::fast::{f16_bits_to_f32, Activations};
-use super::kernels::{f32_lanes, Kernel, LANES};
+use super::kernels::{f32_lanes, reduce_lanes, Kernel, BLOCK_LANES, LANES};
 use crate::backend::Weight;
 use crate::quant::GgmlType;
 use half::f16;
@@ -88,58 +88,88 @@ fn arr<const N: usize>(b: &[u8], at: usize) -> &[u8; N] {
     }
 }
 
-/// Σ over blocks of one weight row (`src`, whole blocks of `ty`) · activation row `row`.
+/// [`super::kernels::sum_blocks`] written out where it is used: `$term` (an expression of block index `$b`)
+/// summed in the canonical order. A macro, not a closure, because a closure does not inherit the
+/// `target_feature(dotprod)` of [`neon::row_dot_sdot`] and `sdot` would not assemble in it.
+macro_rules! canonical_sum {
+    ($nb:expr, |$b:ident| $term:expr) => {{
+        let nb: usize = $nb;
+        let mut acc = [0.0f32; BLOCK_LANES];
+        let full = nb / BLOCK_LANES * BLOCK_LANES;
+        let mut base = 0;
+        while base < full {
+            for (j, a) in acc.iter_mut().enumerate() {
+                let $b = base + j;
+                *a += $term;
+            }
+            base += BLOCK_LANES;
+        }
+        for (j, a) in acc.iter_mut().enumerate().take(nb - full) {
+            let $b = full + j;
+            *a += $term;
+        }
+        reduce_lanes(&acc)
+    }};
+}
+
+/// Σ over blocks of one weight row (`src`, whole blocks of `ty`) · activation row `row`, in the
+/// canonical order ([`super::kernels::sum_blocks`]).
 #[inline(always)]
 fn row_dot<D: BlockDot>(ty: GgmlType, src: &[u8], act: &Activations<'_>, row: usize) -> f32 {
     let k = act.k;
     let nb = k / 32;
+    let bb = ty.block_bytes();
+    if src.len() < nb * bb {
+        // Unreachable: `check_run` holds every row to whole blocks of K.
+        return 0.0;
+    }
     let aq = &act.qs[row * k..row * k + k];
     let ad = &act.d[row * nb..row * nb + nb];
-    let blocks = aq
-        .chunks_exact(32)
-        .filter_map(|c| <&[i8; 32]>::try_from(c).ok())
-        .zip(ad);
-    let mut sum = 0.0f32;
     match ty {
-        GgmlType::Q8_0 => {
-            for (b, (a, ad)) in src.chunks_exact(34).zip(blocks) {
-                let dot = D::q8(arr::<32>(b, 2), a);
-                sum += dot as f32 * f16_le(b, 0) * ad;
-            }
-        }
-        GgmlType::Q4_0 => {
-            for (b, (a, ad)) in src.chunks_exact(18).zip(blocks) {
-                let dot = D::q4(arr::<16>(b, 2), 8, a);
-                sum += dot as f32 * f16_le(b, 0) * ad;
-            }
-        }
-        GgmlType::Q5_0 => {
-            for (b, (a, ad)) in src.chunks_exact(22).zip(blocks) {
-                let qh = u32::from_le_bytes(*arr::<4>(b, 2));
-                let dot = D::q5(arr::<16>(b, 6), qh, 16, a);
-                sum += dot as f32 * f16_le(b, 0) * ad;
-            }
-        }
+        GgmlType::Q8_0 => canonical_sum!(nb, |b| {
+            let (w, a) = (&src[b * bb..], act32(aq, b));
+            D::q8(arr::<32>(w, 2), a) as f32 * f16_le(w, 0) * ad[b]
+        }),
+        GgmlType::Q4_0 => canonical_sum!(nb, |b| {
+            let (w, a) = (&src[b * bb..], act32(aq, b));
+            D::q4(arr::<16>(w, 2), 8, a) as f32 * f16_le(w, 0) * ad[b]
+        }),
+        GgmlType::Q5_0 => canonical_sum!(nb, |b| {
+            let (w, a) = (&src[b * bb..], act32(aq, b));
+            let qh = u32::from_le_bytes(*arr::<4>(w, 2));
+            D::q5(arr::<16>(w, 6), qh, 16, a) as f32 * f16_le(w, 0) * ad[b]
+        }),
         GgmlType::Q4_1 => {
             let as_ = &act.s[row * nb..row * nb + nb];
-            for ((b, (a, ad)), as_) in src.chunks_exact(20).zip(blocks).zip(as_) {
-                let dot = D::q4(arr::<16>(b, 4), 0, a);
-                let (wd, wm) = (f16_le(b, 0), f16_le(b, 2));
-                sum += (wd * ad) * dot as f32 + wm * as_;
-            }
+            canonical_sum!(nb, |b| {
+                let (w, a) = (&src[b * bb..], act32(aq, b));
+                let dot = D::q4(arr::<16>(w, 4), 0, a);
+                (f16_le(w, 0) * ad[b]) * dot as f32 + f16_le(w, 2) * as_[b]
+            })
         }
         GgmlType::Q5_1 => {
             let as_ = &act.s[row * nb..row * nb + nb];
-            for ((b, (a, ad)), as_) in src.chunks_exact(24).zip(blocks).zip(as_) {
-                let qh = u32::from_le_bytes(*arr::<4>(b, 4));
-                let dot = D::q5(arr::<16>(b, 8), qh, 0, a);
-                let (wd, wm) = (f16_le(b, 0), f16_le(b, 2));
-                sum += (wd * ad) * dot as f32 + wm * as_;
-            }
+            canonical_sum!(nb, |b| {
+                let (w, a) = (&src[b * bb..], act32(aq, b));
+                let qh = u32::from_le_bytes(*arr::<4>(w, 4));
+                let dot = D::q5(arr::<16>(w, 8), qh, 0, a);
+                (f16_le(w, 0) * ad[b]) * dot as f32 + f16_le(w, 2) * as_[b]
+            })
         }
-        _ => {}
+        _ => 0.0,
     }
-    sum
+}
+
+/// Activation block `b` of a row's quants as a fixed-size view (the caller's K is whole blocks).
+#[inline(always)]
+fn act32(aq: &[i8], b: usize) -> &[i8; 32] {
+    match aq
+        .get(32 * b..32 * b + 32)
+        .and_then(|s| <&[i8; 32]>::try_from(s).ok())
+    {
+        Some(a) => a,
+        None => &[0; 32],
+    }
 }
 
 /// On x86 with AVX2: Q4_0, Q4_1 and Q8_0 (the types of common small models) through the
@@ -157,15 +187,15 @@ unsafe fn row_dot_avx2(ty: GgmlType, src: &[u8], act: &Activations<'_>, row: usi
     }
 }
 
-/// AVX2 dots (decode, and prefill through [`takes_m`]) that keep [`row_dot`]'s results to the bit: each block's integer dot is exact
-/// (`vpmaddubsw` pairs of at most 2·128·127 < 2¹⁵, then `vpmaddwd`), four blocks' dots are
-/// reduced together, their scale terms computed in four lanes with the same operations in the
-/// same order as the scalar formula (no FMA), and added to the one running sum block by block.
-/// Hand-written because LLVM's vectorisation of the portable blocks reduced and scaled every
-/// block alone; this is ggml's AVX2 `vec_dot` shape without its reassociated f32 accumulators.
+/// AVX2 dots (decode, and prefill through [`takes_m`]) that keep [`row_dot`]'s results to the
+/// bit: each block's integer dot is exact (`vpmaddubsw` pairs of at most 2·128·127 < 2¹⁵, then
+/// `vpmaddwd`), eight blocks' dots are reduced together, their scale terms computed in eight
+/// lanes with the same operations in the same order as the scalar formula (no FMA), and added to
+/// the eight accumulators of the canonical order, one per lane. This is ggml's AVX2 `vec_dot`
+/// shape, with its reassociation fixed once (`BLOCK_LANES`) for every kernel.
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{f16_le, Activations, GgmlType};
+    use super::{f16_le, reduce_lanes, Activations, GgmlType, BLOCK_LANES};
     use std::arch::x86_64::*;
 
     /// The 32 nibbles of a 4-bit block as bytes 0..=15: low nibbles are elements 0..16.
@@ -218,11 +248,12 @@ mod x86 {
         }
     }
 
+    /// The f16 at byte `at` of eight consecutive blocks of `bb` bytes, widened (exact).
     #[inline(always)]
-    unsafe fn f16x4(b: *const u8, bb: usize, at: usize) -> __m128 {
-        let h: [u16; 4] =
+    unsafe fn f16x8(b: *const u8, bb: usize, at: usize) -> __m256 {
+        let h: [u16; 8] =
             std::array::from_fn(|j| unsafe { (b.add(j * bb + at) as *const u16).read_unaligned() });
-        _mm_cvtph_ps(_mm_loadl_epi64(h.as_ptr() as *const __m128i))
+        _mm256_cvtph_ps(_mm_loadu_si128(h.as_ptr() as *const __m128i))
     }
 
     /// # Safety
@@ -238,43 +269,50 @@ mod x86 {
         nb: usize,
     ) -> f32 {
         let (ps, pa) = (src.as_ptr(), aq.as_ptr());
-        let mut sum = 0.0f32;
+        // Lane j of `acc` is accumulator j of the canonical order: eight blocks at a time, block
+        // i + j into lane j.
+        let mut acc = _mm256_setzero_ps();
         let mut i = 0;
-        while i + 4 <= nb {
+        while i + BLOCK_LANES <= nb {
             let b = ps.add(i * bb);
-            let dots: [__m256i; 4] =
+            let dots: [__m256i; 8] =
                 std::array::from_fn(|j| unsafe { block::<T>(b.add(j * bb), pa.add((i + j) * 32)) });
-            let dot = _mm_cvtepi32_ps(hsum4(dots));
-            let wd = f16x4(b, bb, 0);
-            let adv = _mm_loadu_ps(ad.as_ptr().add(i));
+            let lo = hsum4([dots[0], dots[1], dots[2], dots[3]]);
+            let hi = hsum4([dots[4], dots[5], dots[6], dots[7]]);
+            let dot = _mm256_cvtepi32_ps(_mm256_set_m128i(hi, lo));
+            let wd = f16x8(b, bb, 0);
+            let adv = _mm256_loadu_ps(ad.as_ptr().add(i));
             let t = if T == Q4_1 {
-                // (wd·ad)·dot + wm·s
-                let wm = f16x4(b, bb, 2);
-                let asv = _mm_loadu_ps(as_.as_ptr().add(i));
-                _mm_add_ps(_mm_mul_ps(_mm_mul_ps(wd, adv), dot), _mm_mul_ps(wm, asv))
+                // (wd·ad)·dot + wm·s, each op rounded (no FMA), as the scalar formula.
+                let wm = f16x8(b, bb, 2);
+                let asv = _mm256_loadu_ps(as_.as_ptr().add(i));
+                _mm256_add_ps(
+                    _mm256_mul_ps(_mm256_mul_ps(wd, adv), dot),
+                    _mm256_mul_ps(wm, asv),
+                )
             } else {
                 // dot·wd·ad
-                _mm_mul_ps(_mm_mul_ps(dot, wd), adv)
+                _mm256_mul_ps(_mm256_mul_ps(dot, wd), adv)
             };
-            let mut ts = [0.0f32; 4];
-            _mm_storeu_ps(ts.as_mut_ptr(), t);
-            for t in ts {
-                sum += t;
-            }
-            i += 4;
+            acc = _mm256_add_ps(acc, t);
+            i += BLOCK_LANES;
         }
+        let mut lanes = [0.0f32; BLOCK_LANES];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
+        // The tail: blocks i.. go to lanes 0.., as in `sum_blocks`.
+        let full = i;
         while i < nb {
             let b = ps.add(i * bb);
             let dot = hsum1(block::<T>(b, pa.add(i * 32))) as f32;
             let blk = std::slice::from_raw_parts(b, bb);
-            sum += if T == Q4_1 {
+            lanes[i - full] += if T == Q4_1 {
                 (f16_le(blk, 0) * ad[i]) * dot + f16_le(blk, 2) * as_[i]
             } else {
                 dot * f16_le(blk, 0) * ad[i]
             };
             i += 1;
         }
-        sum
+        reduce_lanes(&lanes)
     }
 
     /// Activation row `row` of `act` · the weight row `src`, for Q4_0, Q4_1 and Q8_0; `None` for

@@ -214,3 +214,40 @@ pub(crate) fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     let tail = f32_lanes(&mut acc, a, b);
     acc.iter().sum::<f32>() + tail
 }
+
+/// The canonical reduction order of every quantised dot (ARCHITECTURE.md, "CPU reduction
+/// order"): block b's scale term is added to accumulator `b % BLOCK_LANES` (each starting at
+/// +0.0, blocks in increasing order), and the accumulators are reduced by [`reduce_lanes`]. Eight,
+/// because that is one AVX2 register and two NEON registers (two independent add chains on the
+/// A76's two FP pipes), and enough independent adds to hide the f32 add latency on both.
+pub(crate) const BLOCK_LANES: usize = 8;
+
+/// The fixed tree over the [`BLOCK_LANES`] accumulators: `s_j = acc_j + acc_{j+4}`, then
+/// `(s_0 + s_2) + (s_1 + s_3)` (the halves of a 256-bit register, then of a 128-bit one).
+#[inline(always)]
+pub(crate) fn reduce_lanes(acc: &[f32; BLOCK_LANES]) -> f32 {
+    let s: [f32; 4] = std::array::from_fn(|j| acc[j] + acc[j + 4]);
+    (s[0] + s[2]) + (s[1] + s[3])
+}
+
+/// Σ `term(b)` for b in 0..nb in the canonical order. `SERIAL` (tests only: the fault the order
+/// tests must catch) adds every term to one running sum instead.
+#[inline(always)]
+pub(crate) fn sum_blocks<const SERIAL: bool>(nb: usize, mut term: impl FnMut(usize) -> f32) -> f32 {
+    if SERIAL {
+        return (0..nb).fold(0.0f32, |s, b| s + term(b));
+    }
+    let mut acc = [0.0f32; BLOCK_LANES];
+    let full = nb / BLOCK_LANES * BLOCK_LANES;
+    let mut b = 0;
+    while b < full {
+        for (j, a) in acc.iter_mut().enumerate() {
+            *a += term(b + j);
+        }
+        b += BLOCK_LANES;
+    }
+    for (j, a) in acc.iter_mut().enumerate().take(nb - full) {
+        *a += term(full + j);
+    }
+    reduce_lanes(&acc)
+}

@@ -202,6 +202,10 @@ pub struct CpuBackend {
     /// skipped-row bug would leave it.
     #[cfg(test)]
     skip_column: Option<usize>,
+    /// Fault injection for tests: the unpacked (M > 1) path sums its blocks in one running sum,
+    /// not in the canonical order, as a kernel that kept the old order would.
+    #[cfg(test)]
+    serial_order: bool,
 }
 
 impl Default for CpuBackend {
@@ -218,6 +222,8 @@ impl CpuBackend {
             threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
             #[cfg(test)]
             skip_column: None,
+            #[cfg(test)]
+            serial_order: false,
         }
     }
 
@@ -306,10 +312,18 @@ impl CpuBackend {
                 }
                 sc.unpack(w.ty, &w.data[n * row_bytes..(n + 1) * row_bytes]);
             }
+            #[cfg(test)]
+            let serial = self.serial_order;
+            #[cfg(not(test))]
+            let serial = false;
             for i in 0..m {
                 for (r, sc) in scratch.iter_mut().enumerate().take(rows) {
                     if live[r] {
-                        outs[r * m + i] = sc.dot(self.kernel, w.ty, act, i);
+                        outs[r * m + i] = if serial {
+                            sc.dot_in::<true>(self.kernel, w.ty, act, i)
+                        } else {
+                            sc.dot(self.kernel, w.ty, act, i)
+                        };
                     }
                 }
             }

@@ -439,3 +439,214 @@ fn fused_decode_dots_equal_the_unpacked_path() {
         }
     }
 }
+
+/// The block terms of weight row `w` (whole blocks of a Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 row) with
+/// activation row `row`, written from ggml's block layouts here, apart from the kernels: the
+/// integer dot of each block in i32, scaled by the formula ARCHITECTURE.md states.
+fn oracle_terms(
+    ty: GgmlType,
+    w: &[u8],
+    act: &super::fast::Activations<'_>,
+    row: usize,
+) -> Vec<f32> {
+    let k = act.k;
+    let nb = k / 32;
+    let h = |b: &[u8], at: usize| f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32();
+    let bb = ty.block_bytes();
+    (0..nb)
+        .map(|b| {
+            let blk = &w[b * bb..(b + 1) * bb];
+            let aq = &act.qs[row * k + 32 * b..row * k + 32 * b + 32];
+            let ad = act.d[row * nb + b];
+            // (quants, bias, 5th bits, offset of the quants, has m)
+            let q: Vec<i32> = match ty {
+                GgmlType::Q8_0 => blk[2..34].iter().map(|&x| x as i8 as i32).collect(),
+                _ => {
+                    let (off, qh, bias) = match ty {
+                        GgmlType::Q4_0 => (2, 0u32, 8),
+                        GgmlType::Q4_1 => (4, 0, 0),
+                        GgmlType::Q5_0 => {
+                            (6, u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]), 16)
+                        }
+                        GgmlType::Q5_1 => {
+                            (8, u32::from_le_bytes([blk[4], blk[5], blk[6], blk[7]]), 0)
+                        }
+                        _ => unreachable!("oracle_terms takes the 32-element quant types"),
+                    };
+                    (0..32)
+                        .map(|j| {
+                            let byte = blk[off + j % 16];
+                            let nib = if j < 16 { byte & 0xF } else { byte >> 4 };
+                            (nib as i32 | (((qh >> j) & 1) as i32) << 4) - bias
+                        })
+                        .collect()
+                }
+            };
+            let dot: i32 = q.iter().zip(aq).map(|(&x, &y)| x * y as i32).sum();
+            match ty {
+                GgmlType::Q4_1 | GgmlType::Q5_1 => {
+                    (h(blk, 0) * ad) * dot as f32 + h(blk, 2) * act.s[row * nb + b]
+                }
+                _ => dot as f32 * h(blk, 0) * ad,
+            }
+        })
+        .collect()
+}
+
+/// The canonical order as ARCHITECTURE.md states it, for `lanes` = 8; `lanes` = 1 is the old
+/// one-running-sum order, the fault the tests below must tell apart.
+fn oracle_sum(terms: &[f32], lanes: usize) -> f32 {
+    let mut acc = vec![0.0f32; lanes];
+    for (b, t) in terms.iter().enumerate() {
+        acc[b % lanes] += t;
+    }
+    match lanes {
+        8 => ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7])),
+        1 => acc[0],
+        _ => unreachable!("8 lanes, or the one-sum fault"),
+    }
+}
+
+/// The quantised types (every CPU type but the float ones, whose rows use the f32 lanes).
+fn quant_types() -> impl Iterator<Item = GgmlType> {
+    CPU_TYPES
+        .into_iter()
+        .filter(|t| !matches!(t, GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16))
+}
+
+/// K of 19 blocks (two groups of eight and a tail of three), 9 super-blocks for the K-quants.
+fn order_k(ty: GgmlType) -> usize {
+    if ty.block_elems() == QK {
+        9 * QK
+    } else {
+        19 * 32
+    }
+}
+
+/// Every output of `cpu` at M = 1, 3, 8, 64 against the oracle's order with `lanes`
+/// accumulators, to the bit; the first difference as an error.
+fn check_oracle_order(cpu: &CpuBackend, lanes: usize) -> Result<(), String> {
+    let mut rng = Rng(17);
+    let n = 5;
+    for ty in [
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q8_0,
+    ] {
+        let k = order_k(ty);
+        let data = make_weight(ty, k, n, &mut rng);
+        let w = weight(ty, k, n, &data);
+        for m in [1, 3, 8, 64] {
+            let a: Vec<f32> = (0..m * k).map(|_| rng.f32()).collect();
+            let got = run(cpu, &w, &a, m);
+            let fmt = super::fast::act_format(ty).expect("a quant type");
+            let act = super::fast::Activations::quantize(fmt, &a, k);
+            for i in 0..m {
+                for j in 0..n {
+                    let rowb =
+                        &data[j * ty.block_bytes() * (k / 32)..][..ty.block_bytes() * (k / 32)];
+                    let want = oracle_sum(&oracle_terms(ty, rowb, &act, i), lanes);
+                    let g = got[i * n + j];
+                    if g.to_bits() != want.to_bits() {
+                        return Err(format!(
+                            "{ty} {} M={m} row {i} col {j}: {g:e} ≠ oracle {want:e}",
+                            cpu.kernel()
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Every kernel, at every M, gives exactly the sum the canonical order defines.
+#[test]
+fn every_kernel_at_every_m_sums_in_the_canonical_order() {
+    for kernel in Kernel::available() {
+        for threads in [1, 2] {
+            let cpu = CpuBackend::new()
+                .with_threads(threads)
+                .with_kernel(kernel)
+                .expect("available kernel");
+            check_oracle_order(&cpu, 8).unwrap_or_else(|e| panic!("{threads} threads: {e}"));
+        }
+    }
+}
+
+/// The order check can fail: the one-running-sum order (kiln's old one) is told apart from the
+/// kernels' results, and a backend whose M > 1 path keeps that order is caught.
+#[test]
+fn a_changed_summation_order_fails_the_order_checks() {
+    let cpu = CpuBackend::new().with_threads(2);
+    let err = check_oracle_order(&cpu, 1).expect_err("the one-sum order must differ");
+    assert!(err.contains("oracle"), "{err}");
+    let mut broken = CpuBackend::new().with_threads(2);
+    broken.serial_order = true;
+    let err = check_oracle_order(&broken, 8).expect_err("a serial M > 1 path must be caught");
+    assert!(
+        !err.contains("M=1 "),
+        "the fault is in the M > 1 path only: {err}"
+    );
+    let err = check_batch_invariance(&[broken]).expect_err("and changes a row with its batch");
+    assert!(err.contains("batch"), "{err}");
+}
+
+/// Row `x` alone (M = 1, one thread) against `x` at positions 0, middle and last of batches of
+/// M = 3, 8, 64 random rows, on every backend given; the first difference as an error.
+fn check_batch_invariance(backends: &[CpuBackend]) -> Result<(), String> {
+    let mut rng = Rng(23);
+    let n = 6;
+    let types = quant_types().chain([GgmlType::F16, GgmlType::F32, GgmlType::Bf16]);
+    for ty in types {
+        let k = order_k(ty);
+        let data = make_weight(ty, k, n, &mut rng);
+        let w = weight(ty, k, n, &data);
+        let x: Vec<f32> = (0..k).map(|_| rng.f32()).collect();
+        let alone = run(&CpuBackend::new().with_threads(1), &w, &x, 1);
+        for cpu in backends {
+            let one = run(cpu, &w, &x, 1);
+            if bits(&one) != bits(&alone) {
+                return Err(format!(
+                    "{ty} {}: M=1 differs from one thread",
+                    cpu.kernel()
+                ));
+            }
+            for m in [3, 8, 64] {
+                for p in [0, m / 2, m - 1] {
+                    let mut a: Vec<f32> = (0..m * k).map(|_| rng.f32()).collect();
+                    a[p * k..(p + 1) * k].copy_from_slice(&x);
+                    let got = run(cpu, &w, &a, m);
+                    if bits(&got[p * n..(p + 1) * n]) != bits(&alone) {
+                        return Err(format!(
+                            "{ty} {} {} threads: row at {p} of a batch of {m} differs from it alone",
+                            cpu.kernel(),
+                            cpu.threads()
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A row's output is the same bits whatever rows share its batch, wherever it sits in it, on
+/// every kernel and thread count.
+#[test]
+fn a_rows_output_does_not_depend_on_its_batch() {
+    let backends: Vec<CpuBackend> = Kernel::available()
+        .into_iter()
+        .flat_map(|k| {
+            [1, 2].map(|t| {
+                CpuBackend::new()
+                    .with_threads(t)
+                    .with_kernel(k)
+                    .expect("available kernel")
+            })
+        })
+        .collect();
+    check_batch_invariance(&backends).unwrap_or_else(|e| panic!("{e}"));
+}
