@@ -174,7 +174,9 @@ try:
     fuzzing.set()
 
     def bystander():
-        while fuzzing.is_set():
+        # Stops with the fuzz, or when the server is gone (a failure of the main thread must
+        # end the test, not leave this loop hammering a dead port).
+        while fuzzing.is_set() and srv.poll() is None:
             try:
                 r = client.completions.create(model=MID, prompt=prompts[0], max_tokens=lens[0], temperature=0)
                 beside.append(r.model_extra["kiln"]["tokens"] == refs[0]["tokens"])
@@ -182,7 +184,7 @@ try:
                 print("bystander:", repr(e))
                 beside.append(False)
 
-    by = threading.Thread(target=bystander)
+    by = threading.Thread(target=bystander, daemon=True)
     by.start()
     for i in range(n_bodies):
         b = bytearray(rng.choice(seeds))
