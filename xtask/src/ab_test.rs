@@ -554,12 +554,13 @@ fn update_disk(dir: &Path) -> Result<PathBuf> {
     .map(|n| (n.to_string(), bundles.join(n)))
     .collect();
     let disk = dir.join("update.erofs");
+    let tools = crate::tools_root::ensure(false)?;
     crate::disk::erofs::build_files(
         &disk,
         &files,
         crate::disk::guid_from_seed("ab-test", "update-disk"),
         0,
-        None,
+        Some(&tools),
     )?;
     Ok(disk)
 }
