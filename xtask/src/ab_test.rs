@@ -66,6 +66,33 @@ const RECOVERY_BOOTS: usize = 7;
 const BOOT_LINE: &str = "kiln-boot: booting slot ";
 const NO_GOOD_LINE: &str = "kiln-boot: NO GOOD SLOT";
 
+/// When to cut the power: at a moment, or as soon as a console line has appeared `n` times.
+enum Cut {
+    At(Duration),
+    On(&'static str, usize),
+}
+
+/// The milestones of the update chain cut at as soon as they appear: what a seeded moment may
+/// miss. The U-Boot line appears once per boot, so its second occurrence is B's first boot.
+const MILESTONE_CUTS: &[(&str, usize, &str)] = &[
+    ("update: rauc install", 1, "rauc install starts writing B"),
+    (
+        "update: installed; rebooting",
+        1,
+        "the install is done, before the reboot",
+    ),
+    (
+        "kiln-boot: booting slot B",
+        1,
+        "U-Boot has counted B's first try",
+    ),
+    (
+        "KILN-SELFTEST:",
+        2,
+        "B's verdict, before its mark-good write",
+    ),
+];
+
 /// One boot seen on the console.
 #[derive(Debug, Clone, PartialEq)]
 struct Seen {
@@ -152,7 +179,7 @@ impl Machine {
 
     /// Boot until init powers off (or `kill_after` passes: SIGKILL, a power cut).
     fn chain(&self, what: &str, kill_after: Option<Duration>) -> Result<Chain> {
-        self.chain_with(what, kill_after, None)
+        self.chain_with(what, kill_after.map(Cut::At), None)
     }
 
     /// [`Machine::chain`] with an update: `kiln.update=vdb:/FILE` on the kernel command line
@@ -160,7 +187,7 @@ impl Machine {
     fn chain_with(
         &self,
         what: &str,
-        kill_after: Option<Duration>,
+        kill: Option<Cut>,
         update: Option<(&Path, &str)>,
     ) -> Result<Chain> {
         let mut pflash = self.pflash.clone();
@@ -204,7 +231,12 @@ impl Machine {
             if child.try_wait()?.is_some() {
                 break;
             }
-            if kill_after.is_some_and(|k| started.elapsed() >= k) {
+            let due = match &kill {
+                Some(Cut::At(k)) => started.elapsed() >= *k,
+                Some(Cut::On(marker, n)) => text().matches(marker).count() >= *n,
+                None => false,
+            };
+            if due {
                 child.kill().context("SIGKILL to qemu")?;
                 killed = true;
                 break;
@@ -554,12 +586,13 @@ fn update_disk(dir: &Path) -> Result<PathBuf> {
     .map(|n| (n.to_string(), bundles.join(n)))
     .collect();
     let disk = dir.join("update.erofs");
+    let tools = crate::tools_root::ensure(false)?;
     crate::disk::erofs::build_files(
         &disk,
         &files,
         crate::disk::guid_from_seed("ab-test", "update-disk"),
         0,
-        None,
+        Some(&tools),
     )?;
     Ok(disk)
 }
@@ -782,6 +815,59 @@ fn scenarios(m: &Machine, v2: &[u8], ub: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Cut the power of `m`'s update chain at `kill`, then boot it again until a PASS; what it saw.
+fn cut_and_recover(m: &Machine, ub: &Path, kill: Cut) -> Result<String> {
+    let cut = m.chain_with("cut", Some(kill), Some((ub, "v2.raucb")))?;
+    let mut boots = cut.boots.clone();
+    // Power comes back: the board boots (again, without the update) until a PASS.
+    let mut after: Vec<Seen> = Vec::new();
+    let mut n = 0;
+    while cut.killed && !after.iter().any(|b| b.verdict.as_deref() == Some("PASS")) {
+        n += 1;
+        ensure!(
+            boots.len() <= RECOVERY_BOOTS,
+            "no PASS within {RECOVERY_BOOTS} boots: {}",
+            show(&boots)
+        );
+        let c = m.chain(&format!("after-{n}"), None)?;
+        boots.extend(c.boots.clone());
+        after.extend(c.boots);
+    }
+    let pass_at = after
+        .iter()
+        .position(|b| b.verdict.as_deref() == Some("PASS"))
+        .unwrap_or(0);
+    ensure!(
+        pass_at < RECOVERY_BOOTS,
+        "the PASS came at boot {} after the cut (more than {RECOVERY_BOOTS}): {}",
+        pass_at + 1,
+        show(&boots)
+    );
+    let skipped = m.fsck_bootable()?;
+    m.good_means_passed()?;
+    let st = m.state()?;
+    Ok(format!(
+        "{}{}; then BOOT_ORDER '{}', A {}, B {}; fsck.vfat -n clean{}",
+        if cut.killed {
+            format!("in {}: ", phase_of(&cut.console))
+        } else {
+            "(finished before the cut) ".into()
+        },
+        show(&boots),
+        st.env().get("BOOT_ORDER").unwrap_or(""),
+        st.left(Slot::A)?,
+        st.left(Slot::B)?,
+        if skipped.is_empty() {
+            String::new()
+        } else {
+            format!(
+                " (bootctl and the bootable slots; {} marked bad, not checked)",
+                skipped.join(", ")
+            )
+        }
+    ))
+}
+
 fn cuts(args: &Args, work: &Path, image: &Path, ub: &Path) -> Result<()> {
     if args.seeds == 0 {
         return Ok(());
@@ -801,57 +887,7 @@ fn cuts(args: &Args, work: &Path, image: &Path, ub: &Path) -> Result<()> {
     for seed in args.first_seed..args.first_seed + args.seeds {
         let at = Duration::from_millis(splitmix(seed) % span_ms.max(1));
         let m = Machine::new(&work.join(format!("cut-{seed}")), image)?;
-        let r = (|| -> Result<String> {
-            let cut = m.chain_with("cut", Some(at), Some((ub, "v2.raucb")))?;
-            let mut boots = cut.boots.clone();
-            // Power comes back: the board boots (again, without the update) until a PASS.
-            let mut after: Vec<Seen> = Vec::new();
-            let mut n = 0;
-            while cut.killed && !after.iter().any(|b| b.verdict.as_deref() == Some("PASS")) {
-                n += 1;
-                ensure!(
-                    boots.len() <= RECOVERY_BOOTS,
-                    "no PASS within {RECOVERY_BOOTS} boots: {}",
-                    show(&boots)
-                );
-                let c = m.chain(&format!("after-{n}"), None)?;
-                boots.extend(c.boots.clone());
-                after.extend(c.boots);
-            }
-            let pass_at = after
-                .iter()
-                .position(|b| b.verdict.as_deref() == Some("PASS"))
-                .unwrap_or(0);
-            ensure!(
-                pass_at < RECOVERY_BOOTS,
-                "the PASS came at boot {} after the cut (more than {RECOVERY_BOOTS}): {}",
-                pass_at + 1,
-                show(&boots)
-            );
-            let skipped = m.fsck_bootable()?;
-            m.good_means_passed()?;
-            let st = m.state()?;
-            Ok(format!(
-                "{}{}; then BOOT_ORDER '{}', A {}, B {}; fsck.vfat -n clean{}",
-                if cut.killed {
-                    format!("in {}: ", phase_of(&cut.console))
-                } else {
-                    "(finished before the cut) ".into()
-                },
-                show(&boots),
-                st.env().get("BOOT_ORDER").unwrap_or(""),
-                st.left(Slot::A)?,
-                st.left(Slot::B)?,
-                if skipped.is_empty() {
-                    String::new()
-                } else {
-                    format!(
-                        " (bootctl and the bootable slots; {} marked bad, not checked)",
-                        skipped.join(", ")
-                    )
-                }
-            ))
-        })();
+        let r = cut_and_recover(&m, ub, Cut::At(at));
         match r {
             Ok(s) => {
                 println!(
@@ -870,13 +906,30 @@ fn cuts(args: &Args, work: &Path, image: &Path, ub: &Path) -> Result<()> {
             }
         }
     }
+    // And at each milestone of the chain the moments may miss.
+    let mut missed = Vec::new();
+    for (i, (marker, n, what)) in MILESTONE_CUTS.iter().enumerate() {
+        let m = Machine::new(&work.join(format!("cut-milestone-{i}")), image)?;
+        match cut_and_recover(&m, ub, Cut::On(marker, *n)) {
+            Ok(s) => {
+                println!("ab-test: cut when {what}: {s}");
+                let _ = std::fs::remove_file(&m.disk);
+            }
+            Err(e) => {
+                println!("ab-test: cut when {what}: FAILED: {e:#}");
+                missed.push(*what);
+            }
+        }
+    }
     ensure!(
-        failures.is_empty(),
-        "power cuts: seeds {failures:?} failed (rerun one with --first-seed N --seeds 1)"
+        failures.is_empty() && missed.is_empty(),
+        "power cuts: seeds {failures:?} failed (rerun one with --first-seed N --seeds 1), \
+         milestones {missed:?} failed"
     );
     println!(
-        "ab-test: {} power cuts: each reached a PASS within {RECOVERY_BOOTS} boots, FAT clean, no slot marked good without a PASS",
-        args.seeds
+        "ab-test: {} seeded and {} milestone power cuts: each reached a PASS within {RECOVERY_BOOTS} boots, FAT clean, no slot marked good without a PASS",
+        args.seeds,
+        MILESTONE_CUTS.len()
     );
     Ok(())
 }
