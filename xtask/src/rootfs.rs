@@ -336,15 +336,32 @@ pub const MOUNTPOINTS: &[&str] = &[
 /// takes a folder. `dir` must not exist.
 pub fn write_dir(tree: &Tree, dir: &Path) -> Result<()> {
     use std::os::unix::fs::PermissionsExt as _;
+    // Every folder gets its mode here, never the umask's: the same tree must give the same
+    // file system on any machine (a folder the tree does not list, such as a library's
+    // parent, is 0755).
+    let mkdir = |d: &Path| -> Result<()> {
+        if !d.exists() {
+            std::fs::create_dir(d).with_context(|| format!("creating {}", d.display()))?;
+            std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755))
+                .with_context(|| format!("chmod {}", d.display()))?;
+        }
+        Ok(())
+    };
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))?;
     for (p, n) in &tree.nodes {
         let at = dir.join(p);
-        if let Some(parent) = at.parent() {
-            std::fs::create_dir_all(parent)
-                .with_context(|| format!("creating {}", parent.display()))?;
+        let mut d = dir.to_path_buf();
+        for c in Path::new(p)
+            .parent()
+            .into_iter()
+            .flat_map(|x| x.components())
+        {
+            d.push(c);
+            mkdir(&d)?;
         }
         match &n.kind {
-            NodeKind::Dir => std::fs::create_dir_all(&at),
+            NodeKind::Dir => mkdir(&at).map_err(std::io::Error::other),
             NodeKind::File(b) => std::fs::write(&at, b),
             NodeKind::Symlink(t) => std::os::unix::fs::symlink(t, &at),
         }

@@ -238,7 +238,7 @@ pub fn step(ctx: &Ctx) -> Step<'_> {
         })
         .collect();
     let key = key_of(&[
-        "updates-v2",
+        "updates-v3",
         &ctx.tools.key.to_string(),
         &ctx.epoch.to_string(),
         &uuid.to_string(),
