@@ -537,14 +537,16 @@ fn update_disk(dir: &Path) -> Result<PathBuf> {
     let make =
         |name: &str, key: Option<(&str, &str)>, compatible: Option<&str>, needs: Option<&str>| {
             crate::bundle::make(&crate::bundle::Args {
-                board: "qemu-virt".into(),
-                models: vec![],
+                image: crate::image::Args {
+                    board: "qemu-virt".into(),
+                    models: vec![],
+                    offline: false,
+                },
                 key: key.map(|(k, _)| keys.join(k)),
                 cert: key.map(|(_, c)| keys.join(c)),
                 out: Some(bundles.join(name)),
                 compatible: compatible.map(str::to_string),
                 needs_model: needs.map(|n| vec![n.to_string()]).unwrap_or_default(),
-                offline: false,
             })
         };
     let good = make("v2.raucb", None, None, None)?;

@@ -10,7 +10,7 @@
 use crate::pins::Sha256;
 use crate::tools_root::ToolsRoot;
 use anyhow::{bail, ensure, Context, Result};
-use std::io::{BufRead, Read};
+use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -241,7 +241,8 @@ pub fn build(
         format!("BL31={}", bl31.display()),
         format!("ROCKCHIP_TPL={}", tpl.display()),
     ];
-    run_with_progress(tools.command(&src, &env, &argv)).context("U-Boot build")?;
+    crate::tools_root::run_with_progress(tools.command(&src, &env, &argv), "u-boot")
+        .context("U-Boot build")?;
     let obj = bdir.join("obj");
     let version = version_string(&std::fs::read(obj.join(PRODUCTS[0]))?)
         .context("U-Boot's version string is not in u-boot-rockchip.bin")?;
@@ -334,60 +335,6 @@ fn load_cached(dir: &Path, key: &Sha256) -> Result<Option<BootloaderOut>> {
         return Ok(None);
     }
     Ok(Some(b))
-}
-
-/// Run make, printing a progress line (objects compiled, elapsed) every 20 s; the last lines
-/// are shown if it fails.
-fn run_with_progress(mut c: std::process::Command) -> Result<()> {
-    use std::process::Stdio;
-    let t = Instant::now();
-    let mut child = c
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .context("starting make")?;
-    let stderr = child.stderr.take().context("make stderr")?;
-    let errs = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = std::io::BufReader::new(stderr).read_to_string(&mut s);
-        s
-    });
-    let stdout = child.stdout.take().context("make stdout")?;
-    let (mut n, mut last) = (0usize, Instant::now());
-    let mut tail = std::collections::VecDeque::new();
-    for line in std::io::BufReader::new(stdout).lines() {
-        let line = line?;
-        if line.trim_start().starts_with("CC") {
-            n += 1;
-        }
-        tail.push_back(line);
-        if tail.len() > 20 {
-            tail.pop_front();
-        }
-        if last.elapsed().as_secs() >= 20 {
-            println!(
-                "u-boot: {n} objects compiled, {:.0} s",
-                t.elapsed().as_secs_f64()
-            );
-            last = Instant::now();
-        }
-    }
-    let status = child.wait()?;
-    let err = errs.join().unwrap_or_default();
-    if !status.success() {
-        let lines: Vec<String> = tail.into_iter().collect();
-        let err_tail: Vec<&str> = err.lines().rev().take(30).collect();
-        bail!(
-            "make failed ({status}):\n{}\n{}",
-            lines.join("\n"),
-            err_tail.into_iter().rev().collect::<Vec<_>>().join("\n")
-        );
-    }
-    println!(
-        "u-boot: {n} objects compiled in {:.0} s",
-        t.elapsed().as_secs_f64()
-    );
-    Ok(())
 }
 
 #[cfg(test)]

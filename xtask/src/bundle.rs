@@ -16,14 +16,12 @@ use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
 
 #[derive(clap::Args)]
+#[group(skip)]
 pub struct Args {
-    /// Board recipe under `images/` (its image is built, or reused, first).
-    #[arg(long, default_value = "qemu-virt")]
-    pub board: String,
-    /// A GGUF model on the models partition of the image the bundle is of (repeatable; as for
-    /// `cargo xtask image`). The bundle carries the boot slot only.
-    #[arg(long = "model")]
-    pub models: Vec<PathBuf>,
+    /// The image the bundle is of, as `cargo xtask image` takes it (built, or reused, first).
+    /// The bundle carries its boot slot only.
+    #[command(flatten)]
+    pub image: crate::image::Args,
     /// The signing key (PEM). Without it: kiln's public development key, with a warning.
     #[arg(long, requires = "cert")]
     pub key: Option<PathBuf>,
@@ -40,9 +38,6 @@ pub struct Args {
     /// refusal of a bundle whose models the card does not hold).
     #[arg(long, hide = true)]
     pub needs_model: Vec<String>,
-    /// Build from the download cache alone.
-    #[arg(long)]
-    pub offline: bool,
 }
 
 /// What a bundle run made.
@@ -150,7 +145,7 @@ fn models_needed(manifest: &Path, extra: &[String]) -> Result<String> {
     Ok(out)
 }
 
-/// Make the bundle of `args.board`'s image at this commit.
+/// Make the bundle of `args.image.board`'s image at this commit.
 pub fn make(args: &Args) -> Result<Bundle> {
     let (key, cert) = match (&args.key, &args.cert) {
         (Some(k), Some(c)) => (
@@ -165,12 +160,8 @@ pub fn make(args: &Args) -> Result<Bundle> {
             )
         }
     };
-    let built = crate::image::build(&crate::image::Args {
-        board: args.board.clone(),
-        models: args.models.clone(),
-        offline: args.offline,
-    })?;
-    let tools = crate::tools_root::ensure(args.offline)?;
+    let built = crate::image::build(&args.image)?;
+    let tools = crate::tools_root::ensure(args.image.offline)?;
     let commit = &built.commit;
     let short = &commit.hash[..12.min(commit.hash.len())];
     let version = if commit.dirty {
@@ -182,12 +173,12 @@ pub fn make(args: &Args) -> Result<Bundle> {
         Some(p) => std::path::absolute(p)?,
         None => crate::paths::target_dir()
             .join("images")
-            .join(format!("kiln-{}-{version}.raucb", args.board)),
+            .join(format!("kiln-{}-{version}.raucb", args.image.board)),
     };
     let compatible = args
         .compatible
         .clone()
-        .unwrap_or_else(|| updates::compatible(&args.board));
+        .unwrap_or_else(|| updates::compatible(&args.image.board));
 
     // Everything rauc reads must be under target/ (the tools root sees the checkout and target/).
     let work = crate::paths::target_dir().join("kiln/bundle");
@@ -214,7 +205,7 @@ pub fn make(args: &Args) -> Result<Bundle> {
          \n\
          [image.boot]\n\
          filename=boot.vfat\n",
-        board = args.board,
+        board = args.image.board,
         commit = commit.hash,
         epoch = commit.epoch,
     );

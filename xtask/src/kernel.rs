@@ -9,7 +9,7 @@
 use crate::pins::Sha256;
 use crate::tools_root::ToolsRoot;
 use anyhow::{bail, Context, Result};
-use std::io::{BufRead, Read};
+use std::io::BufRead;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -369,7 +369,7 @@ pub fn build(
     );
     let mut argv = vec!["make".to_string(), format!("-j{jobs}"), o.clone()];
     argv.extend(targets.iter().cloned());
-    run_with_progress(kb.command(&argv)).context("kernel build")?;
+    crate::tools_root::run_with_progress(kb.command(&argv), "kernel").context("kernel build")?;
     let release = kb
         .read(&["make", "-s", &o, "kernelrelease"])?
         .trim()
@@ -528,66 +528,6 @@ fn load_cached(dir: &Path, key: &Sha256) -> Result<Option<KernelOut>> {
         return Ok(None);
     }
     Ok(Some(k))
-}
-
-/// Run make, printing a progress line (objects compiled, elapsed) every 20 s instead of
-/// thousands of lines; the last lines are shown if it fails.
-fn run_with_progress(mut c: std::process::Command) -> Result<()> {
-    use std::process::Stdio;
-    let t = Instant::now();
-    let mut child = c
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .context("starting make")?;
-    let stderr = child.stderr.take().context("make stderr")?;
-    let errs = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = std::io::BufReader::new(stderr).read_to_string(&mut s);
-        s
-    });
-    let stdout = child.stdout.take().context("make stdout")?;
-    let (mut n, mut last) = (0usize, Instant::now());
-    let mut tail = std::collections::VecDeque::new();
-    for line in std::io::BufReader::new(stdout).lines() {
-        let line = line?;
-        if line.trim_start().starts_with("CC") {
-            n += 1;
-        }
-        tail.push_back(line);
-        if tail.len() > 20 {
-            tail.pop_front();
-        }
-        if last.elapsed().as_secs() >= 20 {
-            println!(
-                "kernel: {n} objects compiled, {:.0} s",
-                t.elapsed().as_secs_f64()
-            );
-            last = Instant::now();
-        }
-    }
-    let status = child.wait()?;
-    let err = errs.join().unwrap_or_default();
-    if !status.success() {
-        let lines: Vec<String> = tail.into_iter().collect();
-        bail!(
-            "make failed ({status}):\n{}\n{}",
-            lines.join("\n"),
-            err.lines()
-                .rev()
-                .take(30)
-                .collect::<Vec<_>>()
-                .into_iter()
-                .rev()
-                .collect::<Vec<_>>()
-                .join("\n")
-        );
-    }
-    println!(
-        "kernel: {n} objects compiled in {:.0} s",
-        t.elapsed().as_secs_f64()
-    );
-    Ok(())
 }
 
 #[cfg(test)]

@@ -143,3 +143,14 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
         }
     }
 }
+
+#[cfg(test)]
+mod cli_tests {
+    /// Every command's arguments are consistent (clap's own checks, which otherwise run only when
+    /// that command is invoked: a clash in one subcommand panics at its first use).
+    #[test]
+    fn every_command_parses() {
+        use clap::CommandFactory as _;
+        super::Cli::command().debug_assert();
+    }
+}

@@ -605,6 +605,67 @@ pub fn update() -> Result<()> {
     Ok(())
 }
 
+/// Run make (the kernel's, U-Boot's: `what` names it), printing a progress line (objects compiled, elapsed) every 20 s instead of
+/// thousands of lines; the last lines are shown if it fails.
+pub fn run_with_progress(mut c: std::process::Command, what: &str) -> Result<()> {
+    use std::io::{BufRead as _, Read as _};
+    use std::process::Stdio;
+    let t = Instant::now();
+    let mut child = c
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .context("starting make")?;
+    let stderr = child.stderr.take().context("make stderr")?;
+    let errs = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = std::io::BufReader::new(stderr).read_to_string(&mut s);
+        s
+    });
+    let stdout = child.stdout.take().context("make stdout")?;
+    let (mut n, mut last) = (0usize, Instant::now());
+    let mut tail = std::collections::VecDeque::new();
+    for line in std::io::BufReader::new(stdout).lines() {
+        let line = line?;
+        if line.trim_start().starts_with("CC") {
+            n += 1;
+        }
+        tail.push_back(line);
+        if tail.len() > 20 {
+            tail.pop_front();
+        }
+        if last.elapsed().as_secs() >= 20 {
+            println!(
+                "{what}: {n} objects compiled, {:.0} s",
+                t.elapsed().as_secs_f64()
+            );
+            last = Instant::now();
+        }
+    }
+    let status = child.wait()?;
+    let err = errs.join().unwrap_or_default();
+    if !status.success() {
+        let lines: Vec<String> = tail.into_iter().collect();
+        bail!(
+            "make failed ({status}):\n{}\n{}",
+            lines.join("\n"),
+            err.lines()
+                .rev()
+                .take(30)
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+    }
+    println!(
+        "{what}: {n} objects compiled in {:.0} s",
+        t.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

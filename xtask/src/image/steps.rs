@@ -259,23 +259,11 @@ pub fn initramfs<'a>(
         )?;
         tree_hash(&ov)
     };
-    let deb_shas: Vec<String> = ctx
-        .inputs
-        .values()
-        .filter(|(i, _)| i.file.ends_with("rootfs/packages.toml"))
-        .map(|(i, _)| {
-            format!(
-                "{}={}",
-                i.name,
-                i.sha256.map(|h| h.to_string()).unwrap_or_default()
-            )
-        })
-        .collect();
     let (keyring, _) = super::updates::keyring(ctx)?;
     let key = key_of(&[
         "initramfs-v1",
         &ctx.epoch.to_string(),
-        &deb_shas.join(","),
+        &rootfs_debs_key(ctx),
         &rt.kiln_sha.to_string(),
         &rt.npu
             .as_ref()
@@ -1292,12 +1280,36 @@ fn initramfs_tree(
     if !t.nodes.contains_key("init") {
         println!("image: WARNING: rootfs/overlay/init is missing: the kernel will find no /init");
     }
+    let libs = rootfs_libs(inputs, &["busybox-static", "dosfstools"])?;
+    rootfs::add_shared_objects(&mut t, &libs, &roots)?;
+    Ok(t)
+}
+
+/// `name=sha256` of every pinned rootfs package: the part of a step's key that says which debs
+/// its tree is made from.
+pub fn rootfs_debs_key(ctx: &Ctx) -> String {
+    ctx.inputs
+        .values()
+        .filter(|(i, _)| i.file.ends_with("rootfs/packages.toml"))
+        .map(|(i, _)| {
+            format!(
+                "{}={}",
+                i.name,
+                i.sha256.map(|h| h.to_string()).unwrap_or_default()
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// Every pinned rootfs package but `skip`, unpacked into one tree (the first package to give a
+/// path keeps it): where shared objects are taken from.
+pub fn rootfs_libs(inputs: &Inputs, skip: &[&str]) -> Result<Tree> {
     let mut libs = Tree::default();
     for (name, (input, p)) in inputs {
         if matches!(input.source, pins::Source::Deb { .. })
             && input.file.ends_with("rootfs/packages.toml")
-            && name != "busybox-static"
-            && name != "dosfstools"
+            && !skip.contains(&name.as_str())
         {
             for (path, n) in rootfs::deb_tree(p, name)?.nodes {
                 if libs
@@ -1310,8 +1322,7 @@ fn initramfs_tree(
             }
         }
     }
-    rootfs::add_shared_objects(&mut t, &libs, &roots)?;
-    Ok(t)
+    Ok(libs)
 }
 
 fn to_cpio(tree: &Tree) -> Vec<disk::cpio::CpioEntry> {

@@ -10,7 +10,7 @@
 use super::runner::{key_of, Step};
 use super::steps::Ctx;
 use super::Inputs;
-use crate::pins::{self, Sha256};
+use crate::pins::Sha256;
 use crate::rootfs::{self, NodeKind, Tree};
 use anyhow::{Context, Result};
 use std::path::PathBuf;
@@ -192,22 +192,7 @@ pub fn add_to_initramfs(t: &mut Tree, board: &str, keyring: &[u8]) -> Result<()>
 /// The updates tree: the programs and their shared-object closure from the pinned packages,
 /// less what the initramfs has.
 pub fn tree(inputs: &Inputs) -> Result<Tree> {
-    let mut libs = Tree::default();
-    for (name, (input, p)) in inputs {
-        if matches!(input.source, pins::Source::Deb { .. })
-            && input.file.ends_with("rootfs/packages.toml")
-        {
-            for (path, n) in rootfs::deb_tree(p, name)?.nodes {
-                if libs
-                    .nodes
-                    .get(&path)
-                    .is_none_or(|o| o.kind == NodeKind::Dir)
-                {
-                    libs.nodes.insert(path, n);
-                }
-            }
-        }
-    }
+    let libs = super::steps::rootfs_libs(inputs, &[])?;
     let mut t = Tree::default();
     for (program, package) in PROGRAMS {
         let node = libs.nodes.get(*program).with_context(|| {
@@ -225,24 +210,12 @@ pub fn tree(inputs: &Inputs) -> Result<Tree> {
 /// The step making `updates.erofs` (lz4hc-compressed erofs of [`tree`]).
 pub fn step(ctx: &Ctx) -> Step<'_> {
     let uuid = crate::disk::guid_from_seed(&ctx.seed, "updates-fs");
-    let deb_shas: Vec<String> = ctx
-        .inputs
-        .values()
-        .filter(|(i, _)| i.file.ends_with("rootfs/packages.toml"))
-        .map(|(i, _)| {
-            format!(
-                "{}={}",
-                i.name,
-                i.sha256.map(|h| h.to_string()).unwrap_or_default()
-            )
-        })
-        .collect();
     let key = key_of(&[
         "updates-v3",
         &ctx.tools.key.to_string(),
         &ctx.epoch.to_string(),
         &uuid.to_string(),
-        &deb_shas.join(","),
+        &super::steps::rootfs_debs_key(ctx),
     ]);
     Step {
         name: "updates tree",
