@@ -534,34 +534,37 @@ fn update_disk(dir: &Path) -> Result<PathBuf> {
     let keys = crate::paths::project_root().join("xtask/src/image/update-keys");
     let bundles = dir.join("bundles");
     std::fs::create_dir_all(&bundles)?;
-    let make =
-        |name: &str, key: Option<(&str, &str)>, compatible: Option<&str>, needs: Option<&str>| {
-            crate::bundle::make(&crate::bundle::Args {
-                image: crate::image::Args {
-                    board: "qemu-virt".into(),
-                    models: vec![],
-                    offline: false,
-                },
-                key: key.map(|(k, _)| keys.join(k)),
-                cert: key.map(|(_, c)| keys.join(c)),
-                out: Some(bundles.join(name)),
-                compatible: compatible.map(str::to_string),
-                needs_model: needs.map(|n| vec![n.to_string()]).unwrap_or_default(),
-            })
-        };
-    let good = make("v2.raucb", None, None, None)?;
+    let make = |name: &str, key: Option<(&str, &str)>, compatible: Option<&str>, needs: &[&str]| {
+        crate::bundle::make(&crate::bundle::Args {
+            image: crate::image::Args {
+                board: "qemu-virt".into(),
+                models: vec![],
+                offline: false,
+            },
+            key: key.map(|(k, _)| keys.join(k)),
+            cert: key.map(|(_, c)| keys.join(c)),
+            out: Some(bundles.join(name)),
+            compatible: compatible.map(str::to_string),
+            needs_model: needs.iter().map(|n| n.to_string()).collect(),
+        })
+    };
+    let good = make("v2.raucb", None, None, &[])?;
     make(
         "other-key.raucb",
         Some(("other-key.pem", "other-cert.pem")),
         None,
-        None,
+        &[],
     )?;
-    make("other-board.raucb", None, Some("kiln-rock-5b"), None)?;
+    make("other-board.raucb", None, Some("kiln-rock-5b"), &[])?;
     make(
         "other-models.raucb",
         None,
         None,
-        Some("SmolLM2-360M-Instruct-Q4_1.gguf:b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
+        // A fixture the card holds, but with other bytes; a model it does not hold at all.
+        &[
+            "kiln-selftest.gguf:0000000000000000000000000000000000000000000000000000000000000000",
+            "SmolLM2-360M-Instruct-Q4_1.gguf:b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        ],
     )?;
     let bytes = std::fs::read(&good.path)?;
     let mut head = bytes.clone();
@@ -658,6 +661,12 @@ fn scenarios(m: &Machine, v2: &[u8], ub: &Path) -> Result<()> {
         c.console.contains("update: installed; rebooting into it"),
         "the console does not say the bundle was installed"
     );
+    ensure!(
+        c.console
+            .contains("was tried before: installed from slot A"),
+        "B's boot, with the same kiln.update word, does not say the bundle was already installed: \
+         kiln.update must install once"
+    );
     expect_state(m, "after v2", "B A", 3, 3)?;
     rauc_agrees(&c, m)?;
     println!("ab-test: RAUC installed the bundle into the blanked slot B; rauc status reads the counters as kiln does");
@@ -677,8 +686,8 @@ fn scenarios(m: &Machine, v2: &[u8], ub: &Path) -> Result<()> {
         ),
         (
             "other-models.raucb",
-            "whose system needs a model the card does not hold",
-            "does not hold: SmolLM2-360M-Instruct-Q4_1.gguf",
+            "whose system needs models the card does not hold (other bytes, or absent)",
+            "does not hold: kiln-selftest.gguf SmolLM2-360M-Instruct-Q4_1.gguf",
         ),
         (
             "flipped-head.raucb",

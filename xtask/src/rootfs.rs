@@ -429,6 +429,35 @@ pub fn add_host_tree(into: &mut Tree, dir: &Path, origin: &str) -> Result<()> {
 mod tests {
     use super::*;
 
+    /// The folders `write_dir` makes have the tree's modes (0755 where it lists none), whatever
+    /// the umask: the updates tree's erofs must be the same bytes on every machine.
+    #[test]
+    fn written_folders_do_not_take_the_umask() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let mut t = Tree::default();
+        t.nodes.insert(
+            "lib/aarch64-linux-gnu/libx.so.1".into(),
+            Node {
+                mode: 0o644,
+                kind: NodeKind::File(b"x".to_vec()),
+                origin: "test".into(),
+            },
+        );
+        t.add("etc", 0o700, NodeKind::Dir, "test").unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("tree");
+        // SAFETY: umask only changes this process's file creation mask; restored below.
+        let old = unsafe { libc::umask(0o077) };
+        let r = write_dir(&t, &out);
+        unsafe { libc::umask(old) };
+        r.unwrap();
+        let mode = |p: &str| std::fs::metadata(out.join(p)).unwrap().permissions().mode() & 0o7777;
+        assert_eq!(mode("lib"), 0o755);
+        assert_eq!(mode("lib/aarch64-linux-gnu"), 0o755);
+        assert_eq!(mode("etc"), 0o700);
+        assert_eq!(mode("lib/aarch64-linux-gnu/libx.so.1"), 0o644);
+    }
+
     #[test]
     fn parents_are_made_and_conflicts_named() {
         let mut t = Tree::default();
