@@ -732,6 +732,40 @@ fn scenarios(m: &Machine, v2: &[u8], ub: &Path) -> Result<()> {
         );
     }
 
+    // The updates tree on the booted slot with a flipped byte: the self-check does not read it
+    // (nothing runs it before the verdict), so B still passes; init hashes it before mounting
+    // it and refuses, so RAUC does not start and nothing is installed.
+    let b_fs = m.read_part("boot_b")?;
+    let tree = fat::read_file(
+        &m.disk,
+        m.part("boot_b")?.start_bytes(),
+        m.part("boot_b")?.size_bytes(),
+        "kiln/updates.erofs",
+    )?;
+    let mut bad = tree.clone();
+    let at = bad.len() / 3;
+    bad[at] ^= 0x01;
+    m.write_part(
+        "boot_b",
+        &edited(&m.dir, &b_fs, "kiln/updates.erofs", &bad)?,
+    )?;
+    let a = m.part_sha("boot_a")?;
+    let c = m.chain_with("2-updates-tree-flipped", None, Some((ub, "v2.raucb")))?;
+    expect(
+        &c,
+        "the updates tree with a flipped byte",
+        &[("B", Some("PASS"))],
+    )?;
+    ensure!(
+        c.console
+            .contains("does not match /etc/kiln/updates.sha256")
+            && c.console.contains("RAUC is not running: nothing installed"),
+        "a flipped byte in kiln/updates.erofs: init did not refuse to mount it"
+    );
+    ensure!(m.part_sha("boot_a")? == a, "boot_a changed");
+    expect_state(m, "after the flipped updates tree", "B A", 3, 3)?;
+    println!("ab-test: a flipped byte in B's kiln/updates.erofs: init refused to mount it, no RAUC, nothing installed");
+
     // v3 into B, a system whose manifest does not match its kernel: image.manifest fails.
     let manifest = fat::read_file(
         &m.disk,

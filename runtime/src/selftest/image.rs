@@ -80,6 +80,33 @@ fn sha256_all(paths: &[PathBuf]) -> Vec<std::io::Result<String>> {
         .collect()
 }
 
+/// Boot files nothing runs before the verdict, hashed by init when it first uses them, against
+/// a sha256 file in the initramfs (which this check hashes): `(file on /boot, sha256 file)`.
+const DEFERRED: &[(&str, &str)] = &[("/kiln/updates.erofs", "/etc/kiln/updates.sha256")];
+
+/// A [`DEFERRED`] file: the initramfs's sha256 for it must be the manifest's (read, not the
+/// file's bytes: init hashes those before it mounts them).
+fn deferred_file(c: &mut Compare, ctx: &Ctx, rel: &str, want: Option<&str>) {
+    let Some((_, sha_file)) = DEFERRED.iter().find(|(f, _)| *f == rel) else {
+        return;
+    };
+    let at = ctx.paths.root.join(sha_file.trim_start_matches('/'));
+    let got = std::fs::read_to_string(&at)
+        .ok()
+        .and_then(|s| s.split_whitespace().next().map(str::to_string));
+    match (got, want) {
+        (Some(g), Some(w)) if g == w => c.ok.push(format!(
+            "/boot{rel}: sha256 {g} in the manifest and in {sha_file}, against which init \
+             hashes it before it mounts it (after the verdict)"
+        )),
+        (g, w) => c.bad.push(format!(
+            "/boot{rel}: {sha_file} says {}, the manifest {}",
+            g.as_deref().unwrap_or("nothing (missing)"),
+            w.unwrap_or("nothing")
+        )),
+    }
+}
+
 struct Compare {
     ok: Vec<String>,
     bad: Vec<String>,
@@ -235,12 +262,18 @@ pub fn manifest(ctx: &Ctx) -> Outcome {
             // The card's notices (SBOMs, licence texts) are checked one by one like the rest,
             // but a folder whose files all match is one evidence line, not hundreds.
             let mut folders: std::collections::BTreeMap<&str, usize> = Default::default();
+            let (deferred, files): (Vec<_>, Vec<_>) = files
+                .iter()
+                .partition(|(rel, _)| DEFERRED.iter().any(|(f, _)| f == rel));
+            for (rel, v) in deferred {
+                deferred_file(&mut c, ctx, rel, v["sha256"].as_str());
+            }
             let paths: Vec<PathBuf> = files
-                .keys()
-                .map(|rel| ctx.paths.boot.join(rel.trim_start_matches('/')))
+                .iter()
+                .map(|(rel, _)| ctx.paths.boot.join(rel.trim_start_matches('/')))
                 .collect();
             let hashes = sha256_all(&paths);
-            for (((rel, v), p), got) in files.iter().zip(&paths).zip(hashes) {
+            for (((rel, v), p), got) in files.into_iter().zip(&paths).zip(hashes) {
                 let before = c.ok.len();
                 c.hashed(&format!("/boot{rel}"), p, v["sha256"].as_str(), got);
                 if let Some(dir) = ["/kiln/licenses/", "/kiln/sbom/"]
@@ -477,6 +510,46 @@ mod tests {
             .reason
             .unwrap()
             .contains("/boot/kiln/licenses/deb/libc6/copyright"));
+    }
+
+    #[test]
+    fn the_updates_tree_is_left_to_init_but_its_two_hashes_must_agree() {
+        let tree = hex_of(b"the updates tree");
+        let setup = |sha_file: Option<&str>| {
+            let root = FakeRoot::new();
+            let mut m = system(&root);
+            m["boot"]["files"]["/kiln/updates.erofs"] = serde_json::json!({"sha256": tree});
+            write_manifest(&root, &m);
+            if let Some(s) = sha_file {
+                root.file(
+                    "etc/kiln/updates.sha256",
+                    format!("{s}  /boot/kiln/updates.erofs\n").as_bytes(),
+                );
+            }
+            root
+        };
+        // Agreeing: PASS without the file on /boot at all (it is not read before the verdict).
+        let root = setup(Some(&tree));
+        let o = manifest(&ctx(&root));
+        assert_eq!(o.status, Status::Pass, "{o:?}");
+        assert!(
+            o.evidence
+                .iter()
+                .any(|e| e.contains("/boot/kiln/updates.erofs: sha256") && e.contains(&tree)),
+            "{:?}",
+            o.evidence
+        );
+        // The initramfs's sha256 differs from the manifest's, or is missing: FAIL naming both.
+        for (what, s) in [("other", Some("00".repeat(32))), ("missing", None)] {
+            let root = setup(s.as_deref());
+            let o = manifest(&ctx(&root));
+            assert_eq!(o.status, Status::Fail, "{what}: {o:?}");
+            let r = o.reason.unwrap();
+            assert!(
+                r.contains("/etc/kiln/updates.sha256") && r.contains(&tree),
+                "{what}: {r}"
+            );
+        }
     }
 
     #[test]

@@ -216,7 +216,17 @@ pub fn build(args: &Args) -> Result<Built> {
     let runtime = steps::runtime(&mut run, &ctx)?;
     let board_toml = ctx.board.board_toml(steps::kernel_config(&ctx.board)?)?;
     let serve_env = ctx.board.serve_env()?;
-    let initramfs = run.run(steps::initramfs(&ctx, &runtime, &board_toml, &serve_env)?)?;
+    // The updates tree first: the initramfs holds its sha256, which init checks before it
+    // mounts the tree (after the verdict), so the self-check need not read it.
+    let updates_tree = run.run(updates::step(&ctx))?;
+    let updates_sha = Sha256::of_file(updates_tree.path())?;
+    let initramfs = run.run(steps::initramfs(
+        &ctx,
+        &runtime,
+        &board_toml,
+        &serve_env,
+        &updates_sha,
+    )?)?;
     let fixture = fixture::gguf().context("writing the self-check fixture")?;
     let llama = kiln_runtime::model::fixture::gguf().context("writing the llama fixture")?;
     let models_part = run.run(steps::models_partition(&ctx, &models, &fixture, &llama))?;
@@ -229,7 +239,6 @@ pub fn build(args: &Args) -> Result<Built> {
     if updates::keyring(&ctx)?.1 {
         run.say(&format!("WARNING: {}", updates::DEV_WARNING));
     }
-    let updates_tree = run.run(updates::step(&ctx))?;
     let mut boot_files = steps::boot_files(&ctx, &kernel, &initramfs, &updates_tree)?;
     boot_files.extend(steps::licence_files(&texts)?);
     let mut manifest = steps::manifest(

@@ -249,6 +249,7 @@ pub fn initramfs<'a>(
     rt: &'a Runtime,
     board_toml: &'a str,
     serve_env: &'a str,
+    updates_sha: &'a Sha256,
 ) -> Result<Step<'a>> {
     let overlay_key = {
         let mut ov = Tree::default();
@@ -273,6 +274,7 @@ pub fn initramfs<'a>(
         board_toml,
         serve_env,
         &Sha256::of_bytes(&keyring).to_string(),
+        &updates_sha.to_string(),
     ]);
     Ok(Step {
         name: "initramfs",
@@ -283,7 +285,7 @@ pub fn initramfs<'a>(
         ],
         make: Box::new(move |tmp: &[PathBuf]| {
             let mut tree = initramfs_tree(&ctx.inputs, &rt.kiln, &rt.npu, board_toml, serve_env)?;
-            super::updates::add_to_initramfs(&mut tree, &ctx.board.name, &keyring)?;
+            super::updates::add_to_initramfs(&mut tree, &ctx.board.name, &keyring, updates_sha)?;
             let epoch32 = u32::try_from(ctx.epoch)
                 .context("SOURCE_DATE_EPOCH does not fit cpio's 32 bits")?;
             disk::cpio::write_newc_gz(&tmp[0], &to_cpio(&tree), epoch32)?;

@@ -1,11 +1,13 @@
 //! RAUC on the board. Debian's `rauc`, the `dbus-daemon` its client and service talk through,
 //! and libubootenv's `fw_printenv`/`fw_setenv` (what RAUC's U-Boot backend runs) with exactly the
-//! shared objects they load make the *updates tree*: 27 MB of files the self-check does not need,
+//! shared objects they load make the *updates tree*: 28 MB of files the self-check does not need,
 //! so they are not in the initramfs (unpacking them would cost the boot about a second under
 //! QEMU) but in `kiln/updates.erofs` on each boot slot, which init mounts on [`MOUNT`] once the
 //! verdict is known. The initramfs holds what ties them to this board: `/etc/rauc/system.conf`
 //! (the slots, `compatible`, the keyring), `/etc/fw_env.config` (the counters file on bootctl),
-//! the bus's configuration and wrappers that run the tree's programs.
+//! the bus's configuration, wrappers that run the tree's programs, and the tree's sha256
+//! (`/etc/kiln/updates.sha256`), which init checks before it mounts the tree: the self-check
+//! does not read 16 MiB it does not run before its verdict.
 
 use super::runner::{key_of, Step};
 use super::steps::Ctx;
@@ -19,6 +21,9 @@ use std::path::PathBuf;
 pub const MOUNT: &str = "/opt/updates";
 /// The file on each boot slot.
 pub const FILE: &str = "kiln/updates.erofs";
+/// Its sha256 in the initramfs (`sha256sum -c` format); the runtime's image check names the
+/// same path.
+pub const SHA_FILE: &str = "/etc/kiln/updates.sha256";
 
 /// The programs of the tree and the package of each.
 const PROGRAMS: &[(&str, &str)] = &[
@@ -155,9 +160,22 @@ fn wrapper(program: &str) -> String {
 }
 
 /// Add to the initramfs what ties the updates tree to this board.
-pub fn add_to_initramfs(t: &mut Tree, board: &str, keyring: &[u8]) -> Result<()> {
+pub fn add_to_initramfs(
+    t: &mut Tree,
+    board: &str,
+    keyring: &[u8],
+    tree_sha: &Sha256,
+) -> Result<()> {
     let origin = "xtask image::updates";
     let file = |b: &[u8]| NodeKind::File(b.to_vec());
+    // What init checks the tree against before it mounts it (`sha256sum -c`); the self-check's
+    // image.manifest holds it equal to the manifest's entry for the file.
+    t.add(
+        SHA_FILE.trim_start_matches('/'),
+        0o644,
+        file(format!("{tree_sha}  /boot/{FILE}\n").as_bytes()),
+        origin,
+    )?;
     t.add(
         "etc/rauc/system.conf",
         0o644,
