@@ -669,6 +669,15 @@ fn scenarios(m: &Machine, v2: &[u8], ub: &Path) -> Result<()> {
     );
     expect_state(m, "after v2", "B A", 3, 3)?;
     rauc_agrees(&c, m)?;
+    // The comparison fails where the two disagree: the same console against counters edited
+    // after it (A marked bad), then the counters put back.
+    let ctl = m.read_part("bootctl")?;
+    edit_ab_state(&m.disk, &m.dir, |st| st.mark_bad(Slot::A))?;
+    ensure!(
+        rauc_agrees(&c, m).is_err(),
+        "rauc_agrees accepts counters other than the ones rauc status read"
+    );
+    m.write_part("bootctl", &ctl)?;
     println!("ab-test: RAUC installed the bundle into the blanked slot B; rauc status reads the counters as kiln does");
 
     // Bundles RAUC must refuse: nothing written to the slot it would install into (A), the
