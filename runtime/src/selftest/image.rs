@@ -57,6 +57,9 @@ fn loaded_npu_lib(maps: &Path, names: &[&str]) -> Option<PathBuf> {
 fn sha256_all(paths: &[PathBuf]) -> Vec<std::io::Result<String>> {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Mutex;
+    // The biggest files first, so that no thread is left with one big file at the end.
+    let mut order: Vec<usize> = (0..paths.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(std::fs::metadata(&paths[i]).map_or(0, |m| m.len())));
     let next = AtomicUsize::new(0);
     let out: Mutex<Vec<Option<std::io::Result<String>>>> =
         Mutex::new((0..paths.len()).map(|_| None).collect());
@@ -65,11 +68,11 @@ fn sha256_all(paths: &[PathBuf]) -> Vec<std::io::Result<String>> {
         .min(paths.len().max(1));
     std::thread::scope(|s| {
         for _ in 0..threads {
-            s.spawn(|| loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(p) = paths.get(i) else { break };
-                let r = sha256_of(p);
-                out.lock().unwrap_or_else(|e| e.into_inner())[i] = Some(r);
+            s.spawn(|| {
+                while let Some(&i) = order.get(next.fetch_add(1, Ordering::Relaxed)) {
+                    let r = sha256_of(&paths[i]);
+                    out.lock().unwrap_or_else(|e| e.into_inner())[i] = Some(r);
+                }
             });
         }
     });
@@ -110,11 +113,14 @@ fn deferred_file(c: &mut Compare, ctx: &Ctx, rel: &str, want: Option<&str>) {
 struct Compare {
     ok: Vec<String>,
     bad: Vec<String>,
+    /// Hashes taken ahead, all files at once on every core (see [`sha256_all`]).
+    hashes: std::collections::HashMap<PathBuf, std::io::Result<String>>,
 }
 
 impl Compare {
     fn file(&mut self, what: &str, path: &Path, want: Option<&str>) {
-        self.hashed(what, path, want, sha256_of(path))
+        let got = self.hashes.remove(path).unwrap_or_else(|| sha256_of(path));
+        self.hashed(what, path, want, got)
     }
 
     /// [`Compare::file`] with the file's hash already taken.
@@ -223,18 +229,15 @@ pub fn manifest(ctx: &Ctx) -> Outcome {
             m["commit"].as_str().unwrap_or("?")
         )],
         bad: Vec::new(),
+        hashes: Default::default(),
     };
 
-    // The runtime that is running.
+    // What is compared, in the order it is reported: the runtime that is running, the NPU
+    // library (the one this process loaded, else the manifest's path), the boot partition's
+    // files, the models. All are hashed first, together, on every core.
     let runtime = m["runtime"]["path"].as_str().unwrap_or("/usr/bin/kiln");
-    c.file(
-        &format!("{runtime} (running, via /proc/self/exe)"),
-        &ctx.paths.proc.join("self/exe"),
-        m["runtime"]["sha256"].as_str(),
-    );
-
-    // The NPU library: the one this process loaded, else the manifest's path.
-    if let Some(npu) = m["npu_runtime"].as_object() {
+    let exe = ctx.paths.proc.join("self/exe");
+    let npu = m["npu_runtime"].as_object().map(|npu| {
         let pinned = npu.get("path").and_then(Value::as_str).unwrap_or("");
         let name = Path::new(pinned)
             .file_name()
@@ -247,56 +250,23 @@ pub fn manifest(ctx: &Ctx) -> Outcome {
             .and_then(|n| n.to_str())
             .unwrap_or(name);
         match loaded_npu_lib(&ctx.paths.proc.join("self/maps"), &[name, backend_name]) {
-            Some(p) => c.file(&format!("{} (loaded)", p.display()), &p, want),
-            None => c.file(
-                &format!("{pinned} (not loaded by this process)"),
-                &ctx.paths.root.join(pinned.trim_start_matches('/')),
+            Some(p) => (format!("{} (loaded)", p.display()), p, want),
+            None => (
+                format!("{pinned} (not loaded by this process)"),
+                ctx.paths.root.join(pinned.trim_start_matches('/')),
                 want,
             ),
         }
-    }
-
-    // The boot partition's files.
-    match m["boot"]["files"].as_object() {
-        Some(files) if !files.is_empty() => {
-            // The card's notices (SBOMs, licence texts) are checked one by one like the rest,
-            // but a folder whose files all match is one evidence line, not hundreds.
-            let mut folders: std::collections::BTreeMap<&str, usize> = Default::default();
-            let (deferred, files): (Vec<_>, Vec<_>) = files
-                .iter()
-                .partition(|(rel, _)| DEFERRED.iter().any(|(f, _)| f == rel));
-            for (rel, v) in deferred {
-                deferred_file(&mut c, ctx, rel, v["sha256"].as_str());
-            }
-            let paths: Vec<PathBuf> = files
-                .iter()
-                .map(|(rel, _)| ctx.paths.boot.join(rel.trim_start_matches('/')))
-                .collect();
-            let hashes = sha256_all(&paths);
-            for (((rel, v), p), got) in files.into_iter().zip(&paths).zip(hashes) {
-                let before = c.ok.len();
-                c.hashed(&format!("/boot{rel}"), p, v["sha256"].as_str(), got);
-                if let Some(dir) = ["/kiln/licenses/", "/kiln/sbom/"]
-                    .into_iter()
-                    .find(|d| rel.starts_with(d))
-                {
-                    if c.ok.len() > before {
-                        c.ok.pop();
-                        *folders.entry(dir).or_default() += 1;
-                    }
-                }
-            }
-            for (dir, n) in folders {
-                c.ok.push(format!(
-                    "/boot{} {n} files, each sha256 as the manifest lists",
-                    dir.trim_end_matches('/')
-                ));
-            }
-        }
-        _ => c.bad.push("the manifest lists no boot files".into()),
-    }
-
-    // Models: every listed one present and equal, nothing unlisted.
+    });
+    let boot_files = m["boot"]["files"].as_object();
+    let (deferred, files): (Vec<_>, Vec<_>) = boot_files
+        .into_iter()
+        .flatten()
+        .partition(|(rel, _)| DEFERRED.iter().any(|(f, _)| f == rel));
+    let boot_paths: Vec<PathBuf> = files
+        .iter()
+        .map(|(rel, _)| ctx.paths.boot.join(rel.trim_start_matches('/')))
+        .collect();
     let mut listed: Vec<(String, Option<String>)> = m["models"]
         .as_array()
         .into_iter()
@@ -327,6 +297,54 @@ pub fn manifest(ctx: &Ctx) -> Outcome {
         .first()
         .cloned()
         .unwrap_or_else(|| ctx.paths.root.join("models"));
+    let all: Vec<PathBuf> = std::iter::once(exe.clone())
+        .chain(npu.iter().map(|(_, p, _)| p.clone()))
+        .chain(boot_paths.iter().cloned())
+        .chain(listed.iter().map(|(name, _)| models_dir.join(name)))
+        .collect();
+    c.hashes = all.iter().cloned().zip(sha256_all(&all)).collect();
+
+    c.file(
+        &format!("{runtime} (running, via /proc/self/exe)"),
+        &exe,
+        m["runtime"]["sha256"].as_str(),
+    );
+    if let Some((what, p, want)) = &npu {
+        c.file(what, p, *want);
+    }
+
+    // The boot partition's files.
+    if boot_files.is_some_and(|f| !f.is_empty()) {
+        // The card's notices (SBOMs, licence texts) are checked one by one like the rest, but a
+        // folder whose files all match is one evidence line, not hundreds.
+        let mut folders: std::collections::BTreeMap<&str, usize> = Default::default();
+        for (rel, v) in deferred {
+            deferred_file(&mut c, ctx, rel, v["sha256"].as_str());
+        }
+        for ((rel, v), p) in files.into_iter().zip(&boot_paths) {
+            let before = c.ok.len();
+            c.file(&format!("/boot{rel}"), p, v["sha256"].as_str());
+            if let Some(dir) = ["/kiln/licenses/", "/kiln/sbom/"]
+                .into_iter()
+                .find(|d| rel.starts_with(d))
+            {
+                if c.ok.len() > before {
+                    c.ok.pop();
+                    *folders.entry(dir).or_default() += 1;
+                }
+            }
+        }
+        for (dir, n) in folders {
+            c.ok.push(format!(
+                "/boot{} {n} files, each sha256 as the manifest lists",
+                dir.trim_end_matches('/')
+            ));
+        }
+    } else {
+        c.bad.push("the manifest lists no boot files".into());
+    }
+
+    // Models: every listed one present and equal, nothing unlisted.
     for (name, sha) in &listed {
         c.file(
             &format!("/models/{name}"),
