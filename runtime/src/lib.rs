@@ -2,6 +2,7 @@
 
 pub mod backend;
 pub mod civil;
+pub mod cpus;
 pub mod gguf;
 pub mod ledger;
 pub mod membw;

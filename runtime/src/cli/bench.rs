@@ -24,7 +24,7 @@ pub struct Args {
 pub fn run(a: Args) -> Result<()> {
     anyhow::ensure!(a.prompt >= 1 && a.n >= 1, "-p and -n must be at least 1");
     let f = a.m.open()?;
-    let model = a.m.load(&f)?;
+    let (model, cpus) = a.m.load_pinned(&f)?;
     let n_ctx = a.m.ctx.unwrap_or(a.prompt + a.n + 1);
     let mut s = model.session(n_ctx, a.m.kv)?;
     // Token ids spread over the vocabulary: speed does not depend on which ids.
@@ -48,6 +48,7 @@ pub fn run(a: Args) -> Result<()> {
         a.m.threads
     };
     let rss = rss_kb();
+    let ran_on = kiln_runtime::cpus::ran_on(threads);
     let bw = kiln_runtime::membw::read_bandwidth(threads);
     let wbytes = model.weight_bytes_per_token();
     let prefill_tps = a.prompt as f64 / prefill_s;
@@ -58,6 +59,9 @@ pub fn run(a: Args) -> Result<()> {
         let v = serde_json::json!({
             "model": a.m.path()?.display().to_string(),
             "threads": threads,
+            "cpus": cpus.cpus,
+            "cpus_how": cpus.describe(),
+            "cpus_ran_on": ran_on,
             "prompt_tokens": a.prompt,
             "decode_tokens": a.n,
             "prefill_tok_s": prefill_tps,
@@ -79,6 +83,11 @@ pub fn run(a: Args) -> Result<()> {
         return Ok(());
     }
     println!("model: {} ({} threads)", a.m.path()?.display(), threads);
+    println!(
+        "{}; the matmul pool's threads measured on cpus {}",
+        cpus.describe(),
+        kiln_runtime::cpus::format_list(&ran_on)
+    );
     println!(
         "prefill: {} tokens in {:.3} s = {prefill_tps:.1} tok/s",
         a.prompt, prefill_s

@@ -23,9 +23,15 @@ pub struct ModelArgs {
     /// KV cache type (llama.cpp's default is f16).
     #[arg(long, value_enum, default_value = "f16")]
     pub kv: KvType,
-    /// Threads for the CPU matmuls and the attention (default: one per core).
+    /// Threads for the CPU matmuls and the attention (default: one per inference CPU, see
+    /// --cpus).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
+    /// CPUs inference runs on, as the kernel lists them (e.g. 4-7 or 0,2). Default: the big
+    /// cores, told apart by cpu_capacity or cpuinfo_max_freq in sysfs (all CPUs when they are
+    /// alike).
+    #[arg(long, value_name = "LIST")]
+    pub cpus: Option<String>,
     /// Which backends run the matmuls: auto = the plan's choice per weight and M (NPU for prefill
     /// rows it accepts, CPU otherwise).
     #[arg(long, value_enum, default_value = "auto")]
@@ -47,7 +53,24 @@ impl ModelArgs {
         GgufFile::open(p).with_context(|| format!("opening {}", p.display()))
     }
 
+    /// Restrict this thread, and every thread it starts from now on, to the inference CPUs
+    /// (--cpus, else the big cores), and say which on stderr.
+    pub fn pin_cpus(&self) -> Result<kiln_runtime::cpus::Selection> {
+        let sel = kiln_runtime::cpus::select_and_apply(self.cpus.as_deref())?;
+        eprintln!("kiln: {}", sel.describe());
+        Ok(sel)
+    }
+
     pub fn load<'m>(&self, f: &'m GgufFile) -> Result<Model<'m>> {
+        Ok(self.load_pinned(f)?.0)
+    }
+
+    /// [`ModelArgs::load`], with the inference CPUs it pinned.
+    pub fn load_pinned<'m>(
+        &self,
+        f: &'m GgufFile,
+    ) -> Result<(Model<'m>, kiln_runtime::cpus::Selection)> {
+        let sel = self.pin_cpus()?;
         let m = Model::load(
             f,
             &Options {
@@ -62,7 +85,7 @@ impl ModelArgs {
         for l in m.ledger.lines() {
             eprintln!("{l}");
         }
-        Ok(m)
+        Ok((m, sel))
     }
 
     pub fn n_ctx(&self, m: &Model<'_>) -> usize {

@@ -1,6 +1,6 @@
 //! `cpu.features` and `cpu.governors`.
 
-use super::{Ctx, Outcome};
+use super::{Ctx, Outcome, Status};
 use std::collections::BTreeSet;
 use std::path::Path;
 
@@ -75,6 +75,94 @@ pub fn features(ctx: &Ctx, cpu_kernel: Option<&str>) -> Outcome {
         Outcome::pass(ev)
     } else {
         Outcome::fail(format!("missing CPU features: {}", missing.join(" ")), ev)
+    }
+}
+
+/// `cpu.features`, continued: the CPUs inference runs on (`cores`: the selection applied to this
+/// process, see [`crate::cpus`]) and where the matmul pool's threads were measured to run
+/// (`ran`, [`crate::cpus::ran_on`]). A selection that could not be made or applied, or a thread
+/// seen outside it, fails the check.
+pub fn with_cores(
+    o: Outcome,
+    cores: &Result<crate::cpus::Selection, String>,
+    ran: &[usize],
+) -> Outcome {
+    // A failure here is added to the check's own (whose reason stays first).
+    let fail = |o: Outcome, why: String, ev: Vec<String>| match o.status {
+        Status::Fail => o.with_evidence(ev),
+        _ => Outcome::fail(why, o.evidence).with_evidence(ev),
+    };
+    let sel = match cores {
+        Ok(s) => s,
+        Err(e) => {
+            let why = format!("could not choose the inference CPUs: {e}");
+            return fail(o, why.clone(), vec![why]);
+        }
+    };
+    let ev = vec![
+        sel.describe(),
+        format!(
+            "matmul pool threads measured on cpus {} (sched_getcpu in each part)",
+            crate::cpus::format_list(ran)
+        ),
+    ];
+    let outside: Vec<usize> = ran
+        .iter()
+        .copied()
+        .filter(|c| !sel.cpus.contains(c))
+        .collect();
+    if ran.is_empty() {
+        fail(o, "no CPU was seen running the matmul pool".into(), ev)
+    } else if !outside.is_empty() {
+        let why = format!(
+            "matmul pool threads ran on cpus {} outside the inference cpus {}",
+            crate::cpus::format_list(&outside),
+            crate::cpus::format_list(&sel.cpus)
+        );
+        fail(o, why, ev)
+    } else {
+        o.with_evidence(ev)
+    }
+}
+
+#[cfg(test)]
+mod cores_tests {
+    use super::*;
+    use crate::cpus::{Basis, Selection};
+
+    #[test]
+    fn the_cores_line_is_measured_and_fails_outside_the_selection() {
+        let sel = Ok(Selection {
+            cpus: vec![4, 5, 6, 7],
+            basis: Basis::Capacity,
+            left_out: vec![
+                (0, Some(397)),
+                (1, Some(397)),
+                (2, Some(397)),
+                (3, Some(397)),
+            ],
+            range: Some((1024, 1024)),
+        });
+        let o = with_cores(Outcome::pass(vec!["features".into()]), &sel, &[4, 6]);
+        assert_eq!(o.status, Status::Pass, "{o:?}");
+        assert!(o.evidence[1].starts_with("inference cpus 4-7 (big cores by cpu_capacity"));
+        assert!(o.evidence[2].contains("measured on cpus 4,6"));
+        // Faults: a thread seen on a little core; nothing seen; no selection.
+        let o = with_cores(Outcome::pass(vec![]), &sel, &[1, 4]);
+        assert_eq!(o.status, Status::Fail);
+        assert!(o
+            .reason
+            .unwrap()
+            .contains("ran on cpus 1 outside the inference cpus 4-7"));
+        assert_eq!(
+            with_cores(Outcome::pass(vec![]), &sel, &[]).status,
+            Status::Fail
+        );
+        let o = with_cores(Outcome::pass(vec![]), &Err("no online file".into()), &[0]);
+        assert_eq!(o.status, Status::Fail);
+        // The features' own failure keeps its reason.
+        let o = with_cores(Outcome::fail("missing CPU features: x", vec![]), &sel, &[1]);
+        assert_eq!(o.reason.as_deref(), Some("missing CPU features: x"));
     }
 }
 

@@ -223,6 +223,11 @@ pub fn run_all(ctx: &Ctx) -> Report {
     if let Some(mib) = ctx.board.as_ref().and_then(|b| b.board.npu_budget_mib) {
         npu_cfg.budget = mib << 20;
     }
+    // Inference on the big cores, as `kiln run` and `kiln serve` choose them: applied before any
+    // backend or pool thread starts, so every thread inherits it.
+    let cores = crate::cpus::select(&ctx.paths.sys.join("devices/system/cpu"), None)
+        .and_then(|s| crate::cpus::apply(&s.cpus).map(|()| s))
+        .map_err(|e| format!("{e:#}"));
     let npu = NpuBackend::new(npu_cfg.clone());
     let cpu = CpuBackend::new();
     let cpu_ref = CpuRefBackend;
@@ -234,7 +239,10 @@ pub fn run_all(ctx: &Ctx) -> Report {
         timed("kernel.config", || kernel::config(ctx)),
         timed("npu.driver", || npu::driver(ctx)),
         timed("npu.runtime", || npu::runtime(ctx, &npu)),
-        timed("cpu.features", || cpu::features(ctx, Some(&cpu_kernel))),
+        timed("cpu.features", || {
+            let ran = crate::cpus::ran_on(cpu.threads());
+            cpu::with_cores(cpu::features(ctx, Some(&cpu_kernel)), &cores, &ran)
+        }),
         timed("cpu.governors", || cpu::governors(ctx)),
         timed("memory.bandwidth", || cpu::bandwidth(ctx)),
         timed("model.mmap", || models::mmap(ctx, &board_order)),
