@@ -70,6 +70,14 @@ fn fake_qemu_virt(root: &Path, lib: &Path) {
         .unwrap();
     write(root, "proc/config.gz", &gz.finish().unwrap());
     write(root, "proc/cpuinfo", cpuinfo_for_this_cpu().as_bytes());
+    // The CPUs this test may run on, all alike (as QEMU's virt board has them): the selection
+    // `cpu.features` applies, and measures the pool on, is all of them.
+    let online = kiln_runtime::cpus::format_list(&kiln_runtime::cpus::affinity().unwrap());
+    write(
+        root,
+        "sys/devices/system/cpu/online",
+        format!("{online}\n").as_bytes(),
+    );
     write(
         root,
         "dev/kmsg",
@@ -210,6 +218,15 @@ fn healthy_board_passes_and_every_npu_fault_fails_its_checks() {
     assert!(
         mm.evidence.iter().any(|e| e.contains("weights on NPU")),
         "{mm:?}"
+    );
+    let cf = by_id("cpu.features");
+    assert!(
+        cf.evidence.iter().any(|e| e.starts_with("inference cpus "))
+            && cf
+                .evidence
+                .iter()
+                .any(|e| e.starts_with("matmul pool threads measured on cpus ")),
+        "{cf:?}"
     );
     // The model-level known answer in both configurations, the NPU running some of the
     // model's matmuls in the second.

@@ -68,6 +68,13 @@ fn exit_code_console_and_files_agree() {
         format!("Features\t: {features}\n").as_bytes(),
     );
     write(root, "dev/kmsg", b"6,1,0,-;Linux version 6.1.192-kiln\n");
+    // The CPUs `kiln selftest` may run on (it inherits this test's affinity), all alike.
+    let online = kiln_runtime::cpus::format_list(&kiln_runtime::cpus::affinity().unwrap());
+    write(
+        root,
+        "sys/devices/system/cpu/online",
+        format!("{online}\n").as_bytes(),
+    );
     let mut w = kiln_runtime::gguf::writer::GgufWriter::new();
     w.tensor_f32("w", &[32, 4], &[0.5; 128]).unwrap();
     let model = w.to_bytes();
