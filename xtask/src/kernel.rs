@@ -593,7 +593,7 @@ mod tests {
     /// The shipped fragments parse, and every line is an option (nothing silently ignored).
     #[test]
     fn shipped_fragments_parse() {
-        for f in ["qemu-virt.config", "rock-5b.config"] {
+        for f in ["qemu-virt.config", "rock-5b-vendor.config"] {
             let p = crate::paths::project_root().join("kernel-config").join(f);
             let text = std::fs::read_to_string(&p).unwrap();
             let opts = parse_fragment(&text).unwrap();

@@ -29,7 +29,7 @@ pub enum PinsCmd {
     UpdateToolsRoot,
     /// Check a file you supply against its declared identity, record its sha256 and cache it.
     Lock {
-        #[arg(long, default_value = "rock-5b")]
+        #[arg(long, default_value = "rock-5b-vendor")]
         board: String,
         /// `NAME=PATH`, e.g. `librknnrt=/tmp/librknnrt.so`.
         #[arg(long = "input", required = true)]
@@ -38,7 +38,7 @@ pub enum PinsCmd {
     /// Put files fetched elsewhere into the download cache, each only if it is (by sha256) the
     /// pinned file of one of the board's inputs: for a machine that cannot reach a url input.
     Seed {
-        #[arg(long, default_value = "rock-5b")]
+        #[arg(long, default_value = "rock-5b-vendor")]
         board: String,
         /// The files, e.g. the rkbin DDR blob.
         #[arg(required = true)]

@@ -458,7 +458,7 @@ mod tests {
         let q = Board::load("qemu-virt").unwrap();
         assert_eq!(q.npu_runtime, NpuRuntime::Standin);
         assert!(q.raw.is_empty());
-        let r = Board::load("rock-5b").unwrap();
+        let r = Board::load("rock-5b-vendor").unwrap();
         assert_eq!(
             r.raw.iter().map(|b| (b.name(), b.lba)).collect::<Vec<_>>(),
             vec![("u-boot-rockchip.bin", 64)]

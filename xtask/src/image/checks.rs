@@ -36,7 +36,7 @@ fn extract(img: &Path, off: u64, len: u64, out: &Path) -> Result<()> {
 
 /// `image-checks`: build (or reuse) the qemu-virt image, then let sfdisk, fsck.vfat, fsck.erofs,
 /// e2fsck, mtools, cpio and bmaptool judge it; see a real Kconfig drop options and the check name
-/// them; see the rock-5b build list its missing vendor inputs.
+/// them; see the rock-5b-vendor build list its missing vendor inputs.
 pub fn stage() -> Result<()> {
     doctor::ensure(&[
         &doctor::SFDISK,
@@ -306,23 +306,25 @@ pub fn stage() -> Result<()> {
         }
     }
 
-    // rock-5b without its vendor files: the build stops and lists each one.
+    // rock-5b-vendor without its vendor files: the build stops and lists each one.
     let r = super::build(&Args {
-        board: "rock-5b".into(),
+        board: "rock-5b-vendor".into(),
         models: Vec::new(),
         offline: true,
     });
     match r {
-        Ok(_) => bail!("rock-5b built without its vendor inputs"),
+        Ok(_) => bail!("rock-5b-vendor built without its vendor inputs"),
         Err(e) => {
             let e = format!("{e:#}");
             for n in ["linux-rk35xx-vendor", "librknnrt"] {
                 ensure!(
                     e.contains(&format!("missing input {n}")),
-                    "rock-5b build did not list {n}: {e}"
+                    "rock-5b-vendor build did not list {n}: {e}"
                 );
             }
-            println!("image-checks: rock-5b without vendor inputs stops and lists them:\n{e}");
+            println!(
+                "image-checks: rock-5b-vendor without vendor inputs stops and lists them:\n{e}"
+            );
         }
     }
     Ok(())

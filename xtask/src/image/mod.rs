@@ -28,7 +28,7 @@ pub type Inputs = BTreeMap<String, (Input, PathBuf)>;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Board recipe under `images/` (qemu-virt, rock-5b).
+    /// Board recipe under `images/` (qemu-virt, rock-5b, rock-5b-vendor).
     #[arg(long, default_value = "qemu-virt")]
     pub board: String,
     /// A GGUF model to put on the models partition (repeatable).
@@ -342,18 +342,18 @@ mod tests {
         assert!(c.starts_with("default kiln\nprompt 0\ntimeout 1\nlabel kiln\n"));
         assert!(c.contains("append console=ttyAMA0 panic=-1 rauc.slot=${kiln_slot} ${kiln_args}\n"));
         assert!(!c.contains("fdt"));
-        let r = Board::load("rock-5b").unwrap();
+        let r = Board::load("rock-5b-vendor").unwrap();
         assert!(extlinux_conf(&r, Some("rk3588-rock-5b.dtb")).contains("fdt /rk3588-rock-5b.dtb\n"));
     }
 
-    /// Without the vendor files, the rock-5b build stops and lists each, with how to give it.
+    /// Without the vendor files, the rock-5b-vendor build stops and lists each, with how to give it.
     #[test]
-    fn rock5b_without_inputs_lists_them() {
+    fn rock5b_vendor_without_inputs_lists_them() {
         let dir = tempfile::tempdir().unwrap();
         let cache = Cache {
             dir: dir.path().to_path_buf(),
         };
-        let b = Board::load("rock-5b").unwrap();
+        let b = Board::load("rock-5b-vendor").unwrap();
         let err = resolve_inputs(&b, &cache, true).unwrap_err().to_string();
         for name in ["linux-rk35xx-vendor", "librknnrt"] {
             assert!(
