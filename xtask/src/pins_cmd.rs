@@ -38,7 +38,7 @@ pub enum PinsCmd {
     /// Put files fetched elsewhere into the download cache, each only if it is (by sha256) the
     /// pinned file of one of the board's inputs: for a machine that cannot reach a url input.
     Seed {
-        #[arg(long, default_value = "rock-5b-vendor")]
+        #[arg(long, default_value = "rock-5b")]
         board: String,
         /// The files, e.g. the rkbin DDR blob.
         #[arg(required = true)]

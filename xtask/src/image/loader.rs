@@ -19,7 +19,7 @@ const SPI_HEADER_OFFSET: usize = 0x8000;
 #[derive(clap::Args)]
 pub struct Args {
     /// Board recipe under `images/` with a `[bootloader]` table.
-    #[arg(long, default_value = "rock-5b-vendor")]
+    #[arg(long, default_value = "rock-5b")]
     pub board: String,
     /// Use the download cache alone.
     #[arg(long)]
@@ -193,12 +193,12 @@ fn test_disk(dir: &Path, name: &str, loader: &[u8], first_lba: u64) -> Result<Pa
     Ok(img)
 }
 
-/// `u-boot`: build U-Boot from the rock-5b-vendor recipe twice (clean) and compare; check the product;
+/// `u-boot`: build U-Boot from the rock-5b recipe twice (clean) and compare; check the product;
 /// a disk with it at LBA 64 passes [`check_disk`] and `cargo xtask flash` writes it to a file
 /// whose loader region is the same; then each fault (no RKNS, a FIT without BL31, a BL31 byte
 /// changed, a first partition over the loader) makes its check fail, naming it.
 pub fn stage() -> Result<()> {
-    let board = Board::load("rock-5b-vendor")?;
+    let board = Board::load("rock-5b")?;
     seed_rkbin(&board)?;
     let (first, bl31) = build(&board, false, false)?;
     let (second, _) = build(&board, false, true)?;
@@ -324,7 +324,7 @@ fn replace_all(hay: &mut [u8], from: &[u8], to: &[u8]) -> usize {
 /// These machines reach no GitHub: the DDR blob goes into the cache from the shared copy beside
 /// the checkout (`../shared/inputs/rkbin/`, or `KILN_RKBIN_DIR`), as a user would with
 /// `cargo xtask pins seed`.
-fn seed_rkbin(board: &Board) -> Result<()> {
+pub fn seed_rkbin(board: &Board) -> Result<()> {
     let spec = board.bootloader.as_ref().context("no [bootloader]")?;
     let dir = std::env::var_os("KILN_RKBIN_DIR")
         .map(PathBuf::from)

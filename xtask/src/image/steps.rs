@@ -589,6 +589,11 @@ pub fn boot_files(
     if let (Some(name), Some(p)) = (&dtb_name, k.dtb()) {
         files.push((name.clone(), std::fs::read(p)?));
     }
+    // A kernel without CONFIG_IKCONFIG_PROC (Debian's): its config beside it, where
+    // `kernel.config` looks for `config-<release>`.
+    if ctx.board.kernel.prebuilt_release.is_some() {
+        files.push((format!("config-{}", k.release), std::fs::read(k.config())?));
+    }
     Ok(files)
 }
 
@@ -660,6 +665,10 @@ pub fn manifest(ctx: &Ctx, m: &ManifestOf) -> Result<Value> {
             "release": k.release, "key": k.key, "build_timestamp": k.build_timestamp,
             "image_sha256": k.image_sha256, "config_sha256": k.config_sha256, "dtb_sha256": k.dtb_sha256,
             "fragment": board.kernel.fragment, "base": board.kernel.base,
+            "package": board.kernel.prebuilt_release.as_ref().and_then(|_| ctx.inputs.get(&board.kernel.source)).map(|(i, _)| {
+                let package = match &i.source { pins::Source::Deb { package, .. } => package.as_str(), _ => "" };
+                json!({"input": i.name, "package": package, "version": i.version, "sha256": i.sha256})
+            }),
         },
         "runtime": {"path": "/usr/bin/kiln", "sha256": m.runtime.kiln_sha},
         "crates": m.runtime.crates.iter().map(|c| c.to_json()).collect::<Vec<_>>(),
@@ -796,8 +805,11 @@ pub fn licence_texts<'a>(ctx: &'a Ctx, rt: &'a Runtime) -> Result<Step<'a>> {
                     Err(why) => deb_state.push((i.name.as_str(), Some(why))),
                 }
             }
-            for (f, b) in kernel::licence_texts(spec, kernel_src, &kernel_sha)? {
-                files.push((format!("{}/kernel/{f}", texts::DIR), b));
+            // A kernel taken from a Debian package has its copyright with the other debs'.
+            if spec.prebuilt_release.is_none() {
+                for (f, b) in kernel::licence_texts(spec, kernel_src, &kernel_sha)? {
+                    files.push((format!("{}/kernel/{f}", texts::DIR), b));
+                }
             }
             for (card, file) in &crate_files {
                 files.push((
@@ -807,7 +819,10 @@ pub fn licence_texts<'a>(ctx: &'a Ctx, rt: &'a Runtime) -> Result<Step<'a>> {
             }
             let readme = texts::readme(&texts::Gathered {
                 debs: deb_state,
-                kernel: Some(&ctx.board.expect.kernel_release),
+                kernel: spec
+                    .prebuilt_release
+                    .is_none()
+                    .then_some(ctx.board.expect.kernel_release.as_str()),
                 crates_with,
                 crates_without: &crates_without,
                 kiln: &kiln_licence,

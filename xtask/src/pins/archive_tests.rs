@@ -321,8 +321,7 @@ fn unreachable_url_names_the_input_url_and_seed() {
 /// The recipe's url inputs parse; a url input needs `url`, an http(s) one, and its sha256.
 #[test]
 fn url_inputs_parse_and_are_checked() {
-    let inputs =
-        read_inputs(&crate::paths::project_root().join("images/rock-5b-vendor.toml")).unwrap();
+    let inputs = read_inputs(&crate::paths::project_root().join("images/rock-5b.toml")).unwrap();
     let ddr = inputs
         .iter()
         .find(|i| i.name == "rkbin-rk3588-ddr")
