@@ -47,6 +47,7 @@ pub fn stage() -> Result<()> {
         &doctor::MTOOLS,
         &doctor::CPIO,
         &doctor::BMAPTOOL,
+        &doctor::KMOD,
     ])?;
     let built = super::build(&qemu_args())?;
     let img = &built.image;
@@ -392,6 +393,7 @@ fn rock5b(sh: &xshell::Shell, tmp: &Path) -> Result<()> {
         "image-checks: rock-5b's slot holds {} {}'s Image, config and dtb byte for byte as dpkg-deb unpacks them",
         input.name, input.version
     );
+    rock5b_modules(sh, &manifest, &unpacked, release)?;
     // The loader at LBA 64, then the image through `cargo xtask flash`, checked on the target.
     let (_, bl31) = super::loader::build(&board, true, false)?;
     println!(
@@ -451,6 +453,88 @@ fn rock5b(sh: &xshell::Shell, tmp: &Path) -> Result<()> {
             println!("image-checks: rock-5b's fragment against Debian's config: the faults are named:\n{e}");
         }
     }
+    Ok(())
+}
+
+/// rock-5b's modules against kmod: `depmod -b` over the unpacked package, then `modprobe -d
+/// --show-depends` for the recipe's list gives the same files as the manifest's closure; each file's
+/// sha256 is that of `xz -dc` of the package's; the initramfs holds them with modules.dep and the
+/// list init loads.
+fn rock5b_modules(
+    sh: &xshell::Shell,
+    manifest: &Value,
+    unpacked: &Path,
+    release: &str,
+) -> Result<()> {
+    let km = &manifest["kernel_modules"];
+    let files = km["files"]
+        .as_array()
+        .context("manifest: no kernel_modules.files")?;
+    let ours: std::collections::BTreeMap<String, String> = files
+        .iter()
+        .map(|f| {
+            (
+                f["path"].as_str().unwrap_or_default().to_string(),
+                f["sha256"].as_str().unwrap_or_default().to_string(),
+            )
+        })
+        .collect();
+    let base = unpacked.join("usr");
+    cmd!(sh, "depmod -b {base} {release}").run()?;
+    let prefix = format!("{}/lib/modules/{release}/", base.display());
+    let mut theirs = std::collections::BTreeSet::new();
+    for m in km["load"]
+        .as_array()
+        .context("manifest: no kernel_modules.load")?
+    {
+        let m = m.as_str().unwrap_or_default();
+        let out = cmd!(sh, "modprobe -d {base} -S {release} --show-depends {m}").read()?;
+        for l in out.lines() {
+            let p = l
+                .strip_prefix("insmod ")
+                .with_context(|| format!("modprobe --show-depends {m}: {l}"))?
+                .trim();
+            let rel = p
+                .strip_prefix(&prefix)
+                .with_context(|| format!("{p} is not under {prefix}"))?;
+            theirs.insert(format!(
+                "/lib/modules/{release}/{}",
+                rel.trim_end_matches(".xz")
+            ));
+        }
+    }
+    let ours_set: std::collections::BTreeSet<String> = ours.keys().cloned().collect();
+    ensure!(
+        ours_set == theirs,
+        "the module closure differs from kmod's modprobe --show-depends: only ours {:?}, only kmod's {:?}",
+        ours_set.difference(&theirs).collect::<Vec<_>>(),
+        theirs.difference(&ours_set).collect::<Vec<_>>()
+    );
+    for (path, sha) in &ours {
+        let xz = base.join(format!("{}.xz", path.trim_start_matches('/')));
+        let ko = cmd!(sh, "xz -dc {xz}").output()?.stdout;
+        ensure!(
+            Sha256::of_bytes(&ko).to_string() == *sha,
+            "{path}: the manifest's sha256 {sha} is not that of xz -dc of the package's file"
+        );
+    }
+    let initramfs = &manifest["initramfs"]["files"];
+    for p in [
+        format!("/lib/modules/{release}/modules.dep"),
+        format!("/{}", super::steps::MODULES_LIST),
+    ]
+    .iter()
+    .chain(ours.keys())
+    {
+        ensure!(initramfs.get(p).is_some(), "the initramfs has no {p}");
+    }
+    println!(
+        "image-checks: rock-5b's {} modules ({} listed; {} bytes, {} as .ko.xz) are kmod's modprobe --show-depends closure, each the package's file decompressed",
+        ours.len(),
+        km["load"].as_array().map(|a| a.len()).unwrap_or(0),
+        km["bytes"],
+        km["xz_bytes"]
+    );
     Ok(())
 }
 

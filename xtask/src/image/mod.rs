@@ -220,12 +220,17 @@ pub fn build(args: &Args) -> Result<Built> {
     // mounts the tree (after the verdict), so the self-check need not read it.
     let updates_tree = run.run(updates::step(&ctx))?;
     let updates_sha = Sha256::of_file(updates_tree.path())?;
+    let modules = match steps::kernel_modules(&ctx)? {
+        Some(step) => Some(run.run(step)?),
+        None => None,
+    };
     let initramfs = run.run(steps::initramfs(
         &ctx,
         &runtime,
         &board_toml,
         &serve_env,
         &updates_sha,
+        modules.as_ref(),
     )?)?;
     let fixture = fixture::gguf().context("writing the self-check fixture")?;
     let llama = kiln_runtime::model::fixture::gguf().context("writing the llama fixture")?;
@@ -254,6 +259,7 @@ pub fn build(args: &Args) -> Result<Built> {
             initramfs: &initramfs,
             boot_files: &boot_files,
             board_toml: &board_toml,
+            modules: modules.as_ref(),
             licences: &licences,
         },
     )?;
