@@ -174,6 +174,13 @@ pub const CPIO: Tool = Tool {
     apt: &["cpio"],
 };
 
+pub const KMOD: Tool = Tool {
+    name: "kmod",
+    why: "depmod and modprobe --show-depends: the independent reference for the initramfs's module closure in tests",
+    probe: || version_of("kmod", &["--version"]),
+    apt: &["kmod"],
+};
+
 pub const APT_DOWNLOAD: Tool = Tool {
     name: "apt-get",
     why: "downloads the pinned Debian packages (kernel source, busybox, glibc)",

@@ -32,6 +32,10 @@ pub struct KernelSpec {
     pub cross_compile: String,
     /// The dtb to build and ship, relative to `arch/<arch>/boot/dts/`, if the board needs one.
     pub dtb: Option<String>,
+    /// For a Debian kernel image package used as built (no build here): its release
+    /// (`6.12.118+deb13-arm64`). The Image is its `boot/vmlinuz-<release>`, the config its
+    /// `boot/config-<release>`, the dtb `usr/lib/linux-image-<release>/<dtb>`.
+    pub prebuilt_release: Option<String>,
 }
 
 #[derive(serde::Deserialize)]
@@ -302,7 +306,137 @@ pub fn build_key(
     Sha256::of_bytes(text.as_bytes())
 }
 
-/// Build (or reuse) the kernel. `epoch` is its `KBUILD_BUILD_TIMESTAMP`.
+/// The paths in a Debian kernel image package of its Image, config and the board's dtb.
+pub fn prebuilt_members(spec: &KernelSpec, release: &str) -> (String, String, Option<String>) {
+    (
+        format!("boot/vmlinuz-{release}"),
+        format!("boot/config-{release}"),
+        spec.dtb
+            .as_ref()
+            .map(|d| format!("usr/lib/linux-image-{release}/{d}")),
+    )
+}
+
+/// An uncompressed arm64 Image: `ARM\x64` at 0x38 (the boot header's magic), which `booti` loads
+/// as is.
+pub fn is_arm64_image(head: &[u8]) -> bool {
+    head.get(0x38..0x3c) == Some(&b"ARM\x64"[..])
+}
+
+/// Take Debian's build from its package: Image, config, dtb, into `target/kiln/kernel/<key>/`;
+/// the fragment checked in the config (Kconfig is not run: the package's config is the build's).
+fn from_deb(
+    spec: &KernelSpec,
+    release: &str,
+    source: &Path,
+    source_sha: &Sha256,
+    fragment_text: &str,
+    fragment: &[FragmentOption],
+) -> Result<KernelOut> {
+    let key = Sha256::of_bytes(
+        format!(
+            "kiln-kernel-deb-v1\nsource={source_sha}\nrelease={release}\ndtb={:?}\nfragment:\n{fragment_text}",
+            spec.dtb
+        )
+        .as_bytes(),
+    );
+    let out_dir = kernel_root().join(key.short());
+    if let Some(k) = load_cached(&out_dir, &key)? {
+        println!(
+            "kernel: reused {} taken from {} ({}, Image sha256 {})",
+            key.short(),
+            spec.source,
+            k.release,
+            k.image_sha256.short()
+        );
+        return Ok(k);
+    }
+    let t0 = Instant::now();
+    let (image, config, dtb) = prebuilt_members(spec, release);
+    println!(
+        "kernel: taking {image}, {config}{} from {} ...",
+        dtb.as_deref().map(|d| format!(", {d}")).unwrap_or_default(),
+        source.display()
+    );
+    std::fs::create_dir_all(kernel_root())?;
+    let tmp = kernel_root().join(format!(".{}.tmp", key.short()));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp)?;
+    }
+    std::fs::create_dir_all(&tmp)?;
+    let mut wanted: Vec<(String, &str)> =
+        vec![(image.clone(), "Image"), (config.clone(), "config")];
+    if let Some(d) = &dtb {
+        wanted.push((d.clone(), "board.dtb"));
+    }
+    let mut found = std::collections::BTreeSet::new();
+    crate::archive::with_data_tar(source, |tar| {
+        for e in tar.entries()? {
+            let mut e = e?;
+            let p = crate::archive::entry_path(&e)?;
+            if let Some((_, to)) = wanted.iter().find(|(m, _)| *m == p) {
+                let mut f = std::fs::File::create(tmp.join(to))?;
+                std::io::copy(&mut e, &mut f).with_context(|| format!("extracting {p}"))?;
+                found.insert(p);
+            }
+        }
+        Ok(())
+    })?;
+    for (m, _) in &wanted {
+        if !found.contains(m) {
+            bail!("{} ({}) has no {m}", spec.source, source.display());
+        }
+    }
+    let mut head = [0u8; 64];
+    std::io::Read::read_exact(&mut std::fs::File::open(tmp.join("Image"))?, &mut head)
+        .with_context(|| format!("{image} is shorter than an arm64 boot header"))?;
+    if !is_arm64_image(&head) {
+        bail!("{image} of {} is not an uncompressed arm64 Image (no ARM\\x64 magic at 0x38): U-Boot's booti cannot load it", spec.source);
+    }
+    let cfg = std::fs::read_to_string(tmp.join("config"))
+        .with_context(|| format!("{config} of {}", spec.source))?;
+    check_fragment(fragment, &cfg)
+        .with_context(|| format!("{} against {config} of {}", spec.fragment, spec.source))?;
+    println!(
+        "kernel: all {} fragment options hold in {config}",
+        fragment.len()
+    );
+    let toolchain = config_value(&cfg, "CONFIG_CC_VERSION_TEXT")
+        .map(|v| format!("{} (Debian's build)", v.trim_matches('"')))
+        .unwrap_or_else(|| "Debian's build".into());
+    let out = KernelOut {
+        key,
+        release: release.to_string(),
+        image_sha256: Sha256::of_file(&tmp.join("Image"))?,
+        config_sha256: Sha256::of_file(&tmp.join("config"))?,
+        dtb_sha256: match &dtb {
+            Some(_) => Some(Sha256::of_file(&tmp.join("board.dtb"))?),
+            None => None,
+        },
+        build_timestamp: 0,
+        toolchain,
+        build_seconds: t0.elapsed().as_secs_f64(),
+        dir: out_dir.clone(),
+        reused: false,
+    };
+    std::fs::write(tmp.join("kernel.json"), serde_json::to_vec_pretty(&out)?)?;
+    if out_dir.exists() {
+        std::fs::remove_dir_all(&out_dir)?;
+    }
+    std::fs::rename(&tmp, &out_dir)?;
+    println!(
+        "kernel: {} from {} in {:.1} s (Image {:.2} MiB, sha256 {})",
+        out.release,
+        spec.source,
+        out.build_seconds,
+        std::fs::metadata(out.image())?.len() as f64 / 1048576.0,
+        out.image_sha256.short()
+    );
+    Ok(out)
+}
+
+/// Build (or reuse) the kernel. `epoch` is its `KBUILD_BUILD_TIMESTAMP`. A prebuilt kernel
+/// (`prebuilt_release`) is taken from its package instead.
 pub fn build(
     spec: &KernelSpec,
     source: &Path,
@@ -315,6 +449,9 @@ pub fn build(
         .with_context(|| format!("reading {}", frag_path.display()))?;
     let fragment =
         parse_fragment(&fragment_text).with_context(|| frag_path.display().to_string())?;
+    if let Some(release) = &spec.prebuilt_release {
+        return from_deb(spec, release, source, source_sha, &fragment_text, &fragment);
+    }
     let key = build_key(spec, source_sha, &fragment_text, epoch, &tools.key);
     let out_dir = kernel_root().join(key.short());
     if let Some(k) = load_cached(&out_dir, &key)? {
@@ -495,6 +632,17 @@ pub fn check_config_only(
     tools: &ToolsRoot,
 ) -> Result<()> {
     let fragment = parse_fragment(fragment_text)?;
+    if let Some(release) = &spec.prebuilt_release {
+        // Debian's build: its config is final; the fragment is checked in it as is.
+        let (_, config, _) = prebuilt_members(spec, release);
+        let cfg = crate::archive::with_deb_member(source, &config, |r| {
+            let mut s = String::new();
+            r.read_to_string(&mut s)?;
+            Ok(s)
+        })?;
+        return check_fragment(&fragment, &cfg)
+            .with_context(|| format!("the fragment against {config} of {}", spec.source));
+    }
     let src = unpack_source(spec, source, source_sha)?;
     // Under target/: the tools root sees the checkout and target/ only.
     std::fs::create_dir_all(kernel_root())?;
@@ -593,7 +741,7 @@ mod tests {
     /// The shipped fragments parse, and every line is an option (nothing silently ignored).
     #[test]
     fn shipped_fragments_parse() {
-        for f in ["qemu-virt.config", "rock-5b.config"] {
+        for f in ["qemu-virt.config", "rock-5b-vendor.config"] {
             let p = crate::paths::project_root().join("kernel-config").join(f);
             let text = std::fs::read_to_string(&p).unwrap();
             let opts = parse_fragment(&text).unwrap();

@@ -18,6 +18,7 @@ mod flash;
 mod fresh_machine;
 mod image;
 mod kernel;
+mod kernel_modules;
 mod paths;
 mod pins;
 mod pins_cmd;

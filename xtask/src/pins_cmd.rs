@@ -29,7 +29,7 @@ pub enum PinsCmd {
     UpdateToolsRoot,
     /// Check a file you supply against its declared identity, record its sha256 and cache it.
     Lock {
-        #[arg(long, default_value = "rock-5b")]
+        #[arg(long, default_value = "rock-5b-vendor")]
         board: String,
         /// `NAME=PATH`, e.g. `librknnrt=/tmp/librknnrt.so`.
         #[arg(long = "input", required = true)]

@@ -19,6 +19,7 @@ pub const LAYERS: &[(&str, &[&str])] = &[
         &[
             "tools_root",
             "kernel",
+            "kernel_modules",
             "bootloader",
             "rootfs",
             "disk",

@@ -22,6 +22,10 @@ pub struct BoardInfo {
     /// default, 1 GiB).
     #[serde(default)]
     pub npu_budget_mib: Option<u64>,
+    /// On a board with an NPU its kernel cannot drive (`npu = false`): why, said by the npu
+    /// checks instead of a bare "no NPU" (rock-5b: "mainline kernel: no NPU driver; …").
+    #[serde(default)]
+    pub npu_note: Option<String>,
 }
 
 #[derive(Clone, Debug, Default, Deserialize, PartialEq)]

@@ -103,7 +103,11 @@ fn running_config(ctx: &Ctx, release: &str) -> Result<(String, String), String> 
         .map(|v| v.trim_matches('"').to_string())
         .unwrap_or_default();
     let built = format!("{header}{local}");
-    if built != release.trim_end_matches('+') {
+    // Debian sets its release (`6.12.118+deb13-arm64`) outside the config, which says
+    // `6.12.118` and an empty LOCALVERSION: its `config-<release>` holds when it names the running
+    // release and its version is the release's before the `+`.
+    let debian = *p == candidates[0] && release.strip_prefix(&format!("{built}+")).is_some();
+    if built != release.trim_end_matches('+') && !debian {
         return Err(format!(
             "{} is the config of {built}, but {release} is running",
             p.display()
@@ -348,6 +352,48 @@ kernel_config = ["CONFIG_EROFS_FS=y", "CONFIG_IKCONFIG_PROC=y", "# CONFIG_MODULE
         // Nothing at all to read.
         root.remove("boot/config-6.1.192-kiln");
         assert_eq!(config(&ctx(&root)).status, Status::Fail);
+    }
+
+    /// Debian's kernel: release `6.12.118+deb13-arm64`, config header `6.12.118`, no
+    /// LOCALVERSION, no /proc/config.gz: its `config-<release>` on the slot is read.
+    #[test]
+    fn config_of_a_debian_kernel_named_by_its_release() {
+        const DEBIAN: &str = "#\n# Automatically generated file; DO NOT EDIT.\n# Linux/arm64 6.12.118 Kernel Configuration\n#\nCONFIG_LOCALVERSION=\"\"\nCONFIG_EROFS_FS=m\n";
+        const BOARD: &str = "[board]\nname = \"rock-5b\"\nnpu = false\n[expect]\nkernel_release = \"6.12.118+deb13-arm64\"\nkernel_config = [\"CONFIG_EROFS_FS=m\"]\n";
+        let root = FakeRoot::new();
+        let ctx = || Ctx {
+            paths: Paths::under(&root),
+            board: Some(Board::parse(BOARD).unwrap()),
+            ..Ctx::default()
+        };
+        root.file("proc/sys/kernel/osrelease", "6.12.118+deb13-arm64\n");
+        root.file("boot/config-6.12.118+deb13-arm64", DEBIAN);
+        let o = config(&ctx());
+        assert_eq!(o.status, Status::Pass, "{o:?}");
+        // Another version's config under the running release's name.
+        root.file(
+            "boot/config-6.12.118+deb13-arm64",
+            DEBIAN.replace("6.12.118 Kernel", "6.12.117 Kernel"),
+        );
+        let o = config(&ctx());
+        assert_eq!(o.status, Status::Fail, "{o:?}");
+        // The Debian allowance is for `config-<release>` only, not kiln/kernel.config.
+        root.remove("boot/config-6.12.118+deb13-arm64");
+        root.file("boot/kiln/kernel.config", DEBIAN);
+        let o = config(&ctx());
+        assert_eq!(o.status, Status::Fail, "{o:?}");
+        // An option the recipe relies on is not the package's.
+        root.remove("boot/kiln/kernel.config");
+        root.file(
+            "boot/config-6.12.118+deb13-arm64",
+            DEBIAN.replace("CONFIG_EROFS_FS=m", "CONFIG_EROFS_FS=y"),
+        );
+        let o = config(&ctx());
+        assert_eq!(o.status, Status::Fail, "{o:?}");
+        assert!(
+            o.evidence.iter().any(|e| e.contains("CONFIG_EROFS_FS")),
+            "{o:?}"
+        );
     }
 
     #[test]

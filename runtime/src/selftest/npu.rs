@@ -101,13 +101,22 @@ fn version_file(ctx: &Ctx) -> Option<(PathBuf, String)> {
     })
 }
 
+/// Why a board's NPU is not checked: its recipe's note (a board whose kernel has no NPU driver),
+/// else that it has none.
+fn no_npu(b: &super::board::BoardInfo) -> String {
+    match &b.npu_note {
+        Some(n) => format!("board {}: {n}", b.name),
+        None => format!("board {} has no NPU", b.name),
+    }
+}
+
 pub fn driver(ctx: &Ctx) -> Outcome {
     let board = match ctx.board() {
         Ok(b) => b,
         Err(skip) => return skip,
     };
     if !board.board.npu {
-        return Outcome::skip(format!("board {} has no NPU", board.board.name));
+        return Outcome::skip(no_npu(&board.board));
     }
     let Some(want) = &board.expect.npu_driver else {
         return Outcome::fail("NPU board, but the board file pins no npu_driver", vec![]);
@@ -172,10 +181,13 @@ pub fn runtime(ctx: &Ctx, npu: &dyn crate::backend::Backend) -> Outcome {
             return Outcome::fail(format!("the NPU cannot be taken: {d}"), vec![])
         }
         (Err(d), None) if !board.board.npu => {
-            return Outcome::skip(format!(
-                "board {} has no NPU and pins no NPU runtime ({d})",
-                board.board.name
-            ))
+            return Outcome::skip(match &board.board.npu_note {
+                Some(_) => format!("{} (no NPU runtime: {d})", no_npu(&board.board)),
+                None => format!(
+                    "board {} has no NPU and pins no NPU runtime ({d})",
+                    board.board.name
+                ),
+            })
         }
         (Err(d), _) => return Outcome::fail(format!("librknnrt is not usable: {d}"), vec![]),
     };
@@ -279,6 +291,38 @@ mod tests {
         assert_eq!(driver(&ctx(&root, true)).status, Status::Fail);
     }
 
+    /// A backend with no NPU library to load (`npu_runtime = "none"`).
+    struct Unusable;
+    impl crate::backend::Backend for Unusable {
+        fn name(&self) -> &'static str {
+            "npu"
+        }
+        fn probe(&self) -> Result<crate::backend::Capabilities, crate::backend::Decline> {
+            Err(crate::backend::Decline::NoDevice {
+                why: "no librknnrt.so".into(),
+            })
+        }
+        fn supports(&self, _: &crate::backend::MatmulOp) -> Result<(), crate::backend::Decline> {
+            Ok(())
+        }
+        fn prepare<'w>(
+            &self,
+            _: &crate::backend::Weight<'w>,
+        ) -> anyhow::Result<Box<dyn crate::backend::PreparedWeight + 'w>> {
+            anyhow::bail!("not used")
+        }
+        fn run(
+            &self,
+            _: &crate::backend::Weight<'_>,
+            _: &dyn crate::backend::PreparedWeight,
+            _: &[f32],
+            _: usize,
+            _: &mut [f32],
+        ) -> anyhow::Result<()> {
+            anyhow::bail!("not used")
+        }
+    }
+
     /// A backend that reports what a stand-in reports: simulated, ABI 2.x, the pinned version.
     struct Simulated;
     impl crate::backend::Backend for Simulated {
@@ -341,5 +385,32 @@ mod tests {
         let o = driver(&ctx(&root, false));
         assert_eq!(o.status, Status::Skip);
         assert_eq!(o.reason.as_deref(), Some("board rock-5b has no NPU"));
+    }
+
+    /// rock-5b on Debian's kernel: the npu checks say why, neither a PASS nor a bare skip.
+    #[test]
+    fn a_board_whose_kernel_has_no_npu_driver_says_so() {
+        let root = FakeRoot::new();
+        rk3588_npu(&root);
+        let note =
+            "mainline kernel: no NPU driver; inference on the CPU; for the NPU use rock-5b-vendor";
+        let text = format!("[board]\nname = \"rock-5b\"\nnpu = false\nnpu_note = \"{note}\"\n");
+        let c = Ctx {
+            paths: Paths::under(&root),
+            board: Some(Board::parse(&text).unwrap()),
+            ..Ctx::default()
+        };
+        let o = driver(&c);
+        assert_eq!(o.status, Status::Skip, "{o:?}");
+        assert_eq!(
+            o.reason.as_deref(),
+            Some(&*format!("board rock-5b: {note}"))
+        );
+        let o = runtime(&c, &Unusable);
+        assert_eq!(o.status, Status::Skip, "{o:?}");
+        assert!(
+            o.reason.as_deref().unwrap_or_default().contains(note),
+            "{o:?}"
+        );
     }
 }

@@ -21,6 +21,8 @@ struct RawBoard {
     network: Option<Network>,
     #[serde(default)]
     update: Update,
+    #[serde(default)]
+    modules: Modules,
     /// Supplied inputs (read by `pins`).
     #[serde(default)]
     #[allow(dead_code)]
@@ -40,6 +42,9 @@ struct RawBoardTable {
     /// NPU memory for converted weights, MiB (the runtime's default: 1024; cap 4096).
     #[serde(default)]
     npu_budget_mib: Option<u64>,
+    /// With `npu = false` on a board that has one: why it is not used, which the npu checks say.
+    #[serde(default)]
+    npu_note: Option<String>,
 }
 
 /// `[update]`: what the board's RAUC trusts.
@@ -49,6 +54,15 @@ pub struct Update {
     /// PEM certificate(s) the board's RAUC accepts bundles signed under (a path from the project
     /// root). None: kiln's public development certificate, with a warning.
     pub keyring: Option<String>,
+}
+
+/// `[modules]`: kernel modules init loads before it looks for partitions (a kernel taken from a
+/// Debian package: its MMC, PMIC and file system drivers are modules). Their dependency closure
+/// goes into the initramfs ([`crate::kernel_modules`]).
+#[derive(Clone, Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Modules {
+    pub load: Vec<String>,
 }
 
 /// Partition sizes in MiB. The models partition is as large as its erofs image needs.
@@ -186,6 +200,7 @@ pub struct Board {
     pub console: String,
     pub npu_runtime: NpuRuntime,
     pub npu_budget_mib: Option<u64>,
+    pub npu_note: Option<String>,
     pub partitions: Partitions,
     pub raw: Vec<RawBlob>,
     pub bootloader: Option<BootloaderSpec>,
@@ -193,6 +208,8 @@ pub struct Board {
     pub serve: Option<Serve>,
     pub network: Option<Network>,
     pub update: Update,
+    /// `[modules] load`: empty for a kernel with everything built in.
+    pub modules: Vec<String>,
 }
 
 /// The LBA where the first partition starts (16 MiB): room for RK3588's blobs below it.
@@ -269,7 +286,20 @@ impl Board {
                 );
             }
         }
+        if raw.board.npu && raw.board.npu_note.is_some() {
+            bail!(
+                "{}: npu_note says why an NPU is not used: only with npu = false",
+                path.display()
+            );
+        }
+        if !raw.modules.load.is_empty() && kernel.prebuilt_release.is_none() {
+            bail!(
+                "{}: [modules] is for a kernel taken from a Debian package (prebuilt_release)",
+                path.display()
+            );
+        }
         Ok(Board {
+            modules: raw.modules.load,
             name: raw.board.name,
             path,
             npu: raw.board.npu,
@@ -277,6 +307,7 @@ impl Board {
             console: raw.board.console,
             npu_runtime,
             npu_budget_mib: raw.board.npu_budget_mib,
+            npu_note: raw.board.npu_note,
             partitions: raw.partitions,
             raw: raw.raw,
             bootloader: raw.bootloader,
@@ -318,6 +349,8 @@ impl Board {
             npu: bool,
             #[serde(skip_serializing_if = "Option::is_none")]
             npu_budget_mib: Option<u64>,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            npu_note: Option<&'a str>,
         }
         let mut expect = self.expect.clone();
         expect.kernel_config = kernel_config;
@@ -326,6 +359,7 @@ impl Board {
                 name: &self.name,
                 npu: self.npu,
                 npu_budget_mib: self.npu_budget_mib,
+                npu_note: self.npu_note.as_deref(),
             },
             expect,
         })?;
@@ -458,7 +492,31 @@ mod tests {
         let q = Board::load("qemu-virt").unwrap();
         assert_eq!(q.npu_runtime, NpuRuntime::Standin);
         assert!(q.raw.is_empty());
-        let r = Board::load("rock-5b").unwrap();
+        // rock-5b: no NPU driver in its kernel, said; no npu checks required, no DDR rate
+        // pinned; rock-5b-vendor keeps them.
+        let p = Board::load("rock-5b").unwrap();
+        assert!(!p.npu && p.npu_runtime == NpuRuntime::None);
+        assert_eq!(
+            p.npu_note.as_deref(),
+            Some("mainline kernel: no NPU driver; inference on the CPU; for the NPU use rock-5b-vendor")
+        );
+        assert!(p
+            .board_toml(Vec::new())
+            .unwrap()
+            .contains("npu_note = \"mainline kernel"));
+        assert!(p.expect.ddr_hz.is_none() && p.expect.ddr_governor.is_none());
+        let npu_checks = |b: &Board| {
+            b.expect
+                .checks
+                .iter()
+                .filter(|c| c.contains(".npu"))
+                .cloned()
+                .collect::<Vec<_>>()
+        };
+        assert!(npu_checks(&p).is_empty(), "{:?}", npu_checks(&p));
+        let r = Board::load("rock-5b-vendor").unwrap();
+        assert!(npu_checks(&r).contains(&"model.matmul.npu".to_string()));
+        assert!(npu_checks(&r).contains(&"model.nll.npu".to_string()));
         assert_eq!(
             r.raw.iter().map(|b| (b.name(), b.lba)).collect::<Vec<_>>(),
             vec![("u-boot-rockchip.bin", 64)]

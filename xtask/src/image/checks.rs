@@ -36,7 +36,8 @@ fn extract(img: &Path, off: u64, len: u64, out: &Path) -> Result<()> {
 
 /// `image-checks`: build (or reuse) the qemu-virt image, then let sfdisk, fsck.vfat, fsck.erofs,
 /// e2fsck, mtools, cpio and bmaptool judge it; see a real Kconfig drop options and the check name
-/// them; see the rock-5b build list its missing vendor inputs.
+/// them; build rock-5b from public inputs and judge it ([`rock5b`]); see the rock-5b-vendor build
+/// list its missing vendor inputs.
 pub fn stage() -> Result<()> {
     doctor::ensure(&[
         &doctor::SFDISK,
@@ -46,6 +47,7 @@ pub fn stage() -> Result<()> {
         &doctor::MTOOLS,
         &doctor::CPIO,
         &doctor::BMAPTOOL,
+        &doctor::KMOD,
     ])?;
     let built = super::build(&qemu_args())?;
     let img = &built.image;
@@ -306,25 +308,233 @@ pub fn stage() -> Result<()> {
         }
     }
 
-    // rock-5b without its vendor files: the build stops and lists each one.
+    rock5b(&sh, tmp.path())?;
+
+    // rock-5b-vendor without its vendor files: the build stops and lists each one.
     let r = super::build(&Args {
-        board: "rock-5b".into(),
+        board: "rock-5b-vendor".into(),
         models: Vec::new(),
         offline: true,
     });
     match r {
-        Ok(_) => bail!("rock-5b built without its vendor inputs"),
+        Ok(_) => bail!("rock-5b-vendor built without its vendor inputs"),
         Err(e) => {
             let e = format!("{e:#}");
             for n in ["linux-rk35xx-vendor", "librknnrt"] {
                 ensure!(
                     e.contains(&format!("missing input {n}")),
-                    "rock-5b build did not list {n}: {e}"
+                    "rock-5b-vendor build did not list {n}: {e}"
                 );
             }
-            println!("image-checks: rock-5b without vendor inputs stops and lists them:\n{e}");
+            println!(
+                "image-checks: rock-5b-vendor without vendor inputs stops and lists them:\n{e}"
+            );
         }
     }
+    Ok(())
+}
+
+/// rock-5b from public inputs (the DDR blob seeded as the u-boot stage does): it builds; its slot
+/// holds Debian's Image, dtb and config byte for byte as `dpkg-deb` unpacks them from the pinned
+/// package; the loader is at LBA 64 and `cargo xtask flash` writes the image; a fragment option
+/// the package's config does not hold is refused, named.
+fn rock5b(sh: &xshell::Shell, tmp: &Path) -> Result<()> {
+    let board = Board::load("rock-5b")?;
+    super::loader::seed_rkbin(&board)?;
+    let built = super::build(&Args {
+        board: "rock-5b".into(),
+        models: Vec::new(),
+        offline: false,
+    })?;
+    let manifest = read_json(&built.manifest)?;
+    let release = board
+        .kernel
+        .prebuilt_release
+        .as_deref()
+        .context("rock-5b's kernel is not Debian's build")?;
+    let pkg = &manifest["kernel"]["package"];
+    let cache = Cache::user()?;
+    let inputs = super::resolve_inputs(&board, &cache, true)?;
+    let (input, deb) = &inputs[&board.kernel.source];
+    ensure!(
+        pkg["sha256"] == serde_json::to_value(input.sha256)?
+            && pkg["version"] == Value::String(input.version.clone()),
+        "the manifest's kernel package {pkg} is not the pinned {} {}",
+        input.name,
+        input.version
+    );
+    // The package unpacked by dpkg-deb, the slot read by mtools.
+    let unpacked = tmp.join("deb");
+    cmd!(sh, "dpkg-deb -x {deb} {unpacked}").run()?;
+    let start = manifest["disk"]["partitions"][1]["first_lba"]
+        .as_u64()
+        .context("manifest: boot_a's first_lba")?;
+    let size = manifest["disk"]["partitions"][1]["size_bytes"]
+        .as_u64()
+        .context("manifest: boot_a's size")?;
+    let slot = tmp.join("rock-5b-boot_a");
+    extract(&built.image, start * 512, size, &slot)?;
+    let (image, config, dtb) = crate::kernel::prebuilt_members(&board.kernel, release);
+    let dtb = dtb.context("rock-5b names no dtb")?;
+    let dtb_name = dtb.rsplit('/').next().unwrap_or(&dtb).to_string();
+    for (member, on_slot) in [
+        (image, "Image".to_string()),
+        (config, format!("config-{release}")),
+        (dtb, dtb_name),
+    ] {
+        let got = tmp.join(format!("slot-{on_slot}"));
+        cmd!(sh, "mcopy -n -i {slot} ::/{on_slot} {got}").run()?;
+        ensure!(
+            std::fs::read(&got)? == std::fs::read(unpacked.join(&member))?,
+            "the slot's {on_slot} is not the package's {member}"
+        );
+    }
+    println!(
+        "image-checks: rock-5b's slot holds {} {}'s Image, config and dtb byte for byte as dpkg-deb unpacks them",
+        input.name, input.version
+    );
+    rock5b_modules(sh, &manifest, &unpacked, release)?;
+    // The loader at LBA 64, then the image through `cargo xtask flash`, checked on the target.
+    let (_, bl31) = super::loader::build(&board, true, false)?;
+    println!(
+        "image-checks: rock-5b image: {}",
+        super::loader::check_disk(&built.image, &bl31)?
+    );
+    let target = tmp.join("rock-5b-card.img");
+    std::fs::File::create(&target)?.set_len(std::fs::metadata(&built.image)?.len())?;
+    crate::flash::run(crate::flash::Args {
+        image: built.image.clone(),
+        device: Some(target.clone()),
+        bmap: Some(built.bmap.clone()),
+        yes: true,
+        no_verify: false,
+        dry_run: false,
+        allow_loop: false,
+        force_non_removable: false,
+        force_large: false,
+        expect_serial: None,
+        test_corrupt_at: None,
+        test_stop_after: None,
+    })
+    .context("cargo xtask flash of the rock-5b image")?;
+    println!(
+        "image-checks: rock-5b after `cargo xtask flash`: {}",
+        super::loader::check_disk(&target, &bl31)?
+    );
+    std::fs::remove_file(&target)?;
+    // The fragment is held to the package's config: an option Debian builds as a module asked
+    // built in, and one it does not have, are refused, each named.
+    let frag = std::fs::read_to_string(board.kernel.fragment_path())?;
+    let bad: String = frag
+        .lines()
+        .map(|l| {
+            if l == "CONFIG_EROFS_FS=m" {
+                "CONFIG_EROFS_FS=y"
+            } else {
+                l
+            }
+        })
+        .chain(["CONFIG_KILN_NO_SUCH_OPTION=y"])
+        .map(|l| format!("{l}\n"))
+        .collect();
+    ensure!(
+        bad.contains("CONFIG_EROFS_FS=y"),
+        "rock-5b.config has no CONFIG_EROFS_FS=m"
+    );
+    let sha = input.sha256.context("kernel package unpinned")?;
+    let tools = crate::tools_root::ensure(true)?;
+    match crate::kernel::check_config_only(&board.kernel, deb, &sha, &bad, &tools) {
+        Ok(()) => bail!("the fragment check accepted options Debian's config does not hold"),
+        Err(e) => {
+            let e = format!("{e:#}");
+            for s in ["CONFIG_EROFS_FS=y", "CONFIG_KILN_NO_SUCH_OPTION=y"] {
+                ensure!(e.contains(s), "the fragment check did not name {s}: {e}");
+            }
+            println!("image-checks: rock-5b's fragment against Debian's config: the faults are named:\n{e}");
+        }
+    }
+    Ok(())
+}
+
+/// rock-5b's modules against kmod: `depmod -b` over the unpacked package, then `modprobe -d
+/// --show-depends` for the recipe's list gives the same files as the manifest's closure; each file's
+/// sha256 is that of `xz -dc` of the package's; the initramfs holds them with modules.dep and the
+/// list init loads.
+fn rock5b_modules(
+    sh: &xshell::Shell,
+    manifest: &Value,
+    unpacked: &Path,
+    release: &str,
+) -> Result<()> {
+    let km = &manifest["kernel_modules"];
+    let files = km["files"]
+        .as_array()
+        .context("manifest: no kernel_modules.files")?;
+    let ours: std::collections::BTreeMap<String, String> = files
+        .iter()
+        .map(|f| {
+            (
+                f["path"].as_str().unwrap_or_default().to_string(),
+                f["sha256"].as_str().unwrap_or_default().to_string(),
+            )
+        })
+        .collect();
+    let base = unpacked.join("usr");
+    cmd!(sh, "depmod -b {base} {release}").run()?;
+    let prefix = format!("{}/lib/modules/{release}/", base.display());
+    let mut theirs = std::collections::BTreeSet::new();
+    for m in km["load"]
+        .as_array()
+        .context("manifest: no kernel_modules.load")?
+    {
+        let m = m.as_str().unwrap_or_default();
+        let out = cmd!(sh, "modprobe -d {base} -S {release} --show-depends {m}").read()?;
+        for l in out.lines() {
+            let p = l
+                .strip_prefix("insmod ")
+                .with_context(|| format!("modprobe --show-depends {m}: {l}"))?
+                .trim();
+            let rel = p
+                .strip_prefix(&prefix)
+                .with_context(|| format!("{p} is not under {prefix}"))?;
+            theirs.insert(format!(
+                "/lib/modules/{release}/{}",
+                rel.trim_end_matches(".xz")
+            ));
+        }
+    }
+    let ours_set: std::collections::BTreeSet<String> = ours.keys().cloned().collect();
+    ensure!(
+        ours_set == theirs,
+        "the module closure differs from kmod's modprobe --show-depends: only ours {:?}, only kmod's {:?}",
+        ours_set.difference(&theirs).collect::<Vec<_>>(),
+        theirs.difference(&ours_set).collect::<Vec<_>>()
+    );
+    for (path, sha) in &ours {
+        let xz = base.join(format!("{}.xz", path.trim_start_matches('/')));
+        let ko = cmd!(sh, "xz -dc {xz}").output()?.stdout;
+        ensure!(
+            Sha256::of_bytes(&ko).to_string() == *sha,
+            "{path}: the manifest's sha256 {sha} is not that of xz -dc of the package's file"
+        );
+    }
+    let initramfs = &manifest["initramfs"]["files"];
+    for p in [
+        format!("/lib/modules/{release}/modules.dep"),
+        format!("/{}", super::steps::MODULES_LIST),
+    ]
+    .iter()
+    .chain(ours.keys())
+    {
+        ensure!(initramfs.get(p).is_some(), "the initramfs has no {p}");
+    }
+    println!(
+        "image-checks: rock-5b's {} modules ({} listed; {} bytes, {} as .ko.xz) are kmod's modprobe --show-depends closure, each the package's file decompressed",
+        ours.len(),
+        km["load"].as_array().map(|a| a.len()).unwrap_or(0),
+        km["bytes"],
+        km["xz_bytes"]
+    );
     Ok(())
 }
 

@@ -324,7 +324,7 @@ fn replace_all(hay: &mut [u8], from: &[u8], to: &[u8]) -> usize {
 /// These machines reach no GitHub: the DDR blob goes into the cache from the shared copy beside
 /// the checkout (`../shared/inputs/rkbin/`, or `KILN_RKBIN_DIR`), as a user would with
 /// `cargo xtask pins seed`.
-fn seed_rkbin(board: &Board) -> Result<()> {
+pub fn seed_rkbin(board: &Board) -> Result<()> {
     let spec = board.bootloader.as_ref().context("no [bootloader]")?;
     let dir = std::env::var_os("KILN_RKBIN_DIR")
         .map(PathBuf::from)

@@ -28,7 +28,7 @@ pub type Inputs = BTreeMap<String, (Input, PathBuf)>;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Board recipe under `images/` (qemu-virt, rock-5b).
+    /// Board recipe under `images/` (qemu-virt, rock-5b, rock-5b-vendor).
     #[arg(long, default_value = "qemu-virt")]
     pub board: String,
     /// A GGUF model to put on the models partition (repeatable).
@@ -220,12 +220,17 @@ pub fn build(args: &Args) -> Result<Built> {
     // mounts the tree (after the verdict), so the self-check need not read it.
     let updates_tree = run.run(updates::step(&ctx))?;
     let updates_sha = Sha256::of_file(updates_tree.path())?;
+    let modules = match steps::kernel_modules(&ctx)? {
+        Some(step) => Some(run.run(step)?),
+        None => None,
+    };
     let initramfs = run.run(steps::initramfs(
         &ctx,
         &runtime,
         &board_toml,
         &serve_env,
         &updates_sha,
+        modules.as_ref(),
     )?)?;
     let fixture = fixture::gguf().context("writing the self-check fixture")?;
     let llama = kiln_runtime::model::fixture::gguf().context("writing the llama fixture")?;
@@ -254,6 +259,7 @@ pub fn build(args: &Args) -> Result<Built> {
             initramfs: &initramfs,
             boot_files: &boot_files,
             board_toml: &board_toml,
+            modules: modules.as_ref(),
             licences: &licences,
         },
     )?;
@@ -342,18 +348,18 @@ mod tests {
         assert!(c.starts_with("default kiln\nprompt 0\ntimeout 1\nlabel kiln\n"));
         assert!(c.contains("append console=ttyAMA0 panic=-1 rauc.slot=${kiln_slot} ${kiln_args}\n"));
         assert!(!c.contains("fdt"));
-        let r = Board::load("rock-5b").unwrap();
+        let r = Board::load("rock-5b-vendor").unwrap();
         assert!(extlinux_conf(&r, Some("rk3588-rock-5b.dtb")).contains("fdt /rk3588-rock-5b.dtb\n"));
     }
 
-    /// Without the vendor files, the rock-5b build stops and lists each, with how to give it.
+    /// Without the vendor files, the rock-5b-vendor build stops and lists each, with how to give it.
     #[test]
-    fn rock5b_without_inputs_lists_them() {
+    fn rock5b_vendor_without_inputs_lists_them() {
         let dir = tempfile::tempdir().unwrap();
         let cache = Cache {
             dir: dir.path().to_path_buf(),
         };
-        let b = Board::load("rock-5b").unwrap();
+        let b = Board::load("rock-5b-vendor").unwrap();
         let err = resolve_inputs(&b, &cache, true).unwrap_err().to_string();
         for name in ["linux-rk35xx-vendor", "librknnrt"] {
             assert!(

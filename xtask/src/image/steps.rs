@@ -250,6 +250,7 @@ pub fn initramfs<'a>(
     board_toml: &'a str,
     serve_env: &'a str,
     updates_sha: &'a Sha256,
+    modules: Option<&'a Product>,
 ) -> Result<Step<'a>> {
     let overlay_key = {
         let mut ov = Tree::default();
@@ -275,6 +276,7 @@ pub fn initramfs<'a>(
         serve_env,
         &Sha256::of_bytes(&keyring).to_string(),
         &updates_sha.to_string(),
+        &modules.map(|m| m.key.to_string()).unwrap_or_default(),
     ]);
     Ok(Step {
         name: "initramfs",
@@ -286,6 +288,11 @@ pub fn initramfs<'a>(
         make: Box::new(move |tmp: &[PathBuf]| {
             let mut tree = initramfs_tree(&ctx.inputs, &rt.kiln, &rt.npu, board_toml, serve_env)?;
             super::updates::add_to_initramfs(&mut tree, &ctx.board.name, &keyring, updates_sha)?;
+            if let Some(m) = modules {
+                for (path, bytes) in crate::sbom::texts::read_tar(m.path())? {
+                    tree.add(&path, 0o644, NodeKind::File(bytes), "kernel modules")?;
+                }
+            }
             let epoch32 = u32::try_from(ctx.epoch)
                 .context("SOURCE_DATE_EPOCH does not fit cpio's 32 bits")?;
             disk::cpio::write_newc_gz(&tmp[0], &to_cpio(&tree), epoch32)?;
@@ -297,6 +304,87 @@ pub fn initramfs<'a>(
             ))
         }),
     })
+}
+
+/// Where the initramfs's module list is: `/init` loads it with busybox `modprobe -a`.
+pub const MODULES_LIST: &str = "etc/kiln/modules";
+
+/// The recipe's `[modules]` from its Debian kernel package: `modules.tar` (the closure's `.ko`
+/// files decompressed, `modules.dep`, [`MODULES_LIST`] in load order; the initramfs's paths) and
+/// `modules.json` (for the manifest). None for a board without a list.
+pub fn kernel_modules(ctx: &Ctx) -> Result<Option<Step<'_>>> {
+    let board = &ctx.board;
+    if board.modules.is_empty() {
+        return Ok(None);
+    }
+    let release = board
+        .kernel
+        .prebuilt_release
+        .clone()
+        .context("[modules] without a prebuilt kernel")?;
+    let (input, deb) = ctx
+        .inputs
+        .get(&board.kernel.source)
+        .with_context(|| format!("kernel input {} not declared", board.kernel.source))?;
+    let sha = input.sha256.context("kernel package not pinned")?;
+    // The reader's source is in the key: a change to how the closure is taken redoes it.
+    let code = Sha256::of_bytes(include_str!("../kernel_modules.rs").as_bytes()).to_string();
+    let key = key_of(&[
+        "kernel-modules-v1",
+        &code,
+        &sha.to_string(),
+        &release,
+        &board.modules.join(" "),
+    ]);
+    Ok(Some(Step {
+        name: "kernel modules",
+        key,
+        outputs: vec![ctx.work.join("modules.tar"), ctx.work.join("modules.json")],
+        make: Box::new(move |tmp: &[PathBuf]| {
+            let pkg = crate::kernel_modules::read_package(deb, &release)
+                .with_context(|| format!("the modules of {}", input.name))?;
+            let order = pkg.closure(&board.modules)?;
+            let dir = format!("lib/modules/{release}");
+            let mut files: Vec<(String, Vec<u8>)> = Vec::new();
+            let mut listing = Vec::new();
+            let (mut xz_total, mut ko_total) = (0usize, 0usize);
+            for n in &order {
+                let m = &pkg.modules[n];
+                let mut ko = Vec::new();
+                std::io::Read::read_to_end(&mut xz2::read::XzDecoder::new(&m.xz[..]), &mut ko)
+                    .with_context(|| format!("decompressing {}.xz", m.path))?;
+                xz_total += m.xz.len();
+                ko_total += ko.len();
+                listing.push(json!({
+                    "name": n, "path": format!("/{dir}/{}", m.path), "size": ko.len(),
+                    "sha256": Sha256::of_bytes(&ko), "xz_size": m.xz.len(), "xz_sha256": Sha256::of_bytes(&m.xz),
+                }));
+                files.push((format!("{dir}/{}", m.path), ko));
+            }
+            files.push((
+                format!("{dir}/modules.dep"),
+                pkg.modules_dep(&order).into_bytes(),
+            ));
+            let list: String = order.iter().map(|n| format!("{n}\n")).collect();
+            files.push((MODULES_LIST.to_string(), list.into_bytes()));
+            files.sort();
+            crate::sbom::texts::write_tar(&tmp[0], &files)?;
+            let doc = json!({
+                "package": {"input": input.name, "version": input.version, "sha256": sha},
+                "release": release, "load": board.modules, "load_order": order, "files": listing,
+                "xz_bytes": xz_total, "bytes": ko_total,
+            });
+            write_atomic(&tmp[1], &serde_json::to_vec_pretty(&doc)?)?;
+            Ok(format!(
+                "{} listed, {} with dependencies, {:.2} MiB ({:.2} MiB as .ko.xz) of {} modules",
+                board.modules.len(),
+                order.len(),
+                ko_total as f64 / 1048576.0,
+                xz_total as f64 / 1048576.0,
+                pkg.modules.len()
+            ))
+        }),
+    }))
 }
 
 /// The models partition (erofs): the self-check's fixtures (the matmul fixture and the seeded
@@ -589,6 +677,11 @@ pub fn boot_files(
     if let (Some(name), Some(p)) = (&dtb_name, k.dtb()) {
         files.push((name.clone(), std::fs::read(p)?));
     }
+    // A kernel without CONFIG_IKCONFIG_PROC (Debian's): its config beside it, where
+    // `kernel.config` looks for `config-<release>`.
+    if ctx.board.kernel.prebuilt_release.is_some() {
+        files.push((format!("config-{}", k.release), std::fs::read(k.config())?));
+    }
     Ok(files)
 }
 
@@ -604,6 +697,8 @@ pub struct ManifestOf<'a> {
     pub initramfs: &'a Product,
     pub boot_files: &'a [(String, Vec<u8>)],
     pub board_toml: &'a str,
+    /// The [`kernel_modules`] step's product, if the board loads modules.
+    pub modules: Option<&'a Product>,
     /// The [`licences`] step's product: input name → declared licence.
     pub licences: &'a Product,
 }
@@ -626,6 +721,10 @@ pub fn manifest(ctx: &Ctx, m: &ManifestOf) -> Result<Value> {
         .collect();
     let (board, commit, k, npu) = (&ctx.board, &ctx.commit, m.kernel, &m.runtime.npu);
     let toolchain = crate::doctor::cross_toolchain()?;
+    let modules_doc: Option<Value> = match m.modules {
+        Some(p) => Some(serde_json::from_slice(&std::fs::read(&p.paths[1])?)?),
+        None => None,
+    };
     let licences: Value = serde_json::from_slice(&std::fs::read(m.licences.path())?)?;
     let inputs: Vec<Value> = ctx
         .inputs
@@ -660,6 +759,10 @@ pub fn manifest(ctx: &Ctx, m: &ManifestOf) -> Result<Value> {
             "release": k.release, "key": k.key, "build_timestamp": k.build_timestamp,
             "image_sha256": k.image_sha256, "config_sha256": k.config_sha256, "dtb_sha256": k.dtb_sha256,
             "fragment": board.kernel.fragment, "base": board.kernel.base,
+            "package": board.kernel.prebuilt_release.as_ref().and_then(|_| ctx.inputs.get(&board.kernel.source)).map(|(i, _)| {
+                let package = match &i.source { pins::Source::Deb { package, .. } => package.as_str(), _ => "" };
+                json!({"input": i.name, "package": package, "version": i.version, "sha256": i.sha256})
+            }),
         },
         "runtime": {"path": "/usr/bin/kiln", "sha256": m.runtime.kiln_sha},
         "crates": m.runtime.crates.iter().map(|c| c.to_json()).collect::<Vec<_>>(),
@@ -680,6 +783,7 @@ pub fn manifest(ctx: &Ctx, m: &ManifestOf) -> Result<Value> {
             "products": b.products.iter().map(|(n, h)| json!({"file": n, "sha256": h})).collect::<Vec<_>>(),
         })),
         "initramfs": {"sha256": initramfs_sha, "size": initramfs_size, "files": initramfs_files},
+        "kernel_modules": modules_doc,
         "boot": {"files": boot_listing},
         "expect": toml::from_str::<toml::Value>(m.board_toml)?,
     }))
@@ -796,8 +900,11 @@ pub fn licence_texts<'a>(ctx: &'a Ctx, rt: &'a Runtime) -> Result<Step<'a>> {
                     Err(why) => deb_state.push((i.name.as_str(), Some(why))),
                 }
             }
-            for (f, b) in kernel::licence_texts(spec, kernel_src, &kernel_sha)? {
-                files.push((format!("{}/kernel/{f}", texts::DIR), b));
+            // A kernel taken from a Debian package has its copyright with the other debs'.
+            if spec.prebuilt_release.is_none() {
+                for (f, b) in kernel::licence_texts(spec, kernel_src, &kernel_sha)? {
+                    files.push((format!("{}/kernel/{f}", texts::DIR), b));
+                }
             }
             for (card, file) in &crate_files {
                 files.push((
@@ -807,7 +914,10 @@ pub fn licence_texts<'a>(ctx: &'a Ctx, rt: &'a Runtime) -> Result<Step<'a>> {
             }
             let readme = texts::readme(&texts::Gathered {
                 debs: deb_state,
-                kernel: Some(&ctx.board.expect.kernel_release),
+                kernel: spec
+                    .prebuilt_release
+                    .is_none()
+                    .then_some(ctx.board.expect.kernel_release.as_str()),
                 crates_with,
                 crates_without: &crates_without,
                 kiln: &kiln_licence,
