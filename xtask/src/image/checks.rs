@@ -422,6 +422,10 @@ fn rock5b(sh: &xshell::Shell, tmp: &Path) -> Result<()> {
         super::loader::check_disk(&target, &bl31)?
     );
     std::fs::remove_file(&target)?;
+    let modules = manifest["kernel_modules"]["load_order"]
+        .as_array()
+        .map_or(0, Vec::len);
+    rock5b_emulated(tmp, &built.image, &slot, modules)?;
     // The fragment is held to the package's config: an option Debian builds as a module asked
     // built in, and one it does not have, are refused, each named.
     let frag = std::fs::read_to_string(board.kernel.fragment_path())?;
@@ -453,6 +457,139 @@ fn rock5b(sh: &xshell::Shell, tmp: &Path) -> Result<()> {
             println!("image-checks: rock-5b's fragment against Debian's config: the faults are named:\n{e}");
         }
     }
+    Ok(())
+}
+
+/// The checks that need the RK3588 itself, and why each fails under QEMU's `virt` machine.
+const EMULATION_FAILS: &[(&str, &str)] = &[
+    // No cpufreq-dt policies: virt has no OPP tables and no SCMI clocks.
+    ("cpu.governors", "no cpufreq policy"),
+    // The board's UART is ttyS2 at 1.5 Mbaud (extlinux's append line); virt's is ttyAMA0.
+    (
+        "image.manifest",
+        "word 1 is \"console=ttyAMA0\", pinned \"console=ttyS2,1500000\"",
+    ),
+];
+
+/// rock-5b's own kernel, modules and initramfs (taken from its boot slot) booted under QEMU's
+/// `virt` machine (QEMU has no RK3588 machine) with a copy of the image as its disk: init must
+/// load every module of the list, mount the partitions and run the self-check, whose failures
+/// must be exactly [`EMULATION_FAILS`], each for its reason. What this cannot show: the boot ROM,
+/// U-Boot on the board, the RK3588 device tree and the drivers binding to its hardware.
+fn rock5b_emulated(tmp: &Path, image: &Path, slot: &Path, modules: usize) -> Result<()> {
+    use kiln_runtime::selftest::report::Report;
+    let sh = crate::paths::shell()?;
+    let kernel = tmp.join("emu-Image");
+    let initrd = tmp.join("emu-initramfs.cpio.gz");
+    cmd!(sh, "mcopy -n -i {slot} ::/Image {kernel}").run()?;
+    cmd!(sh, "mcopy -n -i {slot} ::/initramfs.cpio.gz {initrd}").run()?;
+    let disk = tmp.join("emu-disk.img");
+    crate::boot_test::copy_image(image, &disk)?;
+    // Kept after the stage (the temporary folder is not).
+    let logdir = crate::paths::target_dir().join("boot-test/rock-5b-emulated");
+    std::fs::create_dir_all(&logdir).with_context(|| format!("creating {}", logdir.display()))?;
+    let log = logdir.join("serial.log");
+    let drive = format!("if=none,id=d0,file={},format=raw", disk.display());
+    let started = std::time::Instant::now();
+    let mut child = std::process::Command::new("qemu-system-aarch64")
+        .args([
+            "-M",
+            "virt",
+            "-cpu",
+            "cortex-a76",
+            "-smp",
+            "2",
+            "-m",
+            "2048",
+        ])
+        .args(["-nographic", "-nic", "none", "-no-reboot", "-kernel"])
+        .arg(&kernel)
+        .arg("-initrd")
+        .arg(&initrd)
+        .args([
+            "-append",
+            "console=ttyAMA0 panic=-1 rauc.slot=A kiln.mode=test",
+            "-drive",
+            &drive,
+            "-device",
+            "virtio-blk-pci,drive=d0",
+        ])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::fs::File::create(&log)?)
+        .stderr(std::process::Stdio::inherit())
+        .spawn()
+        .context("starting qemu-system-aarch64 for rock-5b's kernel and initramfs")?;
+    // kiln.mode=test ends the machine after the verdict (a FAIL reboots into slot B, which
+    // -no-reboot turns into an exit).
+    let deadline = std::time::Duration::from_secs(300);
+    loop {
+        if child.try_wait()?.is_some() {
+            break;
+        }
+        if started.elapsed() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!(
+                "rock-5b under QEMU virt: no end after {} s; serial log {}",
+                deadline.as_secs(),
+                log.display()
+            );
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    let console = String::from_utf8_lossy(&std::fs::read(&log)?).into_owned();
+    let loaded = format!("kiln-init: loaded {modules} kernel modules");
+    ensure!(
+        modules > 0 && console.contains(&loaded),
+        "rock-5b under QEMU virt: no \"{loaded}\" from init; serial log {}",
+        log.display()
+    );
+    for part in ["bootctl", "boot_a", "models", "data"] {
+        ensure!(
+            console.contains(&format!("({part}) on /")),
+            "rock-5b under QEMU virt: init did not mount {part}; serial log {}",
+            log.display()
+        );
+    }
+    let (report, line) = Report::from_console(&console)
+        .with_context(|| format!("rock-5b under QEMU virt: serial log {}", log.display()))?;
+    let failed = report.failed_ids();
+    let want: Vec<&str> = EMULATION_FAILS.iter().map(|(id, _)| *id).collect();
+    ensure!(
+        failed == want,
+        "rock-5b under QEMU virt: the failed checks are {failed:?}, not the board-only {want:?}; \
+         serial log {}",
+        log.display()
+    );
+    for (id, why) in EMULATION_FAILS {
+        let c = report
+            .checks
+            .iter()
+            .find(|c| c.id == *id)
+            .context("a failed check is missing")?;
+        let reason = c.reason.as_deref().unwrap_or("");
+        ensure!(
+            reason.contains(why),
+            "rock-5b under QEMU virt: {id} failed for another reason than the board's ({why}): \
+             {reason}"
+        );
+        // image.manifest: the command line is its only complaint (every hash held).
+        ensure!(
+            !reason.contains(';'),
+            "rock-5b under QEMU virt: {id} failed for more than the board's reason: {reason}"
+        );
+    }
+    println!(
+        "image-checks: rock-5b's Image, {modules} modules and initramfs under QEMU virt \
+         ({:.0} s): every module loaded, the partitions mounted; {line}; failed only where the \
+         RK3588 is needed: {}",
+        started.elapsed().as_secs_f64(),
+        EMULATION_FAILS
+            .iter()
+            .map(|(id, why)| format!("{id} ({why})"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
     Ok(())
 }
 
