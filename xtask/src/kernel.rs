@@ -419,11 +419,7 @@ fn from_deb(
         dir: out_dir.clone(),
         reused: false,
     };
-    std::fs::write(tmp.join("kernel.json"), serde_json::to_vec_pretty(&out)?)?;
-    if out_dir.exists() {
-        std::fs::remove_dir_all(&out_dir)?;
-    }
-    std::fs::rename(&tmp, &out_dir)?;
+    publish(&tmp, &out_dir, &out)?;
     println!(
         "kernel: {} from {} in {:.1} s (Image {:.2} MiB, sha256 {})",
         out.release,
@@ -543,11 +539,7 @@ pub fn build(
         dir: out_dir.clone(),
         reused: false,
     };
-    std::fs::write(tmp.join("kernel.json"), serde_json::to_vec_pretty(&out)?)?;
-    if out_dir.exists() {
-        std::fs::remove_dir_all(&out_dir)?;
-    }
-    std::fs::rename(&tmp, &out_dir)?;
+    publish(&tmp, &out_dir, &out)?;
     println!(
         "kernel: built {} in {secs:.0} s (Image {:.2} MiB, sha256 {})",
         out.release,
@@ -676,6 +668,20 @@ fn load_cached(dir: &Path, key: &Sha256) -> Result<Option<KernelOut>> {
         return Ok(None);
     }
     Ok(Some(k))
+}
+
+/// A kernel's outputs made in `tmp` become the cache entry `out_dir`: its `kernel.json`
+/// written, then the folder renamed into place (an older entry of the same key removed first).
+fn publish(tmp: &Path, out_dir: &Path, out: &KernelOut) -> Result<()> {
+    std::fs::write(tmp.join("kernel.json"), serde_json::to_vec_pretty(out)?)
+        .with_context(|| format!("writing {}", tmp.join("kernel.json").display()))?;
+    if out_dir.exists() {
+        std::fs::remove_dir_all(out_dir)
+            .with_context(|| format!("removing {}", out_dir.display()))?;
+    }
+    std::fs::rename(tmp, out_dir)
+        .with_context(|| format!("renaming {} to {}", tmp.display(), out_dir.display()))?;
+    Ok(())
 }
 
 #[cfg(test)]

@@ -214,6 +214,27 @@ pub struct Summary {
     pub verify: Option<std::time::Duration>,
 }
 
+impl Args {
+    /// `cargo xtask flash --image IMAGE --device TARGET [--bmap BMAP] --yes` as the tests run it:
+    /// onto a regular file, read back and verified, with no test hooks.
+    pub fn onto_file(image: PathBuf, target: PathBuf, bmap: Option<PathBuf>) -> Args {
+        Args {
+            image,
+            device: Some(target),
+            bmap,
+            yes: true,
+            no_verify: false,
+            dry_run: false,
+            allow_loop: false,
+            force_non_removable: false,
+            force_large: false,
+            expect_serial: None,
+            test_corrupt_at: None,
+            test_stop_after: None,
+        }
+    }
+}
+
 pub fn run(args: Args) -> Result<()> {
     flash(args).map(|_| ())
 }

@@ -402,20 +402,11 @@ fn rock5b(sh: &xshell::Shell, tmp: &Path) -> Result<()> {
     );
     let target = tmp.join("rock-5b-card.img");
     std::fs::File::create(&target)?.set_len(std::fs::metadata(&built.image)?.len())?;
-    crate::flash::run(crate::flash::Args {
-        image: built.image.clone(),
-        device: Some(target.clone()),
-        bmap: Some(built.bmap.clone()),
-        yes: true,
-        no_verify: false,
-        dry_run: false,
-        allow_loop: false,
-        force_non_removable: false,
-        force_large: false,
-        expect_serial: None,
-        test_corrupt_at: None,
-        test_stop_after: None,
-    })
+    crate::flash::run(crate::flash::Args::onto_file(
+        built.image.clone(),
+        target.clone(),
+        Some(built.bmap.clone()),
+    ))
     .context("cargo xtask flash of the rock-5b image")?;
     println!(
         "image-checks: rock-5b after `cargo xtask flash`: {}",

@@ -225,20 +225,11 @@ pub fn stage() -> Result<()> {
     cmd!(sh, "bmaptool create -o {bmap} {good}").quiet().run()?;
     let target = tmp.path().join("card.img");
     std::fs::File::create(&target)?.set_len(64 << 20)?;
-    crate::flash::run(crate::flash::Args {
-        image: good.clone(),
-        device: Some(target.clone()),
-        bmap: Some(bmap),
-        yes: true,
-        no_verify: false,
-        dry_run: false,
-        allow_loop: false,
-        force_non_removable: false,
-        force_large: false,
-        expect_serial: None,
-        test_corrupt_at: None,
-        test_stop_after: None,
-    })
+    crate::flash::run(crate::flash::Args::onto_file(
+        good.clone(),
+        target.clone(),
+        Some(bmap),
+    ))
     .context("cargo xtask flash of the rock-5b loader test disk")?;
     println!(
         "u-boot: after `cargo xtask flash`: {}",
