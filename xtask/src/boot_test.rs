@@ -6,7 +6,7 @@
 //! Passes only when the console shows the report and a PASS verdict, the same report is on the
 //! copy's boot partition (read in-process, GPT + FAT), and it names this image's manifest.
 
-use crate::disk::{self, fat};
+use crate::disk::fat;
 use crate::doctor;
 use anyhow::{bail, ensure, Context, Result};
 pub use kiln_runtime::selftest::report::Verdict;
@@ -230,18 +230,7 @@ pub fn qemu_command(pflash: &Path, disk: &Path, nic: &str, extra: &[&str]) -> Ve
     a
 }
 
-/// A sparse copy of the image, so the boot writes its report into the copy, not the original.
-pub fn copy_image(src: &Path, dst: &Path) -> Result<()> {
-    let len = std::fs::metadata(src)
-        .with_context(|| format!("reading {}", src.display()))?
-        .len();
-    let _ = std::fs::remove_file(dst);
-    let f = std::fs::File::create(dst).with_context(|| format!("creating {}", dst.display()))?;
-    f.set_len(len)?;
-    disk::copy_sparse(&f, 0, src)?;
-    f.sync_all()?;
-    Ok(())
-}
+pub use crate::disk::copy_image;
 
 /// Collect a child's console: a thread appends what `out` gives to the returned buffer (and to
 /// `log`, when given) until it closes.

@@ -140,6 +140,19 @@ pub fn u32_from_seed(seed: &str, label: &str) -> u32 {
 
 static ZEROS: [u8; BLOCK as usize] = [0; BLOCK as usize];
 
+/// A sparse copy of the image, so the boot writes its report into the copy, not the original.
+pub fn copy_image(src: &Path, dst: &Path) -> Result<()> {
+    let len = std::fs::metadata(src)
+        .with_context(|| format!("reading {}", src.display()))?
+        .len();
+    let _ = std::fs::remove_file(dst);
+    let f = std::fs::File::create(dst).with_context(|| format!("creating {}", dst.display()))?;
+    f.set_len(len)?;
+    copy_sparse(&f, 0, src)?;
+    f.sync_all()?;
+    Ok(())
+}
+
 /// Copy `src` into `dst` at byte `offset`, skipping every [`BLOCK`]-aligned (in `dst`) piece that
 /// is all zeros, so holes stay holes. `dst` must read as zeros there already (fresh `set_len`).
 /// Returns the number of bytes of `src`.

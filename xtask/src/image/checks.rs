@@ -475,7 +475,7 @@ fn rock5b_emulated(tmp: &Path, image: &Path, slot: &Path, modules: usize) -> Res
     cmd!(sh, "mcopy -n -i {slot} ::/Image {kernel}").run()?;
     cmd!(sh, "mcopy -n -i {slot} ::/initramfs.cpio.gz {initrd}").run()?;
     let disk = tmp.join("emu-disk.img");
-    crate::boot_test::copy_image(image, &disk)?;
+    crate::disk::copy_image(image, &disk)?;
     // Kept after the stage (the temporary folder is not).
     let logdir = crate::paths::target_dir().join("boot-test/rock-5b-emulated");
     std::fs::create_dir_all(&logdir).with_context(|| format!("creating {}", logdir.display()))?;
