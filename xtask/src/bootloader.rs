@@ -27,6 +27,10 @@ pub struct BootloaderSpec {
     pub bl31_in_deb: String,
     /// The pinned input that is the DDR init blob (`ROCKCHIP_TPL`).
     pub tpl: String,
+    /// The pinned input that is the blob's licence notice (it must travel with the blob):
+    /// the card carries it in `kiln/licenses/`.
+    #[serde(default)]
+    pub tpl_licence: Option<String>,
     pub cross_compile: String,
 }
 
@@ -156,6 +160,39 @@ fn unpack_source(tools: &ToolsRoot, file: &Path, sha: &Sha256) -> Result<PathBuf
         "no U-Boot tree (Makefile, Kconfig, configs/) in {}",
         dir.display()
     )
+}
+
+/// U-Boot's licence texts: every file of its source's `Licenses/` folder (the SPDX identifiers
+/// of its files name them; `README` says how), as (path below `Licenses/`, bytes), sorted.
+pub fn licence_texts(
+    tools: &ToolsRoot,
+    source: &Path,
+    source_sha: &Sha256,
+) -> Result<Vec<(String, Vec<u8>)>> {
+    let dir = unpack_source(tools, source, source_sha)?.join("Licenses");
+    let mut out = Vec::new();
+    let mut todo = vec![dir.clone()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).with_context(|| format!("reading {}", d.display()))? {
+            let p = e?.path();
+            if p.is_dir() {
+                todo.push(p);
+            } else {
+                let rel = p.strip_prefix(&dir)?.to_string_lossy().into_owned();
+                out.push((
+                    rel,
+                    std::fs::read(&p).with_context(|| format!("reading {}", p.display()))?,
+                ));
+            }
+        }
+    }
+    ensure!(
+        out.iter().any(|(f, _)| f == "gpl-2.0.txt"),
+        "U-Boot's source {} has no Licenses/gpl-2.0.txt",
+        source.display()
+    );
+    out.sort();
+    Ok(out)
 }
 
 /// Build (or reuse) the boot loader. `epoch` is its `SOURCE_DATE_EPOCH`; `fresh` ignores a cached

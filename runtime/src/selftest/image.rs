@@ -54,7 +54,7 @@ fn loaded_npu_lib(maps: &Path, names: &[&str]) -> Option<PathBuf> {
 
 /// [`sha256_of`] of every path, on as many threads as the CPU has (the boot files are tens of
 /// MiB and the verdict waits for them), in the order given.
-fn sha256_all(paths: &[PathBuf]) -> Vec<std::io::Result<String>> {
+pub(super) fn sha256_all(paths: &[PathBuf]) -> Vec<std::io::Result<String>> {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Mutex;
     // The biggest files first, so that no thread is left with one big file at the end.

@@ -237,6 +237,17 @@ pub fn run_all(ctx: &Ctx) -> Report {
     let mut checks = vec![
         timed("kernel.release", || kernel::release(ctx)),
         timed("kernel.config", || kernel::config(ctx)),
+    ];
+    // Only where the kernel loads modules (the manifest lists them).
+    let t = Instant::now();
+    if let Some(o) = kernel::modules(ctx) {
+        checks.push(CheckResult::new(
+            "kernel.modules",
+            o,
+            t.elapsed().as_secs_f64() * 1e3,
+        ));
+    }
+    checks.extend([
         timed("npu.driver", || npu::driver(ctx)),
         timed("npu.runtime", || npu::runtime(ctx, &npu)),
         timed("cpu.features", || {
@@ -246,7 +257,7 @@ pub fn run_all(ctx: &Ctx) -> Report {
         timed("cpu.governors", || cpu::governors(ctx)),
         timed("memory.bandwidth", || cpu::bandwidth(ctx)),
         timed("model.mmap", || models::mmap(ctx, &board_order)),
-    ];
+    ]);
     checks.extend(matmul::checks(&[&cpu_ref, &cpu, &npu], Some(&cpu)));
     checks.push(timed("coverage", || models::coverage(ctx, &board_order)));
     // Known answers of the real weights, from the models as mapped, on every board backend.

@@ -63,6 +63,12 @@ pub struct Update {
 #[serde(deny_unknown_fields)]
 pub struct Modules {
     pub load: Vec<String>,
+    /// Firmware files (paths below `/lib/firmware`) that modules of the closure request, from
+    /// the pinned Debian package `firmware_input`: they go into the initramfs beside them.
+    #[serde(default)]
+    pub firmware: Vec<String>,
+    #[serde(default)]
+    pub firmware_input: Option<String>,
 }
 
 /// Partition sizes in MiB. The models partition is as large as its erofs image needs.
@@ -210,6 +216,8 @@ pub struct Board {
     pub update: Update,
     /// `[modules] load`: empty for a kernel with everything built in.
     pub modules: Vec<String>,
+    /// `[modules] firmware_input` and `firmware`: files below `/lib/firmware` for the modules.
+    pub firmware: Option<(String, Vec<String>)>,
 }
 
 /// The LBA where the first partition starts (16 MiB): room for RK3588's blobs below it.
@@ -292,6 +300,12 @@ impl Board {
                 path.display()
             );
         }
+        if raw.modules.firmware.is_empty() != raw.modules.firmware_input.is_none() {
+            bail!(
+                "{}: [modules] firmware and firmware_input go together",
+                path.display()
+            );
+        }
         if !raw.modules.load.is_empty() && kernel.prebuilt_release.is_none() {
             bail!(
                 "{}: [modules] is for a kernel taken from a Debian package (prebuilt_release)",
@@ -299,6 +313,10 @@ impl Board {
             );
         }
         Ok(Board {
+            firmware: raw
+                .modules
+                .firmware_input
+                .map(|i| (i, raw.modules.firmware)),
             modules: raw.modules.load,
             name: raw.board.name,
             path,

@@ -312,33 +312,41 @@ fn replace_all(hay: &mut [u8], from: &[u8], to: &[u8]) -> usize {
     n
 }
 
-/// These machines reach no GitHub: the DDR blob goes into the cache from the shared copy beside
-/// the checkout (`../shared/inputs/rkbin/`, or `KILN_RKBIN_DIR`), as a user would with
-/// `cargo xtask pins seed`.
+/// These machines reach no GitHub: the DDR blob and its licence notice go into the cache from
+/// the shared copy beside the checkout (`../shared/inputs/rkbin/`, or `KILN_RKBIN_DIR`), as a
+/// user would with `cargo xtask pins seed`.
 pub fn seed_rkbin(board: &Board) -> Result<()> {
     let spec = board.bootloader.as_ref().context("no [bootloader]")?;
     let dir = std::env::var_os("KILN_RKBIN_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| crate::paths::project_root().join("../shared/inputs/rkbin"));
-    let input = pins::inputs_of(&board.pin_files())?
-        .into_iter()
-        .find(|i| i.name == spec.tpl)
-        .context("the TPL input")?;
-    let pins::Source::Url { url } = &input.source else {
-        bail!("{} is not a url input", input.name);
-    };
-    let file = dir.join(url.rsplit('/').next().unwrap_or_default());
-    if Cache::user()?
-        .get(&input.name, &input.sha256.context("unpinned")?)?
-        .is_some()
-    {
+    let inputs = pins::inputs_of(&board.pin_files())?;
+    let mut files = Vec::new();
+    for name in std::iter::once(&spec.tpl).chain(spec.tpl_licence.as_ref()) {
+        let input = inputs
+            .iter()
+            .find(|i| &i.name == name)
+            .with_context(|| format!("the input {name}"))?;
+        let pins::Source::Url { url } = &input.source else {
+            bail!("{} is not a url input", input.name);
+        };
+        if Cache::user()?
+            .get(&input.name, &input.sha256.context("unpinned")?)?
+            .is_some()
+        {
+            continue;
+        }
+        let file = dir.join(url.rsplit('/').next().unwrap_or_default());
+        ensure!(
+            file.exists(),
+            "{} is not in the cache and {} is missing (set KILN_RKBIN_DIR)",
+            input.name,
+            file.display()
+        );
+        files.push(file);
+    }
+    if files.is_empty() {
         return Ok(());
     }
-    ensure!(
-        file.exists(),
-        "{} is not in the cache and {} is missing (set KILN_RKBIN_DIR)",
-        input.name,
-        file.display()
-    );
-    pins::seed(&board.pin_files(), &[file]).map(|_| ())
+    pins::seed(&board.pin_files(), &files).map(|_| ())
 }

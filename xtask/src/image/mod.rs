@@ -98,14 +98,21 @@ pub struct Commit {
     pub dirty: bool,
 }
 
-pub fn commit_info() -> Result<Commit> {
+/// The commit's identity and timestamps, for `board`.
+pub fn commit_info(board: &Board) -> Result<Commit> {
     let hash = git(&["rev-parse", "HEAD"])?;
     let epoch: i64 = git(&["log", "-1", "--format=%ct"])?
         .parse()
         .context("commit time")?;
-    // The kernel's timestamp is the last commit that touched its config, so that a commit that
-    // changes only the runtime reuses the kernel (still one value per commit, still reproducible).
-    let kernel_epoch = git(&["log", "-1", "--format=%ct", "--", "kernel-config"])?
+    // The kernel's timestamp is the last commit that touched its own files (its pins and its
+    // fragment), so that a commit that changes only the runtime, or another board's kernel,
+    // reuses it (still one value per commit, still reproducible).
+    let kernel = &board.kernel;
+    let own = [
+        format!("kernel-config/{}", kernel.name),
+        format!("kernel-config/{}", kernel.fragment),
+    ];
+    let kernel_epoch = git(&["log", "-1", "--format=%ct", "--", &own[0], &own[1]])?
         .parse()
         .unwrap_or(epoch);
     let dirty = !git(&["status", "--porcelain", "--untracked-files=no"])?.is_empty();
@@ -168,7 +175,7 @@ pub fn append_line(board: &Board) -> String {
 /// (see `steps.rs`), reused by the runner when its key is unchanged.
 pub fn build(args: &Args) -> Result<Built> {
     let board = Board::load(&args.board)?;
-    let commit = commit_info()?;
+    let commit = commit_info(&board)?;
     let work = crate::paths::target_dir()
         .join("kiln/image")
         .join(&board.name);

@@ -327,14 +327,31 @@ pub fn kernel_modules(ctx: &Ctx) -> Result<Option<Step<'_>>> {
         .get(&board.kernel.source)
         .with_context(|| format!("kernel input {} not declared", board.kernel.source))?;
     let sha = input.sha256.context("kernel package not pinned")?;
+    // The firmware package, when the modules need files from one.
+    let firmware = match &board.firmware {
+        Some((name, files)) => {
+            let (i, p) = ctx
+                .inputs
+                .get(name)
+                .with_context(|| format!("[modules] firmware_input {name} is not declared"))?;
+            let sha = i.sha256.context("firmware package not pinned")?;
+            Some((i, p, sha, files))
+        }
+        None => None,
+    };
     // The reader's source is in the key: a change to how the closure is taken redoes it.
     let code = Sha256::of_bytes(include_str!("../kernel_modules.rs").as_bytes()).to_string();
+    let fw_key = firmware
+        .as_ref()
+        .map(|(_, _, sha, files)| format!("{sha} {}", files.join(" ")))
+        .unwrap_or_default();
     let key = key_of(&[
-        "kernel-modules-v1",
+        "kernel-modules-v2",
         &code,
         &sha.to_string(),
         &release,
         &board.modules.join(" "),
+        &fw_key,
     ]);
     Ok(Some(Step {
         name: "kernel modules",
@@ -361,6 +378,43 @@ pub fn kernel_modules(ctx: &Ctx) -> Result<Option<Step<'_>>> {
                 }));
                 files.push((format!("{dir}/{}", m.path), ko));
             }
+            // Firmware: each file must be one a module of the closure requests (its .modinfo
+            // `firmware=` line), and is the package's as it holds it.
+            let mut fw_listing = Vec::new();
+            if let Some((fw_input, deb, _, names)) = &firmware {
+                for f in names.iter() {
+                    let needle = format!("firmware={f}\0");
+                    let by = files
+                        .iter()
+                        .find(|(_, ko)| ko.windows(needle.len()).any(|w| w == needle.as_bytes()))
+                        .map(|(p, _)| p.rsplit('/').next().unwrap_or(p).trim_end_matches(".ko").to_string())
+                        .with_context(|| {
+                            format!("firmware {f}: no module of the closure requests it (modinfo firmware=)")
+                        })?;
+                    let mut bytes = None;
+                    for member in [format!("lib/firmware/{f}"), format!("usr/lib/firmware/{f}")] {
+                        if let Ok(b) = crate::archive::with_deb_member(deb, &member, |r| {
+                            let mut v = Vec::new();
+                            r.read_to_end(&mut v)?;
+                            Ok(v)
+                        }) {
+                            bytes = Some(b);
+                            break;
+                        }
+                    }
+                    let bytes = bytes.with_context(|| {
+                        format!(
+                            "{} {} holds no lib/firmware/{f}",
+                            fw_input.name, fw_input.version
+                        )
+                    })?;
+                    fw_listing.push(json!({
+                        "file": f, "path": format!("/lib/firmware/{f}"), "size": bytes.len(),
+                        "sha256": Sha256::of_bytes(&bytes), "requested_by": by,
+                    }));
+                    files.push((format!("lib/firmware/{f}"), bytes));
+                }
+            }
             files.push((
                 format!("{dir}/modules.dep"),
                 pkg.modules_dep(&order).into_bytes(),
@@ -374,6 +428,13 @@ pub fn kernel_modules(ctx: &Ctx) -> Result<Option<Step<'_>>> {
                 "release": release, "load": board.modules, "load_order": order, "files": listing,
                 "xz_bytes": xz_total, "bytes": ko_total,
             });
+            let mut doc = doc;
+            if let Some((fw_input, _, fw_sha, _)) = &firmware {
+                doc["firmware"] = json!({
+                    "package": {"input": fw_input.name, "version": fw_input.version, "sha256": fw_sha},
+                    "files": fw_listing,
+                });
+            }
             write_atomic(&tmp[1], &serde_json::to_vec_pretty(&doc)?)?;
             Ok(format!(
                 "{} listed, {} with dependencies, {:.2} MiB ({:.2} MiB as .ko.xz) of {} modules",
@@ -780,6 +841,7 @@ pub fn manifest(ctx: &Ctx, m: &ManifestOf) -> Result<Value> {
             "source": {"input": s.source, "sha256": ctx.inputs.get(&s.source).and_then(|(i, _)| i.sha256)},
             "bl31": {"input": s.bl31, "path": s.bl31_in_deb, "deb_sha256": ctx.inputs.get(&s.bl31).and_then(|(i, _)| i.sha256), "elf_sha256": b.bl31_sha256},
             "rockchip_tpl": {"input": s.tpl, "sha256": ctx.inputs.get(&s.tpl).and_then(|(i, _)| i.sha256)},
+            "rockchip_tpl_licence": s.tpl_licence.as_ref().map(|n| json!({"input": n, "sha256": ctx.inputs.get(n).and_then(|(i, _)| i.sha256), "card": "kiln/licenses/rkbin/LICENSE"})),
             "products": b.products.iter().map(|(n, h)| json!({"file": n, "sha256": h})).collect::<Vec<_>>(),
         })),
         "initramfs": {"sha256": initramfs_sha, "size": initramfs_size, "files": initramfs_files},
@@ -880,6 +942,32 @@ pub fn licence_texts<'a>(ctx: &'a Ctx, rt: &'a Runtime) -> Result<Step<'a>> {
         parts.push(format!("{card}={}", Sha256::of_file_memo(file)?));
     }
     parts.push(format!("without {}", crates_without.join(",")));
+    // A boot loader built here: U-Boot's source's licence texts and the TPL blob's notice.
+    let mut loader_inputs = None;
+    if let Some(b) = &ctx.board.bootloader {
+        let get = |n: &str| {
+            ctx.inputs
+                .get(n)
+                .with_context(|| format!("[bootloader] input {n} is not declared"))
+        };
+        let (src_input, src_path) = get(&b.source)?;
+        let src_sha = src_input.sha256.context("U-Boot source not pinned")?;
+        parts.push(format!("u-boot {src_sha}"));
+        let tpl_licence = match &b.tpl_licence {
+            Some(n) => {
+                let (i, p) = get(n)?;
+                parts.push(format!("tpl licence {}", Sha256::of_file_memo(p)?));
+                Some((i.name.clone(), p.clone()))
+            }
+            None => None,
+        };
+        loader_inputs = Some((
+            src_input.version.clone(),
+            src_path.clone(),
+            src_sha,
+            tpl_licence,
+        ));
+    }
     let key = key_of(&parts.iter().map(String::as_str).collect::<Vec<_>>());
     let crates_with = rt.crates.len() - crates_without.len();
     Ok(Step {
@@ -906,6 +994,16 @@ pub fn licence_texts<'a>(ctx: &'a Ctx, rt: &'a Runtime) -> Result<Step<'a>> {
                     files.push((format!("{}/kernel/{f}", texts::DIR), b));
                 }
             }
+            if let Some((_, src, sha, tpl_licence)) = &loader_inputs {
+                for (f, b) in bootloader::licence_texts(&ctx.tools, src, sha)? {
+                    files.push((format!("{}/u-boot/Licenses/{f}", texts::DIR), b));
+                }
+                if let Some((name, p)) = tpl_licence {
+                    let b = std::fs::read(p)
+                        .with_context(|| format!("reading {name} ({})", p.display()))?;
+                    files.push((format!("{}/rkbin/LICENSE", texts::DIR), b));
+                }
+            }
             for (card, file) in &crate_files {
                 files.push((
                     card.clone(),
@@ -918,6 +1016,10 @@ pub fn licence_texts<'a>(ctx: &'a Ctx, rt: &'a Runtime) -> Result<Step<'a>> {
                     .prebuilt_release
                     .is_none()
                     .then_some(ctx.board.expect.kernel_release.as_str()),
+                u_boot: loader_inputs.as_ref().map(|(v, ..)| v.as_str()),
+                tpl_licence: loader_inputs
+                    .as_ref()
+                    .and_then(|(.., t)| t.as_ref().map(|(n, _)| n.as_str())),
                 crates_with,
                 crates_without: &crates_without,
                 kiln: &kiln_licence,

@@ -98,6 +98,10 @@ pub struct Gathered<'a> {
     pub debs: Vec<(&'a str, Option<String>)>,
     /// The kernel's version, when it is built from source and its texts are carried.
     pub kernel: Option<&'a str>,
+    /// U-Boot's version, when the card's boot loader is built from its source here.
+    pub u_boot: Option<&'a str>,
+    /// The input that is the DDR init blob's licence notice, when the boot loader carries one.
+    pub tpl_licence: Option<&'a str>,
     pub crates_with: usize,
     pub crates_without: &'a [String],
     /// kiln's own licence (the workspace's Cargo.toml `license`).
@@ -128,6 +132,20 @@ pub fn readme(g: &Gathered) -> String {
             "\nkernel/: the Linux kernel {k} (built from source): COPYING, \
              LICENSES/preferred/GPL-2.0 and LICENSES/exceptions/Linux-syscall-note of its \
              source tree.\n"
+        ));
+    }
+    if let Some(v) = g.u_boot {
+        r.push_str(&format!(
+            "\nu-boot/Licenses/: the licence texts of U-Boot {v} (built from source for the \
+             loader at sector 64 and the SPI image), its source tree's Licenses/ folder; U-Boot \
+             is GPL-2.0+, its files name their licence by SPDX identifier (Licenses/README). Its \
+             loader also holds TF-A's BL31 (deb/arm-trusted-firmware/copyright).\n"
+        ));
+    }
+    if let Some(n) = g.tpl_licence {
+        r.push_str(&format!(
+            "\nrkbin/LICENSE: Rockchip's licence for the DDR init blob inside the loader (the \
+             pinned input {n}, from rockchip-linux/rkbin at the blob's commit).\n"
         ));
     }
     r.push_str(&format!(
