@@ -227,7 +227,8 @@ fn check_modules(ctx: &Ctx, km: &serde_json::Value) -> Outcome {
             let by = f["requested_by"].as_str().unwrap_or("?");
             match (got, f["sha256"].as_str()) {
                 (Ok(g), Some(w)) if g == w => fw_ev.push(format!(
-                    "firmware {name} (requested by {by}; read by the kernel when the device                      probes): sha256 as the manifest's, from {} {}",
+                    "firmware {name} (requested by {by}; read by the kernel when the device \
+                     probes): sha256 as the manifest's, from {} {}",
                     km["firmware"]["package"]["input"].as_str().unwrap_or("?"),
                     km["firmware"]["package"]["version"].as_str().unwrap_or("?"),
                 )),
@@ -236,7 +237,9 @@ fn check_modules(ctx: &Ctx, km: &serde_json::Value) -> Outcome {
                     p.display(),
                     w.unwrap_or("none")
                 )),
-                (Err(e), _) => bad.push(format!("firmware {name}: cannot read {}: {e}", p.display())),
+                (Err(e), _) => {
+                    bad.push(format!("firmware {name}: cannot read {}: {e}", p.display()))
+                }
             }
         }
     }
