@@ -119,7 +119,14 @@ pub struct RawInput {
     pub snapshot: Option<String>,
     /// For `deb`: the file under that snapshot (`<archive>/pool/…/<file>.deb`).
     pub snapshot_path: Option<String>,
+    /// For `deb`: the Debian release the package is from, as a purl's `distro` (`debian-13`),
+    /// when it is not the release of kiln's apt lists ([`DEFAULT_DISTRO`]).
+    #[serde(default)]
+    pub distro: Option<String>,
 }
+
+/// The Debian release of kiln's apt lists (bookworm), as a purl's `distro`.
+pub const DEFAULT_DISTRO: &str = "debian-12";
 
 /// Where snapshot.debian.org serves a pinned package: `{base}/archive/{path's archive}/{timestamp}/{pool path}`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -192,6 +199,8 @@ pub struct Input {
     pub sha256: Option<Sha256>,
     /// Where the snapshot service keeps this version (deb inputs pinned by `pins update`).
     pub snapshot: Option<Snapshot>,
+    /// The Debian release of a deb input (`debian-12` unless the pin says otherwise).
+    pub distro: Option<String>,
     /// The pins file it was read from (for messages and for rewriting).
     pub file: PathBuf,
 }
@@ -299,12 +308,27 @@ impl Input {
             }
             _ => bail!("{}: `snapshot` and `snapshot_path` go together", ctx()),
         };
+        let distro = match (&source, raw.distro) {
+            (Source::Deb { .. }, None) => Some(DEFAULT_DISTRO.to_string()),
+            (Source::Deb { .. }, Some(d)) => {
+                ensure!(
+                    d.strip_prefix("debian-")
+                        .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit())),
+                    "{}: distro {d:?} is not debian-<release number>",
+                    ctx()
+                );
+                Some(d)
+            }
+            (_, None) => None,
+            (_, Some(_)) => bail!("{}: `distro` belongs to kind = \"deb\"", ctx()),
+        };
         Ok(Input {
             name: raw.name,
             version: raw.version,
             source,
             sha256,
             snapshot,
+            distro,
             file: file.to_path_buf(),
         })
     }
@@ -1070,6 +1094,7 @@ mod tests {
             },
             sha256: Some(sha),
             snapshot: None,
+            distro: Some(DEFAULT_DISTRO.into()),
             file: PathBuf::from("rootfs/packages.toml"),
         }
     }

@@ -174,11 +174,13 @@ fn gguf_facts(g: &Value) -> Vec<(String, String)> {
     out
 }
 
-/// The purl of a Debian bookworm package.
-fn deb_purl(name: &str, version: &str, arch: &str) -> String {
+/// The purl of a Debian package of the release `distro` (`debian-12`).
+fn deb_purl(name: &str, version: &str, arch: &str, distro: &str) -> String {
+    let enc = |s: &str| s.replace(':', "%3A").replace('+', "%2B");
     format!(
-        "pkg:deb/debian/{name}@{}?arch={arch}&distro=debian-12",
-        version.replace(':', "%3A").replace('+', "%2B")
+        "pkg:deb/debian/{}@{}?arch={arch}&distro={distro}",
+        enc(name),
+        enc(version)
     )
 }
 
@@ -213,14 +215,16 @@ pub fn items(m: &Value) -> Result<Vec<Item>> {
             s(&i["version"], "inputs[].version")?,
         );
         let source = i["source"].as_str().unwrap_or_default();
-        let arch = source
-            .split_once(':')
-            .and_then(|(_, r)| r.split_once('='))
-            .map(|(a, _)| a.to_string())
-            .unwrap_or_else(|| "arm64".into());
-        let purl = source
-            .starts_with("debian ")
-            .then(|| deb_purl(&name, &version, &arch));
+        // `debian <package>:<arch>=<version>`: the purl names the package, which need not be
+        // the input's name (rock-5b's linux-image-arm64 is linux-image-6.12.118+deb13-arm64).
+        let purl = source.strip_prefix("debian ").map(|rest| {
+            let (package, arch) = rest
+                .split_once('=')
+                .and_then(|(pa, _)| pa.split_once(':'))
+                .unwrap_or((name.as_str(), "arm64"));
+            let distro = i["distro"].as_str().unwrap_or(crate::pins::DEFAULT_DISTRO);
+            deb_purl(package, &version, arch, distro)
+        });
         let is_kernel = name.starts_with("linux-source");
         let url = source.strip_prefix("url ");
         let kind = if is_kernel {
@@ -357,7 +361,12 @@ pub fn items(m: &Value) -> Result<Vec<Item>> {
         let arch = s(&d["arch"], "tools_root.debs[].arch")?;
         let sha = s(&d["sha256"], "tools_root.debs[].sha256")?;
         out.push(Item {
-            purl: Some(deb_purl(&name, &version, &arch)),
+            purl: Some(deb_purl(
+                &name,
+                &version,
+                &arch,
+                d["distro"].as_str().unwrap_or(crate::pins::DEFAULT_DISTRO),
+            )),
             facts: vec![(
                 "kiln:build-tool".into(),
                 "tools root (images/tools-root.toml): used to build the image, not in it".into(),
@@ -579,6 +588,12 @@ pub fn spdx(m: &Value, root: Root) -> Result<Value> {
             }
             // A GGUF file: SPDX 2.3 has no purpose for a model.
             "model" => p["primaryPackagePurpose"] = json!("FILE"),
+            // A file pinned by URL and sha256: where it is fetched from.
+            "url-input" => {
+                if let Some((_, u)) = it.facts.iter().find(|(k, _)| k == "kiln:url") {
+                    p["downloadLocation"] = json!(u);
+                }
+            }
             _ => {}
         }
         packages.push(p);
@@ -694,6 +709,9 @@ pub fn cyclonedx(m: &Value, root: Root) -> Result<Value> {
         }
         if let Some(l) = it.license.cyclonedx() {
             c["licenses"] = l;
+        }
+        if let Some((_, u)) = it.facts.iter().find(|(k, _)| k == "kiln:url") {
+            c["externalReferences"] = json!([{"type": "distribution", "url": u}]);
         }
         if it.kind == "rust-crate" {
             // `excluded`: in CycloneDX's words, used for non-runtime purposes (compile time).
@@ -915,6 +933,38 @@ mod tests {
             cd["components"][3]["cpe"],
             "cpe:2.3:o:linux:linux_kernel:6.1.192:*:*:*:*:*:*:*"
         );
+    }
+
+    /// A package of another Debian release, pinned under an input name that is not its package
+    /// name, and a file pinned by URL: the purl names the package and its release, the URL is
+    /// where the file is downloaded from.
+    #[test]
+    fn purls_name_the_package_and_its_release_and_urls_their_location() {
+        let mut m = manifest();
+        m["inputs"].as_array_mut().unwrap().extend([
+            json!({"name": "linux-image-arm64", "version": "6.12.118-1", "sha256": "e432",
+                   "source": "debian linux-image-6.12.118+deb13-arm64:arm64=6.12.118-1", "distro": "debian-13"}),
+            json!({"name": "rkbin-license", "version": "f43a462e", "sha256": "d276",
+                   "source": "url https://github.com/rockchip-linux/rkbin/raw/f43a462e/LICENSE"}),
+        ]);
+        let cd = cyclonedx(&m, Root::Image).unwrap();
+        let comps = cd["components"].as_array().unwrap();
+        let comp = |n: &str| comps.iter().find(|c| c["name"] == n).unwrap();
+        assert_eq!(
+            comp("linux-image-arm64")["purl"],
+            "pkg:deb/debian/linux-image-6.12.118%2Bdeb13-arm64@6.12.118-1?arch=arm64&distro=debian-13"
+        );
+        assert_eq!(
+            comp("libc6")["purl"],
+            "pkg:deb/debian/libc6@2.36-9%2Bdeb12u14?arch=arm64&distro=debian-12"
+        );
+        let url = "https://github.com/rockchip-linux/rkbin/raw/f43a462e/LICENSE";
+        assert_eq!(comp("rkbin-license")["externalReferences"][0]["url"], url);
+        let sp = spdx(&m, Root::Image).unwrap();
+        let pkgs = sp["packages"].as_array().unwrap();
+        let pkg = |n: &str| pkgs.iter().find(|p| p["name"] == n).unwrap();
+        assert_eq!(pkg("rkbin-license")["downloadLocation"], url);
+        assert_eq!(pkg("libc6")["downloadLocation"], "NOASSERTION");
     }
 
     #[test]

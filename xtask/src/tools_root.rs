@@ -353,7 +353,7 @@ impl ToolsRoot {
                     Source::Supplied { .. } | Source::Url { .. } => (i.name.as_str(), ARCH),
                 };
                 serde_json::json!({
-                    "name": package, "version": i.version, "arch": arch,
+                    "name": package, "version": i.version, "arch": arch, "distro": i.distro,
                     "sha256": i.sha256.map(|h| h.to_string()),
                 })
             }).collect::<Vec<_>>(),

@@ -792,7 +792,7 @@ pub fn manifest(ctx: &Ctx, m: &ManifestOf) -> Result<Value> {
         .values()
         .map(|(i, _)| {
             let mut v = json!({
-                "name": i.name, "version": i.version, "source": i.describe_source(), "sha256": i.sha256,
+                "name": i.name, "version": i.version, "source": i.describe_source(), "distro": i.distro, "sha256": i.sha256,
             });
             if let Some(l) = licences.get(&i.name) {
                 v["license"] = l["license"].clone();

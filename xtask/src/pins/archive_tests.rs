@@ -238,6 +238,7 @@ fn url_pin(name: &str, url: &str, sha: Sha256) -> Input {
         identity: BTreeMap::new(),
         sha256: sha.to_string(),
         snapshot: None,
+        distro: None,
         snapshot_path: None,
     };
     Input::parse(raw, Path::new("images/test.toml")).unwrap()
@@ -342,6 +343,7 @@ fn url_inputs_parse_and_are_checked() {
             sha256: Sha256::of_bytes(b"x").to_string(),
             snapshot: None,
             snapshot_path: None,
+            distro: None,
         };
         f(&mut r);
         Input::parse(r, Path::new("t.toml")).map(|_| ())
@@ -358,4 +360,21 @@ fn url_inputs_parse_and_are_checked() {
     .unwrap_err()
     .to_string()
     .contains("`url` belongs to kind"));
+    // `distro` only on a deb, and only as debian-<number>.
+    assert!(raw(&|r| r.distro = Some("debian-13".into()))
+        .unwrap_err()
+        .to_string()
+        .contains("`distro` belongs to kind"));
+    let deb = |d: &str| {
+        raw(&|r| {
+            r.kind = "deb".into();
+            r.url = None;
+            r.package = Some("x".into());
+            r.arch = Some("arm64".into());
+            r.distro = Some(d.into());
+        })
+    };
+    assert!(deb("debian-13").is_ok());
+    assert!(deb("trixie").is_err());
+    assert!(deb("debian-").is_err());
 }
