@@ -410,7 +410,7 @@ fn row_at(kernel: Kernel, ty: GgmlType, src: &[u8], act: &Activations<'_>, i: us
             row_dot::<Portable>(ty, src, act, i)
         }
         #[cfg(target_arch = "aarch64")]
-        Kernel::Neon => row_dot::<neon::Neon>(ty, src, act, i),
+        Kernel::Neon => neon::row_dot_neon(ty, src, act, i),
         #[cfg(target_arch = "aarch64")]
         Kernel::NeonSdot => {
             // Re-checked, not trusted (see `Kernel::dots`): `sdot` without dotprod is UB.
@@ -418,7 +418,7 @@ fn row_at(kernel: Kernel, ty: GgmlType, src: &[u8], act: &Activations<'_>, i: us
                 // SAFETY: dotprod was just detected on this CPU.
                 unsafe { neon::row_dot_sdot(ty, src, act, i) }
             } else {
-                row_dot::<neon::Neon>(ty, src, act, i)
+                neon::row_dot_neon(ty, src, act, i)
             }
         }
     }
@@ -426,8 +426,8 @@ fn row_at(kernel: Kernel, ty: GgmlType, src: &[u8], act: &Activations<'_>, i: us
 
 #[cfg(target_arch = "aarch64")]
 mod neon {
-    use super::super::kernels::sdot;
-    use super::{row_dot, Activations, BlockDot, GgmlType};
+    use super::super::kernels::{reduce_lanes, sdot, BLOCK_LANES};
+    use super::{act32, arr, f16_le, row_dot, Activations, BlockDot, GgmlType};
     use std::arch::aarch64::*;
 
     /// Bit j of each byte lane (j = lane mod 8), to spread qh's bits over 16 lanes.
@@ -547,7 +547,210 @@ mod neon {
         act: &Activations<'_>,
         row: usize,
     ) -> f32 {
-        row_dot::<Sdot>(ty, src, act, row)
+        match unsafe { grouped::<Sdot>(ty, src, act, row) } {
+            Some(v) => v,
+            None => row_dot::<Sdot>(ty, src, act, row),
+        }
+    }
+
+    /// Without dotprod (A72, A53): [`grouped`] with widening multiplies.
+    pub(super) fn row_dot_neon(ty: GgmlType, src: &[u8], act: &Activations<'_>, row: usize) -> f32 {
+        // SAFETY: `Neon` needs nothing beyond baseline NEON.
+        match unsafe { grouped::<Neon>(ty, src, act, row) } {
+            Some(v) => v,
+            None => row_dot::<Neon>(ty, src, act, row),
+        }
+    }
+
+    /// A block's integer dot left as four partial sums (no horizontal add), so four blocks are
+    /// reduced together ([`sums4`]).
+    trait Dot4 {
+        /// # Safety
+        /// Whatever the implementation's instructions need (`Sdot`: dotprod).
+        unsafe fn parts(w: (int8x16_t, int8x16_t), a: (int8x16_t, int8x16_t)) -> int32x4_t;
+    }
+
+    impl Dot4 for Sdot {
+        #[inline(always)]
+        unsafe fn parts(w: (int8x16_t, int8x16_t), a: (int8x16_t, int8x16_t)) -> int32x4_t {
+            unsafe { sdot(sdot(vdupq_n_s32(0), w.0, a.0), w.1, a.1) }
+        }
+    }
+
+    impl Dot4 for Neon {
+        #[inline(always)]
+        unsafe fn parts(w: (int8x16_t, int8x16_t), a: (int8x16_t, int8x16_t)) -> int32x4_t {
+            unsafe {
+                let p0 = vmull_s8(vget_low_s8(w.0), vget_low_s8(a.0));
+                let p1 = vmull_high_s8(w.0, a.0);
+                let p2 = vmull_s8(vget_low_s8(w.1), vget_low_s8(a.1));
+                let p3 = vmull_high_s8(w.1, a.1);
+                vpadalq_s16(vpadalq_s16(vpadalq_s16(vpaddlq_s16(p0), p1), p2), p3)
+            }
+        }
+    }
+
+    /// Four blocks' partial sums to their four exact integer dots, lane j = block j: two levels
+    /// of pairwise adds (integer, so exact in any order).
+    #[inline(always)]
+    unsafe fn sums4(p: [int32x4_t; 4]) -> float32x4_t {
+        unsafe { vcvtq_f32_s32(vpaddq_s32(vpaddq_s32(p[0], p[1]), vpaddq_s32(p[2], p[3]))) }
+    }
+
+    /// Four half-precision scales (little-endian u16 at `at` in each of four consecutive blocks of
+    /// `bb` bytes from `src`) widened by one `fcvtl` (exact, as [`super::f16_le`] is).
+    #[inline(always)]
+    unsafe fn halves4(src: &[u8], at: usize, bb: usize) -> float32x4_t {
+        let h: [u16; 4] =
+            std::array::from_fn(|j| u16::from_le_bytes([src[j * bb + at], src[j * bb + at + 1]]));
+        let v = unsafe { vld1_u16(h.as_ptr()) };
+        let out: float32x4_t;
+        // SAFETY: FCVTL (half to single) is baseline Advanced SIMD; registers only.
+        unsafe {
+            std::arch::asm!(
+                "fcvtl {o:v}.4s, {i:v}.4h",
+                o = out(vreg) out,
+                i = in(vreg) v,
+                options(pure, nomem, nostack, preserves_flags)
+            );
+        }
+        out
+    }
+
+    /// Block `b`'s weights (`bb` bytes each in `src`, one of the types [`grouped`] takes) as two
+    /// 16-lane halves.
+    #[inline(always)]
+    unsafe fn weights(ty: GgmlType, src: &[u8], bb: usize, b: usize) -> (int8x16_t, int8x16_t) {
+        let w = &src[b * bb..(b + 1) * bb];
+        // SAFETY: `arr` gives whole fixed-size arrays; NEON is baseline.
+        unsafe {
+            match ty {
+                GgmlType::Q8_0 => {
+                    let q = arr::<32>(w, 2);
+                    (
+                        vreinterpretq_s8_u8(vld1q_u8(q.as_ptr())),
+                        vreinterpretq_s8_u8(vld1q_u8(q.as_ptr().add(16))),
+                    )
+                }
+                GgmlType::Q4_0 => nibbles(arr::<16>(w, 2), 8),
+                GgmlType::Q4_1 => nibbles(arr::<16>(w, 4), 0),
+                GgmlType::Q5_0 => {
+                    nibbles5(arr::<16>(w, 6), u32::from_le_bytes(*arr::<4>(w, 2)), 16)
+                }
+                _ => nibbles5(arr::<16>(w, 8), u32::from_le_bytes(*arr::<4>(w, 4)), 0),
+            }
+        }
+    }
+
+    /// The four scale terms of blocks `b..b + 4` (all whole), lane j block b + j's, with the
+    /// f32 operations of [`row_dot`] in its order.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn terms4<D: Dot4>(
+        ty: GgmlType,
+        src: &[u8],
+        bb: usize,
+        aq: &[i8],
+        ad: &[f32],
+        as_: &[f32],
+        b: usize,
+    ) -> float32x4_t {
+        // SAFETY: the caller's b + 4 <= nb; whole blocks of `src` and the activation row.
+        unsafe {
+            let p0 = D::parts(weights(ty, src, bb, b), act(act32(aq, b)));
+            let p1 = D::parts(weights(ty, src, bb, b + 1), act(act32(aq, b + 1)));
+            let p2 = D::parts(weights(ty, src, bb, b + 2), act(act32(aq, b + 2)));
+            let p3 = D::parts(weights(ty, src, bb, b + 3), act(act32(aq, b + 3)));
+            let dot = sums4([p0, p1, p2, p3]);
+            let s = &src[b * bb..];
+            let dw = halves4(s, 0, bb);
+            let da = vld1q_f32(ad[b..b + 4].as_ptr());
+            match ty {
+                GgmlType::Q4_1 | GgmlType::Q5_1 => {
+                    let mw = halves4(s, 2, bb);
+                    let sa = vld1q_f32(as_[b..b + 4].as_ptr());
+                    vaddq_f32(vmulq_f32(vmulq_f32(dw, da), dot), vmulq_f32(mw, sa))
+                }
+                _ => vmulq_f32(vmulq_f32(dot, dw), da),
+            }
+        }
+    }
+
+    /// Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 as the AVX2 path does them, four blocks at a time: the
+    /// four exact integer dots in one vector, the scale terms with the same f32 operations in
+    /// the same order as [`row_dot`] (vector lane j doing block j's), added to two accumulator
+    /// registers whose lanes are accumulators 0..4 and 4..8; the tail and the tree as
+    /// `canonical_sum`. So the bits are [`row_dot`]'s. None for other types.
+    #[inline(always)]
+    unsafe fn grouped<D: Dot4>(
+        ty: GgmlType,
+        src: &[u8],
+        act: &Activations<'_>,
+        row: usize,
+    ) -> Option<f32> {
+        use GgmlType::*;
+        if !matches!(ty, Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0) {
+            return None;
+        }
+        let k = act.k;
+        let nb = k / 32;
+        let bb = ty.block_bytes();
+        if src.len() < nb * bb {
+            return None;
+        }
+        let aq = &act.qs[row * k..row * k + k];
+        let ad = &act.d[row * nb..row * nb + nb];
+        let as_ = if matches!(ty, Q4_1 | Q5_1) {
+            &act.s[row * nb..row * nb + nb]
+        } else {
+            &[][..]
+        };
+        let full = nb / BLOCK_LANES * BLOCK_LANES;
+        // SAFETY: registers and in-bounds array loads/stores only.
+        let mut acc = unsafe {
+            let (mut lo, mut hi) = (vdupq_n_f32(0.0), vdupq_n_f32(0.0));
+            let mut base = 0;
+            while base < full {
+                lo = vaddq_f32(lo, terms4::<D>(ty, src, bb, aq, ad, as_, base));
+                hi = vaddq_f32(hi, terms4::<D>(ty, src, bb, aq, ad, as_, base + 4));
+                base += BLOCK_LANES;
+            }
+            let mut acc = [0.0f32; BLOCK_LANES];
+            vst1q_f32(acc.as_mut_ptr(), lo);
+            vst1q_f32(acc.as_mut_ptr().add(4), hi);
+            acc
+        };
+        // The tail after the last whole group of eight, to accumulators 0, 1, … in order.
+        let mut j = 0;
+        while full + j < nb {
+            // SAFETY: block full + j is whole.
+            acc[j] += unsafe { term1::<D>(ty, src, bb, aq, ad, as_, full + j) };
+            j += 1;
+        }
+        Some(reduce_lanes(&acc))
+    }
+
+    /// Block `b`'s scale term alone, as [`row_dot`] computes it.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn term1<D: Dot4>(
+        ty: GgmlType,
+        src: &[u8],
+        bb: usize,
+        aq: &[i8],
+        ad: &[f32],
+        as_: &[f32],
+        b: usize,
+    ) -> f32 {
+        let w = &src[b * bb..(b + 1) * bb];
+        // SAFETY: as in `terms4`.
+        let dot = unsafe { vaddvq_s32(D::parts(weights(ty, src, bb, b), act(act32(aq, b)))) };
+        match ty {
+            GgmlType::Q4_1 | GgmlType::Q5_1 => {
+                (f16_le(w, 0) * ad[b]) * dot as f32 + f16_le(w, 2) * as_[b]
+            }
+            _ => dot as f32 * f16_le(w, 0) * ad[b],
+        }
     }
 }
 
