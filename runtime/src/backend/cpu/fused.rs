@@ -315,6 +315,10 @@ mod x86 {
         reduce_lanes(&lanes)
     }
 
+    /// Lanes 0..r all ones when loaded from `BLOCK_LANES - r` (a tail of r blocks).
+    const TAIL_MASK: [i32; 2 * BLOCK_LANES] =
+        [-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0];
+
     /// One weight row of Q4_0, Q4_1 or Q8_0 unpacked once for M > 1, so the per-activation-row
     /// loop ([`Unpacked::dot`]) does no nibble, f16 or sign work: `u` holds each block's 32
     /// quants as the unsigned bytes `vpmaddubsw` takes (Q4_1: the nibbles; Q4_0 and Q8_0: |w|),
@@ -437,39 +441,62 @@ mod x86 {
             let mut acc = _mm256_setzero_ps();
             let mut i = 0;
             while i + BLOCK_LANES <= nb {
-                let dots: [__m256i; 8] =
-                    std::array::from_fn(|j| unsafe { Self::ublock::<T>(pu, ps, pa, i + j) });
-                let lo = hsum4([dots[0], dots[1], dots[2], dots[3]]);
-                let hi = hsum4([dots[4], dots[5], dots[6], dots[7]]);
-                let dot = _mm256_cvtepi32_ps(_mm256_set_m128i(hi, lo));
-                let wd = _mm256_loadu_ps(self.d.as_ptr().add(i));
-                let adv = _mm256_loadu_ps(ad.as_ptr().add(i));
-                let t = if T == Q4_1 {
-                    let wm = _mm256_loadu_ps(self.m.as_ptr().add(i));
-                    let asv = _mm256_loadu_ps(as_.as_ptr().add(i));
-                    _mm256_add_ps(
-                        _mm256_mul_ps(_mm256_mul_ps(wd, adv), dot),
-                        _mm256_mul_ps(wm, asv),
-                    )
-                } else {
-                    _mm256_mul_ps(_mm256_mul_ps(dot, wd), adv)
-                };
-                acc = _mm256_add_ps(acc, t);
+                // Loops, not `array::from_fn`: a closure does not inherit the caller's AVX2, and
+                // its intrinsics can end up as calls.
+                let mut dots = [_mm256_setzero_si256(); BLOCK_LANES];
+                for (j, d) in dots.iter_mut().enumerate() {
+                    *d = Self::ublock::<T>(pu, ps, pa, i + j);
+                }
+                let all = _mm256_set1_epi32(-1);
+                acc = _mm256_add_ps(acc, self.terms::<T>(dots, ad, as_, i, all));
                 i += BLOCK_LANES;
             }
-            let mut lanes = [0.0f32; BLOCK_LANES];
-            _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
-            let full = i;
-            while i < nb {
-                let dot = hsum1(Self::ublock::<T>(pu, ps, pa, i)) as f32;
-                lanes[i - full] += if T == Q4_1 {
-                    (self.d[i] * ad[i]) * dot + self.m[i] * as_[i]
-                } else {
-                    dot * self.d[i] * ad[i]
-                };
-                i += 1;
+            // The tail (fewer than eight blocks) goes to lanes 0.. as in `sum_blocks`, in the
+            // register: the other lanes are left as they are (blended, not added +0.0, which
+            // would turn a −0.0 into +0.0).
+            let rem = nb - i;
+            if rem > 0 {
+                let mut dots = [_mm256_setzero_si256(); BLOCK_LANES];
+                for (j, d) in dots.iter_mut().enumerate().take(rem) {
+                    *d = Self::ublock::<T>(pu, ps, pa, i + j);
+                }
+                let mask =
+                    _mm256_loadu_si256(TAIL_MASK.as_ptr().add(BLOCK_LANES - rem) as *const __m256i);
+                let t = self.terms::<T>(dots, ad, as_, i, mask);
+                acc = _mm256_blendv_ps(acc, _mm256_add_ps(acc, t), _mm256_castsi256_ps(mask));
             }
-            reduce_lanes(&lanes)
+            // `reduce_lanes` in the register: s_j = acc_j + acc_{j+4}, then (s0 + s2) + (s1 + s3).
+            let s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc));
+            let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+            _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)))
+        }
+
+        /// The scale terms of blocks i..i+8 from their integer dots, in eight lanes, each op
+        /// rounded as the scalar formula (no FMA); lanes outside `mask` read no scales.
+        #[inline(always)]
+        unsafe fn terms<const T: u8>(
+            &self,
+            dots: [__m256i; 8],
+            ad: &[f32],
+            as_: &[f32],
+            i: usize,
+            mask: __m256i,
+        ) -> __m256 {
+            let lo = hsum4([dots[0], dots[1], dots[2], dots[3]]);
+            let hi = hsum4([dots[4], dots[5], dots[6], dots[7]]);
+            let dot = _mm256_cvtepi32_ps(_mm256_set_m128i(hi, lo));
+            let wd = _mm256_maskload_ps(self.d.as_ptr().add(i), mask);
+            let adv = _mm256_maskload_ps(ad.as_ptr().add(i), mask);
+            if T == Q4_1 {
+                let wm = _mm256_maskload_ps(self.m.as_ptr().add(i), mask);
+                let asv = _mm256_maskload_ps(as_.as_ptr().add(i), mask);
+                _mm256_add_ps(
+                    _mm256_mul_ps(_mm256_mul_ps(wd, adv), dot),
+                    _mm256_mul_ps(wm, asv),
+                )
+            } else {
+                _mm256_mul_ps(_mm256_mul_ps(dot, wd), adv)
+            }
         }
     }
 
