@@ -314,3 +314,39 @@ fn quantizers_round_trip_within_half_a_step() {
         }
     }
 }
+
+/// The activation quantiser's rounding is `f32::round` then a saturating cast, for every kind of
+/// value: halves of both signs, the neighbours of each half, the ±127 edge, values past i8 and
+/// past i32, infinities, NaN, and a stride through all 2³² bit patterns.
+#[test]
+fn round_i8_is_round_half_away_then_saturate() {
+    let mut vals = vec![
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        -0.0,
+        0.0,
+        f32::MAX,
+        f32::MIN,
+    ];
+    for k in -300i32..=300 {
+        let half = k as f32 + 0.5;
+        for v in [k as f32, half, -half] {
+            vals.extend([
+                v,
+                f32::from_bits(v.to_bits() + 1),
+                f32::from_bits(v.to_bits().max(1) - 1),
+            ]);
+        }
+    }
+    vals.extend([8388607.5, 8388608.0, 2147483520.0, 2147483648.0, 3e9, -3e9]);
+    vals.extend((0..=u32::MAX).step_by(4099).map(f32::from_bits));
+    for v in vals {
+        assert_eq!(
+            super::quantize::round_i8(v),
+            v.round() as i8,
+            "{v:e} ({:#x})",
+            v.to_bits()
+        );
+    }
+}

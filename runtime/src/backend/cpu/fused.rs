@@ -315,6 +315,191 @@ mod x86 {
         reduce_lanes(&lanes)
     }
 
+    /// Lanes 0..r all ones when loaded from `BLOCK_LANES - r` (a tail of r blocks).
+    const TAIL_MASK: [i32; 2 * BLOCK_LANES] =
+        [-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0];
+
+    /// One weight row of Q4_0, Q4_1 or Q8_0 unpacked once for M > 1, so the per-activation-row
+    /// loop ([`Unpacked::dot`]) does no nibble, f16 or sign work: `u` holds each block's 32
+    /// quants as the unsigned bytes `vpmaddubsw` takes (Q4_1: the nibbles; Q4_0 and Q8_0: |w|),
+    /// `s` the signed quants whose signs go onto the activations (Q4_0 and Q8_0 only), `d` and
+    /// `m` the block scale and minimum widened to f32 (exact). The integer dots and the scale
+    /// terms are the ones [`blocks`] computes, so the bits are the same.
+    #[derive(Default)]
+    pub(super) struct Unpacked {
+        ty: Option<GgmlType>,
+        nb: usize,
+        u: Vec<u8>,
+        s: Vec<i8>,
+        d: Vec<f32>,
+        m: Vec<f32>,
+    }
+
+    impl Unpacked {
+        /// Unpack weight row `src` (`nb` whole blocks of `ty`, one of [`TYPES`]); false (and
+        /// nothing to dot) for another type or a short row.
+        ///
+        /// # Safety
+        /// The CPU must have AVX2 and F16C.
+        #[target_feature(enable = "avx2,f16c")]
+        pub(super) unsafe fn unpack(&mut self, ty: GgmlType, src: &[u8], nb: usize) -> bool {
+            let bb = ty.block_bytes();
+            if !TYPES.contains(&ty) || src.len() != nb * bb {
+                self.ty = None;
+                return false;
+            }
+            self.ty = Some(ty);
+            self.nb = nb;
+            self.u.resize(nb * 32, 0);
+            self.d.resize(nb, 0.0);
+            let signed = ty != GgmlType::Q4_1;
+            self.s.resize(if signed { nb * 32 } else { 0 }, 0);
+            self.m.resize(if signed { 0 } else { nb }, 0.0);
+            for b in 0..nb {
+                let blk = &src[b * bb..(b + 1) * bb];
+                self.d[b] = f16_le(blk, 0);
+                // SAFETY: `blk` is one whole block of `ty` (length checked above); `u` and `s`
+                // hold 32 bytes at 32·b; AVX2 is this function's precondition.
+                unsafe {
+                    let p = blk.as_ptr();
+                    let (w, signed_w) = match ty {
+                        GgmlType::Q8_0 => (_mm256_loadu_si256(p.add(2) as *const __m256i), true),
+                        GgmlType::Q4_0 => (
+                            _mm256_sub_epi8(nibbles(p.add(2)), _mm256_set1_epi8(8)),
+                            true,
+                        ),
+                        _ => (nibbles(p.add(4)), false),
+                    };
+                    if signed_w {
+                        let sp = self.s.as_mut_ptr().add(32 * b) as *mut __m256i;
+                        _mm256_storeu_si256(sp, w);
+                        let up = self.u.as_mut_ptr().add(32 * b) as *mut __m256i;
+                        _mm256_storeu_si256(up, _mm256_abs_epi8(w));
+                    } else {
+                        self.m[b] = f16_le(blk, 2);
+                        let up = self.u.as_mut_ptr().add(32 * b) as *mut __m256i;
+                        _mm256_storeu_si256(up, w);
+                    }
+                }
+            }
+            true
+        }
+
+        /// The unpacked row · activation row `row`, in the canonical order; `None` if nothing is
+        /// unpacked or the activations are not `nb` blocks.
+        ///
+        /// # Safety
+        /// The CPU must have AVX2 and F16C.
+        #[target_feature(enable = "avx2,f16c")]
+        pub(super) unsafe fn dot(&self, act: &Activations<'_>, row: usize) -> Option<f32> {
+            let ty = self.ty?;
+            let (k, nb) = (act.k, self.nb);
+            if k != nb * 32 {
+                return None;
+            }
+            let aq = act.qs.get(row * k..row * k + k)?;
+            let ad = act.d.get(row * nb..row * nb + nb)?;
+            // SAFETY: every slice holds `nb` blocks (checked above and in `unpack`).
+            unsafe {
+                Some(match ty {
+                    GgmlType::Q4_1 => {
+                        let as_ = act.s.get(row * nb..row * nb + nb)?;
+                        self.sum::<Q4_1>(aq, ad, as_)
+                    }
+                    _ => self.sum::<Q8_0>(aq, ad, &[]),
+                })
+            }
+        }
+
+        /// Block `b`'s exact integer dot from the unpacked bytes.
+        ///
+        /// # Safety
+        /// AVX2; `pu`, `pa` (and `ps` unless `T` is `Q4_1`) hold at least 32·(b + 1) bytes.
+        #[inline(always)]
+        unsafe fn ublock<const T: u8>(
+            pu: *const u8,
+            ps: *const i8,
+            pa: *const i8,
+            b: usize,
+        ) -> __m256i {
+            let a = _mm256_loadu_si256(pa.add(32 * b) as *const __m256i);
+            let u = _mm256_loadu_si256(pu.add(32 * b) as *const __m256i);
+            if T == Q4_1 {
+                udot(u, a)
+            } else {
+                let s = _mm256_loadu_si256(ps.add(32 * b) as *const __m256i);
+                udot(u, _mm256_sign_epi8(a, s))
+            }
+        }
+
+        /// [`blocks`] over the unpacked row: `T` is `Q4_1` (unsigned nibbles, `d` and `m`) or
+        /// `Q8_0` (any signed type: |w| with w's signs on the activations, `d`).
+        #[inline(always)]
+        unsafe fn sum<const T: u8>(&self, aq: &[i8], ad: &[f32], as_: &[f32]) -> f32 {
+            let nb = self.nb;
+            let (pu, ps, pa) = (self.u.as_ptr(), self.s.as_ptr(), aq.as_ptr());
+            let mut acc = _mm256_setzero_ps();
+            let mut i = 0;
+            while i + BLOCK_LANES <= nb {
+                // Loops, not `array::from_fn`: a closure does not inherit the caller's AVX2, and
+                // its intrinsics can end up as calls.
+                let mut dots = [_mm256_setzero_si256(); BLOCK_LANES];
+                for (j, d) in dots.iter_mut().enumerate() {
+                    *d = Self::ublock::<T>(pu, ps, pa, i + j);
+                }
+                let all = _mm256_set1_epi32(-1);
+                acc = _mm256_add_ps(acc, self.terms::<T>(dots, ad, as_, i, all));
+                i += BLOCK_LANES;
+            }
+            // The tail (fewer than eight blocks) goes to lanes 0.. as in `sum_blocks`, in the
+            // register: the other lanes are left as they are (blended, not added +0.0, which
+            // would turn a −0.0 into +0.0).
+            let rem = nb - i;
+            if rem > 0 {
+                let mut dots = [_mm256_setzero_si256(); BLOCK_LANES];
+                for (j, d) in dots.iter_mut().enumerate().take(rem) {
+                    *d = Self::ublock::<T>(pu, ps, pa, i + j);
+                }
+                let mask =
+                    _mm256_loadu_si256(TAIL_MASK.as_ptr().add(BLOCK_LANES - rem) as *const __m256i);
+                let t = self.terms::<T>(dots, ad, as_, i, mask);
+                acc = _mm256_blendv_ps(acc, _mm256_add_ps(acc, t), _mm256_castsi256_ps(mask));
+            }
+            // `reduce_lanes` in the register: s_j = acc_j + acc_{j+4}, then (s0 + s2) + (s1 + s3).
+            let s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc));
+            let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+            _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)))
+        }
+
+        /// The scale terms of blocks i..i+8 from their integer dots, in eight lanes, each op
+        /// rounded as the scalar formula (no FMA); lanes outside `mask` read no scales.
+        #[inline(always)]
+        unsafe fn terms<const T: u8>(
+            &self,
+            dots: [__m256i; 8],
+            ad: &[f32],
+            as_: &[f32],
+            i: usize,
+            mask: __m256i,
+        ) -> __m256 {
+            let lo = hsum4([dots[0], dots[1], dots[2], dots[3]]);
+            let hi = hsum4([dots[4], dots[5], dots[6], dots[7]]);
+            let dot = _mm256_cvtepi32_ps(_mm256_set_m128i(hi, lo));
+            let wd = _mm256_maskload_ps(self.d.as_ptr().add(i), mask);
+            let adv = _mm256_maskload_ps(ad.as_ptr().add(i), mask);
+            if T == Q4_1 {
+                let wm = _mm256_maskload_ps(self.m.as_ptr().add(i), mask);
+                let asv = _mm256_maskload_ps(as_.as_ptr().add(i), mask);
+                _mm256_add_ps(
+                    _mm256_mul_ps(_mm256_mul_ps(wd, adv), dot),
+                    _mm256_mul_ps(wm, asv),
+                )
+            } else {
+                _mm256_mul_ps(_mm256_mul_ps(dot, wd), adv)
+            }
+        }
+    }
+
     /// Activation row `row` of `act` · the weight row `src`, for Q4_0, Q4_1 and Q8_0; `None` for
     /// the other types, or if the lengths are not whole blocks (the portable path handles those).
     ///
@@ -381,6 +566,34 @@ pub(crate) fn rows(
     skip: Option<usize>,
 ) {
     let m = act.f32s.len() / act.k.max(1);
+    #[cfg(target_arch = "x86_64")]
+    if m > 1 && takes_m(kernel, w.ty) {
+        // Each weight row unpacked once, then dotted with every activation row from L1.
+        let mut un = x86::Unpacked::default();
+        let nb = act.k / 32;
+        for (j, outs) in ct.chunks_exact_mut(m).enumerate() {
+            let n = n0 + j;
+            if skip == Some(n) {
+                continue;
+            }
+            let src = &w.data[n * row_bytes..(n + 1) * row_bytes];
+            // SAFETY: `takes_m` detected AVX2 and F16C.
+            if !unsafe { un.unpack(w.ty, src, nb) } {
+                for (i, o) in outs.iter_mut().enumerate() {
+                    *o = row_at(kernel, w.ty, src, act, i);
+                }
+                continue;
+            }
+            for (i, o) in outs.iter_mut().enumerate() {
+                // SAFETY: as above.
+                *o = match unsafe { un.dot(act, i) } {
+                    Some(v) => v,
+                    None => row_at(kernel, w.ty, src, act, i),
+                };
+            }
+        }
+        return;
+    }
     for (j, outs) in ct.chunks_exact_mut(m.max(1)).enumerate() {
         let n = n0 + j;
         if skip == Some(n) {

@@ -331,6 +331,21 @@ impl CpuBackend {
     }
 }
 
+/// `dst` (cols×rows) = `src` (rows×cols)ᵀ, in square tiles so both sides stay in cache (a
+/// plain double loop strides a whole row of N floats per write: 6 % of prefill's matmul time).
+fn transpose(src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) {
+    const T: usize = 16;
+    for i0 in (0..rows).step_by(T) {
+        for j0 in (0..cols).step_by(T) {
+            for i in i0..(i0 + T).min(rows) {
+                for j in j0..(j0 + T).min(cols) {
+                    dst[j * rows + i] = src[i * cols + j];
+                }
+            }
+        }
+    }
+}
+
 impl Backend for CpuBackend {
     fn name(&self) -> &'static str {
         "cpu"
@@ -398,17 +413,9 @@ impl Backend for CpuBackend {
             self.run_parallel(w, row_bytes, &act, 1, c);
         } else {
             let mut ct = vec![0.0f32; c.len()];
-            for i in 0..m {
-                for n in 0..w.n {
-                    ct[n * m + i] = c[i * w.n + n];
-                }
-            }
+            transpose(c, m, w.n, &mut ct);
             self.run_parallel(w, row_bytes, &act, m, &mut ct);
-            for i in 0..m {
-                for n in 0..w.n {
-                    c[i * w.n + n] = ct[n * m + i];
-                }
-            }
+            transpose(&ct, w.n, m, c);
         }
         Ok(())
     }
