@@ -195,7 +195,7 @@ unsafe fn row_dot_avx2(ty: GgmlType, src: &[u8], act: &Activations<'_>, row: usi
 /// shape, with its reassociation fixed once (`BLOCK_LANES`) for every kernel.
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{f16_le, reduce_lanes, Activations, GgmlType, BLOCK_LANES};
+    use super::{f16_le, Activations, GgmlType, BLOCK_LANES};
     use std::arch::x86_64::*;
 
     /// The 32 nibbles of a 4-bit block as bytes 0..=15: low nibbles are elements 0..16.
@@ -225,11 +225,6 @@ mod x86 {
         _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h))
     }
 
-    #[inline(always)]
-    unsafe fn hsum1(v: __m256i) -> i32 {
-        _mm_cvtsi128_si32(hsum4([v, v, v, v]))
-    }
-
     /// The types [`row_dot`] takes; [`super::takes_m`] asks this list, not a copy of it.
     pub(super) const TYPES: [GgmlType; 3] = [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1];
 
@@ -248,11 +243,15 @@ mod x86 {
         }
     }
 
-    /// The f16 at byte `at` of eight consecutive blocks of `bb` bytes, widened (exact).
+    /// The f16 at byte `at` of the first `n` (at most eight) of consecutive blocks of `bb` bytes,
+    /// widened (exact); lanes from `n` on are +0.0 and read nothing. A loop, not
+    /// `array::from_fn`: a closure does not inherit the caller's AVX2.
     #[inline(always)]
-    unsafe fn f16x8(b: *const u8, bb: usize, at: usize) -> __m256 {
-        let h: [u16; 8] =
-            std::array::from_fn(|j| unsafe { (b.add(j * bb + at) as *const u16).read_unaligned() });
+    unsafe fn f16x8(b: *const u8, bb: usize, at: usize, n: usize) -> __m256 {
+        let mut h = [0u16; 8];
+        for (j, x) in h.iter_mut().enumerate().take(n) {
+            *x = (b.add(j * bb + at) as *const u16).read_unaligned();
+        }
         _mm256_cvtph_ps(_mm_loadu_si128(h.as_ptr() as *const __m128i))
     }
 
@@ -273,46 +272,71 @@ mod x86 {
         // i + j into lane j.
         let mut acc = _mm256_setzero_ps();
         let mut i = 0;
+        let all = _mm256_set1_epi32(-1);
         while i + BLOCK_LANES <= nb {
             let b = ps.add(i * bb);
-            let dots: [__m256i; 8] =
-                std::array::from_fn(|j| unsafe { block::<T>(b.add(j * bb), pa.add((i + j) * 32)) });
-            let lo = hsum4([dots[0], dots[1], dots[2], dots[3]]);
-            let hi = hsum4([dots[4], dots[5], dots[6], dots[7]]);
-            let dot = _mm256_cvtepi32_ps(_mm256_set_m128i(hi, lo));
-            let wd = f16x8(b, bb, 0);
-            let adv = _mm256_loadu_ps(ad.as_ptr().add(i));
-            let t = if T == Q4_1 {
-                // (wd·ad)·dot + wm·s, each op rounded (no FMA), as the scalar formula.
-                let wm = f16x8(b, bb, 2);
-                let asv = _mm256_loadu_ps(as_.as_ptr().add(i));
-                _mm256_add_ps(
-                    _mm256_mul_ps(_mm256_mul_ps(wd, adv), dot),
-                    _mm256_mul_ps(wm, asv),
-                )
-            } else {
-                // dot·wd·ad
-                _mm256_mul_ps(_mm256_mul_ps(dot, wd), adv)
-            };
-            acc = _mm256_add_ps(acc, t);
+            // Loops, not `array::from_fn`: a closure does not inherit this function's AVX2, and
+            // its intrinsics can end up as calls.
+            let mut dots = [_mm256_setzero_si256(); BLOCK_LANES];
+            for (j, d) in dots.iter_mut().enumerate() {
+                *d = block::<T>(b.add(j * bb), pa.add((i + j) * 32));
+            }
+            acc = _mm256_add_ps(acc, terms::<T>(dots, b, bb, ad, as_, i, BLOCK_LANES, all));
             i += BLOCK_LANES;
         }
-        let mut lanes = [0.0f32; BLOCK_LANES];
-        _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
-        // The tail: blocks i.. go to lanes 0.., as in `sum_blocks`.
-        let full = i;
-        while i < nb {
+        // The tail (fewer than eight blocks) goes to lanes 0.. as in `sum_blocks`, in the
+        // register: the other lanes are left as they are (blended, not added +0.0, which would
+        // turn a −0.0 into +0.0).
+        let rem = nb - i;
+        if rem > 0 {
             let b = ps.add(i * bb);
-            let dot = hsum1(block::<T>(b, pa.add(i * 32))) as f32;
-            let blk = std::slice::from_raw_parts(b, bb);
-            lanes[i - full] += if T == Q4_1 {
-                (f16_le(blk, 0) * ad[i]) * dot + f16_le(blk, 2) * as_[i]
-            } else {
-                dot * f16_le(blk, 0) * ad[i]
-            };
-            i += 1;
+            let mut dots = [_mm256_setzero_si256(); BLOCK_LANES];
+            for (j, d) in dots.iter_mut().enumerate().take(rem) {
+                *d = block::<T>(b.add(j * bb), pa.add((i + j) * 32));
+            }
+            let mask =
+                _mm256_loadu_si256(TAIL_MASK.as_ptr().add(BLOCK_LANES - rem) as *const __m256i);
+            let t = terms::<T>(dots, b, bb, ad, as_, i, rem, mask);
+            acc = _mm256_blendv_ps(acc, _mm256_add_ps(acc, t), _mm256_castsi256_ps(mask));
         }
-        reduce_lanes(&lanes)
+        // `reduce_lanes` in the register: s_j = acc_j + acc_{j+4}, then (s0 + s2) + (s1 + s3).
+        let s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc));
+        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)))
+    }
+
+    /// The scale terms of the `n` blocks from `b` (block index `i`) from their integer dots, in
+    /// eight lanes, each op rounded as the scalar formula (no FMA); lanes outside `mask` (from
+    /// `n` on) read no scales.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn terms<const T: u8>(
+        dots: [__m256i; 8],
+        b: *const u8,
+        bb: usize,
+        ad: &[f32],
+        as_: &[f32],
+        i: usize,
+        n: usize,
+        mask: __m256i,
+    ) -> __m256 {
+        let lo = hsum4([dots[0], dots[1], dots[2], dots[3]]);
+        let hi = hsum4([dots[4], dots[5], dots[6], dots[7]]);
+        let dot = _mm256_cvtepi32_ps(_mm256_set_m128i(hi, lo));
+        let wd = f16x8(b, bb, 0, n);
+        let adv = _mm256_maskload_ps(ad.as_ptr().add(i), mask);
+        if T == Q4_1 {
+            // (wd·ad)·dot + wm·s, each op rounded (no FMA), as the scalar formula.
+            let wm = f16x8(b, bb, 2, n);
+            let asv = _mm256_maskload_ps(as_.as_ptr().add(i), mask);
+            _mm256_add_ps(
+                _mm256_mul_ps(_mm256_mul_ps(wd, adv), dot),
+                _mm256_mul_ps(wm, asv),
+            )
+        } else {
+            // dot·wd·ad
+            _mm256_mul_ps(_mm256_mul_ps(dot, wd), adv)
+        }
     }
 
     /// Lanes 0..r all ones when loaded from `BLOCK_LANES - r` (a tail of r blocks).
