@@ -111,7 +111,8 @@ pub fn modules(ctx: &Ctx) -> Option<Outcome> {
     let m: serde_json::Value = std::fs::read(&path)
         .ok()
         .and_then(|b| serde_json::from_slice(&b).ok())?;
-    let km = m.get("kernel_modules")?;
+    // A board without modules has `"kernel_modules": null` in its manifest.
+    let km = m.get("kernel_modules").filter(|v| !v.is_null())?;
     Some(check_modules(ctx, km))
 }
 
@@ -779,8 +780,14 @@ kernel_config = ["CONFIG_EROFS_FS=y", "CONFIG_IKCONFIG_PROC=y", "# CONFIG_MODULE
         assert!(o.evidence[0].contains("2 module(s) of linux-image-rock-5b 6.12.118-1"));
         assert!(o.evidence[1].contains("build-id"));
         assert!(o.evidence[2].contains("firmware rtl_nic/rtl8125b-2.fw (requested by r8169"));
-        // A board whose kernel loads no modules has no such check.
+        // A board whose kernel loads no modules has no such check, whether its manifest has
+        // no `kernel_modules` or (as the image step writes it) a null one.
         root.file("boot/kiln/manifest.json", r#"{"kiln_manifest": 1}"#);
+        assert!(modules(&ctx(&root)).is_none());
+        root.file(
+            "boot/kiln/manifest.json",
+            r#"{"kiln_manifest": 1, "kernel_modules": null}"#,
+        );
         assert!(modules(&ctx(&root)).is_none());
     }
 
