@@ -284,9 +284,7 @@ mod x86 {
             acc = _mm256_add_ps(acc, terms::<T>(dots, b, bb, ad, as_, i, BLOCK_LANES, all));
             i += BLOCK_LANES;
         }
-        // The tail (fewer than eight blocks) goes to lanes 0.. as in `sum_blocks`, in the
-        // register: the other lanes are left as they are (blended, not added +0.0, which would
-        // turn a −0.0 into +0.0).
+        // The tail (fewer than eight blocks) goes to lanes 0.. as in `sum_blocks` ([`add_tail`]).
         let rem = nb - i;
         if rem > 0 {
             let b = ps.add(i * bb);
@@ -294,15 +292,10 @@ mod x86 {
             for (j, d) in dots.iter_mut().enumerate().take(rem) {
                 *d = block::<T>(b.add(j * bb), pa.add((i + j) * 32));
             }
-            let mask =
-                _mm256_loadu_si256(TAIL_MASK.as_ptr().add(BLOCK_LANES - rem) as *const __m256i);
-            let t = terms::<T>(dots, b, bb, ad, as_, i, rem, mask);
-            acc = _mm256_blendv_ps(acc, _mm256_add_ps(acc, t), _mm256_castsi256_ps(mask));
+            let mask = tail_mask(rem);
+            acc = add_tail(acc, terms::<T>(dots, b, bb, ad, as_, i, rem, mask), mask);
         }
-        // `reduce_lanes` in the register: s_j = acc_j + acc_{j+4}, then (s0 + s2) + (s1 + s3).
-        let s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc));
-        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-        _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)))
+        reduce8(acc)
     }
 
     /// The scale terms of the `n` blocks from `b` (block index `i`) from their integer dots, in
@@ -320,23 +313,61 @@ mod x86 {
         n: usize,
         mask: __m256i,
     ) -> __m256 {
-        let lo = hsum4([dots[0], dots[1], dots[2], dots[3]]);
-        let hi = hsum4([dots[4], dots[5], dots[6], dots[7]]);
-        let dot = _mm256_cvtepi32_ps(_mm256_set_m128i(hi, lo));
         let wd = f16x8(b, bb, 0, n);
         let adv = _mm256_maskload_ps(ad.as_ptr().add(i), mask);
         if T == Q4_1 {
-            // (wd·ad)·dot + wm·s, each op rounded (no FMA), as the scalar formula.
             let wm = f16x8(b, bb, 2, n);
             let asv = _mm256_maskload_ps(as_.as_ptr().add(i), mask);
+            scale_terms::<T>(dots, wd, adv, wm, asv)
+        } else {
+            let z = _mm256_setzero_ps();
+            scale_terms::<T>(dots, wd, adv, z, z)
+        }
+    }
+
+    /// Eight blocks' scale terms from their integer dots (`dots[j]`'s eight partial sums) and
+    /// scales, lane j block j's, each op rounded as the scalar formula (no FMA): Q4_1
+    /// `(wd·ad)·dot + wm·as`, the others `dot·wd·ad` (`wm`, `asv` unused).
+    #[inline(always)]
+    unsafe fn scale_terms<const T: u8>(
+        dots: [__m256i; 8],
+        wd: __m256,
+        adv: __m256,
+        wm: __m256,
+        asv: __m256,
+    ) -> __m256 {
+        let lo = hsum4([dots[0], dots[1], dots[2], dots[3]]);
+        let hi = hsum4([dots[4], dots[5], dots[6], dots[7]]);
+        let dot = _mm256_cvtepi32_ps(_mm256_set_m128i(hi, lo));
+        if T == Q4_1 {
             _mm256_add_ps(
                 _mm256_mul_ps(_mm256_mul_ps(wd, adv), dot),
                 _mm256_mul_ps(wm, asv),
             )
         } else {
-            // dot·wd·ad
             _mm256_mul_ps(_mm256_mul_ps(dot, wd), adv)
         }
+    }
+
+    /// The mask of a tail of `rem` (1..8) blocks: lanes 0..rem.
+    #[inline(always)]
+    unsafe fn tail_mask(rem: usize) -> __m256i {
+        _mm256_loadu_si256(TAIL_MASK.as_ptr().add(BLOCK_LANES - rem) as *const __m256i)
+    }
+
+    /// `acc + t` in the lanes of `mask`, the others left as they are (blended, not added +0.0,
+    /// which would turn a −0.0 into +0.0).
+    #[inline(always)]
+    unsafe fn add_tail(acc: __m256, t: __m256, mask: __m256i) -> __m256 {
+        _mm256_blendv_ps(acc, _mm256_add_ps(acc, t), _mm256_castsi256_ps(mask))
+    }
+
+    /// `reduce_lanes` in the register: s_j = acc_j + acc_{j+4}, then (s0 + s2) + (s1 + s3).
+    #[inline(always)]
+    unsafe fn reduce8(acc: __m256) -> f32 {
+        let s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc));
+        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)))
     }
 
     /// Lanes 0..r all ones when loaded from `BLOCK_LANES - r` (a tail of r blocks).
@@ -475,24 +506,17 @@ mod x86 {
                 acc = _mm256_add_ps(acc, self.terms::<T>(dots, ad, as_, i, all));
                 i += BLOCK_LANES;
             }
-            // The tail (fewer than eight blocks) goes to lanes 0.. as in `sum_blocks`, in the
-            // register: the other lanes are left as they are (blended, not added +0.0, which
-            // would turn a −0.0 into +0.0).
+            // The tail (fewer than eight blocks) goes to lanes 0.. as in `sum_blocks` ([`add_tail`]).
             let rem = nb - i;
             if rem > 0 {
                 let mut dots = [_mm256_setzero_si256(); BLOCK_LANES];
                 for (j, d) in dots.iter_mut().enumerate().take(rem) {
                     *d = Self::ublock::<T>(pu, ps, pa, i + j);
                 }
-                let mask =
-                    _mm256_loadu_si256(TAIL_MASK.as_ptr().add(BLOCK_LANES - rem) as *const __m256i);
-                let t = self.terms::<T>(dots, ad, as_, i, mask);
-                acc = _mm256_blendv_ps(acc, _mm256_add_ps(acc, t), _mm256_castsi256_ps(mask));
+                let mask = tail_mask(rem);
+                acc = add_tail(acc, self.terms::<T>(dots, ad, as_, i, mask), mask);
             }
-            // `reduce_lanes` in the register: s_j = acc_j + acc_{j+4}, then (s0 + s2) + (s1 + s3).
-            let s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc));
-            let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-            _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)))
+            reduce8(acc)
         }
 
         /// The scale terms of blocks i..i+8 from their integer dots, in eight lanes, each op
@@ -506,20 +530,15 @@ mod x86 {
             i: usize,
             mask: __m256i,
         ) -> __m256 {
-            let lo = hsum4([dots[0], dots[1], dots[2], dots[3]]);
-            let hi = hsum4([dots[4], dots[5], dots[6], dots[7]]);
-            let dot = _mm256_cvtepi32_ps(_mm256_set_m128i(hi, lo));
             let wd = _mm256_maskload_ps(self.d.as_ptr().add(i), mask);
             let adv = _mm256_maskload_ps(ad.as_ptr().add(i), mask);
             if T == Q4_1 {
                 let wm = _mm256_maskload_ps(self.m.as_ptr().add(i), mask);
                 let asv = _mm256_maskload_ps(as_.as_ptr().add(i), mask);
-                _mm256_add_ps(
-                    _mm256_mul_ps(_mm256_mul_ps(wd, adv), dot),
-                    _mm256_mul_ps(wm, asv),
-                )
+                scale_terms::<T>(dots, wd, adv, wm, asv)
             } else {
-                _mm256_mul_ps(_mm256_mul_ps(dot, wd), adv)
+                let z = _mm256_setzero_ps();
+                scale_terms::<T>(dots, wd, adv, z, z)
             }
         }
     }
