@@ -9,6 +9,7 @@ mod quantize;
 mod tests;
 
 pub use dequant::{dequantize_row, get_scale_min_k4, is_dequantizable, QuantError, DEQUANTIZABLE};
+pub(crate) use quantize::q8_row;
 pub use quantize::{
     q8_0_block, q8_1_block, q8_k_block, quantize_row, quantize_to_vec, BlockQ8K, BlockQ8_0,
     BlockQ8_1, QUANTIZABLE,

@@ -272,3 +272,128 @@ pub fn quantize_to_vec(ty: GgmlType, src: &[f32]) -> Result<Vec<u8>, QuantError>
     quantize_row(ty, src, &mut out)?;
     Ok(out)
 }
+
+/// A row of activations as the CPU fast path keeps them: `x` (whole blocks of 32) into `qs`, one
+/// scale per block into `d` (the f16 the format stores, widened), and for Q8_1 (`s` given)
+/// `s = d·Σq` per block likewise. The same values as [`q8_0_block`] / [`q8_1_block`] block by
+/// block (tested bit for bit), with AVX2 where the CPU has it: the scalar blocks were five times
+/// llama.cpp's `quantize_row_q8_1` in a prefill profile (docs/speed.md).
+pub(crate) fn q8_row(x: &[f32], qs: &mut [i8], d: &mut [f32], mut s: Option<&mut [f32]>) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 is present (checked just above).
+        unsafe { x86::q8_row(x, qs, d, s) };
+        return;
+    }
+    let blocks = x
+        .chunks_exact(32)
+        .zip(qs.chunks_exact_mut(32))
+        .zip(d.iter_mut());
+    for (b, ((x, q), d)) in blocks.enumerate() {
+        let Ok(x) = <&[f32; 32]>::try_from(x) else {
+            continue; // unreachable: chunks_exact(32)
+        };
+        match s.as_deref_mut() {
+            None => {
+                let blk = q8_0_block(x);
+                *d = blk.d.to_f32();
+                q.copy_from_slice(&blk.qs);
+            }
+            Some(s) => {
+                let blk = q8_1_block(x);
+                *d = blk.d.to_f32();
+                if let Some(s) = s.get_mut(b) {
+                    *s = blk.s.to_f32();
+                }
+                q.copy_from_slice(&blk.qs);
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use half::f16;
+    use std::arch::x86_64::*;
+
+    /// [`super::round_i8`] on eight lanes, as i32: truncate, step by one where the fraction is
+    /// at least a half away from zero, NaN to 0, saturate to the i8 range.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn round8(v: __m256) -> __m256i {
+        let t = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(v);
+        let f = _mm256_sub_ps(v, t);
+        let one = _mm256_set1_ps(1.0);
+        let up = _mm256_and_ps(_mm256_cmp_ps::<_CMP_GE_OQ>(f, _mm256_set1_ps(0.5)), one);
+        let down = _mm256_and_ps(_mm256_cmp_ps::<_CMP_LE_OQ>(f, _mm256_set1_ps(-0.5)), one);
+        let r = _mm256_sub_ps(_mm256_add_ps(t, up), down);
+        // A NaN input stays NaN through all of it and becomes 0, as the scalar cast makes it
+        // (±∞ keeps its truncation ±∞, its NaN fraction adds nothing, and saturates below).
+        let r = _mm256_and_ps(r, _mm256_cmp_ps::<_CMP_ORD_Q>(r, r));
+        let r = _mm256_min_ps(
+            _mm256_max_ps(r, _mm256_set1_ps(-128.0)),
+            _mm256_set1_ps(127.0),
+        );
+        _mm256_cvttps_epi32(r)
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn q8_row(
+        x: &[f32],
+        qs: &mut [i8],
+        d: &mut [f32],
+        mut s: Option<&mut [f32]>,
+    ) {
+        let sign = _mm256_set1_ps(-0.0);
+        let blocks = x
+            .chunks_exact(32)
+            .zip(qs.chunks_exact_mut(32))
+            .zip(d.iter_mut());
+        for (b, ((x, q), d)) in blocks.enumerate() {
+            let p = x.as_ptr();
+            let v = [
+                _mm256_loadu_ps(p),
+                _mm256_loadu_ps(p.add(8)),
+                _mm256_loadu_ps(p.add(16)),
+                _mm256_loadu_ps(p.add(24)),
+            ];
+            // f32::max ignores a NaN; `maxps` returns its second operand when either is NaN, so
+            // the running maximum (never NaN) goes second.
+            let mut m = _mm256_setzero_ps();
+            for &v in &v {
+                m = _mm256_max_ps(_mm256_andnot_ps(sign, v), m);
+            }
+            let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+            let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            let m1 = _mm_max_ss(m2, _mm_shuffle_ps::<1>(m2, m2));
+            let amax = _mm_cvtss_f32(m1);
+            let dd = amax / 127.0;
+            let id = _mm256_set1_ps(if dd != 0.0 { 1.0 / dd } else { 0.0 });
+            let q0 = round8(_mm256_mul_ps(v[0], id));
+            let q1 = round8(_mm256_mul_ps(v[1], id));
+            let q2 = round8(_mm256_mul_ps(v[2], id));
+            let q3 = round8(_mm256_mul_ps(v[3], id));
+            // Σq before packing (exact in i32).
+            let sum = _mm256_add_epi32(_mm256_add_epi32(q0, q1), _mm256_add_epi32(q2, q3));
+            let s4 = _mm_add_epi32(
+                _mm256_castsi256_si128(sum),
+                _mm256_extracti128_si256::<1>(sum),
+            );
+            let s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+            let s1 = _mm_add_epi32(s2, _mm_shuffle_epi32::<1>(s2));
+            let total = _mm_cvtsi128_si32(s1);
+            // i32 → i16 → i8 (values are in the i8 range already), then undo the per-128-bit
+            // interleave of the packs.
+            let w01 = _mm256_packs_epi32(q0, q1);
+            let w23 = _mm256_packs_epi32(q2, q3);
+            let bytes = _mm256_packs_epi16(w01, w23);
+            let bytes =
+                _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256(q.as_mut_ptr().cast(), bytes);
+            *d = f16::from_f32(dd).to_f32();
+            if let Some(s) = s.as_deref_mut().and_then(|s| s.get_mut(b)) {
+                *s = f16::from_f32(total as f32 * dd).to_f32();
+            }
+        }
+    }
+}

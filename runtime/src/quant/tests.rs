@@ -350,3 +350,68 @@ fn round_i8_is_round_half_away_then_saturate() {
         );
     }
 }
+
+/// The row quantiser the fast path uses (AVX2 on x86 hosts that have it) gives the reference
+/// blocks' values bit for bit: random rows at many magnitudes, ties (amax 31.75 makes 1/d = 4, so
+/// eighths land on halves), zeros, subnormals (1/d overflows to ∞), infinities and NaN. A
+/// quantiser that rounds ties to even, or lets a NaN into the maximum, fails it.
+#[test]
+fn q8_row_equals_the_reference_blocks() {
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    let mut x: Vec<f32> = Vec::new();
+    for b in 0..4000 {
+        let scale = [1e-30f32, 1e-3, 0.1, 1.0, 3.0, 1e3, 1e30][b % 7];
+        x.extend((0..32).map(|_| ((next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0) * scale));
+    }
+    let mut ties = [0.0f32; 32];
+    ties[0] = 31.75;
+    for (j, t) in ties.iter_mut().enumerate().skip(1) {
+        *t = (j as f32 - 16.0) / 8.0;
+    }
+    x.extend(ties);
+    x.extend(ties.map(|v| -v));
+    x.extend([0.0f32; 32]);
+    x.extend([f32::from_bits(1); 32]);
+    let mut odd = [1.0f32; 32];
+    odd[3] = f32::NAN;
+    odd[9] = f32::from_bits(3);
+    x.extend(odd);
+    odd[5] = f32::INFINITY;
+    odd[6] = f32::NEG_INFINITY;
+    x.extend(odd);
+    odd = [f32::NAN; 32];
+    x.extend(odd);
+    odd[0] = 2.5e-44;
+    odd[1] = -1e-45;
+    x.extend(odd);
+    let n = x.len() / 32;
+    let (mut qs, mut d, mut s) = (vec![0i8; x.len()], vec![0.0f32; n], vec![0.0f32; n]);
+    super::quantize::q8_row(&x, &mut qs, &mut d, Some(&mut s));
+    let (mut qs0, mut d0) = (vec![0i8; x.len()], vec![0.0f32; n]);
+    super::quantize::q8_row(&x, &mut qs0, &mut d0, None);
+    for (b, blk) in x.chunks_exact(32).enumerate() {
+        let blk: &[f32; 32] = blk.try_into().unwrap();
+        let want = q8_1_block(blk);
+        let got = &qs[b * 32..(b + 1) * 32];
+        assert_eq!(got, &want.qs[..], "block {b}: {blk:?}");
+        assert_eq!(d[b].to_bits(), want.d.to_f32().to_bits(), "block {b} d");
+        assert_eq!(s[b].to_bits(), want.s.to_f32().to_bits(), "block {b} s");
+        let want0 = q8_0_block(blk);
+        assert_eq!(
+            &qs0[b * 32..(b + 1) * 32],
+            &want0.qs[..],
+            "block {b} (Q8_0)"
+        );
+        assert_eq!(
+            d0[b].to_bits(),
+            want0.d.to_f32().to_bits(),
+            "block {b} d (Q8_0)"
+        );
+    }
+}

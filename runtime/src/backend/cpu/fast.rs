@@ -4,9 +4,7 @@
 //! once per block. F16/BF16 rows are widened to f32 and accumulated in f32.
 
 use super::kernels::{dot_f32, sum_blocks, Kernel};
-use crate::quant::{
-    get_scale_min_k4, q8_0_block, q8_1_block, q8_k_block, BlockQ8K, GgmlType, QK_K,
-};
+use crate::quant::{get_scale_min_k4, q8_k_block, q8_row, GgmlType, QK_K};
 use half::f16;
 use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 
@@ -84,7 +82,17 @@ pub(crate) struct Activations<'a> {
 }
 
 impl<'a> Activations<'a> {
+    /// Quantise the M rows of `a` (K each) once, on one thread.
+    #[cfg(test)]
     pub fn quantize(fmt: ActFormat, a: &'a [f32], k: usize) -> Activations<'a> {
+        Activations::quantize_on(fmt, a, k, 1)
+    }
+
+    /// As [`Activations::quantize`], the rows split over up to `threads` threads of the pool
+    /// when there are enough of them (prefill, batches): every block is quantised alone, so the
+    /// split changes no value. Left serial, it was a tenth of a two-thread prefill with the
+    /// second thread spinning through it (docs/speed.md).
+    pub fn quantize_on(fmt: ActFormat, a: &'a [f32], k: usize, threads: usize) -> Activations<'a> {
         let mut act = Activations {
             fmt,
             k,
@@ -94,44 +102,70 @@ impl<'a> Activations<'a> {
             s: Vec::new(),
             bsums: Vec::new(),
         };
-        match fmt {
-            ActFormat::F32 => {}
-            ActFormat::Q8_0 => {
-                act.qs.reserve(a.len());
-                for x in a
-                    .chunks_exact(32)
-                    .filter_map(|c| <&[f32; 32]>::try_from(c).ok())
-                {
-                    let b = q8_0_block(x);
-                    act.d.push(b.d.to_f32());
-                    act.qs.extend_from_slice(&b.qs);
-                }
-            }
-            ActFormat::Q8_1 => {
-                act.qs.reserve(a.len());
-                for x in a
-                    .chunks_exact(32)
-                    .filter_map(|c| <&[f32; 32]>::try_from(c).ok())
-                {
-                    let b = q8_1_block(x);
-                    act.d.push(b.d.to_f32());
-                    act.s.push(b.s.to_f32());
-                    act.qs.extend_from_slice(&b.qs);
-                }
-            }
-            ActFormat::Q8K => {
-                act.qs.reserve(a.len());
-                for x in a
-                    .chunks_exact(QK_K)
-                    .filter_map(|c| <&[f32; QK_K]>::try_from(c).ok())
-                {
-                    let BlockQ8K { d, qs, bsums } = q8_k_block(x);
-                    act.d.push(d);
-                    act.qs.extend_from_slice(&qs);
-                    act.bsums.extend_from_slice(&bsums);
-                }
-            }
+        let per_block = match fmt {
+            ActFormat::F32 => return act,
+            ActFormat::Q8_0 | ActFormat::Q8_1 => 32,
+            ActFormat::Q8K => QK_K,
+        };
+        let blocks = a.len() / per_block;
+        act.qs = vec![0; blocks * per_block];
+        act.d = vec![0.0; blocks];
+        if fmt == ActFormat::Q8_1 {
+            act.s = vec![0.0; blocks];
         }
+        if fmt == ActFormat::Q8K {
+            act.bsums = vec![0; blocks * (QK_K / 16)];
+        }
+        let m = a.len().checked_div(k).unwrap_or(0);
+        // Below this many values per thread the pool's hand-off costs more than it saves.
+        const MIN_PER_THREAD: usize = 4096;
+        let parts = threads.min(m).min(a.len() / MIN_PER_THREAD).max(1);
+        let rows = m.div_ceil(parts).max(1);
+        let bpr = k / per_block; // blocks per row
+                                 // Split every buffer at the same row boundaries (`s` and `bsums` are empty when the
+                                 // format has none).
+        fn cut<'b, T>(v: &mut &'b mut [T], n: usize) -> &'b mut [T] {
+            let n = n.min(v.len());
+            let (head, tail) = std::mem::take(v).split_at_mut(n);
+            *v = tail;
+            head
+        }
+        let mut parts = Vec::with_capacity(parts);
+        let (mut x, mut qs, mut d) = (a, &mut act.qs[..], &mut act.d[..]);
+        let (mut s, mut b) = (&mut act.s[..], &mut act.bsums[..]);
+        while !x.is_empty() && k > 0 {
+            let r = rows.min(x.len() / k).max(1);
+            let (x0, rest) = x.split_at((r * k).min(x.len()));
+            x = rest;
+            parts.push((
+                x0,
+                cut(&mut qs, r * k),
+                cut(&mut d, r * bpr),
+                cut(&mut s, r * bpr),
+                cut(&mut b, r * bpr * (QK_K / 16)),
+            ));
+        }
+        crate::pool::run_parts(parts, |_, (x, qs, d, s, bsums)| match fmt {
+            ActFormat::F32 => {}
+            ActFormat::Q8_0 => q8_row(x, qs, d, None),
+            ActFormat::Q8_1 => q8_row(x, qs, d, Some(s)),
+            ActFormat::Q8K => {
+                let blocks = x
+                    .chunks_exact(QK_K)
+                    .zip(qs.chunks_exact_mut(QK_K))
+                    .zip(d.iter_mut())
+                    .zip(bsums.chunks_exact_mut(QK_K / 16));
+                for (((x, q), d), b) in blocks {
+                    let Ok(x) = <&[f32; QK_K]>::try_from(x) else {
+                        continue; // unreachable: chunks_exact(QK_K)
+                    };
+                    let blk = q8_k_block(x);
+                    *d = blk.d;
+                    q.copy_from_slice(&blk.qs);
+                    b.copy_from_slice(&blk.bsums);
+                }
+            }
+        });
         act
     }
 }

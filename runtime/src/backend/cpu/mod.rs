@@ -267,11 +267,51 @@ impl CpuBackend {
             self.run_columns(w, row_bytes, act, m, 0, ct);
             return;
         }
-        // One contiguous chunk of N per thread; the calling thread takes the first, the pool's
-        // persistent workers the rest.
+        // M = 1: C is one row, so one contiguous chunk of N per thread; the calling thread takes
+        // the first, the pool's persistent workers the rest.
         let chunks: Vec<&mut [f32]> = ct.chunks_mut(per * m).collect();
         crate::pool::run_parts(chunks, |t, chunk| {
             self.run_columns(w, row_bytes, act, m, t * per, chunk)
+        });
+    }
+
+    /// M > 1: each thread's columns of C through a Cᵀ block of its own (see `run`).
+    fn run_parallel_t(
+        &self,
+        w: &Weight<'_>,
+        row_bytes: usize,
+        act: &Activations<'_>,
+        m: usize,
+        c: &mut [f32],
+    ) {
+        let n = w.n;
+        let threads = self.threads.min(n);
+        let per = n.div_ceil(threads);
+        let parts: Vec<(usize, usize)> = (0..n)
+            .step_by(per)
+            .map(|n0| (n0, per.min(n - n0)))
+            .collect();
+        let cols = Columns {
+            ptr: c.as_mut_ptr(),
+            len: c.len(),
+            m,
+            n,
+        };
+        crate::pool::run_parts(parts, |_, (n0, len)| {
+            CT.with(|buf| {
+                let mut buf = buf.borrow_mut();
+                buf.resize(len * m, 0.0);
+                let ct = &mut buf[..len * m];
+                // SAFETY: the parts' column ranges are disjoint (consecutive steps of `per`),
+                // so this thread alone reads and writes columns n0..n0+len while the call runs.
+                unsafe { cols.gather(n0, len, ct) };
+                self.run_columns(w, row_bytes, act, m, n0, ct);
+                // SAFETY: as above.
+                unsafe { cols.scatter(n0, len, ct) };
+                if buf.capacity() > CT_KEEP {
+                    *buf = Vec::new();
+                }
+            })
         });
     }
 
@@ -331,15 +371,64 @@ impl CpuBackend {
     }
 }
 
-/// `dst` (cols×rows) = `src` (rows×cols)ᵀ, in square tiles so both sides stay in cache (a
-/// plain double loop strides a whole row of N floats per write: 6 % of prefill's matmul time).
-fn transpose(src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) {
-    const T: usize = 16;
-    for i0 in (0..rows).step_by(T) {
-        for j0 in (0..cols).step_by(T) {
-            for i in i0..(i0 + T).min(rows) {
-                for j in j0..(j0 + T).min(cols) {
-                    dst[j * rows + i] = src[i * cols + j];
+thread_local! {
+    /// Each thread's Cᵀ block for M > 1, kept between matmuls (a fresh one per call was a
+    /// page-faulting mmap at prefill sizes) unless it grew past [`CT_KEEP`] floats.
+    static CT: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+const CT_KEEP: usize = 1 << 20;
+
+/// C (M×N, row-major) shared by the threads of one matmul, each of which touches only its own
+/// columns; a raw pointer because those columns interleave in memory and no slice split can
+/// hand them out.
+struct Columns {
+    ptr: *mut f32,
+    len: usize,
+    m: usize,
+    n: usize,
+}
+
+// SAFETY: the threads reach C only through `gather`/`scatter`, over disjoint column ranges.
+unsafe impl Sync for Columns {}
+
+/// Square tiles, so both sides of a transpose stay in cache (a plain double loop strides a whole
+/// row of N floats per write: 6 % of prefill's matmul time).
+const TILE_T: usize = 16;
+
+impl Columns {
+    /// `ct` (len×M) = columns n0..n0+len of C, transposed.
+    ///
+    /// # Safety
+    /// No other thread may write those columns while this runs.
+    unsafe fn gather(&self, n0: usize, len: usize, ct: &mut [f32]) {
+        let (m, n) = (self.m, self.n);
+        assert!(n0 + len <= n && m * n <= self.len && ct.len() == len * m);
+        for i0 in (0..m).step_by(TILE_T) {
+            for r0 in (0..len).step_by(TILE_T) {
+                for i in i0..(i0 + TILE_T).min(m) {
+                    for r in r0..(r0 + TILE_T).min(len) {
+                        // SAFETY: in bounds by the assert; the column is this thread's.
+                        ct[r * m + i] = unsafe { *self.ptr.add(i * n + n0 + r) };
+                    }
+                }
+            }
+        }
+    }
+
+    /// Columns n0..n0+len of C = `ct` (len×M), transposed.
+    ///
+    /// # Safety
+    /// No other thread may read or write those columns while this runs.
+    unsafe fn scatter(&self, n0: usize, len: usize, ct: &[f32]) {
+        let (m, n) = (self.m, self.n);
+        assert!(n0 + len <= n && m * n <= self.len && ct.len() == len * m);
+        for i0 in (0..m).step_by(TILE_T) {
+            for r0 in (0..len).step_by(TILE_T) {
+                for i in i0..(i0 + TILE_T).min(m) {
+                    for r in r0..(r0 + TILE_T).min(len) {
+                        // SAFETY: in bounds by the assert; the column is this thread's.
+                        unsafe { *self.ptr.add(i * n + n0 + r) = ct[r * m + i] };
+                    }
                 }
             }
         }
@@ -405,17 +494,17 @@ impl Backend for CpuBackend {
             return Ok(());
         }
         let fmt = act_format(w.ty).with_context(|| format!("cpu: no fast path for {}", w.ty))?;
-        let act = Activations::quantize(fmt, a, w.k);
-        // Threads own contiguous ranges of N. C is row-major M×N, so for M > 1 each thread writes
-        // a block of Cᵀ (N×M) instead, which splits into disjoint slices; Cᵀ starts as a copy of C,
-        // so a column no thread writes keeps C's poison and `run_checked` sees it.
+        let act = Activations::quantize_on(fmt, a, w.k, self.threads);
+        // Threads own contiguous ranges of N. C is row-major M×N, so for M > 1 each thread works
+        // on a block of Cᵀ (its columns, len×M) in a buffer of its own, copied from C first, so a
+        // column the kernel does not write keeps C's poison and `run_checked` sees it; then
+        // copied back. Each thread transposes only its own columns: done once for all threads
+        // on the calling thread, the two transposes were a twentieth of a two-thread prefill
+        // with the other thread waiting (docs/speed.md).
         if m == 1 {
             self.run_parallel(w, row_bytes, &act, 1, c);
         } else {
-            let mut ct = vec![0.0f32; c.len()];
-            transpose(c, m, w.n, &mut ct);
-            self.run_parallel(w, row_bytes, &act, m, &mut ct);
-            transpose(&ct, w.n, m, c);
+            self.run_parallel_t(w, row_bytes, &act, m, c);
         }
         Ok(())
     }

@@ -172,15 +172,20 @@ fn every_fast_kernel_matches_the_reference_on_every_type() {
 #[test]
 fn thread_count_does_not_change_a_bit() {
     let mut rng = Rng(11);
-    let (m, k, n) = (3, 64, 11);
-    for ty in [GgmlType::Q4_1, GgmlType::F16] {
-        let data = make_weight(ty, k, n, &mut rng);
-        let w = weight(ty, k, n, &data);
-        let a: Vec<f32> = (0..m * k).map(|_| rng.f32()).collect();
-        let one = run(&CpuBackend::new().with_threads(1), &w, &a, m);
-        for t in [2, 3, 4, 16] {
-            let many = run(&CpuBackend::new().with_threads(t), &w, &a, m);
-            assert_eq!(bits(&one), bits(&many), "{ty} with {t} threads");
+    // The second shape is big enough that the activations are quantised on several threads too.
+    for (m, k, n) in [(3, 64, 11), (67, 512, 11)] {
+        for ty in [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::F16] {
+            if k % ty.block_elems() != 0 {
+                continue;
+            }
+            let data = make_weight(ty, k, n, &mut rng);
+            let w = weight(ty, k, n, &data);
+            let a: Vec<f32> = (0..m * k).map(|_| rng.f32()).collect();
+            let one = run(&CpuBackend::new().with_threads(1), &w, &a, m);
+            for t in [2, 3, 4, 16] {
+                let many = run(&CpuBackend::new().with_threads(t), &w, &a, m);
+                assert_eq!(bits(&one), bits(&many), "{ty} M={m} with {t} threads");
+            }
         }
     }
 }
