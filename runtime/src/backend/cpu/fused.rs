@@ -225,8 +225,20 @@ mod x86 {
         _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h))
     }
 
-    /// The types [`row_dot`] takes; [`super::takes_m`] asks this list, not a copy of it.
+    /// The types [`row_dot`] takes (its match arms; the tests walk this list).
+    #[cfg(test)]
     pub(super) const TYPES: [GgmlType; 3] = [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1];
+
+    /// The types [`Unpacked`] takes (M > 1); [`super::takes_m`] asks this list, not a copy of
+    /// it. Once unpacked, Q5_0 is shaped as Q4_0 (signed, `d`) and Q5_1 as Q4_1 (unsigned, `d`
+    /// and `m`): their fifth bits are spread once per weight row, not per activation row.
+    pub(super) const UNPACK_TYPES: [GgmlType; 5] = [
+        GgmlType::Q8_0,
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+    ];
 
     const Q8_0: u8 = 0;
     const Q4_0: u8 = 1;
@@ -370,15 +382,37 @@ mod x86 {
         _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)))
     }
 
+    /// `q` (a block's 32 nibbles, [`nibbles`]' order: byte j is quant j) with bit j of the
+    /// little-endian u32 at `qh` as bit 4 of byte j: the Q5 quants (ggml's `bytes_from_bits_32`).
+    #[inline(always)]
+    unsafe fn fifth(q: __m256i, qh: *const u8) -> __m256i {
+        let bits = u32::from_le_bytes([*qh, *qh.add(1), *qh.add(2), *qh.add(3)]);
+        let spread = _mm256_shuffle_epi8(
+            _mm256_set1_epi32(bits as i32),
+            _mm256_set_epi64x(
+                0x0303_0303_0303_0303,
+                0x0202_0202_0202_0202,
+                0x0101_0101_0101_0101,
+                0,
+            ),
+        );
+        let set = _mm256_cmpeq_epi8(
+            _mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe)),
+            _mm256_set1_epi64x(-1),
+        );
+        _mm256_or_si256(q, _mm256_and_si256(set, _mm256_set1_epi8(0x10)))
+    }
+
     /// Lanes 0..r all ones when loaded from `BLOCK_LANES - r` (a tail of r blocks).
     const TAIL_MASK: [i32; 2 * BLOCK_LANES] =
         [-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0];
 
-    /// One weight row of Q4_0, Q4_1 or Q8_0 unpacked once for M > 1, so the per-activation-row
-    /// loop ([`Unpacked::dot`]) does no nibble, f16 or sign work: `u` holds each block's 32
-    /// quants as the unsigned bytes `vpmaddubsw` takes (Q4_1: the nibbles; Q4_0 and Q8_0: |w|),
-    /// `s` the signed quants whose signs go onto the activations (Q4_0 and Q8_0 only), `d` and
-    /// `m` the block scale and minimum widened to f32 (exact). The integer dots and the scale
+    /// One weight row of Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 unpacked once for M > 1, so the
+    /// per-activation-row loop ([`Unpacked::dot`]) does no nibble, fifth-bit, f16 or sign work:
+    /// `u` holds each block's 32 quants as the unsigned bytes `vpmaddubsw` takes (Q4_1, Q5_1:
+    /// the quants; Q4_0, Q5_0, Q8_0: |w|), `s` the signed quants whose signs go onto the
+    /// activations (the signed types only), `d` and `m` the block scale and minimum widened to
+    /// f32 (exact). The integer dots and the scale
     /// terms are the ones [`blocks`] computes, so the bits are the same.
     #[derive(Default)]
     pub(super) struct Unpacked {
@@ -399,7 +433,7 @@ mod x86 {
         #[target_feature(enable = "avx2,f16c")]
         pub(super) unsafe fn unpack(&mut self, ty: GgmlType, src: &[u8], nb: usize) -> bool {
             let bb = ty.block_bytes();
-            if !TYPES.contains(&ty) || src.len() != nb * bb {
+            if !UNPACK_TYPES.contains(&ty) || src.len() != nb * bb {
                 self.ty = None;
                 return false;
             }
@@ -407,7 +441,7 @@ mod x86 {
             self.nb = nb;
             self.u.resize(nb * 32, 0);
             self.d.resize(nb, 0.0);
-            let signed = ty != GgmlType::Q4_1;
+            let signed = !matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1);
             self.s.resize(if signed { nb * 32 } else { 0 }, 0);
             self.m.resize(if signed { 0 } else { nb }, 0.0);
             for b in 0..nb {
@@ -423,6 +457,14 @@ mod x86 {
                             _mm256_sub_epi8(nibbles(p.add(2)), _mm256_set1_epi8(8)),
                             true,
                         ),
+                        GgmlType::Q5_0 => (
+                            _mm256_sub_epi8(
+                                fifth(nibbles(p.add(6)), p.add(2)),
+                                _mm256_set1_epi8(16),
+                            ),
+                            true,
+                        ),
+                        GgmlType::Q5_1 => (fifth(nibbles(p.add(8)), p.add(4)), false),
                         _ => (nibbles(p.add(4)), false),
                     };
                     if signed_w {
@@ -457,7 +499,7 @@ mod x86 {
             // SAFETY: every slice holds `nb` blocks (checked above and in `unpack`).
             unsafe {
                 Some(match ty {
-                    GgmlType::Q4_1 => {
+                    GgmlType::Q4_1 | GgmlType::Q5_1 => {
                         let as_ = act.s.get(row * nb..row * nb + nb)?;
                         self.sum::<Q4_1>(aq, ad, as_)
                     }
@@ -579,13 +621,13 @@ mod x86 {
 }
 
 /// Whether [`rows`] takes M > 1 runs of this type with this kernel here: on x86 with AVX2 and
-/// F16C, the hand-written Q4_0/Q4_1/Q8_0 dots serve prefill too (each weight row read once per
-/// tile of activations, from L1), since they give the unpacked path's bits faster.
+/// F16C, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 go through [`x86::Unpacked`] (each weight row unpacked once,
+/// then dotted with every activation row from L1), which gives the tile path's bits faster.
 pub(crate) fn takes_m(kernel: Kernel, ty: GgmlType) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         kernel == Kernel::Portable
-            && x86::TYPES.contains(&ty)
+            && x86::UNPACK_TYPES.contains(&ty)
             && std::arch::is_x86_feature_detected!("avx2")
             && std::arch::is_x86_feature_detected!("f16c")
     }

@@ -202,8 +202,9 @@ pub struct CpuBackend {
     /// skipped-row bug would leave it.
     #[cfg(test)]
     skip_column: Option<usize>,
-    /// Fault injection for tests: the unpacked (M > 1) path sums its blocks in one running sum,
-    /// not in the canonical order, as a kernel that kept the old order would.
+    /// Fault injection for tests: M > 1 goes through the tile path (not `fused::takes_m`'s),
+    /// which sums its blocks in one running sum, not in the canonical order, as a kernel that
+    /// kept the old order would.
     #[cfg(test)]
     serial_order: bool,
 }
@@ -327,7 +328,11 @@ impl CpuBackend {
     ) {
         // Decode (and prefill where `takes_m`): fused dots straight off the packed bytes, one
         // pass over each weight row.
-        if (m == 1 && fused::supports(w.ty)) || (m > 1 && fused::takes_m(self.kernel, w.ty)) {
+        #[cfg(test)]
+        let takes_m = fused::takes_m(self.kernel, w.ty) && !self.serial_order;
+        #[cfg(not(test))]
+        let takes_m = fused::takes_m(self.kernel, w.ty);
+        if (m == 1 && fused::supports(w.ty)) || (m > 1 && takes_m) {
             #[cfg(test)]
             let skip = self.skip_column;
             #[cfg(not(test))]
