@@ -276,15 +276,27 @@ pub fn quantize_to_vec(ty: GgmlType, src: &[f32]) -> Result<Vec<u8>, QuantError>
 /// A row of activations as the CPU fast path keeps them: `x` (whole blocks of 32) into `qs`, one
 /// scale per block into `d` (the f16 the format stores, widened), and for Q8_1 (`s` given)
 /// `s = d·Σq` per block likewise. The same values as [`q8_0_block`] / [`q8_1_block`] block by
-/// block (tested bit for bit), with AVX2 where the CPU has it: the scalar blocks were five times
-/// llama.cpp's `quantize_row_q8_1` in a prefill profile (docs/speed.md).
-pub(crate) fn q8_row(x: &[f32], qs: &mut [i8], d: &mut [f32], mut s: Option<&mut [f32]>) {
+/// block (tested bit for bit), with AVX2 where the CPU has it and NEON on aarch64: the scalar
+/// blocks were five times llama.cpp's `quantize_row_q8_1` in a prefill profile (docs/speed.md).
+pub(crate) fn q8_row(x: &[f32], qs: &mut [i8], d: &mut [f32], s: Option<&mut [f32]>) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: AVX2 is present (checked just above).
         unsafe { x86::q8_row(x, qs, d, s) };
         return;
     }
+    #[cfg(target_arch = "aarch64")]
+    {
+        // NEON is part of the aarch64 baseline.
+        neon::q8_row(x, qs, d, s)
+    }
+    #[cfg(not(target_arch = "aarch64"))]
+    q8_row_scalar(x, qs, d, s)
+}
+
+/// [`q8_row`] block by block through the reference quantisers.
+#[cfg_attr(target_arch = "aarch64", allow(dead_code))]
+fn q8_row_scalar(x: &[f32], qs: &mut [i8], d: &mut [f32], mut s: Option<&mut [f32]>) {
     let blocks = x
         .chunks_exact(32)
         .zip(qs.chunks_exact_mut(32))
@@ -393,6 +405,57 @@ mod x86 {
             *d = f16::from_f32(dd).to_f32();
             if let Some(s) = s.as_deref_mut().and_then(|s| s.get_mut(b)) {
                 *s = f16::from_f32(total as f32 * dd).to_f32();
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "aarch64")]
+mod neon {
+    use half::f16;
+    use std::arch::aarch64::*;
+
+    /// [`super::q8_row`] with NEON: `fmaxnm` is what `f32::max` compiles to (a NaN operand
+    /// gives the other one), and `fcvtas` is `f32::round` then the saturating cast to i32 (ties
+    /// away from zero, NaN to 0), narrowed with saturation to i8 as `as i8` saturates.
+    pub(super) fn q8_row(x: &[f32], qs: &mut [i8], d: &mut [f32], mut s: Option<&mut [f32]>) {
+        let blocks = x
+            .chunks_exact(32)
+            .zip(qs.chunks_exact_mut(32))
+            .zip(d.iter_mut());
+        for (b, ((x, q), d)) in blocks.enumerate() {
+            // SAFETY: `x` is 32 f32 and `q` 32 bytes (chunks_exact); NEON is baseline.
+            unsafe {
+                let p = x.as_ptr();
+                let mut v = [vdupq_n_f32(0.0); 8];
+                let mut m = vdupq_n_f32(0.0);
+                for (j, v) in v.iter_mut().enumerate() {
+                    *v = vld1q_f32(p.add(4 * j));
+                    m = vmaxnmq_f32(m, vabsq_f32(*v));
+                }
+                let amax = vmaxnmvq_f32(m);
+                let dd = amax / 127.0;
+                let id = if dd != 0.0 { 1.0 / dd } else { 0.0 };
+                let mut h = [vdup_n_s16(0); 8];
+                for (j, h) in h.iter_mut().enumerate() {
+                    *h = vqmovn_s32(vcvtaq_s32_f32(vmulq_n_f32(v[j], id)));
+                }
+                let lo = vcombine_s8(
+                    vqmovn_s16(vcombine_s16(h[0], h[1])),
+                    vqmovn_s16(vcombine_s16(h[2], h[3])),
+                );
+                let hi = vcombine_s8(
+                    vqmovn_s16(vcombine_s16(h[4], h[5])),
+                    vqmovn_s16(vcombine_s16(h[6], h[7])),
+                );
+                vst1q_s8(q.as_mut_ptr(), lo);
+                vst1q_s8(q.as_mut_ptr().add(16), hi);
+                // Σq of the stored quants (each half at most 16·128 in magnitude: exact in i16).
+                let total = vaddlvq_s8(lo) as i32 + vaddlvq_s8(hi) as i32;
+                *d = f16::from_f32(dd).to_f32();
+                if let Some(s) = s.as_deref_mut().and_then(|s| s.get_mut(b)) {
+                    *s = f16::from_f32(total as f32 * dd).to_f32();
+                }
             }
         }
     }

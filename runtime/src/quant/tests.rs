@@ -351,10 +351,11 @@ fn round_i8_is_round_half_away_then_saturate() {
     }
 }
 
-/// The row quantiser the fast path uses (AVX2 on x86 hosts that have it) gives the reference
-/// blocks' values bit for bit: random rows at many magnitudes, ties (amax 31.75 makes 1/d = 4, so
-/// eighths land on halves), zeros, subnormals (1/d overflows to ∞), infinities and NaN. A
-/// quantiser that rounds ties to even, or lets a NaN into the maximum, fails it.
+/// The row quantiser the fast path uses (AVX2 on x86 hosts that have it, NEON on aarch64) gives
+/// the reference blocks' values bit for bit: random rows at many magnitudes, ties (amax 31.75
+/// makes 1/d = 4, so eighths land on halves), zeros, subnormals (1/d overflows to ∞),
+/// infinities and NaN. A quantiser that rounds ties to even, or lets a NaN into the maximum,
+/// fails it.
 #[test]
 fn q8_row_equals_the_reference_blocks() {
     let mut seed = 0x9e37_79b9_7f4a_7c15u64;
