@@ -646,7 +646,8 @@ mod x86 {
 
 /// Whether [`rows`] takes M > 1 runs of this type with this kernel here: on x86 with AVX2 and
 /// F16C, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 go through [`x86::Unpacked`] (each weight row unpacked once,
-/// then dotted with every activation row from L1), which gives the tile path's bits faster.
+/// then dotted with every activation row from L1), which gives the tile path's bits faster; on
+/// aarch64 the same five types with the NEON kernels through [`neon::Unpacked`].
 pub(crate) fn takes_m(kernel: Kernel, ty: GgmlType) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
@@ -655,7 +656,11 @@ pub(crate) fn takes_m(kernel: Kernel, ty: GgmlType) -> bool {
             && std::arch::is_x86_feature_detected!("avx2")
             && std::arch::is_x86_feature_detected!("f16c")
     }
-    #[cfg(not(target_arch = "x86_64"))]
+    #[cfg(target_arch = "aarch64")]
+    {
+        kernel != Kernel::Portable && neon::UNPACK_TYPES.contains(&ty)
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
     {
         let _ = (kernel, ty);
         false
@@ -696,6 +701,34 @@ pub(crate) fn rows(
             for (i, o) in outs.iter_mut().enumerate() {
                 // SAFETY: as above.
                 *o = match unsafe { un.dot(act, i) } {
+                    Some(v) => v,
+                    None => row_at(kernel, w.ty, src, act, i),
+                };
+            }
+        }
+        return;
+    }
+    #[cfg(target_arch = "aarch64")]
+    if m > 1 && takes_m(kernel, w.ty) {
+        // Each weight row unpacked once (`neon::Unpacked`), then dotted with every activation row.
+        let mut un = neon::Unpacked::default();
+        // Re-checked, not trusted (see `Kernel::dots`): `sdot` without dotprod is UB.
+        let sdot = kernel == Kernel::NeonSdot && std::arch::is_aarch64_feature_detected!("dotprod");
+        for (j, outs) in ct.chunks_exact_mut(m).enumerate() {
+            let n = n0 + j;
+            if skip == Some(n) {
+                continue;
+            }
+            let src = &w.data[n * row_bytes..(n + 1) * row_bytes];
+            let unpacked = un.unpack(w.ty, src, act.k / 32);
+            for (i, o) in outs.iter_mut().enumerate() {
+                let v = match (unpacked, sdot) {
+                    (false, _) => None,
+                    // SAFETY: dotprod was just detected on this CPU.
+                    (true, true) => unsafe { neon::unpacked_sdot(&un, act, i) },
+                    (true, false) => neon::unpacked_neon(&un, act, i),
+                };
+                *o = match v {
                     Some(v) => v,
                     None => row_at(kernel, w.ty, src, act, i),
                 };
@@ -1050,6 +1083,179 @@ mod neon {
             j += 1;
         }
         Some(reduce_lanes(&acc))
+    }
+
+    /// The types [`Unpacked`] takes (M > 1); [`super::takes_m`] asks this list.
+    pub(super) const UNPACK_TYPES: [GgmlType; 5] = [
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q8_0,
+    ];
+
+    /// One weight row of Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 unpacked once for M > 1, so the
+    /// per-activation-row loop ([`Unpacked::dot`]) does no nibble, fifth-bit or f16 work: `q`
+    /// holds each block's 32 quants as the signed bytes `sdot`/`smull` take (Q4_0: nibble − 8,
+    /// Q5_0: q − 16, Q4_1 and Q5_1: the quants 0..32, Q8_0: as is), `d` and `m` the block scale
+    /// and minimum widened to f32 (exact). The integer dots are [`weights`]' and the scale terms
+    /// [`terms4`]'s, so the bits are [`row_dot`]'s. Per thread, 32 + 4 + 4 = 40 bytes per block
+    /// of K (K = 8192: 10 KiB), reused for every row of the call.
+    #[derive(Default)]
+    pub(super) struct Unpacked {
+        ty: Option<GgmlType>,
+        nb: usize,
+        q: Vec<i8>,
+        d: Vec<f32>,
+        m: Vec<f32>,
+    }
+
+    impl Unpacked {
+        /// Unpack weight row `src` (`nb` whole blocks of `ty`, one of [`UNPACK_TYPES`]); false
+        /// (and nothing to dot) for another type or a short row.
+        pub(super) fn unpack(&mut self, ty: GgmlType, src: &[u8], nb: usize) -> bool {
+            let bb = ty.block_bytes();
+            if !UNPACK_TYPES.contains(&ty) || src.len() != nb * bb {
+                self.ty = None;
+                return false;
+            }
+            self.ty = Some(ty);
+            self.nb = nb;
+            self.q.resize(nb * 32, 0);
+            self.d.resize(nb, 0.0);
+            let min = matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1);
+            self.m.resize(if min { nb } else { 0 }, 0.0);
+            for b in 0..nb {
+                let blk = &src[b * bb..(b + 1) * bb];
+                self.d[b] = f16_le(blk, 0);
+                if min {
+                    self.m[b] = f16_le(blk, 2);
+                }
+                // SAFETY: `weights` reads block b of `src` (whole, checked above); `q` holds 32
+                // bytes at 32·b; NEON is baseline.
+                unsafe {
+                    let (lo, hi) = weights(ty, src, bb, b);
+                    let p = self.q.as_mut_ptr().add(32 * b);
+                    vst1q_s8(p, lo);
+                    vst1q_s8(p.add(16), hi);
+                }
+            }
+            true
+        }
+
+        /// The unpacked row · activation row `row` as [`grouped`] sums it (four blocks a step,
+        /// accumulators 0..4 and 4..8, the tail and tree of `canonical_sum`); `None` if nothing
+        /// is unpacked or the activations are not `nb` blocks.
+        ///
+        /// # Safety
+        /// Whatever `D`'s instructions need (`Sdot`: dotprod).
+        #[inline(always)]
+        unsafe fn dot<D: Dot4>(&self, act: &Activations<'_>, row: usize) -> Option<f32> {
+            let ty = self.ty?;
+            let (k, nb) = (act.k, self.nb);
+            if k != nb * 32 {
+                return None;
+            }
+            let aq = act.qs.get(row * k..row * k + k)?;
+            let ad = act.d.get(row * nb..row * nb + nb)?;
+            let min = matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1);
+            let as_ = if min {
+                act.s.get(row * nb..row * nb + nb)?
+            } else {
+                &[][..]
+            };
+            let full = nb / BLOCK_LANES * BLOCK_LANES;
+            // SAFETY: registers and in-bounds loads only (every slice holds `nb` blocks).
+            let mut acc = unsafe {
+                let (mut lo, mut hi) = (vdupq_n_f32(0.0), vdupq_n_f32(0.0));
+                let mut base = 0;
+                while base < full {
+                    lo = vaddq_f32(lo, self.terms4::<D>(min, aq, ad, as_, base));
+                    hi = vaddq_f32(hi, self.terms4::<D>(min, aq, ad, as_, base + 4));
+                    base += BLOCK_LANES;
+                }
+                let mut acc = [0.0f32; BLOCK_LANES];
+                vst1q_f32(acc.as_mut_ptr(), lo);
+                vst1q_f32(acc.as_mut_ptr().add(4), hi);
+                acc
+            };
+            // The tail after the last whole group of eight, to accumulators 0, 1, … in order.
+            for (j, a) in acc.iter_mut().enumerate().take(nb - full) {
+                let b = full + j;
+                // SAFETY: block b is whole.
+                let dot = unsafe { vaddvq_s32(self.parts::<D>(aq, b)) } as f32;
+                *a += if min {
+                    (self.d[b] * ad[b]) * dot + self.m[b] * as_[b]
+                } else {
+                    dot * self.d[b] * ad[b]
+                };
+            }
+            Some(reduce_lanes(&acc))
+        }
+
+        /// Block `b`'s four partial integer sums from the unpacked quants.
+        ///
+        /// # Safety
+        /// `D`'s features; b < nb and `aq` holds nb blocks.
+        #[inline(always)]
+        unsafe fn parts<D: Dot4>(&self, aq: &[i8], b: usize) -> int32x4_t {
+            unsafe {
+                let p = self.q.as_ptr().add(32 * b);
+                D::parts((vld1q_s8(p), vld1q_s8(p.add(16))), act(act32(aq, b)))
+            }
+        }
+
+        /// [`terms4`] over the unpacked row: the scale terms of blocks b..b + 4, lane j block
+        /// b + j's, with [`row_dot`]'s f32 operations in its order.
+        ///
+        /// # Safety
+        /// `D`'s features; b + 4 <= nb.
+        #[inline(always)]
+        unsafe fn terms4<D: Dot4>(
+            &self,
+            min: bool,
+            aq: &[i8],
+            ad: &[f32],
+            as_: &[f32],
+            b: usize,
+        ) -> float32x4_t {
+            unsafe {
+                let dot = sums4([
+                    self.parts::<D>(aq, b),
+                    self.parts::<D>(aq, b + 1),
+                    self.parts::<D>(aq, b + 2),
+                    self.parts::<D>(aq, b + 3),
+                ]);
+                let dw = vld1q_f32(self.d[b..b + 4].as_ptr());
+                let da = vld1q_f32(ad[b..b + 4].as_ptr());
+                if min {
+                    let mw = vld1q_f32(self.m[b..b + 4].as_ptr());
+                    let sa = vld1q_f32(as_[b..b + 4].as_ptr());
+                    vaddq_f32(vmulq_f32(vmulq_f32(dw, da), dot), vmulq_f32(mw, sa))
+                } else {
+                    vmulq_f32(vmulq_f32(dot, dw), da)
+                }
+            }
+        }
+    }
+
+    /// [`Unpacked::dot`] with `sdot`.
+    ///
+    /// # Safety
+    /// The CPU must have the dotprod extension.
+    #[target_feature(enable = "dotprod")]
+    pub(super) unsafe fn unpacked_sdot(
+        un: &Unpacked,
+        act: &Activations<'_>,
+        row: usize,
+    ) -> Option<f32> {
+        unsafe { un.dot::<Sdot>(act, row) }
+    }
+
+    /// [`Unpacked::dot`] with widening multiplies (A72, A53).
+    pub(super) fn unpacked_neon(un: &Unpacked, act: &Activations<'_>, row: usize) -> Option<f32> {
+        // SAFETY: `Neon` needs nothing beyond baseline NEON.
+        unsafe { un.dot::<Neon>(act, row) }
     }
 
     /// Block `b`'s scale term alone, as [`row_dot`] computes it.

@@ -655,3 +655,24 @@ fn a_rows_output_does_not_depend_on_its_batch() {
         .collect();
     check_batch_invariance(&backends).unwrap_or_else(|e| panic!("{e}"));
 }
+
+/// On aarch64 the NEON kernels take M > 1 for the five unpacked types through
+/// `fused::rows` (so the order and batch checks above run the unpacked path), and the
+/// portable kernel does not.
+#[cfg(target_arch = "aarch64")]
+#[test]
+fn neon_kernels_take_m_for_the_unpacked_types() {
+    for ty in [
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q8_0,
+    ] {
+        for kernel in [Kernel::Neon, Kernel::NeonSdot] {
+            assert!(super::fused::takes_m(kernel, ty), "{ty} {kernel}");
+        }
+        assert!(!super::fused::takes_m(Kernel::Portable, ty), "{ty}");
+    }
+    assert!(!super::fused::takes_m(Kernel::Neon, GgmlType::Q4K));
+}
