@@ -1097,7 +1097,7 @@ mod neon {
     /// One weight row of Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 unpacked once for M > 1, so the
     /// per-activation-row loop ([`Unpacked::dot`]) does no nibble, fifth-bit or f16 work: `q`
     /// holds each block's 32 quants as the signed bytes `sdot`/`smull` take (Q4_0: nibble − 8,
-    /// Q5_0: q − 16, Q4_1 and Q5_1: the quants 0..32, Q8_0: as is), `d` and `m` the block scale
+    /// Q5_0: q − 16, Q4_1: 0..15, Q5_1: 0..31, Q8_0: as is), `d` and `m` the block scale
     /// and minimum widened to f32 (exact). The integer dots are [`weights`]' and the scale terms
     /// [`terms4`]'s, so the bits are [`row_dot`]'s. Per thread, 32 + 4 + 4 = 40 bytes per block
     /// of K (K = 8192: 10 KiB), reused for every row of the call.
