@@ -172,10 +172,10 @@ fn act32(aq: &[i8], b: usize) -> &[i8; 32] {
     }
 }
 
-/// On x86 with AVX2: Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 (the types of common small models)
-/// through the hand-written blocks of [`x86`]; the others through the portable kernel compiled
-/// again with AVX2 enabled. Same formula and order as [`row_dot`], and Rust never contracts
-/// float ops, so results are identical.
+/// On x86 with AVX2: Q4_0, Q4_1 and Q8_0 (the types of common small models) through the
+/// hand-written blocks of [`x86`]; the others through the portable kernel compiled again with
+/// AVX2 enabled. Same formula and order as [`row_dot`], and Rust never contracts float ops, so
+/// results are identical.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,f16c")]
 unsafe fn row_dot_avx2(ty: GgmlType, src: &[u8], act: &Activations<'_>, row: usize) -> f32 {
@@ -227,13 +227,7 @@ mod x86 {
 
     /// The types [`row_dot`] takes (its match arms; the tests walk this list).
     #[cfg(test)]
-    pub(super) const TYPES: [GgmlType; 5] = [
-        GgmlType::Q8_0,
-        GgmlType::Q4_0,
-        GgmlType::Q4_1,
-        GgmlType::Q5_0,
-        GgmlType::Q5_1,
-    ];
+    pub(super) const TYPES: [GgmlType; 3] = [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1];
 
     /// The types [`Unpacked`] takes (M > 1); [`super::takes_m`] asks this list, not a copy of
     /// it. Once unpacked, Q5_0 is shaped as Q4_0 (signed, `d`) and Q5_1 as Q4_1 (unsigned, `d`
@@ -249,13 +243,6 @@ mod x86 {
     const Q8_0: u8 = 0;
     const Q4_0: u8 = 1;
     const Q4_1: u8 = 2;
-    const Q5_0: u8 = 3;
-    const Q5_1: u8 = 4;
-
-    /// Whether `T` has a minimum (`m_w·s_a` in its scale term).
-    const fn has_min(t: u8) -> bool {
-        t == Q4_1 || t == Q5_1
-    }
 
     /// The integer dot of block `b` with activation block `a`.
     #[inline(always)]
@@ -264,11 +251,6 @@ mod x86 {
         match T {
             Q8_0 => sdot(_mm256_loadu_si256(b.add(2) as *const __m256i), a),
             Q4_0 => sdot(_mm256_sub_epi8(nibbles(b.add(2)), _mm256_set1_epi8(8)), a),
-            Q5_0 => sdot(
-                _mm256_sub_epi8(fifth(nibbles(b.add(6)), b.add(2)), _mm256_set1_epi8(16)),
-                a,
-            ),
-            Q5_1 => udot(fifth(nibbles(b.add(8)), b.add(4)), a),
             _ => udot(nibbles(b.add(4)), a),
         }
     }
@@ -345,7 +327,7 @@ mod x86 {
     ) -> __m256 {
         let wd = f16x8(b, bb, 0, n);
         let adv = _mm256_maskload_ps(ad.as_ptr().add(i), mask);
-        if has_min(T) {
+        if T == Q4_1 {
             let wm = f16x8(b, bb, 2, n);
             let asv = _mm256_maskload_ps(as_.as_ptr().add(i), mask);
             scale_terms::<T>(dots, wd, adv, wm, asv)
@@ -369,7 +351,7 @@ mod x86 {
         let lo = hsum4([dots[0], dots[1], dots[2], dots[3]]);
         let hi = hsum4([dots[4], dots[5], dots[6], dots[7]]);
         let dot = _mm256_cvtepi32_ps(_mm256_set_m128i(hi, lo));
-        if has_min(T) {
+        if T == Q4_1 {
             _mm256_add_ps(
                 _mm256_mul_ps(_mm256_mul_ps(wd, adv), dot),
                 _mm256_mul_ps(wm, asv),
@@ -539,7 +521,7 @@ mod x86 {
         ) -> __m256i {
             let a = _mm256_loadu_si256(pa.add(32 * b) as *const __m256i);
             let u = _mm256_loadu_si256(pu.add(32 * b) as *const __m256i);
-            if has_min(T) {
+            if T == Q4_1 {
                 udot(u, a)
             } else {
                 let s = _mm256_loadu_si256(ps.add(32 * b) as *const __m256i);
@@ -592,7 +574,7 @@ mod x86 {
         ) -> __m256 {
             let wd = _mm256_maskload_ps(self.d.as_ptr().add(i), mask);
             let adv = _mm256_maskload_ps(ad.as_ptr().add(i), mask);
-            if has_min(T) {
+            if T == Q4_1 {
                 let wm = _mm256_maskload_ps(self.m.as_ptr().add(i), mask);
                 let asv = _mm256_maskload_ps(as_.as_ptr().add(i), mask);
                 scale_terms::<T>(dots, wd, adv, wm, asv)
@@ -603,9 +585,8 @@ mod x86 {
         }
     }
 
-    /// Activation row `row` of `act` · the weight row `src`, for Q4_0, Q4_1, Q5_0, Q5_1 and
-    /// Q8_0; `None` for the other types, or if the lengths are not whole blocks (the portable
-    /// path handles those).
+    /// Activation row `row` of `act` · the weight row `src`, for Q4_0, Q4_1 and Q8_0; `None` for
+    /// the other types, or if the lengths are not whole blocks (the portable path handles those).
     ///
     /// # Safety
     /// The CPU must have AVX2 and F16C.
@@ -629,14 +610,9 @@ mod x86 {
             match ty {
                 GgmlType::Q8_0 => Some(blocks::<Q8_0>(src, bb, aq, ad, &[], nb)),
                 GgmlType::Q4_0 => Some(blocks::<Q4_0>(src, bb, aq, ad, &[], nb)),
-                GgmlType::Q5_0 => Some(blocks::<Q5_0>(src, bb, aq, ad, &[], nb)),
                 GgmlType::Q4_1 => {
                     let as_ = act.s.get(row * nb..row * nb + nb)?;
                     Some(blocks::<Q4_1>(src, bb, aq, ad, as_, nb))
-                }
-                GgmlType::Q5_1 => {
-                    let as_ = act.s.get(row * nb..row * nb + nb)?;
-                    Some(blocks::<Q5_1>(src, bb, aq, ad, as_, nb))
                 }
                 _ => None,
             }
@@ -1378,7 +1354,7 @@ mod x86_tests {
                 for b in src.chunks_exact_mut(bb) {
                     let d = 0.005 + (next() % 1000) as f32 * 1e-5;
                     b[..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
-                    if matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1) {
+                    if ty == GgmlType::Q4_1 {
                         let m = (next() % 2000) as f32 * 1e-5 - 0.01;
                         b[2..4].copy_from_slice(&f16::from_f32(m).to_le_bytes());
                     }
