@@ -121,9 +121,10 @@ impl<'a> Activations<'a> {
         const MIN_PER_THREAD: usize = 4096;
         let parts = threads.min(m).min(a.len() / MIN_PER_THREAD).max(1);
         let rows = m.div_ceil(parts).max(1);
-        let bpr = k / per_block; // blocks per row
-                                 // Split every buffer at the same row boundaries (`s` and `bsums` are empty when the
-                                 // format has none).
+        // Blocks per row.
+        let bpr = k / per_block;
+        // Split every buffer at the same row boundaries (`s` and `bsums` are empty when the
+        // format has none).
         fn cut<'b, T>(v: &mut &'b mut [T], n: usize) -> &'b mut [T] {
             let n = n.min(v.len());
             let (head, tail) = std::mem::take(v).split_at_mut(n);

@@ -68,10 +68,12 @@ impl BlockDot for Portable {
     }
 }
 
-/// Whether [`row_dot`] handles this type (the rest go through the unpacked path).
+/// Whether [`rows`] takes M = 1 runs of this type here: [`row_dot`]'s types everywhere, and the
+/// K-quants where [`super::kquant`] has its dots (x86 with AVX2); the rest go through the
+/// unpacked tile path.
 pub(crate) fn supports(ty: GgmlType) -> bool {
     use GgmlType::*;
-    matches!(ty, F16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0)
+    matches!(ty, F16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0) || super::kquant::available(ty)
 }
 
 fn f16_le(b: &[u8], at: usize) -> f32 {
@@ -172,15 +174,23 @@ fn act32(aq: &[i8], b: usize) -> &[i8; 32] {
     }
 }
 
-/// On x86 with AVX2: Q4_0, Q4_1 and Q8_0 (the types of common small models) through the
-/// hand-written blocks of [`x86`]; the others through the portable kernel compiled again with
-/// AVX2 enabled. Same formula and order as [`row_dot`], and Rust never contracts float ops, so
-/// results are identical.
+/// On x86 with AVX2: Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 (the types of common small models)
+/// through the hand-written blocks of [`x86`]; the others through the portable kernel compiled
+/// again with AVX2 enabled. Same formula and order as [`row_dot`], and Rust never contracts
+/// float ops, so results are identical.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,f16c")]
 unsafe fn row_dot_avx2(ty: GgmlType, src: &[u8], act: &Activations<'_>, row: usize) -> f32 {
     // SAFETY: AVX2 and F16C are this function's precondition.
-    let hand = unsafe { x86::row_dot(ty, src, act, row) };
+    let hand = unsafe {
+        match ty {
+            GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => {
+                super::kquant::x86::row_dot(ty, src, act, row)
+            }
+            GgmlType::Q5_0 | GgmlType::Q5_1 => x86::row_dot_q5(ty, src, act, row),
+            _ => x86::row_dot(ty, src, act, row),
+        }
+    };
     match hand {
         Some(sum) => sum,
         None => row_dot::<Portable>(ty, src, act, row),
@@ -227,7 +237,13 @@ mod x86 {
 
     /// The types [`row_dot`] takes (its match arms; the tests walk this list).
     #[cfg(test)]
-    pub(super) const TYPES: [GgmlType; 3] = [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1];
+    pub(super) const TYPES: [GgmlType; 5] = [
+        GgmlType::Q8_0,
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+    ];
 
     /// The types [`Unpacked`] takes (M > 1); [`super::takes_m`] asks this list, not a copy of
     /// it. Once unpacked, Q5_0 is shaped as Q4_0 (signed, `d`) and Q5_1 as Q4_1 (unsigned, `d`
@@ -243,6 +259,13 @@ mod x86 {
     const Q8_0: u8 = 0;
     const Q4_0: u8 = 1;
     const Q4_1: u8 = 2;
+    const Q5_0: u8 = 3;
+    const Q5_1: u8 = 4;
+
+    /// Whether `T` has a minimum (`m_w·s_a` in its scale term).
+    const fn has_min(t: u8) -> bool {
+        t == Q4_1 || t == Q5_1
+    }
 
     /// The integer dot of block `b` with activation block `a`.
     #[inline(always)]
@@ -251,6 +274,11 @@ mod x86 {
         match T {
             Q8_0 => sdot(_mm256_loadu_si256(b.add(2) as *const __m256i), a),
             Q4_0 => sdot(_mm256_sub_epi8(nibbles(b.add(2)), _mm256_set1_epi8(8)), a),
+            Q5_0 => sdot(
+                _mm256_sub_epi8(fifth(nibbles(b.add(6)), b.add(2)), _mm256_set1_epi8(16)),
+                a,
+            ),
+            Q5_1 => udot(fifth(nibbles(b.add(8)), b.add(4)), a),
             _ => udot(nibbles(b.add(4)), a),
         }
     }
@@ -327,7 +355,7 @@ mod x86 {
     ) -> __m256 {
         let wd = f16x8(b, bb, 0, n);
         let adv = _mm256_maskload_ps(ad.as_ptr().add(i), mask);
-        if T == Q4_1 {
+        if has_min(T) {
             let wm = f16x8(b, bb, 2, n);
             let asv = _mm256_maskload_ps(as_.as_ptr().add(i), mask);
             scale_terms::<T>(dots, wd, adv, wm, asv)
@@ -351,7 +379,7 @@ mod x86 {
         let lo = hsum4([dots[0], dots[1], dots[2], dots[3]]);
         let hi = hsum4([dots[4], dots[5], dots[6], dots[7]]);
         let dot = _mm256_cvtepi32_ps(_mm256_set_m128i(hi, lo));
-        if T == Q4_1 {
+        if has_min(T) {
             _mm256_add_ps(
                 _mm256_mul_ps(_mm256_mul_ps(wd, adv), dot),
                 _mm256_mul_ps(wm, asv),
@@ -521,7 +549,7 @@ mod x86 {
         ) -> __m256i {
             let a = _mm256_loadu_si256(pa.add(32 * b) as *const __m256i);
             let u = _mm256_loadu_si256(pu.add(32 * b) as *const __m256i);
-            if T == Q4_1 {
+            if has_min(T) {
                 udot(u, a)
             } else {
                 let s = _mm256_loadu_si256(ps.add(32 * b) as *const __m256i);
@@ -574,7 +602,7 @@ mod x86 {
         ) -> __m256 {
             let wd = _mm256_maskload_ps(self.d.as_ptr().add(i), mask);
             let adv = _mm256_maskload_ps(ad.as_ptr().add(i), mask);
-            if T == Q4_1 {
+            if has_min(T) {
                 let wm = _mm256_maskload_ps(self.m.as_ptr().add(i), mask);
                 let asv = _mm256_maskload_ps(as_.as_ptr().add(i), mask);
                 scale_terms::<T>(dots, wd, adv, wm, asv)
@@ -585,8 +613,9 @@ mod x86 {
         }
     }
 
-    /// Activation row `row` of `act` · the weight row `src`, for Q4_0, Q4_1 and Q8_0; `None` for
-    /// the other types, or if the lengths are not whole blocks (the portable path handles those).
+    /// Activation row `row` of `act` · the weight row `src`, for Q4_0, Q4_1, Q5_0, Q5_1 and
+    /// Q8_0; `None` for the other types, or if the lengths are not whole blocks (the portable
+    /// path handles those).
     ///
     /// # Safety
     /// The CPU must have AVX2 and F16C.
@@ -618,6 +647,40 @@ mod x86 {
             }
         }
     }
+
+    /// [`row_dot`] for Q5_0 and Q5_1, kept out of line: inlined beside the Q4 blocks in one
+    /// function, their code cost Q4_1 decode 7 % (docs/speed.md).
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and F16C.
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline(never)]
+    pub(super) unsafe fn row_dot_q5(
+        ty: GgmlType,
+        src: &[u8],
+        act: &Activations<'_>,
+        row: usize,
+    ) -> Option<f32> {
+        let k = act.k;
+        let nb = k / 32;
+        let bb = ty.block_bytes();
+        let aq = act.qs.get(row * k..row * k + k)?;
+        let ad = act.d.get(row * nb..row * nb + nb)?;
+        if k % 32 != 0 || src.len() != nb * bb {
+            return None;
+        }
+        // SAFETY: lengths checked above; AVX2 + F16C are the caller's promise.
+        unsafe {
+            match ty {
+                GgmlType::Q5_0 => Some(blocks::<Q5_0>(src, bb, aq, ad, &[], nb)),
+                GgmlType::Q5_1 => {
+                    let as_ = act.s.get(row * nb..row * nb + nb)?;
+                    Some(blocks::<Q5_1>(src, bb, aq, ad, as_, nb))
+                }
+                _ => None,
+            }
+        }
+    }
 }
 
 /// Whether [`rows`] takes M > 1 runs of this type with this kernel here: on x86 with AVX2 and
@@ -628,7 +691,7 @@ pub(crate) fn takes_m(kernel: Kernel, ty: GgmlType) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         kernel == Kernel::Portable
-            && x86::UNPACK_TYPES.contains(&ty)
+            && (x86::UNPACK_TYPES.contains(&ty) || super::kquant::available(ty))
             && std::arch::is_x86_feature_detected!("avx2")
             && std::arch::is_x86_feature_detected!("f16c")
     }
@@ -1354,7 +1417,7 @@ mod x86_tests {
                 for b in src.chunks_exact_mut(bb) {
                     let d = 0.005 + (next() % 1000) as f32 * 1e-5;
                     b[..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
-                    if ty == GgmlType::Q4_1 {
+                    if matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1) {
                         let m = (next() % 2000) as f32 * 1e-5 - 0.01;
                         b[2..4].copy_from_slice(&f16::from_f32(m).to_le_bytes());
                     }
@@ -1367,7 +1430,12 @@ mod x86_tests {
                 for row in 0..3 {
                     let want = row_dot::<Portable>(ty, &src, &act, row);
                     // SAFETY: AVX2 and F16C were detected above.
-                    let got = unsafe { x86::row_dot(ty, &src, &act, row) };
+                    let got = unsafe {
+                        match ty {
+                            GgmlType::Q5_0 | GgmlType::Q5_1 => x86::row_dot_q5(ty, &src, &act, row),
+                            _ => x86::row_dot(ty, &src, &act, row),
+                        }
+                    };
                     assert_eq!(
                         got.map(f32::to_bits),
                         Some(want.to_bits()),

@@ -6,6 +6,7 @@
 mod fast;
 mod fused;
 mod kernels;
+mod kquant;
 #[cfg(test)]
 mod tests;
 

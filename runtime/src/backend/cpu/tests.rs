@@ -406,12 +406,17 @@ fn fused_decode_dots_equal_the_unpacked_path() {
         // tail, as x86's AVX2 path takes them), 4 (no tail), 3 (only the tail).
         let ks: &[usize] = if ty == GgmlType::F16 {
             &[547]
+        } else if ty.block_elems() == QK {
+            // K-quants (where the fused path takes them): 9, 1 and 3 super-blocks.
+            &[9 * QK, QK, 3 * QK]
         } else {
             &[544, 128, 96]
         };
         for &k in ks {
             let data: Vec<u8> = match ty {
-                GgmlType::F16 => make_weight(ty, k, n, &mut rng),
+                GgmlType::F16 | GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => {
+                    make_weight(ty, k, n, &mut rng)
+                }
                 _ => {
                     let bb = ty.block_bytes();
                     let mut d: Vec<u8> = (0..k / 32 * n * bb).map(|_| rng.byte()).collect();
@@ -498,6 +503,64 @@ fn oracle_terms(
         .collect()
 }
 
+/// The super-block terms of a Q4_K/Q5_K/Q6_K weight row with Q8_K activation row `row`, from
+/// ggml's layouts (`dequantize_row_q*_K`) here, apart from the kernels: per super-block the exact
+/// integer sums, then ARCHITECTURE.md's formula (Q4_K/Q5_K `d_a·(d_w·Σsc·dot − dmin_w·Σmin·bsum)`,
+/// Q6_K `d_w·d_a·Σsc·dot`).
+fn oracle_terms_k(
+    ty: GgmlType,
+    w: &[u8],
+    act: &super::fast::Activations<'_>,
+    row: usize,
+) -> Vec<f32> {
+    let k = act.k;
+    let nb = k / QK;
+    let h = |b: &[u8], at: usize| f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32();
+    let bb = ty.block_bytes();
+    (0..nb)
+        .map(|b| {
+            let blk = &w[b * bb..(b + 1) * bb];
+            let aq = &act.qs[row * k + QK * b..row * k + QK * b + QK];
+            let ad = act.d[row * nb + b];
+            if ty == GgmlType::Q6K {
+                let mut isum = 0i32;
+                for e in 0..QK {
+                    let (half, l) = (e / 128, e % 128);
+                    let (quarter, l) = (l / 32, l % 32);
+                    let ql = blk[64 * half + l + if quarter % 2 == 1 { 32 } else { 0 }];
+                    let low = if quarter < 2 { ql & 0xF } else { ql >> 4 };
+                    let high = (blk[128 + 32 * half + l] >> (2 * quarter)) & 3;
+                    let q = (low | (high << 4)) as i32 - 32;
+                    isum += blk[192 + e / 16] as i8 as i32 * q * aq[e] as i32;
+                }
+                return h(blk, 208) * ad * isum as f32;
+            }
+            let (mut isum, mut msum) = (0i32, 0i32);
+            for j in 0..8 {
+                let (sc, m) = crate::quant::get_scale_min_k4(j, &blk[4..16]);
+                let (mut dot, mut asum) = (0i32, 0i32);
+                for l in 0..32 {
+                    let e = 32 * j + l;
+                    let byte = if ty == GgmlType::Q5K {
+                        blk[48 + 32 * (j / 2) + l]
+                    } else {
+                        blk[16 + 32 * (j / 2) + l]
+                    };
+                    let mut q = if j % 2 == 0 { byte & 0xF } else { byte >> 4 } as i32;
+                    if ty == GgmlType::Q5K {
+                        q |= (((blk[16 + l] >> j) & 1) as i32) << 4;
+                    }
+                    dot += q * aq[e] as i32;
+                    asum += aq[e] as i32;
+                }
+                isum += sc as i32 * dot;
+                msum += m as i32 * asum;
+            }
+            ad * (h(blk, 0) * isum as f32 - h(blk, 2) * msum as f32)
+        })
+        .collect()
+}
+
 /// The canonical order as ARCHITECTURE.md states it, for `lanes` = 8; `lanes` = 1 is the old
 /// one-running-sum order, the fault the tests below must tell apart.
 fn oracle_sum(terms: &[f32], lanes: usize) -> f32 {
@@ -533,16 +596,11 @@ fn order_k(ty: GgmlType) -> usize {
 fn check_oracle_order(cpu: &CpuBackend, lanes: usize) -> Result<(), String> {
     let mut rng = Rng(17);
     let n = 5;
-    for ty in [
-        GgmlType::Q4_0,
-        GgmlType::Q4_1,
-        GgmlType::Q5_0,
-        GgmlType::Q5_1,
-        GgmlType::Q8_0,
-    ] {
+    for ty in quant_types() {
         let k = order_k(ty);
         let data = make_weight(ty, k, n, &mut rng);
         let w = weight(ty, k, n, &data);
+        let row_bytes = ty.block_bytes() * (k / ty.block_elems());
         for m in [1, 3, 8, 64] {
             let a: Vec<f32> = (0..m * k).map(|_| rng.f32()).collect();
             let got = run(cpu, &w, &a, m);
@@ -550,9 +608,13 @@ fn check_oracle_order(cpu: &CpuBackend, lanes: usize) -> Result<(), String> {
             let act = super::fast::Activations::quantize(fmt, &a, k);
             for i in 0..m {
                 for j in 0..n {
-                    let rowb =
-                        &data[j * ty.block_bytes() * (k / 32)..][..ty.block_bytes() * (k / 32)];
-                    let want = oracle_sum(&oracle_terms(ty, rowb, &act, i), lanes);
+                    let rowb = &data[j * row_bytes..][..row_bytes];
+                    let terms = if ty.block_elems() == QK {
+                        oracle_terms_k(ty, rowb, &act, i)
+                    } else {
+                        oracle_terms(ty, rowb, &act, i)
+                    };
+                    let want = oracle_sum(&terms, lanes);
                     let g = got[i * n + j];
                     if g.to_bits() != want.to_bits() {
                         return Err(format!(

@@ -1,0 +1,302 @@
+//! K-quant (Q4_K, Q5_K, Q6_K) dots straight off the packed super-blocks, as ggml's
+//! `ggml_vec_dot_q*_K_q8_K` computes them: each 256-element super-block's quants are unpacked in
+//! registers, dotted with the Q8_K activation block and weighted by their sub-block scales in
+//! exact integer arithmetic, giving per super-block the integer sums `isum = Σ sc·dot` (and for
+//! Q4_K/Q5_K `msum = Σ min·bsum`). The f32 term of each super-block is then formed with the
+//! operations of the unpacked path (`fast.rs`: Q4_K/Q5_K `d_a·(d_w·isum − dmin_w·msum)`, Q6_K
+//! `d_w·d_a·isum`) and added in the canonical order (ARCHITECTURE.md, "CPU reduction order"), so
+//! the bits are those of every other kernel. One pass over each weight row: decode reads each
+//! weight byte once and writes nothing back; M > 1 reads a row (at most a few KiB) from L1 again
+//! for every activation row, as ggml does for these types.
+
+use super::fast::Activations;
+use super::kernels::{reduce_lanes, BLOCK_LANES};
+use crate::quant::{GgmlType, QK_K};
+
+/// The eight 6-bit scales and eight 6-bit mins of a Q4_K/Q5_K super-block from its 12 packed
+/// bytes (ggml's `utmp` shuffle: the same values as `get_scale_min_k4(j)` for j in 0..8, four
+/// at a time as u32 words instead of one byte at a time).
+#[inline(always)]
+pub(crate) fn scales_mins(s: &[u8; 12]) -> ([u8; 8], [u8; 8]) {
+    const KMASK1: u32 = 0x3f3f_3f3f;
+    const KMASK2: u32 = 0x0f0f_0f0f;
+    const KMASK3: u32 = 0x0303_0303;
+    let w = |i: usize| u32::from_le_bytes([s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]]);
+    let (u0, u1, u2) = (w(0), w(1), w(2));
+    let sc_lo = u0 & KMASK1;
+    let sc_hi = (u2 & KMASK2) | (((u0 >> 6) & KMASK3) << 4);
+    let m_lo = u1 & KMASK1;
+    let m_hi = ((u2 >> 4) & KMASK2) | (((u1 >> 6) & KMASK3) << 4);
+    let join = |lo: u32, hi: u32| {
+        let (l, h) = (lo.to_le_bytes(), hi.to_le_bytes());
+        [l[0], l[1], l[2], l[3], h[0], h[1], h[2], h[3]]
+    };
+    (join(sc_lo, sc_hi), join(m_lo, m_hi))
+}
+
+/// The types [`x86::row_dot`] takes.
+#[cfg(target_arch = "x86_64")]
+pub(super) const TYPES: [GgmlType; 3] = [GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K];
+
+/// Whether this CPU runs the hand-written K-quant dots (x86 with AVX2 and F16C).
+pub(super) fn available(ty: GgmlType) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        TYPES.contains(&ty)
+            && std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("f16c")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = ty;
+        false
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(super) mod x86 {
+    use super::{reduce_lanes, scales_mins, Activations, GgmlType, BLOCK_LANES, QK_K};
+    use std::arch::x86_64::*;
+
+    #[inline(always)]
+    fn f16_at(b: &[u8], at: usize) -> f32 {
+        super::super::fast::f16_bits_to_f32(u16::from_le_bytes([b[at], b[at + 1]]))
+    }
+
+    /// Σ of the eight i32 lanes (exact: the caller's sums stay far inside i32).
+    #[inline(always)]
+    unsafe fn hsum_i32(v: __m256i) -> i32 {
+        let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
+        _mm_cvtsi128_si32(s)
+    }
+
+    #[inline(always)]
+    unsafe fn load(p: *const u8) -> __m256i {
+        _mm256_loadu_si256(p as *const __m256i)
+    }
+
+    /// Σ_j sc_j · (q·a over sub-block j) for the eight 32-element sub-blocks of a Q4_K or Q5_K
+    /// super-block: `qs` its 128 nibble bytes, `qh` its 32 fifth-bit bytes (Q5_K), `a` the 256
+    /// activation quants. `vpmaddubsw` pairs are at most 2·31·127 < 2¹⁵ and the scales at most
+    /// 63, so every step is exact.
+    #[inline(always)]
+    unsafe fn isum_q45(qs: *const u8, qh: Option<*const u8>, a: *const i8, sc: &[u8; 8]) -> i32 {
+        let m4 = _mm256_set1_epi8(0x0F);
+        let one = _mm256_set1_epi8(1);
+        let hbits = match qh {
+            Some(p) => Some(load(p)),
+            None => None,
+        };
+        let mut acc = _mm256_setzero_si256();
+        for c in 0..4 {
+            let q = load(qs.add(32 * c));
+            let sh0 = _mm_cvtsi32_si128(2 * c as i32);
+            let sh1 = _mm_cvtsi32_si128(2 * c as i32 + 1);
+            let mut lo = _mm256_and_si256(q, m4);
+            let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4);
+            if let Some(h) = hbits {
+                // Bit 2c of byte l is element 64c + l's fifth bit, bit 2c + 1 element 64c + 32 + l's.
+                let b0 = _mm256_and_si256(_mm256_srl_epi16(h, sh0), one);
+                let b1 = _mm256_and_si256(_mm256_srl_epi16(h, sh1), one);
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16::<4>(b0));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16::<4>(b1));
+            }
+            let p_lo = _mm256_maddubs_epi16(lo, load(a.add(64 * c) as *const u8));
+            let p_hi = _mm256_maddubs_epi16(hi, load(a.add(64 * c + 32) as *const u8));
+            let s_lo = _mm256_set1_epi16(sc[2 * c] as i16);
+            let s_hi = _mm256_set1_epi16(sc[2 * c + 1] as i16);
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p_lo, s_lo));
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p_hi, s_hi));
+        }
+        hsum_i32(acc)
+    }
+
+    /// Σ_j sc_j · (q·a over the 16-element group j) of a Q6_K super-block (`b` its 210 bytes),
+    /// quants q in −32..=31 as (unsigned 6-bit) − 32: `vpmaddubsw(q6, a) − vpmaddubsw(32, a)`
+    /// per pair (|·| ≤ 2·63·127 + 2·32·127 < 2¹⁵), weighted by the signed scales in
+    /// `vpmaddwd`. Exact.
+    #[inline(always)]
+    unsafe fn isum_q6(b: *const u8, a: *const i8) -> i32 {
+        let m4 = _mm256_set1_epi8(0x0F);
+        let m2 = _mm256_set1_epi8(0x03);
+        let k32 = _mm256_set1_epi8(32);
+        let sc = b.add(192) as *const i8;
+        let mut acc = _mm256_setzero_si256();
+        for n in 0..2 {
+            let ql0 = load(b.add(64 * n));
+            let ql1 = load(b.add(64 * n + 32));
+            let qh = load(b.add(128 + 32 * n));
+            // ((qh >> s) & 3) << 4, per byte: the two high bits of each quant.
+            let h0 = _mm256_slli_epi16::<4>(_mm256_and_si256(qh, m2));
+            let h2 = _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srli_epi16::<2>(qh), m2));
+            let h4 = _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srli_epi16::<4>(qh), m2));
+            let h6 = _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srli_epi16::<6>(qh), m2));
+            let q = [
+                _mm256_or_si256(_mm256_and_si256(ql0, m4), h0),
+                _mm256_or_si256(_mm256_and_si256(ql1, m4), h2),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(ql0), m4), h4),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(ql1), m4), h6),
+            ];
+            for (j, q) in q.into_iter().enumerate() {
+                let av = load(a.add(128 * n + 32 * j) as *const u8);
+                let p =
+                    _mm256_sub_epi16(_mm256_maddubs_epi16(q, av), _mm256_maddubs_epi16(k32, av));
+                // Lanes 0..8 (elements 0..16 of this 32) take group 8n + 2j's scale, 8..16 the next.
+                let g = 8 * n + 2 * j;
+                let s0 = *sc.add(g) as i16;
+                let s1 = *sc.add(g + 1) as i16;
+                let s = _mm256_set_m128i(_mm_set1_epi16(s1), _mm_set1_epi16(s0));
+                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
+            }
+        }
+        hsum_i32(acc)
+    }
+
+    /// Activation row `row` of `act` (Q8_K) · the weight row `src` (whole super-blocks of a
+    /// K-quant `ty`), in the canonical order; `None` for another type or lengths that are not
+    /// whole super-blocks (the unpacked path takes those).
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and F16C.
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline(never)]
+    pub(in super::super) unsafe fn row_dot(
+        ty: GgmlType,
+        src: &[u8],
+        act: &Activations<'_>,
+        row: usize,
+    ) -> Option<f32> {
+        let k = act.k;
+        let nb = k / QK_K;
+        let bb = ty.block_bytes();
+        if k % QK_K != 0 || src.len() != nb * bb || !super::TYPES.contains(&ty) {
+            return None;
+        }
+        let aq = act.qs.get(row * k..row * k + k)?;
+        let ad = act.d.get(row * nb..row * nb + nb)?;
+        let bsums = act.bsums.get(row * nb * 16..(row + 1) * nb * 16)?;
+        let (ps, pa) = (src.as_ptr(), aq.as_ptr());
+        // SAFETY (every block below): b < nb, so the block's bb bytes and its 256 activation
+        // quants lie inside `src` and `aq` (lengths checked above); AVX2 is the caller's promise.
+        let mut acc = [0.0f32; BLOCK_LANES];
+        // Loops, not closures: a closure would not inherit this function's AVX2.
+        if ty == GgmlType::Q6K {
+            for b in 0..nb {
+                let blk = &src[b * bb..(b + 1) * bb];
+                let isum = unsafe { isum_q6(ps.add(b * bb), pa.add(b * QK_K)) };
+                acc[b % BLOCK_LANES] += f16_at(blk, 208) * ad[b] * isum as f32;
+            }
+        } else {
+            let q5 = ty == GgmlType::Q5K;
+            for b in 0..nb {
+                let blk = &src[b * bb..(b + 1) * bb];
+                let packed = <&[u8; 12]>::try_from(&blk[4..16]).ok()?;
+                let (sc, mins) = scales_mins(packed);
+                let p = ps.add(b * bb);
+                let (qs, qh) = if q5 {
+                    (p.add(48), Some(p.add(16)))
+                } else {
+                    (p.add(16), None)
+                };
+                let isum = unsafe { isum_q45(qs, qh, pa.add(b * QK_K), &sc) };
+                let bs = &bsums[16 * b..16 * b + 16];
+                let mut msum = 0i32;
+                for j in 0..8 {
+                    msum += mins[j] as i32 * (bs[2 * j] as i32 + bs[2 * j + 1] as i32);
+                }
+                acc[b % BLOCK_LANES] +=
+                    ad[b] * (f16_at(blk, 0) * isum as f32 - f16_at(blk, 2) * msum as f32);
+            }
+        }
+        Some(reduce_lanes(&acc))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::scales_mins;
+    use crate::quant::get_scale_min_k4;
+
+    /// The AVX2 super-block dots against the unpacked path (`RowScratch`, the portable statement
+    /// every other kernel shares), to the bit: each activation row of an M = 3 run, weights of
+    /// every byte pattern (random quants, scales, mins and high bits; signed Q6_K scales down to
+    /// −128), K of 9, 1 and 3 super-blocks (a group of eight and a tail, only a tail).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx2_super_block_dots_equal_the_unpacked_path() {
+        use super::super::fast::{act_format, Activations, RowScratch};
+        use super::super::kernels::Kernel;
+        use crate::quant::{GgmlType, QK_K};
+        use half::f16;
+        if !super::available(GgmlType::Q4K) {
+            eprintln!("no AVX2/F16C here: nothing to compare");
+            return;
+        }
+        let mut z = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = move || {
+            z ^= z << 13;
+            z ^= z >> 7;
+            z ^= z << 17;
+            z
+        };
+        for ty in super::TYPES {
+            for nb in [9usize, 1, 3] {
+                let k = nb * QK_K;
+                let bb = ty.block_bytes();
+                let mut src: Vec<u8> = (0..nb * bb).map(|_| next() as u8).collect();
+                for b in src.chunks_exact_mut(bb) {
+                    let d = f16::from_f32(0.001 + (next() % 1000) as f32 * 1e-5).to_le_bytes();
+                    if ty == GgmlType::Q6K {
+                        b[208..210].copy_from_slice(&d);
+                    } else {
+                        b[..2].copy_from_slice(&d);
+                        let m = f16::from_f32((next() % 1000) as f32 * 1e-5).to_le_bytes();
+                        b[2..4].copy_from_slice(&m);
+                    }
+                }
+                let a: Vec<f32> = (0..3 * k)
+                    .map(|_| (next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0)
+                    .collect();
+                let fmt = act_format(ty).expect("a fast-path type");
+                let act = Activations::quantize(fmt, &a, k);
+                let mut sc = RowScratch::default();
+                sc.unpack(ty, &src);
+                for row in 0..3 {
+                    let want = sc.dot(Kernel::Portable, ty, &act, row);
+                    // SAFETY: AVX2 and F16C were detected above.
+                    let got = unsafe { super::x86::row_dot(ty, &src, &act, row) };
+                    assert_eq!(
+                        got.map(f32::to_bits),
+                        Some(want.to_bits()),
+                        "{ty} K={k} row {row}: {got:?} vs {want}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// The word-wise shuffle gives `get_scale_min_k4`'s values for every byte pattern of each
+    /// position (all 256 values of each of the 12 bytes, the others random).
+    #[test]
+    fn scales_mins_equal_get_scale_min_k4() {
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        for pos in 0..12 {
+            for v in 0..=255u8 {
+                let mut s = [0u8; 12];
+                for b in s.iter_mut() {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    *b = x as u8;
+                }
+                s[pos] = v;
+                let (sc, m) = scales_mins(&s);
+                for j in 0..8 {
+                    assert_eq!((sc[j], m[j]), get_scale_min_k4(j, &s), "{s:?} j={j}");
+                }
+            }
+        }
+    }
+}
