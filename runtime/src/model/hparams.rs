@@ -408,6 +408,37 @@ mod tests {
         assert_eq!(parse(&kv).unwrap().head_dim, 64);
     }
 
+    /// llama.cpp's reading: the type defaults to linear, the factor to `rope.scaling.factor` or
+    /// the old `rope.scale_linear`; "none" never scales; YaRN and LongRoPE are refused by name.
+    #[test]
+    fn rope_scaling_as_llama_cpp_reads_it() {
+        let scale = |extra: &[(&'static str, Value)]| {
+            let mut kv = llama();
+            kv.extend(extra.iter().cloned());
+            parse(&kv).map(|h| h.freq_scale)
+        };
+        let t = |s: &str| ("llama.rope.scaling.type", Value::String(s.into()));
+        let f = |x: f32| ("llama.rope.scaling.factor", Value::F32(x));
+        assert_eq!(scale(&[]).unwrap(), 1.0);
+        assert_eq!(scale(&[t("linear"), f(4.0)]).unwrap(), 0.25);
+        assert_eq!(scale(&[f(2.0)]).unwrap(), 0.5, "linear is the default type");
+        assert_eq!(
+            scale(&[("llama.rope.scale_linear", Value::F32(8.0))]).unwrap(),
+            0.125
+        );
+        assert_eq!(scale(&[t("none"), f(4.0)]).unwrap(), 1.0);
+        assert_eq!(scale(&[t("linear"), f(0.0)]).unwrap(), 1.0);
+        for ty in ["yarn", "longrope", "dynamic"] {
+            let e = format!("{:#}", scale(&[t(ty), f(4.0)]).unwrap_err());
+            assert!(
+                e.contains(&format!("llama.rope.scaling.type = {ty:?}")),
+                "{e}"
+            );
+        }
+        let e = format!("{:#}", scale(&[f(-1.0)]).unwrap_err());
+        assert!(e.contains("llama.rope.scaling.factor = -1"), "{e}");
+    }
+
     #[test]
     fn errors_name_the_key_or_the_architecture() {
         let mut kv = llama();

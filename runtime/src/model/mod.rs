@@ -978,3 +978,217 @@ pub fn rss_kb() -> Option<(u64, u64)> {
     };
     Some((field("RssAnon:")?, field("RssFile:")?))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::writer::GgufWriter;
+    use crate::gguf::Value;
+
+    /// The self-check fixture with `edit` applied, loaded on the scalar reference; `Err` is the
+    /// load's error text.
+    fn with_fixture<T>(
+        edit: impl FnOnce(&mut GgufWriter) -> Result<()>,
+        then: impl FnOnce(&Model<'_>) -> T,
+    ) -> std::result::Result<T, String> {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("m.gguf");
+        std::fs::write(&p, fixture::gguf_with(edit).unwrap()).unwrap();
+        let f = GgufFile::open(&p).unwrap();
+        let opt = Options {
+            backend: BackendSel::CpuRef,
+            ..Options::default()
+        };
+        let r = match Model::load(&f, &opt) {
+            Ok(m) => Ok(then(&m)),
+            Err(e) => Err(format!("{e:#}")),
+        };
+        r
+    }
+
+    /// Logits of every position of a fixed id sequence, as bits.
+    fn logits(m: &Model<'_>) -> Vec<u32> {
+        let ids = [1u32, 300, 301, 290, 400, 17, 511, 260, 300, 2, 77, 123];
+        let mut s = m.session(ids.len(), KvType::F32).unwrap();
+        let l = m.forward(&mut s, &ids, Want::All).unwrap();
+        l.iter().map(|v| v.to_bits()).collect()
+    }
+
+    fn ones(n: usize) -> Vec<f32> {
+        vec![1.0; n]
+    }
+
+    #[test]
+    fn tensors_the_forward_pass_does_not_read_are_refused_all_named_in_order() {
+        let e = with_fixture(
+            |g| {
+                g.tensor_f32("zz_extra.weight", &[4], &ones(4))?;
+                g.tensor_f32("blk.1.ffn_up.bias", &[128], &ones(128))?;
+                g.tensor_f32("blk.0.attn_output.bias", &[64], &ones(64))?;
+                Ok(())
+            },
+            |_| (),
+        )
+        .unwrap_err();
+        assert!(
+            e.contains(
+                "3 tensor(s) in the file are not used by kiln's forward pass for this \
+                 architecture (refused rather than ignored): blk.0.attn_output.bias, \
+                 blk.1.ffn_up.bias, zz_extra.weight"
+            ),
+            "{e}"
+        );
+        // The plain fixture uses every tensor it has.
+        with_fixture(|_| Ok(()), |_| ()).unwrap();
+    }
+
+    #[test]
+    fn ignored_tensor_patterns_match_whole_layer_names_only() {
+        assert!(IGNORED_TENSORS
+            .iter()
+            .all(|(p, why)| !p.is_empty() && !why.is_empty()));
+        let allow = [("blk.*.attn_rot_embd", "test"), ("a.weight", "test")];
+        let used = std::collections::HashSet::from(["b".to_string()]);
+        let names = [
+            "blk.0.attn_rot_embd",
+            "blk.12.attn_rot_embd",
+            "blk.x.attn_rot_embd",
+            "blk.1.attn_rot_embd.extra",
+            "a.weight",
+            "b",
+            "c",
+        ];
+        assert_eq!(
+            unused_tensors(names.into_iter(), &used, &allow),
+            ["blk.1.attn_rot_embd.extra", "blk.x.attn_rot_embd", "c"]
+        );
+    }
+
+    #[test]
+    fn maths_keys_kiln_does_not_apply_are_refused_by_name_and_neutral_values_pass() {
+        let e = with_fixture(
+            |g| {
+                g.add("llama.attention.sliding_window", Value::U32(32))?;
+                g.add("llama.final_logit_softcapping", Value::F32(30.0))?;
+                g.add("llama.some_new_knob", Value::F32(2.0))?;
+                g.add("llama.expert_count", Value::U32(0))?;
+                g.add("general.whatever", Value::U32(7))?;
+                g.add("quantize.imatrix.file", Value::String("x".into()))?;
+                Ok(())
+            },
+            |_| (),
+        )
+        .unwrap_err();
+        assert!(
+            e.contains("3 metadata key(s)")
+                && e.contains("llama.attention.sliding_window = 32")
+                && e.contains("llama.final_logit_softcapping = 30.0")
+                && e.contains("llama.some_new_knob = 2.0 (not a key kiln applies"),
+            "{e}"
+        );
+        assert!(
+            e.find("sliding_window") < e.find("final_logit")
+                && e.find("final_logit") < e.find("some_new"),
+            "sorted: {e}"
+        );
+        assert!(!e.contains("expert_count") && !e.contains("general.") && !e.contains("imatrix"));
+        for (k, v) in [
+            ("llama.rope.scaling.type", Value::String("yarn".into())),
+            ("llama.rope.scaling.type", Value::String("longrope".into())),
+        ] {
+            let e = with_fixture(|g| g.add(k, v.clone()).map(|_| ()), |_| ()).unwrap_err();
+            assert!(
+                e.contains(&format!("{k} = {:?}", v.as_str().unwrap())),
+                "{e}"
+            );
+        }
+        // Neutral values load and change nothing.
+        let plain = with_fixture(|_| Ok(()), logits).unwrap();
+        let neutral = with_fixture(
+            |g| {
+                g.add("llama.attention.sliding_window", Value::U32(0))?;
+                g.add("llama.final_logit_softcapping", Value::F32(0.0))?;
+                g.add("llama.expert_count", Value::U32(0))?;
+                g.add("llama.logit_scale", Value::F32(1.0))?;
+                g.add("llama.attention.causal", Value::Bool(true))?;
+                g.add("llama.rope.scaling.type", Value::String("none".into()))?;
+                g.add("llama.rope.scaling.factor", Value::F32(8.0))?;
+                g.add("llama.rope.scaling.original_context_length", Value::U32(64))?;
+                Ok(())
+            },
+            logits,
+        )
+        .unwrap();
+        assert!(plain == neutral, "neutral keys changed the logits");
+    }
+
+    /// `rope_freqs.weight` and linear RoPE scaling are read: factors of 1.0 (and a scale of 1)
+    /// give the plain model's logits bit for bit, other factors or a scale change them.
+    #[test]
+    fn rope_factors_and_linear_scaling_are_applied() {
+        let n = fixture_n_rot() / 2;
+        let plain = with_fixture(|_| Ok(()), logits).unwrap();
+        let with_ones = with_fixture(
+            |g| {
+                g.tensor_f32("rope_freqs.weight", &[n as u64], &ones(n))
+                    .map(|_| ())
+            },
+            logits,
+        )
+        .unwrap();
+        assert!(plain == with_ones, "factors of 1.0 changed the logits");
+        let factors: Vec<f32> = (0..n).map(|i| 1.0 + i as f32).collect();
+        let with_factors = with_fixture(
+            |g| {
+                g.tensor_f32("rope_freqs.weight", &[n as u64], &factors)
+                    .map(|_| ())
+            },
+            logits,
+        )
+        .unwrap();
+        assert!(plain != with_factors, "rope_freqs.weight was not applied");
+        let scaled = with_fixture(
+            |g| {
+                g.add("llama.rope.scaling.type", Value::String("linear".into()))?;
+                g.add("llama.rope.scaling.factor", Value::F32(4.0))?;
+                Ok(())
+            },
+            logits,
+        )
+        .unwrap();
+        assert!(plain != scaled, "linear RoPE scaling was not applied");
+        let unit = with_fixture(
+            |g| {
+                g.add("llama.rope.scaling.factor", Value::F32(1.0))
+                    .map(|_| ())
+            },
+            logits,
+        )
+        .unwrap();
+        assert!(plain == unit, "a linear factor of 1 changed the logits");
+        let mut bad = ones(n);
+        bad[3] = 0.0;
+        let e = with_fixture(
+            |g| {
+                g.tensor_f32("rope_freqs.weight", &[n as u64], &bad)
+                    .map(|_| ())
+            },
+            |_| (),
+        )
+        .unwrap_err();
+        assert!(e.contains("rope_freqs.weight[3] = 0"), "{e}");
+        let e = with_fixture(
+            |g| {
+                g.tensor_f32("rope_freqs.weight", &[3], &ones(3))
+                    .map(|_| ())
+            },
+            |_| (),
+        )
+        .unwrap_err();
+        assert!(e.contains("tensor rope_freqs.weight has shape [3]"), "{e}");
+    }
+
+    fn fixture_n_rot() -> usize {
+        with_fixture(|_| Ok(()), |m| m.hp.n_rot).unwrap()
+    }
+}
