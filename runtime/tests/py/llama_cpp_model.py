@@ -1,6 +1,7 @@
 """llama.cpp's side of runtime/tests/llama_cpp_model.rs.
 
-  synth --arch A --wtype T --seed S --out F    write a seeded synthetic model with gguf-py
+  synth --arch A --wtype T --seed S --out F [--rope llama3 [--alter ...]]
+      write a seeded synthetic model with gguf-py
   logits --model F --ids 1,2,3 --out F.f32 [--threads T] [--kv f16|f32] [--greedy N]
       evaluate the ids with llama.cpp (llama-cpp-python, Llama.eval; KV cache type and flash
       attention pinned), write per-position logits as raw little-endian f32 [n_ids, n_vocab] and
@@ -84,6 +85,34 @@ def synth(args):
         w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    if args.rope == "llama3":
+        # Llama 3.x style: the "llama3" rope type baked into rope_freqs.weight by llama.cpp's
+        # converter (conversion/llama.py generate_extra_tensors, same formula), for this file's
+        # shapes: factor 8, low/high frequency factors 1 and 4, an original context of 64 (the
+        # file's context is 256), so the 32 factors mix 1, 8 and the smooth ramp between. And
+        # rope.scaling keys on top: linear, factor 2 (freq_scale 1/2), original context 64.
+        base, dim = 10000.0, head_dim
+        freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+        factor, low, high, old_ctx = 8.0, 1.0, 4.0, 64
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        factors = []
+        for f in freqs:
+            wavelen = 2 * np.pi / f
+            if wavelen < high_wavelen:
+                factors.append(1.0)
+            elif wavelen > low_wavelen:
+                factors.append(factor)
+            else:
+                smooth = (old_ctx / wavelen - low) / (high - low)
+                factors.append(1 / ((1 - smooth) / factor + smooth))
+        factors = np.array(factors, dtype=np.float32)
+        if args.alter == "factors-ones":
+            factors = np.ones_like(factors)
+        w.add_tensor("rope_freqs.weight", factors)
+        if args.alter != "no-scaling":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(2.0)
+            w.add_rope_scaling_orig_ctx_len(old_ctx)
     # A SentencePiece vocabulary llama.cpp accepts: <unk> <s> </s>, the 256 byte tokens, fillers.
     toks, scores, types = ["<unk>", "<s>", "</s>"], [0.0, 0.0, 0.0], [2, 3, 3]
     for b in range(256):
@@ -241,6 +270,11 @@ def main():
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--key-length", action="store_true")
     s.add_argument("--shape", type=int, default=0, help="SmolLM2's shapes with this many layers")
+    s.add_argument("--rope", default="plain", choices=["plain", "llama3"],
+                   help="llama3: rope_freqs.weight (Llama 3 factors) and linear rope.scaling keys")
+    s.add_argument("--alter", default="none", choices=["none", "factors-ones", "no-scaling"],
+                   help="with --rope llama3: the same file with the factors all 1.0, or without "
+                        "the rope.scaling keys")
     s.add_argument("--out", required=True)
     g = sub.add_parser("logits")
     g.add_argument("--model", required=True)
