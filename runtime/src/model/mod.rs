@@ -1,5 +1,11 @@
 //! One decoder for llama / qwen2 / qwen3, parameterised by the architecture's flags (RoPE NORM or
-//! NEOX, per-head Q/K RMSNorm, Q/K/V biases, tied LM head, `key_length` head_dim, GQA).
+//! NEOX, per-head Q/K RMSNorm, Q/K/V biases, tied LM head, `key_length` head_dim, GQA), with
+//! Llama 3.x's `rope_freqs.weight` factors and linear RoPE scaling.
+//!
+//! Nothing in the file is ignored: a tensor the forward pass does not read refuses the load (all
+//! of them named; [`IGNORED_TENSORS`] is the allow-list), as does an `{arch}.` key that is not
+//! applied ([`hparams::audit_arch_keys`]). A model that loads with part of it dropped runs, gives
+//! plausible text and is wrong; a refusal that names the part is what the user can act on.
 //!
 //! Every weight is a view into the mapping. Every matmul goes through the scheduler's plan and
 //! [`run_checked`]: per op, the first backend in board order that supports it at that M runs it
