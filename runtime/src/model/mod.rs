@@ -262,8 +262,7 @@ impl<'m> Reader<'m> {
     }
 
     fn vector(&self, name: &str, n: usize) -> Result<&'m [f32]> {
-        f32_view(&self.tensor(name, &[n])?)
-            .with_context(|| format!("{}: tensor {name}", self.path()))
+        f32_view(&self.tensor(name, &[n])?).with_context(|| self.path().to_string())
     }
 
     fn opt_vector(&self, name: &str, n: usize) -> Result<Option<&'m [f32]>> {
