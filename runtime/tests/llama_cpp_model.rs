@@ -528,6 +528,57 @@ fn llama_cpp_smollm2_logits_nll_greedy() {
     }
 }
 
+/// The issue's case on a real model: SmolLM2 with a `rope_freqs.weight` added through gguf-py
+/// (Llama 3's factors for its head and RoPE base, original context 64). kiln's `tokenize`/`ppl`
+/// of the paragraph equal llama.cpp's NLL on the altered file within the usual tolerance, and
+/// the unaltered file's NLL is far from it (so the comparison could tell a kiln that ignores the
+/// tensor, as kiln did before it read it).
+#[test]
+#[ignore = "needs llama-cpp-python (KILN_LLAMA_PY) and KILN_SMOLLM2; run by the llama-cpp stage"]
+fn llama_cpp_smollm2_rope_freqs_paragraph_nll() {
+    let dir = scratch("llama_cpp_smollm2_rope_freqs");
+    let original = env_path("KILN_SMOLLM2");
+    let model = dir.join("smollm2-rope-freqs.gguf");
+    py(&[
+        "add-rope-freqs",
+        "--model",
+        original.to_str().unwrap(),
+        "--out",
+        model.to_str().unwrap(),
+    ]);
+    let text_file = dir.join("paragraph.txt");
+    std::fs::write(&text_file, PARAGRAPH).unwrap();
+    let (ids, nll) = kiln_tokens_nll(None, &kiln_bin(), &model, &text_file);
+    let (ids_orig, nll_orig) = kiln_tokens_nll(None, &kiln_bin(), &original, &text_file);
+    assert_eq!(ids, ids_orig, "the tokenizer did not change");
+    let r = reference(&model, &ids, &dir, 0, KvType::F16);
+    let reference_nll = compare(&vec![0.0; r.logits.len()], &r, &ids).nll_ref;
+    eprintln!(
+        "smollm2 + rope_freqs: paragraph of {} tokens: mean NLL kiln {nll:.6}, llama.cpp \
+         {reference_nll:.6}, Δ {:+.2e}; kiln on the file without the tensor {nll_orig:.6}",
+        ids.len(),
+        nll - reference_nll
+    );
+    assert!(
+        (nll - reference_nll).abs() <= NLL_DIFF_MAX,
+        "smollm2 + rope_freqs: paragraph NLL kiln {nll} vs llama.cpp {reference_nll} \
+         (tolerance {NLL_DIFF_MAX})"
+    );
+    let f = GgufFile::open(&model).unwrap();
+    let r32 = reference(&model, &ids, &dir, 0, KvType::F32);
+    let d = compare(&kiln_logits(&f, &ids, None, KvType::F32), &r32, &ids);
+    eprintln!("smollm2 + rope_freqs kv f32: {d:?}");
+    assert!(
+        d.ok(KvType::F32),
+        "smollm2 + rope_freqs kv f32: kiln differs from llama.cpp: {d:?}"
+    );
+    assert!(
+        (nll_orig - reference_nll).abs() > 5.0 * NLL_DIFF_MAX,
+        "the factors move llama.cpp's NLL by less than 5× the tolerance ({nll_orig} vs \
+         {reference_nll}): this comparison could not tell that they are applied"
+    );
+}
+
 /// |Δ mean NLL| allowed between the aarch64 build (NEON/dotprod, under qemu) and the host
 /// build. kiln's kernels do the same integer dots and the same f32 operations in the same order on
 /// both (Rust never contracts or reorders float ops), so the two agree to the last bit — measured

@@ -7,6 +7,7 @@
       attention pinned), write per-position logits as raw little-endian f32 [n_ids, n_vocab] and
       print {"n_vocab", "greedy"} as JSON.
   tokenize --model F --text-file T    llama.cpp's token ids of the text, as JSON
+  add-rope-freqs --model F --out G [--orig-ctx N]    F plus Llama 3's rope_freqs.weight
 """
 
 import argparse
@@ -91,21 +92,8 @@ def synth(args):
         # shapes: factor 8, low/high frequency factors 1 and 4, an original context of 64 (the
         # file's context is 256), so the 32 factors mix 1, 8 and the smooth ramp between. And
         # rope.scaling keys on top: linear, factor 2 (freq_scale 1/2), original context 64.
-        base, dim = 10000.0, head_dim
-        freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
-        factor, low, high, old_ctx = 8.0, 1.0, 4.0, 64
-        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
-        factors = []
-        for f in freqs:
-            wavelen = 2 * np.pi / f
-            if wavelen < high_wavelen:
-                factors.append(1.0)
-            elif wavelen > low_wavelen:
-                factors.append(factor)
-            else:
-                smooth = (old_ctx / wavelen - low) / (high - low)
-                factors.append(1 / ((1 - smooth) / factor + smooth))
-        factors = np.array(factors, dtype=np.float32)
+        old_ctx = 64
+        factors = llama3_factors(10000.0, head_dim, old_ctx)
         if args.alter == "factors-ones":
             factors = np.ones_like(factors)
         w.add_tensor("rope_freqs.weight", factors)
@@ -179,6 +167,53 @@ def synth(args):
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
+    w.close()
+
+
+def llama3_factors(base, dim, old_ctx, factor=8.0, low=1.0, high=4.0):
+    """Llama 3's rope factors, as llama.cpp's converter computes them (conversion/llama.py)."""
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    out = []
+    for f in freqs:
+        wavelen = 2 * np.pi / f
+        if wavelen < old_ctx / high:
+            out.append(1.0)
+        elif wavelen > old_ctx / low:
+            out.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def add_rope_freqs(args):
+    """A copy of a llama GGUF with a rope_freqs.weight tensor added (every key and tensor kept, as
+    gguf-py's gguf_new_metadata copies them): Llama 3's factors for the file's head dimension and
+    RoPE base, with an original context of --orig-ctx."""
+    import gguf
+
+    r = gguf.GGUFReader(args.model)
+    arch = r.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(args.out, arch)
+    for field in r.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue
+        vt = field.types[0]
+        st = field.types[-1] if vt == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(field.name, field.contents(), vt, sub_type=st)
+    base = r.fields[arch + ".rope.freq_base"].contents()
+    dim = r.fields[arch + ".rope.dimension_count"].contents()
+    factors = llama3_factors(base, dim, args.orig_ctx)
+    for t in r.tensors:
+        w.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    w.add_tensor_info("rope_freqs.weight", factors.shape, factors.dtype, factors.nbytes,
+                      gguf.GGMLQuantizationType.F32)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for t in r.tensors:
+        w.write_tensor_data(t.data, tensor_endianess=r.endianess)
+    w.write_tensor_data(factors)
     w.close()
 
 
@@ -283,6 +318,10 @@ def main():
     g.add_argument("--threads", type=int, default=2)
     g.add_argument("--kv", default="f16", choices=["f16", "f32"])
     g.add_argument("--greedy", type=int, default=0)
+    rf = sub.add_parser("add-rope-freqs")
+    rf.add_argument("--model", required=True)
+    rf.add_argument("--out", required=True)
+    rf.add_argument("--orig-ctx", type=int, default=64)
     t = sub.add_parser("tokenize")
     t.add_argument("--model", required=True)
     t.add_argument("--text-file", required=True)
@@ -292,7 +331,13 @@ def main():
     b.add_argument("-n", type=int, default=64)
     b.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
-    {"synth": synth, "logits": logits, "tokenize": tokenize, "bench": bench}[a.cmd](a)
+    {
+        "synth": synth,
+        "add-rope-freqs": add_rope_freqs,
+        "logits": logits,
+        "tokenize": tokenize,
+        "bench": bench,
+    }[a.cmd](a)
 
 
 if __name__ == "__main__":
