@@ -139,8 +139,8 @@ pub enum Neutral {
     True,
 }
 
-/// `{arch}.` keys kiln does not apply, accepted only at their neutral value (a file written by
-/// llama.cpp's own model saver carries them so), refused by name otherwise.
+/// `{arch}.` keys kiln does not apply, accepted only at their neutral value (converters write
+/// some so, e.g. a sliding window of 0 when every layer attends fully), refused by name otherwise.
 pub const NEUTRAL_KEYS: &[(&str, Neutral)] = &[
     ("expert_count", Neutral::Zero),
     ("expert_used_count", Neutral::Zero),
