@@ -6,7 +6,8 @@
 //!
 //! Models: SmolLM2-135M Q4_1 (llama, tied Q8_0 head) and seeded synthetic models written by
 //! gguf-py (`tests/py/llama_cpp_model.py synth`): qwen3 with key_length 64 ≠ 256/8 and Q/K norms,
-//! qwen2 with Q/K/V biases, llama with an untied head; each with Q8_0, Q4_0 and Q4_K weights.
+//! qwen2 with Q/K/V biases, llama with an untied head; each with Q8_0, Q4_0 and Q4_K weights;
+//! and a Llama-3-style llama (`rope_freqs.weight` factors, linear `rope.scaling`).
 //!
 //! Tolerances, and why they are not zero: kiln quantises activations exactly as ggml's
 //! `vec_dot_type` does (Q8_0 / Q8_1 / Q8_K), so the integer dots are the same; what differs is the
@@ -357,6 +358,73 @@ fn llama_cpp_llama_synthetic_logits_nll_greedy() {
     synthetic("llama", &[Fault::SwapRope]);
 }
 
+/// A Llama-3-style synthetic file (`synth --rope llama3`): `rope_freqs.weight` with the factors
+/// Llama 3's formula gives for this file's context (1, 8 and the ramp between) and linear
+/// `rope.scaling` keys (factor 2, original context 64). kiln equals llama.cpp within the usual
+/// tolerances; and the same file with the factors all 1.0, or without the `rope.scaling` keys,
+/// is far from llama.cpp on the original (so kiln reads both).
+#[test]
+#[ignore = "needs llama-cpp-python (KILN_LLAMA_PY); run by the llama-cpp stage"]
+fn llama_cpp_llama3_rope_synthetic_logits_nll_greedy() {
+    for (wi, wtype) in ["q8_0", "q4_0"].iter().enumerate() {
+        let dir = scratch(&format!("llama_cpp_llama3_{wtype}"));
+        let seed = (wi + 31).to_string();
+        let synth = |alter: &str| {
+            let model = dir.join(format!("m-{alter}.gguf"));
+            py(&[
+                "synth",
+                "--arch",
+                "llama",
+                "--wtype",
+                wtype,
+                "--seed",
+                &seed,
+                "--rope",
+                "llama3",
+                "--alter",
+                alter,
+                "--out",
+                model.to_str().unwrap(),
+            ]);
+            model
+        };
+        let model = synth("none");
+        let f = GgufFile::open(&model).unwrap();
+        let seq = ids(64, 384, wi as u64 + 41);
+        let r32 = reference(&model, &seq, &dir, 0, KvType::F32);
+        let d = compare(&kiln_logits(&f, &seq, None, KvType::F32), &r32, &seq);
+        eprintln!("llama3-rope {wtype} kv f32: {d:?}");
+        assert!(
+            d.ok(KvType::F32),
+            "llama3-rope {wtype} kv f32: kiln differs from llama.cpp: {d:?}"
+        );
+        let r = reference(&model, &seq, &dir, 32, KvType::F16);
+        let d = compare(&kiln_logits(&f, &seq, None, KvType::F16), &r, &seq);
+        eprintln!("llama3-rope {wtype} kv f16: {d:?}");
+        assert!(
+            d.ok(KvType::F16),
+            "llama3-rope {wtype} kv f16: kiln differs from llama.cpp: {d:?}"
+        );
+        check_greedy(
+            &format!("llama3-rope {wtype}"),
+            &kiln_greedy(&f, &seq, 32),
+            &r,
+            GREEDY_TIE,
+        );
+        for alter in ["factors-ones", "no-scaling"] {
+            let altered = synth(alter);
+            let fa = GgufFile::open(&altered).unwrap();
+            let d = compare(&kiln_logits(&fa, &seq, None, KvType::F16), &r, &seq);
+            eprintln!("llama3-rope {wtype}: kiln on the file with {alter} vs llama.cpp on the original: {d:?}");
+            assert!(
+                !d.ok(KvType::F16),
+                "llama3-rope {wtype}: kiln on the file with {alter} still matches llama.cpp on \
+                 the original: that part of the file is not read: {d:?}"
+            );
+        }
+    }
+}
+
 /// Logits viewed as a reference, to compare kiln with itself.
 fn as_reference(l: &[f32], n_vocab: usize) -> Reference {
     Reference {
@@ -458,6 +526,57 @@ fn llama_cpp_smollm2_logits_nll_greedy() {
             "smollm2: {fault:?} went unnoticed: {d:?}"
         );
     }
+}
+
+/// The issue's case on a real model: SmolLM2 with a `rope_freqs.weight` added through gguf-py
+/// (Llama 3's factors for its head and RoPE base, original context 64). kiln's `tokenize`/`ppl`
+/// of the paragraph equal llama.cpp's NLL on the altered file within the usual tolerance, and
+/// the unaltered file's NLL is far from it (so the comparison could tell a kiln that ignores the
+/// tensor, as kiln did before it read it).
+#[test]
+#[ignore = "needs llama-cpp-python (KILN_LLAMA_PY) and KILN_SMOLLM2; run by the llama-cpp stage"]
+fn llama_cpp_smollm2_rope_freqs_paragraph_nll() {
+    let dir = scratch("llama_cpp_smollm2_rope_freqs");
+    let original = env_path("KILN_SMOLLM2");
+    let model = dir.join("smollm2-rope-freqs.gguf");
+    py(&[
+        "add-rope-freqs",
+        "--model",
+        original.to_str().unwrap(),
+        "--out",
+        model.to_str().unwrap(),
+    ]);
+    let text_file = dir.join("paragraph.txt");
+    std::fs::write(&text_file, PARAGRAPH).unwrap();
+    let (ids, nll) = kiln_tokens_nll(None, &kiln_bin(), &model, &text_file);
+    let (ids_orig, nll_orig) = kiln_tokens_nll(None, &kiln_bin(), &original, &text_file);
+    assert_eq!(ids, ids_orig, "the tokenizer did not change");
+    let r = reference(&model, &ids, &dir, 0, KvType::F16);
+    let reference_nll = compare(&vec![0.0; r.logits.len()], &r, &ids).nll_ref;
+    eprintln!(
+        "smollm2 + rope_freqs: paragraph of {} tokens: mean NLL kiln {nll:.6}, llama.cpp \
+         {reference_nll:.6}, Δ {:+.2e}; kiln on the file without the tensor {nll_orig:.6}",
+        ids.len(),
+        nll - reference_nll
+    );
+    assert!(
+        (nll - reference_nll).abs() <= NLL_DIFF_MAX,
+        "smollm2 + rope_freqs: paragraph NLL kiln {nll} vs llama.cpp {reference_nll} \
+         (tolerance {NLL_DIFF_MAX})"
+    );
+    let f = GgufFile::open(&model).unwrap();
+    let r32 = reference(&model, &ids, &dir, 0, KvType::F32);
+    let d = compare(&kiln_logits(&f, &ids, None, KvType::F32), &r32, &ids);
+    eprintln!("smollm2 + rope_freqs kv f32: {d:?}");
+    assert!(
+        d.ok(KvType::F32),
+        "smollm2 + rope_freqs kv f32: kiln differs from llama.cpp: {d:?}"
+    );
+    assert!(
+        (nll_orig - reference_nll).abs() > 5.0 * NLL_DIFF_MAX,
+        "the factors move llama.cpp's NLL by less than 5× the tolerance ({nll_orig} vs \
+         {reference_nll}): this comparison could not tell that they are applied"
+    );
 }
 
 /// |Δ mean NLL| allowed between the aarch64 build (NEON/dotprod, under qemu) and the host

@@ -379,6 +379,33 @@ fn llama_cpp_tokenize_synthetic_llama_bpe() {
     }
 }
 
+/// Special-token ids outside the vocabulary (EOS, EOT, padding): kiln keeps what llama.cpp keeps
+/// (the model's default EOS, no EOT), so BOS, EOS and the end-of-generation set equal llama.cpp's,
+/// and the load names each key with its value in `Tokenizer::warnings` (printed on stderr).
+#[test]
+#[ignore = "needs llama-cpp-python: cargo xtask test --stage llama-cpp"]
+fn llama_cpp_tokenize_out_of_range_special_ids() {
+    let dir = scratch("llama_cpp_tokenize_bad_ids");
+    for (kind, eos) in [("spm+bad-ids", 2), ("qwen2+bad-ids", 11)] {
+        let model = make_vocab(kind, 7, &dir);
+        compare(&model, &corpus(7, 100));
+        let f = GgufFile::open(&model).unwrap();
+        let tok = Tokenizer::from_gguf(f.gguf()).unwrap();
+        assert_eq!(tok.eos(), Some(eos), "{kind}: the default EOS");
+        let w = tok.warnings().join("\n");
+        for key in [
+            "tokenizer.ggml.eos_token_id",
+            "tokenizer.ggml.eot_token_id",
+            "tokenizer.ggml.padding_token_id",
+        ] {
+            assert!(
+                w.contains(&format!("{key} = ")) && w.contains("outside the vocabulary"),
+                "{kind}: no warning naming {key}: {w}"
+            );
+        }
+    }
+}
+
 /// The other byte-level pre-tokenizers kiln implements: `default` (four expressions, three of
 /// them through llama.cpp's std::regex path), `gpt-2`, `starcoder` (smollm's split with space
 /// clean-up on decode).

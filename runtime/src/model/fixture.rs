@@ -132,6 +132,11 @@ fn add_tensor(
 
 /// The fixture's bytes.
 pub fn gguf() -> Result<Vec<u8>> {
+    gguf_with(|_| Ok(()))
+}
+
+/// The fixture with `edit` applied last (tests add tensors and keys to a known-good model).
+pub fn gguf_with(edit: impl FnOnce(&mut GgufWriter) -> Result<()>) -> Result<Vec<u8>> {
     let mut g = GgufWriter::new();
     let u32v = |x: usize| Value::U32(x as u32);
     g.add("general.architecture", Value::String("llama".into()))?
@@ -211,6 +216,7 @@ pub fn gguf() -> Result<Vec<u8>> {
     add_tensor(&mut g, "output_norm.weight", GgmlType::F32, &[e], &norm)?;
     let w = weights(&mut r, e, N_VOCAB, 3.0);
     add_tensor(&mut g, "output.weight", GgmlType::F16, &[e, N_VOCAB], &w)?;
+    edit(&mut g)?;
     Ok(g.to_bytes())
 }
 

@@ -1,8 +1,17 @@
 //! Hyper-parameters from GGUF metadata, checked once at the edge: every missing or inconsistent
 //! key is an error that names it, and architectures other than llama / qwen2 / qwen3 are refused
 //! by name.
+//!
+//! Every `{arch}.` key is accounted for ([`audit_arch_keys`]): kiln either applies it
+//! ([`APPLIED_KEYS`]), knows it does not change the maths of these architectures
+//! ([`HARMLESS_KEYS`]), or accepts it only at its neutral value ([`NEUTRAL_KEYS`]); any other
+//! `{arch}.` key refuses the load, all of them named in one error. The list is closed on purpose:
+//! a key kiln has never heard of may be one that changes the maths (a sliding window, a soft-cap,
+//! a scale), and a model that runs with part of its definition silently dropped gives plausible
+//! text and wrong logits. Keys under `general.` and `tokenizer.` (and other prefixes llama.cpp
+//! does not read as hyper-parameters, e.g. `quantize.imatrix.*`) are not audited here.
 
-use crate::gguf::Gguf;
+use crate::gguf::{Gguf, Value};
 use anyhow::{bail, Context, Result};
 
 /// How RoPE pairs the values of a head (`llama_model_rope_type`).
@@ -73,9 +82,135 @@ pub struct HParams {
     pub n_rot: usize,
     pub eps: f32,
     pub freq_base: f32,
+    /// RoPE position scale (llama.cpp's `freq_scale`): 1/`rope.scaling.factor` under linear
+    /// scaling (the default type when the factor is given, as in llama.cpp), else 1.
+    pub freq_scale: f32,
     pub n_ctx_train: usize,
     /// Attention scale: `attention.scale` when the file has it, else 1/sqrt(head_dim).
     pub kq_scale: f32,
+}
+
+/// `{arch}.` keys kiln reads and applies (`HParams::from_gguf`, or the tokenizer/model for
+/// `vocab_size`-like facts): suffixes after `{arch}.`.
+pub const APPLIED_KEYS: &[&str] = &[
+    "block_count",
+    "context_length",
+    "embedding_length",
+    "feed_forward_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "attention.key_length",
+    "attention.value_length",
+    "attention.layer_norm_rms_epsilon",
+    "attention.scale",
+    "rope.dimension_count",
+    "rope.freq_base",
+    "rope.scaling.type",
+    "rope.scaling.factor",
+    "rope.scale_linear",
+];
+
+/// `{arch}.` keys that do not change what llama.cpp computes for llama / qwen2 / qwen3 (read in
+/// llama.cpp's `llama_model_base::load_hparams` / `llama-context.cpp` of the pinned
+/// llama-cpp-python 0.3.36), with the reason.
+pub const HARMLESS_KEYS: &[(&str, &str)] = &[
+    (
+        "vocab_size",
+        "llama.cpp uses it only to name the model size; the vocabulary is the token list",
+    ),
+    (
+        "rope.scaling.original_context_length",
+        "llama.cpp passes it to RoPE only for the YaRN ramp, and kiln refuses YaRN",
+    ),
+    (
+        "rope.scaling.finetuned",
+        "llama.cpp stores it and never reads it back",
+    ),
+];
+
+/// What value of a key leaves the maths unchanged.
+#[derive(Clone, Copy, Debug)]
+pub enum Neutral {
+    /// 0, 0.0, false (counts, windows, soft-caps, biases off).
+    Zero,
+    /// 1.0 or 0.0 (a multiplier; llama.cpp reads 0 as "not set").
+    Scale,
+    /// true.
+    True,
+}
+
+/// `{arch}.` keys kiln does not apply, accepted only at their neutral value (converters write
+/// some so, e.g. a sliding window of 0 when every layer attends fully), refused by name otherwise.
+pub const NEUTRAL_KEYS: &[(&str, Neutral)] = &[
+    ("expert_count", Neutral::Zero),
+    ("expert_used_count", Neutral::Zero),
+    ("expert_shared_count", Neutral::Zero),
+    ("expert_group_count", Neutral::Zero),
+    ("expert_group_used_count", Neutral::Zero),
+    ("expert_feed_forward_length", Neutral::Zero),
+    ("expert_shared_feed_forward_length", Neutral::Zero),
+    ("nextn_predict_layers", Neutral::Zero),
+    ("pooling_type", Neutral::Zero),
+    ("use_parallel_residual", Neutral::Zero),
+    ("attention.sliding_window", Neutral::Zero),
+    ("attention.clamp_kqv", Neutral::Zero),
+    ("attention.max_alibi_bias", Neutral::Zero),
+    ("attn_logit_softcapping", Neutral::Zero),
+    ("final_logit_softcapping", Neutral::Zero),
+    ("router_logit_softcapping", Neutral::Zero),
+    ("embedding_scale", Neutral::Scale),
+    ("residual_scale", Neutral::Scale),
+    ("logit_scale", Neutral::Scale),
+    ("rope.scaling.attn_factor", Neutral::Scale),
+    ("attention.causal", Neutral::True),
+];
+
+fn is_neutral(v: &Value, n: Neutral) -> bool {
+    let x = match v {
+        Value::Bool(b) => Some(if *b { 1.0 } else { 0.0 }),
+        other => other.as_f64().or_else(|| other.as_int().map(|i| i as f64)),
+    };
+    match (n, x) {
+        (Neutral::Zero, Some(x)) => x == 0.0,
+        (Neutral::Scale, Some(x)) => x == 0.0 || x == 1.0,
+        (Neutral::True, _) => matches!(v, Value::Bool(true)),
+        (_, None) => false,
+    }
+}
+
+/// Every `{arch}.` key that kiln neither applies, nor knows harmless, nor finds at its neutral
+/// value: refused, all named (sorted) in one error.
+pub fn audit_arch_keys(g: &Gguf, arch: Arch) -> Result<()> {
+    let prefix = format!("{}.", arch.name());
+    let mut refused: Vec<String> = Vec::new();
+    for (key, v) in g.metadata() {
+        let Some(suffix) = key.strip_prefix(&prefix) else {
+            continue;
+        };
+        if APPLIED_KEYS.contains(&suffix) || HARMLESS_KEYS.iter().any(|(k, _)| *k == suffix) {
+            continue;
+        }
+        match NEUTRAL_KEYS.iter().find(|(k, _)| *k == suffix) {
+            Some(&(_, n)) if is_neutral(v, n) => {}
+            Some(_) => refused.push(format!(
+                "{key} = {} (kiln does not apply it; only its neutral value is accepted)",
+                v.summary(4)
+            )),
+            None => refused.push(format!(
+                "{key} = {} (not a key kiln applies or knows to be harmless)",
+                v.summary(4)
+            )),
+        }
+    }
+    if !refused.is_empty() {
+        refused.sort();
+        bail!(
+            "{} metadata key(s) that change or may change the maths are not supported: {}",
+            refused.len(),
+            refused.join("; ")
+        );
+    }
+    Ok(())
 }
 
 fn int(g: &Gguf, key: &str) -> Result<Option<usize>> {
@@ -172,28 +307,44 @@ impl HParams {
                 k("rope.freq_base")
             );
         }
-        if let Some(v) = g.get(&k("rope.scaling.type")) {
-            let t = v.as_str().unwrap_or("?");
-            if t != "none" {
-                bail!(
-                    "metadata key {} = {t:?}: RoPE scaling is not supported",
-                    k("rope.scaling.type")
-                );
-            }
+        // RoPE scaling as llama.cpp reads it: the type defaults to "linear", the factor to
+        // `rope.scaling.factor`, else the old `rope.scale_linear`; freq_scale = 1/factor (a factor
+        // of 0 or none means 1), and "none" never scales.
+        let type_key = k("rope.scaling.type");
+        let scaling = match g.get(&type_key) {
+            None => "linear",
+            Some(v) => v
+                .as_str()
+                .with_context(|| format!("metadata key {type_key} is not a string"))?,
+        };
+        let factor_key = if g.get(&k("rope.scaling.factor")).is_some() {
+            k("rope.scaling.factor")
+        } else {
+            k("rope.scale_linear")
+        };
+        let factor = float(g, &factor_key)?.unwrap_or(0.0);
+        if !(factor >= 0.0 && factor.is_finite()) {
+            bail!("metadata key {factor_key} = {factor} is not a non-negative number");
         }
-        if let Some(n) = int(g, &k("expert_count"))? {
-            if n > 0 {
-                bail!(
-                    "metadata key {} = {n}: mixture-of-experts models are not supported",
-                    k("expert_count")
-                );
-            }
-        }
+        let freq_scale = match scaling {
+            "none" => 1.0,
+            "linear" if factor == 0.0 => 1.0,
+            "linear" => 1.0 / factor,
+            "yarn" | "longrope" => bail!(
+                "metadata key {type_key} = {scaling:?}: {scaling} RoPE scaling is not \
+                 implemented by kiln (it applies none, linear and rope_freqs factors)"
+            ),
+            other => bail!(
+                "metadata key {type_key} = {other:?}: unknown RoPE scaling type (llama.cpp \
+                 knows none, linear, yarn, longrope)"
+            ),
+        };
         let n_ctx_train = req_int(g, &k("context_length"))?;
         let kq_scale = match float(g, &k("attention.scale"))? {
             Some(s) if s != 0.0 => s,
             _ => 1.0 / (head_dim as f32).sqrt(),
         };
+        audit_arch_keys(g, arch)?;
         Ok(HParams {
             arch,
             n_layer,
@@ -205,6 +356,7 @@ impl HParams {
             n_rot,
             eps,
             freq_base,
+            freq_scale,
             n_ctx_train,
             kq_scale,
         })
@@ -254,6 +406,37 @@ mod tests {
         let mut kv = llama();
         kv.push(("llama.attention.key_length", Value::U32(64)));
         assert_eq!(parse(&kv).unwrap().head_dim, 64);
+    }
+
+    /// llama.cpp's reading: the type defaults to linear, the factor to `rope.scaling.factor` or
+    /// the old `rope.scale_linear`; "none" never scales; YaRN and LongRoPE are refused by name.
+    #[test]
+    fn rope_scaling_as_llama_cpp_reads_it() {
+        let scale = |extra: &[(&'static str, Value)]| {
+            let mut kv = llama();
+            kv.extend(extra.iter().cloned());
+            parse(&kv).map(|h| h.freq_scale)
+        };
+        let t = |s: &str| ("llama.rope.scaling.type", Value::String(s.into()));
+        let f = |x: f32| ("llama.rope.scaling.factor", Value::F32(x));
+        assert_eq!(scale(&[]).unwrap(), 1.0);
+        assert_eq!(scale(&[t("linear"), f(4.0)]).unwrap(), 0.25);
+        assert_eq!(scale(&[f(2.0)]).unwrap(), 0.5, "linear is the default type");
+        assert_eq!(
+            scale(&[("llama.rope.scale_linear", Value::F32(8.0))]).unwrap(),
+            0.125
+        );
+        assert_eq!(scale(&[t("none"), f(4.0)]).unwrap(), 1.0);
+        assert_eq!(scale(&[t("linear"), f(0.0)]).unwrap(), 1.0);
+        for ty in ["yarn", "longrope", "dynamic"] {
+            let e = format!("{:#}", scale(&[t(ty), f(4.0)]).unwrap_err());
+            assert!(
+                e.contains(&format!("llama.rope.scaling.type = {ty:?}")),
+                "{e}"
+            );
+        }
+        let e = format!("{:#}", scale(&[f(-1.0)]).unwrap_err());
+        assert!(e.contains("llama.rope.scaling.factor = -1"), "{e}");
     }
 
     #[test]

@@ -1,5 +1,11 @@
 //! One decoder for llama / qwen2 / qwen3, parameterised by the architecture's flags (RoPE NORM or
-//! NEOX, per-head Q/K RMSNorm, Q/K/V biases, tied LM head, `key_length` head_dim, GQA).
+//! NEOX, per-head Q/K RMSNorm, Q/K/V biases, tied LM head, `key_length` head_dim, GQA), with
+//! Llama 3.x's `rope_freqs.weight` factors and linear RoPE scaling.
+//!
+//! Nothing in the file is ignored: a tensor the forward pass does not read refuses the load (all
+//! of them named; [`IGNORED_TENSORS`] is the allow-list), as does an `{arch}.` key that is not
+//! applied ([`hparams::audit_arch_keys`]). A model that loads with part of it dropped runs, gives
+//! plausible text and is wrong; a refusal that names the part is what the user can act on.
 //!
 //! Every weight is a view into the mapping. Every matmul goes through the scheduler's plan and
 //! [`run_checked`]: per op, the first backend in board order that supports it at that M runs it
@@ -112,6 +118,8 @@ pub struct Model<'m> {
     threads: usize,
     ubatch: usize,
     rope: RopeKind,
+    /// `rope_freqs.weight` (Llama 3.x), n_rot/2 factors.
+    rope_factors: Option<&'m [f32]>,
     /// [`Fault::Ulp`].
     ulp_nudge: bool,
 }
@@ -179,29 +187,110 @@ fn f32_view<'m>(t: &TensorView<'m>) -> Result<&'m [f32]> {
     Ok(mid)
 }
 
-fn tensor<'m>(f: &'m GgufFile, name: &str, dims: &[usize]) -> Result<TensorView<'m>> {
-    let t = f
-        .tensor(name)
-        .with_context(|| format!("{}: tensor {name} is missing", f.path().display()))?;
-    let got: Vec<u64> = t.ne[..t.n_dims as usize].to_vec();
-    let want: Vec<u64> = dims.iter().map(|&d| d as u64).collect();
-    ensure!(
-        got == want,
-        "{}: tensor {name} has shape {got:?}, the metadata implies {want:?}",
-        f.path().display()
-    );
-    Ok(t)
-}
+/// Tensors a file may carry that the forward pass does not read, because llama.cpp does not
+/// read them either: `(name pattern, reason)`, `blk.*.` standing for every layer.
+///
+/// Empty, as verified in the llama.cpp that kiln is tested against (llama-cpp-python 0.3.36's
+/// vendored `src/models/{llama,qwen2,qwen3}.cpp` and `llama-model-loader.cpp`): for these
+/// architectures every tensor its loader creates feeds the graph, and a file with any other
+/// tensor fails there (`done_getting_tensors`: "wrong number of tensors"). llama.cpp skips a
+/// tensor only when its `llm_tensor_info` op is `GGML_OP_NONE` (none of these architectures'
+/// tensors) or an architecture loads it with `TENSOR_SKIP` (multi-token-prediction layers of other
+/// architectures). An entry belongs here only with such a line of llama.cpp to point to.
+pub const IGNORED_TENSORS: &[(&str, &str)] = &[];
 
-fn vector<'m>(f: &'m GgufFile, name: &str, n: usize) -> Result<&'m [f32]> {
-    f32_view(&tensor(f, name, &[n])?)
-}
-
-fn opt_vector<'m>(f: &'m GgufFile, name: &str, n: usize) -> Result<Option<&'m [f32]>> {
-    if f.tensor(name).is_none() {
-        return Ok(None);
+/// Whether `name` matches an [`IGNORED_TENSORS`]-style pattern (`blk.*.` = any layer number).
+fn matches_pattern(pattern: &str, name: &str) -> bool {
+    match pattern.split_once("blk.*.") {
+        None => pattern == name,
+        Some((pre, post)) => name
+            .strip_prefix(pre)
+            .and_then(|r| r.strip_prefix("blk."))
+            .and_then(|r| r.split_once('.'))
+            .is_some_and(|(l, rest)| {
+                !l.is_empty() && l.bytes().all(|b| b.is_ascii_digit()) && rest == post
+            }),
     }
-    vector(f, name, n).map(Some)
+}
+
+/// The file's tensors that were not read and are not in `allowed`, sorted.
+fn unused_tensors<'a>(
+    all: impl Iterator<Item = &'a str>,
+    used: &std::collections::HashSet<String>,
+    allowed: &[(&str, &str)],
+) -> Vec<&'a str> {
+    let mut out: Vec<&str> = all
+        .filter(|n| !used.contains(*n) && !allowed.iter().any(|(p, _)| matches_pattern(p, n)))
+        .collect();
+    out.sort_unstable();
+    out
+}
+
+/// Reads tensors from the file and remembers every name it handed out, so that the load can
+/// refuse a file whose tensors the forward pass does not all use.
+struct Reader<'m> {
+    f: &'m GgufFile,
+    used: std::cell::RefCell<std::collections::HashSet<String>>,
+}
+
+impl<'m> Reader<'m> {
+    fn new(f: &'m GgufFile) -> Reader<'m> {
+        Reader {
+            f,
+            used: Default::default(),
+        }
+    }
+
+    fn path(&self) -> std::path::Display<'_> {
+        self.f.path().display()
+    }
+
+    fn tensor(&self, name: &str, dims: &[usize]) -> Result<TensorView<'m>> {
+        let t = self
+            .f
+            .tensor(name)
+            .with_context(|| format!("{}: tensor {name} is missing", self.path()))?;
+        let got: Vec<u64> = t.ne[..t.n_dims as usize].to_vec();
+        let want: Vec<u64> = dims.iter().map(|&d| d as u64).collect();
+        ensure!(
+            got == want,
+            "{}: tensor {name} has shape {got:?}, the metadata implies {want:?}",
+            self.path()
+        );
+        self.used.borrow_mut().insert(name.to_string());
+        Ok(t)
+    }
+
+    fn vector(&self, name: &str, n: usize) -> Result<&'m [f32]> {
+        f32_view(&self.tensor(name, &[n])?).with_context(|| self.path().to_string())
+    }
+
+    fn opt_vector(&self, name: &str, n: usize) -> Result<Option<&'m [f32]>> {
+        if self.f.tensor(name).is_none() {
+            return Ok(None);
+        }
+        self.vector(name, n).map(Some)
+    }
+
+    fn mark_used(&self, name: &str) {
+        self.used.borrow_mut().insert(name.to_string());
+    }
+
+    /// Every tensor of the file is read, or an error naming all the others (sorted).
+    fn check_all_used(&self) -> Result<()> {
+        let used = self.used.borrow();
+        let unused = unused_tensors(self.f.tensors().map(|t| t.name), &used, IGNORED_TENSORS);
+        if !unused.is_empty() {
+            bail!(
+                "{}: {} tensor(s) in the file are not used by kiln's forward pass for this \
+                 architecture (refused rather than ignored): {}",
+                self.path(),
+                unused.len(),
+                unused.join(", ")
+            );
+        }
+        Ok(())
+    }
 }
 
 impl<'m> Model<'m> {
@@ -244,12 +333,14 @@ impl<'m> Model<'m> {
             };
         }
         let e = hp.n_embd;
+        let rd = Reader::new(f);
         let tok_embd = f.tensor("token_embd.weight").with_context(|| {
             format!(
                 "{}: tensor token_embd.weight is missing",
                 f.path().display()
             )
         })?;
+        rd.mark_used("token_embd.weight");
         ensure!(
             tok_embd.n_dims == 2 && tok_embd.ne[0] == e as u64,
             "{}: token_embd.weight has shape {:?}, want [{e}, n_vocab]",
@@ -259,9 +350,10 @@ impl<'m> Model<'m> {
         let n_vocab = tok_embd.ne[1] as usize;
         let threads = resolve_threads(opt.threads);
         let weight = |name: &str, k: usize, n: usize| -> Result<Weight<'m>> {
-            let t = tensor(f, name, &[k, n])?;
-            t.as_weight()
-                .with_context(|| format!("tensor {name} as a matmul weight"))
+            let t = rd.tensor(name, &[k, n])?;
+            t.as_weight().with_context(|| {
+                format!("{}: tensor {name} as a matmul weight", f.path().display())
+            })
         };
         let mut names: Vec<(Weight<'m>, Option<&'m [f32]>)> = Vec::new();
         let mut norms = Vec::new();
@@ -269,7 +361,7 @@ impl<'m> Model<'m> {
         for l in 0..hp.n_layer {
             let p = |s: &str| format!("blk.{l}.{s}");
             let bias = |s: &str, n: usize| -> Result<Option<&'m [f32]>> {
-                let b = opt_vector(f, &p(s), n)?;
+                let b = rd.opt_vector(&p(s), n)?;
                 if b.is_none() && hp.arch.qkv_bias_required() {
                     bail!(
                         "{}: tensor {} is missing ({} has Q/K/V biases)",
@@ -296,21 +388,49 @@ impl<'m> Model<'m> {
             names.push((weight(&p("ffn_gate.weight"), e, hp.n_ff)?, None));
             names.push((weight(&p("ffn_up.weight"), e, hp.n_ff)?, None));
             names.push((weight(&p("ffn_down.weight"), hp.n_ff, e)?, None));
-            let (qn, kn) = if hp.arch.qk_norm() && opt.fault != Some(Fault::NoQkNorm) {
+            let (qn, kn) = if hp.arch.qk_norm() {
                 (
-                    Some(vector(f, &p("attn_q_norm.weight"), hd)?),
-                    Some(vector(f, &p("attn_k_norm.weight"), hd)?),
+                    Some(rd.vector(&p("attn_q_norm.weight"), hd)?),
+                    Some(rd.vector(&p("attn_k_norm.weight"), hd)?),
                 )
             } else {
                 (None, None)
             };
+            // The fault drops them after they were read: a deliberate fault, not a tensor the
+            // load forgot.
+            let (qn, kn) = if opt.fault == Some(Fault::NoQkNorm) {
+                (None, None)
+            } else {
+                (qn, kn)
+            };
             norms.push((
-                vector(f, &p("attn_norm.weight"), e)?,
+                rd.vector(&p("attn_norm.weight"), e)?,
                 qn,
                 kn,
-                vector(f, &p("ffn_norm.weight"), e)?,
+                rd.vector(&p("ffn_norm.weight"), e)?,
             ));
         }
+        // Llama 3.x RoPE frequency factors (llama.cpp: llama only; one tensor shared by every
+        // layer). qwen2/qwen3 do not read it, in llama.cpp or here: such a file is refused below.
+        let rope_factors = if hp.arch == Arch::Llama {
+            let v = rd.opt_vector("rope_freqs.weight", hp.n_rot / 2)?;
+            if let Some(v) = v {
+                if let Some((i, x)) = v
+                    .iter()
+                    .enumerate()
+                    .find(|(_, x)| !(**x > 0.0 && x.is_finite()))
+                {
+                    bail!(
+                        "{}: tensor rope_freqs.weight[{i}] = {x}: a RoPE frequency factor must be \
+                         a positive number",
+                        f.path().display()
+                    );
+                }
+            }
+            v
+        } else {
+            None
+        };
         let tied = f.tensor("output.weight").is_none();
         let out_w = if tied {
             tok_embd
@@ -320,7 +440,8 @@ impl<'m> Model<'m> {
             weight("output.weight", e, n_vocab)?
         };
         names.push((out_w, None));
-        let out_norm = vector(f, "output_norm.weight", e)?;
+        let out_norm = rd.vector("output_norm.weight", e)?;
+        rd.check_all_used()?;
 
         // The plan: ownership at the largest M, ops per M; the owners' prepared weights kept.
         let weights: Vec<Weight<'m>> = names.iter().map(|(w, _)| *w).collect();
@@ -442,6 +563,7 @@ impl<'m> Model<'m> {
             threads,
             ubatch,
             rope,
+            rope_factors,
             ulp_nudge: opt.fault == Some(Fault::Ulp),
         })
     }
@@ -667,9 +789,15 @@ impl<'m> Model<'m> {
                 }
                 let (qd, kd) = (hp.q_dim(), hp.kv_dim());
                 att.resize(m * nh * hd, 0.0);
+                let freqs = ops::RopeFreqs {
+                    n_rot: hp.n_rot,
+                    freq_base: hp.freq_base,
+                    freq_scale: hp.freq_scale,
+                    factors: self.rope_factors,
+                };
                 for ((s, _), &(r0, n, pos0)) in groups.iter_mut().zip(&spans) {
                     for i in r0..r0 + n {
-                        ops::rope_cache(pos0 + i - r0, hp.n_rot, hp.freq_base, &mut cs);
+                        ops::rope_cache(pos0 + i - r0, &freqs, &mut cs);
                         ops::rope_heads(&mut q[i * qd..(i + 1) * qd], hd, hp.n_rot, self.rope, &cs);
                         ops::rope_heads(&mut k[i * kd..(i + 1) * kd], hd, hp.n_rot, self.rope, &cs);
                         s.kv.write(
@@ -854,4 +982,218 @@ pub fn rss_kb() -> Option<(u64, u64)> {
             .and_then(|v| v.parse().ok())
     };
     Some((field("RssAnon:")?, field("RssFile:")?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::writer::GgufWriter;
+    use crate::gguf::Value;
+
+    /// The self-check fixture with `edit` applied, loaded on the scalar reference; `Err` is the
+    /// load's error text.
+    fn with_fixture<T>(
+        edit: impl FnOnce(&mut GgufWriter) -> Result<()>,
+        then: impl FnOnce(&Model<'_>) -> T,
+    ) -> std::result::Result<T, String> {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("m.gguf");
+        std::fs::write(&p, fixture::gguf_with(edit).unwrap()).unwrap();
+        let f = GgufFile::open(&p).unwrap();
+        let opt = Options {
+            backend: BackendSel::CpuRef,
+            ..Options::default()
+        };
+        let r = match Model::load(&f, &opt) {
+            Ok(m) => Ok(then(&m)),
+            Err(e) => Err(format!("{e:#}")),
+        };
+        r
+    }
+
+    /// Logits of every position of a fixed id sequence, as bits.
+    fn logits(m: &Model<'_>) -> Vec<u32> {
+        let ids = [1u32, 300, 301, 290, 400, 17, 511, 260, 300, 2, 77, 123];
+        let mut s = m.session(ids.len(), KvType::F32).unwrap();
+        let l = m.forward(&mut s, &ids, Want::All).unwrap();
+        l.iter().map(|v| v.to_bits()).collect()
+    }
+
+    fn ones(n: usize) -> Vec<f32> {
+        vec![1.0; n]
+    }
+
+    #[test]
+    fn tensors_the_forward_pass_does_not_read_are_refused_all_named_in_order() {
+        let e = with_fixture(
+            |g| {
+                g.tensor_f32("zz_extra.weight", &[4], &ones(4))?;
+                g.tensor_f32("blk.1.ffn_up.bias", &[128], &ones(128))?;
+                g.tensor_f32("blk.0.attn_output.bias", &[64], &ones(64))?;
+                Ok(())
+            },
+            |_| (),
+        )
+        .unwrap_err();
+        assert!(
+            e.contains(
+                "3 tensor(s) in the file are not used by kiln's forward pass for this \
+                 architecture (refused rather than ignored): blk.0.attn_output.bias, \
+                 blk.1.ffn_up.bias, zz_extra.weight"
+            ),
+            "{e}"
+        );
+        // The plain fixture uses every tensor it has.
+        with_fixture(|_| Ok(()), |_| ()).unwrap();
+    }
+
+    #[test]
+    fn ignored_tensor_patterns_match_whole_layer_names_only() {
+        assert!(IGNORED_TENSORS
+            .iter()
+            .all(|(p, why)| !p.is_empty() && !why.is_empty()));
+        let allow = [("blk.*.attn_rot_embd", "test"), ("a.weight", "test")];
+        let used = std::collections::HashSet::from(["b".to_string()]);
+        let names = [
+            "blk.0.attn_rot_embd",
+            "blk.12.attn_rot_embd",
+            "blk.x.attn_rot_embd",
+            "blk.1.attn_rot_embd.extra",
+            "a.weight",
+            "b",
+            "c",
+        ];
+        assert_eq!(
+            unused_tensors(names.into_iter(), &used, &allow),
+            ["blk.1.attn_rot_embd.extra", "blk.x.attn_rot_embd", "c"]
+        );
+    }
+
+    #[test]
+    fn maths_keys_kiln_does_not_apply_are_refused_by_name_and_neutral_values_pass() {
+        let e = with_fixture(
+            |g| {
+                g.add("llama.attention.sliding_window", Value::U32(32))?;
+                g.add("llama.final_logit_softcapping", Value::F32(30.0))?;
+                g.add("llama.some_new_knob", Value::F32(2.0))?;
+                g.add("llama.expert_count", Value::U32(0))?;
+                g.add("general.whatever", Value::U32(7))?;
+                g.add("quantize.imatrix.file", Value::String("x".into()))?;
+                Ok(())
+            },
+            |_| (),
+        )
+        .unwrap_err();
+        assert!(
+            e.contains("3 metadata key(s)")
+                && e.contains("llama.attention.sliding_window = 32")
+                && e.contains("llama.final_logit_softcapping = 30.0")
+                && e.contains("llama.some_new_knob = 2.0 (not a key kiln applies"),
+            "{e}"
+        );
+        assert!(
+            e.find("sliding_window") < e.find("final_logit")
+                && e.find("final_logit") < e.find("some_new"),
+            "sorted: {e}"
+        );
+        assert!(!e.contains("expert_count") && !e.contains("general.") && !e.contains("imatrix"));
+        for (k, v) in [
+            ("llama.rope.scaling.type", Value::String("yarn".into())),
+            ("llama.rope.scaling.type", Value::String("longrope".into())),
+        ] {
+            let e = with_fixture(|g| g.add(k, v.clone()).map(|_| ()), |_| ()).unwrap_err();
+            assert!(
+                e.contains(&format!("{k} = {:?}", v.as_str().unwrap())),
+                "{e}"
+            );
+        }
+        // Neutral values load and change nothing.
+        let plain = with_fixture(|_| Ok(()), logits).unwrap();
+        let neutral = with_fixture(
+            |g| {
+                g.add("llama.attention.sliding_window", Value::U32(0))?;
+                g.add("llama.final_logit_softcapping", Value::F32(0.0))?;
+                g.add("llama.expert_count", Value::U32(0))?;
+                g.add("llama.logit_scale", Value::F32(1.0))?;
+                g.add("llama.attention.causal", Value::Bool(true))?;
+                g.add("llama.rope.scaling.type", Value::String("none".into()))?;
+                g.add("llama.rope.scaling.factor", Value::F32(8.0))?;
+                g.add("llama.rope.scaling.original_context_length", Value::U32(64))?;
+                Ok(())
+            },
+            logits,
+        )
+        .unwrap();
+        assert!(plain == neutral, "neutral keys changed the logits");
+    }
+
+    /// `rope_freqs.weight` and linear RoPE scaling are read: factors of 1.0 (and a scale of 1)
+    /// give the plain model's logits bit for bit, other factors or a scale change them.
+    #[test]
+    fn rope_factors_and_linear_scaling_are_applied() {
+        let n = fixture_n_rot() / 2;
+        let plain = with_fixture(|_| Ok(()), logits).unwrap();
+        let with_ones = with_fixture(
+            |g| {
+                g.tensor_f32("rope_freqs.weight", &[n as u64], &ones(n))
+                    .map(|_| ())
+            },
+            logits,
+        )
+        .unwrap();
+        assert!(plain == with_ones, "factors of 1.0 changed the logits");
+        let factors: Vec<f32> = (0..n).map(|i| 1.0 + i as f32).collect();
+        let with_factors = with_fixture(
+            |g| {
+                g.tensor_f32("rope_freqs.weight", &[n as u64], &factors)
+                    .map(|_| ())
+            },
+            logits,
+        )
+        .unwrap();
+        assert!(plain != with_factors, "rope_freqs.weight was not applied");
+        let scaled = with_fixture(
+            |g| {
+                g.add("llama.rope.scaling.type", Value::String("linear".into()))?;
+                g.add("llama.rope.scaling.factor", Value::F32(4.0))?;
+                Ok(())
+            },
+            logits,
+        )
+        .unwrap();
+        assert!(plain != scaled, "linear RoPE scaling was not applied");
+        let unit = with_fixture(
+            |g| {
+                g.add("llama.rope.scaling.factor", Value::F32(1.0))
+                    .map(|_| ())
+            },
+            logits,
+        )
+        .unwrap();
+        assert!(plain == unit, "a linear factor of 1 changed the logits");
+        let mut bad = ones(n);
+        bad[3] = 0.0;
+        let e = with_fixture(
+            |g| {
+                g.tensor_f32("rope_freqs.weight", &[n as u64], &bad)
+                    .map(|_| ())
+            },
+            |_| (),
+        )
+        .unwrap_err();
+        assert!(e.contains("rope_freqs.weight[3] = 0"), "{e}");
+        let e = with_fixture(
+            |g| {
+                g.tensor_f32("rope_freqs.weight", &[3], &ones(3))
+                    .map(|_| ())
+            },
+            |_| (),
+        )
+        .unwrap_err();
+        assert!(e.contains("tensor rope_freqs.weight has shape [3]"), "{e}");
+    }
+
+    fn fixture_n_rot() -> usize {
+        with_fixture(|_| Ok(()), |m| m.hp.n_rot).unwrap()
+    }
 }

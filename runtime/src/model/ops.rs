@@ -28,13 +28,31 @@ pub fn rms_norm_rows_inplace(x: &mut [f32], w: &[f32], eps: f32) {
     }
 }
 
-/// cos/sin per rotated pair at position `pos`, as ggml's rope cache: `theta = pos`, then
-/// `theta *= powf(base, -2/n_rot)` per pair (not `powf` per pair), `cosf`/`sinf` in f32.
-pub fn rope_cache(pos: usize, n_rot: usize, freq_base: f32, cs: &mut [(f32, f32)]) {
-    let theta_scale = freq_base.powf(-2.0f32 / n_rot as f32);
+/// How RoPE turns a position into angles: llama.cpp's `freq_base`, `freq_scale` and the
+/// optional per-pair frequency factors (`rope_freqs.weight`, Llama 3's `llama3` rope type baked
+/// in by llama.cpp's converter).
+#[derive(Clone, Copy, Debug)]
+pub struct RopeFreqs<'a> {
+    pub n_rot: usize,
+    pub freq_base: f32,
+    pub freq_scale: f32,
+    /// n_rot/2 factors; pair i's angle is divided by `factors[i]`.
+    pub factors: Option<&'a [f32]>,
+}
+
+/// cos/sin per rotated pair at position `pos`, as ggml's rope cache (`ggml_rope_cache_init` +
+/// `rope_yarn` without YaRN's ramp, ggml-cpu/ops.cpp): `theta = pos`, then
+/// `theta *= powf(base, -2/n_rot)` per pair (not `powf` per pair); each pair's angle is
+/// `freq_scale · (theta / factor)`, `cosf`/`sinf` in f32. With no factors and a scale of 1 every
+/// operation added to the plain `cos(theta)` is exact (x/1, 1·x), so the angles are bit for bit
+/// those of unscaled RoPE.
+pub fn rope_cache(pos: usize, r: &RopeFreqs<'_>, cs: &mut [(f32, f32)]) {
+    let theta_scale = r.freq_base.powf(-2.0f32 / r.n_rot as f32);
     let mut theta = pos as f32;
-    for c in cs.iter_mut().take(n_rot / 2) {
-        *c = (theta.cos(), theta.sin());
+    for (i, c) in cs.iter_mut().take(r.n_rot / 2).enumerate() {
+        let ff = r.factors.map_or(1.0, |f| f[i]);
+        let t = r.freq_scale * (theta / ff);
+        *c = (t.cos(), t.sin());
         theta *= theta_scale;
     }
 }
@@ -123,10 +141,19 @@ pub fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
 mod tests {
     use super::*;
 
+    fn plain(n_rot: usize) -> RopeFreqs<'static> {
+        RopeFreqs {
+            n_rot,
+            freq_base: 10000.0,
+            freq_scale: 1.0,
+            factors: None,
+        }
+    }
+
     #[test]
     fn rope_norm_and_neox_pair_differently() {
         let mut cs = vec![(0.0, 0.0); 2];
-        rope_cache(3, 4, 10000.0, &mut cs);
+        rope_cache(3, &plain(4), &mut cs);
         let x = [1.0f32, 2.0, 3.0, 4.0];
         let mut n = x;
         rope_heads(&mut n, 4, 4, RopeKind::Norm, &cs);
@@ -137,10 +164,59 @@ mod tests {
         assert_eq!(e[0], 1.0 * c - 3.0 * s);
         assert_ne!(n, e);
         // Position 0 is the identity for both.
-        rope_cache(0, 4, 10000.0, &mut cs);
+        rope_cache(0, &plain(4), &mut cs);
         let mut z = x;
         rope_heads(&mut z, 4, 4, RopeKind::Neox, &cs);
         assert_eq!(z, x);
+    }
+
+    /// Factors of 1.0 and a scale of 1 give the angles of plain RoPE bit for bit; real factors
+    /// divide each pair's angle (as ggml's `theta / ff`), and a linear scale multiplies it.
+    #[test]
+    fn rope_factors_and_scale_change_the_cache_and_ones_change_nothing() {
+        let n_rot = 64;
+        let ones = vec![1.0f32; n_rot / 2];
+        let factors: Vec<f32> = (0..n_rot / 2).map(|i| 1.0 + i as f32 * 0.25).collect();
+        for pos in [0usize, 1, 7, 100, 4095] {
+            let mut a = vec![(0.0, 0.0); n_rot / 2];
+            let mut b = a.clone();
+            rope_cache(pos, &plain(n_rot), &mut a);
+            let with_ones = RopeFreqs {
+                factors: Some(&ones),
+                ..plain(n_rot)
+            };
+            rope_cache(pos, &with_ones, &mut b);
+            let bits = |v: &[(f32, f32)]| -> Vec<(u32, u32)> {
+                v.iter().map(|(c, s)| (c.to_bits(), s.to_bits())).collect()
+            };
+            assert_eq!(
+                bits(&a),
+                bits(&b),
+                "pos {pos}: factors of 1.0 changed the cache"
+            );
+            let with_factors = RopeFreqs {
+                factors: Some(&factors),
+                ..plain(n_rot)
+            };
+            rope_cache(pos, &with_factors, &mut b);
+            if pos > 0 {
+                assert_eq!(a[0], b[0], "pair 0 has factor 1");
+                for i in 1..n_rot / 2 {
+                    assert_ne!(a[i], b[i], "pos {pos} pair {i}: the factor was not applied");
+                }
+                // Pair i at factor f turns as plain RoPE does at theta / f.
+                let theta = pos as f32 * 10000f32.powf(-2.0 / n_rot as f32);
+                let t = theta / factors[1];
+                assert_eq!(b[1], (t.cos(), t.sin()));
+            }
+            let half = RopeFreqs {
+                freq_scale: 0.5,
+                ..plain(n_rot)
+            };
+            rope_cache(pos, &half, &mut b);
+            let t = 0.5 * pos as f32;
+            assert_eq!(b[0], (t.cos(), t.sin()));
+        }
     }
 
     #[test]

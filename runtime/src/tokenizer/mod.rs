@@ -71,6 +71,9 @@ pub struct Tokenizer {
     add_space_prefix: bool,
     clean_spaces: bool,
     chat_template: Option<String>,
+    /// What the file says that did not take effect (special ids outside the vocabulary), one
+    /// line each, also printed on stderr at load.
+    warnings: Vec<String>,
 }
 
 fn str_array<'a>(g: &'a Gguf, key: &str) -> Result<Option<&'a [Value]>> {
@@ -265,11 +268,23 @@ impl Tokenizer {
         }
         let n_u32 = u32::try_from(n).context("tokenizer.ggml.tokens: too many tokens")?;
 
-        // Special ids: defaults out of range are disabled; a key out of range keeps the default.
-        let in_range = |id: Option<u32>| id.filter(|&i| i < n_u32);
-        bos = in_range(bos);
-        eos = in_range(eos);
-        let id_key = |key: &str, default: Option<u32>| -> Result<Option<u32>> {
+        // Special ids as llama.cpp's `llama_vocab::impl::load` takes them: a default out of
+        // range is disabled, and a key out of range is not used: the id stays at its default
+        // (itself disabled when out of range), so the out-of-range id is never BOS, EOS or in
+        // the EOG set. llama.cpp logs both; kiln prints them on stderr and keeps them
+        // (`warnings`), so that a file whose special tokens did not take effect says so.
+        let mut warnings: Vec<String> = Vec::new();
+        let mut id_key = |key: &str, default: Option<u32>| -> Result<Option<u32>> {
+            let default = match default {
+                Some(d) if d >= n_u32 => {
+                    warnings.push(format!(
+                        "{key}: the default id {d} is outside the vocabulary of {n} tokens: \
+                         disabled (as llama.cpp does)"
+                    ));
+                    None
+                }
+                d => d,
+            };
             match g.get(key) {
                 None => Ok(default),
                 Some(v) => {
@@ -277,7 +292,18 @@ impl Tokenizer {
                         .to_int::<u32>()
                         .with_context(|| format!("{key}: not an integer"))?
                         .map_err(|x| anyhow::anyhow!("{key}: {x} is not a token id"))?;
-                    Ok(if id < n_u32 { Some(id) } else { default })
+                    if id < n_u32 {
+                        return Ok(Some(id));
+                    }
+                    let fallback = match default {
+                        Some(d) => format!("the default id {d} is used instead"),
+                        None => "the token is disabled".to_string(),
+                    };
+                    warnings.push(format!(
+                        "{key} = {id} is outside the vocabulary of {n} tokens: ignored, \
+                         {fallback} (as llama.cpp does)"
+                    ));
+                    Ok(default)
                 }
             }
         };
@@ -285,7 +311,13 @@ impl Tokenizer {
         eos = id_key("tokenizer.ggml.eos_token_id", eos)?;
         let mut eot = id_key("tokenizer.ggml.eot_token_id", None)?;
         let mut eom = id_key("tokenizer.ggml.eom_token_id", None)?;
-        let fim_key = |new: &str, old: Option<&str>| -> Result<Option<u32>> {
+        // Read only to be checked (kiln does not use them), in llama.cpp's order.
+        let spm_unk = matches!(model, Model::Spm).then_some(0);
+        id_key("tokenizer.ggml.unknown_token_id", spm_unk)?;
+        id_key("tokenizer.ggml.seperator_token_id", None)?;
+        id_key("tokenizer.ggml.padding_token_id", None)?;
+        id_key("tokenizer.ggml.mask_token_id", None)?;
+        let mut fim_key = |new: &str, old: Option<&str>| -> Result<Option<u32>> {
             let mut v = id_key(new, None)?;
             if let Some(old) = old {
                 v = id_key(old, v)?;
@@ -307,6 +339,9 @@ impl Tokenizer {
         let mut fim_pad = fim_key("tokenizer.ggml.fim_pad_token_id", None)?;
         let mut fim_rep = fim_key("tokenizer.ggml.fim_rep_token_id", None)?;
         let mut fim_sep = fim_key("tokenizer.ggml.fim_sep_token_id", None)?;
+        for w in &warnings {
+            eprintln!("kiln: warning: {w}");
+        }
 
         if let Some(v) = get_bool(g, "tokenizer.ggml.add_bos_token")? {
             add_bos = v;
@@ -484,7 +519,13 @@ impl Tokenizer {
             add_space_prefix,
             clean_spaces,
             chat_template,
+            warnings,
         })
+    }
+
+    /// The load's warnings (special-token ids the file sets outside the vocabulary).
+    pub fn warnings(&self) -> &[String] {
+        &self.warnings
     }
 
     /// As llama.cpp's llama_tokenize(text, add_special, parse_special): add_special adds BOS/EOS

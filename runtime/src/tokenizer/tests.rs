@@ -221,3 +221,44 @@ fn clean_spaces_matches_llama_cpp_passes() {
     clean_spaces(&mut v);
     assert_eq!(v, b"a, b. c'd it's we're x 't");
 }
+
+/// A special-token id outside the vocabulary does not take effect, as in llama.cpp: the id stays
+/// at the model's default (SentencePiece's EOS 2) or is disabled (no default), it never enters
+/// the EOG set, and the load says so, naming the key and the value.
+#[test]
+fn out_of_range_special_ids_are_disabled_with_a_warning_naming_the_key() {
+    let t = spm_vocab(vec![("tokenizer.ggml.eos_token_id", Value::U32(u32::MAX))]).unwrap();
+    assert_eq!(t.eos(), Some(2), "the default EOS stays");
+    assert!(!t.is_eog(u32::MAX));
+    assert!(t.eog_ids().all(|i| (i as usize) < t.n_vocab()));
+    assert_eq!(t.warnings().len(), 1, "{:?}", t.warnings());
+    let w = &t.warnings()[0];
+    assert!(
+        w.contains("tokenizer.ggml.eos_token_id = 4294967295")
+            && w.contains("default id 2 is used instead"),
+        "{w}"
+    );
+
+    let t = bpe_vocab(
+        "smollm",
+        vec![
+            ("tokenizer.ggml.eot_token_id", Value::U32(5000)),
+            ("tokenizer.ggml.padding_token_id", Value::U32(70000)),
+        ],
+    )
+    .unwrap();
+    assert!(
+        !t.is_eog(5000),
+        "an out-of-range EOT must not end generation"
+    );
+    let eog: Vec<u32> = t.eog_ids().collect();
+    assert_eq!(eog, [0, 2], "<|endoftext|> by name and the file's EOS only");
+    let w = t.warnings().join("\n");
+    assert!(
+        w.contains("tokenizer.ggml.eot_token_id = 5000") && w.contains("the token is disabled"),
+        "{w}"
+    );
+    assert!(w.contains("tokenizer.ggml.padding_token_id = 70000"), "{w}");
+    // In range: no warning.
+    assert!(bpe_vocab("smollm", vec![]).unwrap().warnings().is_empty());
+}

@@ -1,11 +1,13 @@
 """llama.cpp's side of runtime/tests/llama_cpp_model.rs.
 
-  synth --arch A --wtype T --seed S --out F    write a seeded synthetic model with gguf-py
+  synth --arch A --wtype T --seed S --out F [--rope llama3 [--alter ...]]
+      write a seeded synthetic model with gguf-py
   logits --model F --ids 1,2,3 --out F.f32 [--threads T] [--kv f16|f32] [--greedy N]
       evaluate the ids with llama.cpp (llama-cpp-python, Llama.eval; KV cache type and flash
       attention pinned), write per-position logits as raw little-endian f32 [n_ids, n_vocab] and
       print {"n_vocab", "greedy"} as JSON.
   tokenize --model F --text-file T    llama.cpp's token ids of the text, as JSON
+  add-rope-freqs --model F --out G [--orig-ctx N]    F plus Llama 3's rope_freqs.weight
 """
 
 import argparse
@@ -84,6 +86,21 @@ def synth(args):
         w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    if args.rope == "llama3":
+        # Llama 3.x style: the "llama3" rope type baked into rope_freqs.weight by llama.cpp's
+        # converter (conversion/llama.py generate_extra_tensors, same formula), for this file's
+        # shapes: factor 8, low/high frequency factors 1 and 4, an original context of 64 (the
+        # file's context is 256), so the 32 factors mix 1, 8 and the smooth ramp between. And
+        # rope.scaling keys on top: linear, factor 2 (freq_scale 1/2), original context 64.
+        old_ctx = 64
+        factors = llama3_factors(10000.0, head_dim, old_ctx)
+        if args.alter == "factors-ones":
+            factors = np.ones_like(factors)
+        w.add_tensor("rope_freqs.weight", factors)
+        if args.alter != "no-scaling":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(2.0)
+            w.add_rope_scaling_orig_ctx_len(old_ctx)
     # A SentencePiece vocabulary llama.cpp accepts: <unk> <s> </s>, the 256 byte tokens, fillers.
     toks, scores, types = ["<unk>", "<s>", "</s>"], [0.0, 0.0, 0.0], [2, 3, 3]
     for b in range(256):
@@ -150,6 +167,53 @@ def synth(args):
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
+    w.close()
+
+
+def llama3_factors(base, dim, old_ctx, factor=8.0, low=1.0, high=4.0):
+    """Llama 3's rope factors, as llama.cpp's converter computes them (conversion/llama.py)."""
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    out = []
+    for f in freqs:
+        wavelen = 2 * np.pi / f
+        if wavelen < old_ctx / high:
+            out.append(1.0)
+        elif wavelen > old_ctx / low:
+            out.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def add_rope_freqs(args):
+    """A copy of a llama GGUF with a rope_freqs.weight tensor added (every key and tensor kept, as
+    gguf-py's gguf_new_metadata copies them): Llama 3's factors for the file's head dimension and
+    RoPE base, with an original context of --orig-ctx."""
+    import gguf
+
+    r = gguf.GGUFReader(args.model)
+    arch = r.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(args.out, arch)
+    for field in r.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue
+        vt = field.types[0]
+        st = field.types[-1] if vt == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(field.name, field.contents(), vt, sub_type=st)
+    base = r.fields[arch + ".rope.freq_base"].contents()
+    dim = r.fields[arch + ".rope.dimension_count"].contents()
+    factors = llama3_factors(base, dim, args.orig_ctx)
+    for t in r.tensors:
+        w.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    w.add_tensor_info("rope_freqs.weight", factors.shape, factors.dtype, factors.nbytes,
+                      gguf.GGMLQuantizationType.F32)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for t in r.tensors:
+        w.write_tensor_data(t.data, tensor_endianess=r.endianess)
+    w.write_tensor_data(factors)
     w.close()
 
 
@@ -241,6 +305,11 @@ def main():
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--key-length", action="store_true")
     s.add_argument("--shape", type=int, default=0, help="SmolLM2's shapes with this many layers")
+    s.add_argument("--rope", default="plain", choices=["plain", "llama3"],
+                   help="llama3: rope_freqs.weight (Llama 3 factors) and linear rope.scaling keys")
+    s.add_argument("--alter", default="none", choices=["none", "factors-ones", "no-scaling"],
+                   help="with --rope llama3: the same file with the factors all 1.0, or without "
+                        "the rope.scaling keys")
     s.add_argument("--out", required=True)
     g = sub.add_parser("logits")
     g.add_argument("--model", required=True)
@@ -249,6 +318,10 @@ def main():
     g.add_argument("--threads", type=int, default=2)
     g.add_argument("--kv", default="f16", choices=["f16", "f32"])
     g.add_argument("--greedy", type=int, default=0)
+    rf = sub.add_parser("add-rope-freqs")
+    rf.add_argument("--model", required=True)
+    rf.add_argument("--out", required=True)
+    rf.add_argument("--orig-ctx", type=int, default=64)
     t = sub.add_parser("tokenize")
     t.add_argument("--model", required=True)
     t.add_argument("--text-file", required=True)
@@ -258,7 +331,13 @@ def main():
     b.add_argument("-n", type=int, default=64)
     b.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
-    {"synth": synth, "logits": logits, "tokenize": tokenize, "bench": bench}[a.cmd](a)
+    {
+        "synth": synth,
+        "add-rope-freqs": add_rope_freqs,
+        "logits": logits,
+        "tokenize": tokenize,
+        "bench": bench,
+    }[a.cmd](a)
 
 
 if __name__ == "__main__":

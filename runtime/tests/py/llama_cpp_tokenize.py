@@ -4,7 +4,8 @@
         KIND: spm (SentencePiece `llama`, byte-fallback tokens, scores), or a byte-level `gpt2`
         pre-tokenizer name (qwen2, llama-bpe, default, gpt-2, starcoder) with merges learnt here
         by a small seeded BPE trainer. Written with
-        gguf-py, llama.cpp's own GGUF package.
+        gguf-py, llama.cpp's own GGUF package. KIND+bad-ids (spm, qwen2): EOS, EOT and padding
+        ids outside the vocabulary.
     python llama_cpp_tokenize.py reference MODEL.gguf < request.json
         request: {"cases": [{"text": str, "add_special": bool, "parse_special": bool}]}
         answer:  {"tokens": [[id]], "detok": [hex], "pieces": [hex per token id],
@@ -95,7 +96,7 @@ def hparams(w):
     w.add_layer_norm_rms_eps(1e-5)
 
 
-def make_bpe(kind, out, seed):
+def make_bpe(kind, out, seed, bad_ids=False):
     rng = random.Random(seed)
     enc = byte_chars()
     text = TRAIN * 3
@@ -153,6 +154,13 @@ def make_bpe(kind, out, seed):
         w.add_bos_token_id(0)
         w.add_eos_token_id(1)
         # add_bos_token left out: llama-bpe's default (true) applies.
+    elif bad_ids:
+        # Out of range: llama.cpp keeps the BPE default EOS (11) and disables EOT.
+        w.add_bos_token_id(0)
+        w.add_eos_token_id(len(tokens) + 100)
+        w.add_eot_token_id(0xFFFFFFFF)
+        w.add_pad_token_id(len(tokens))
+        w.add_add_bos_token(False)
     else:
         w.add_bos_token_id(0)
         w.add_eos_token_id(2)
@@ -163,7 +171,7 @@ def make_bpe(kind, out, seed):
     w.close()
 
 
-def make_spm(out, seed):
+def make_spm(out, seed, bad_ids=False):
     rng = random.Random(seed)
     tokens = ["<unk>", "<s>", "</s>"]
     types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
@@ -204,7 +212,13 @@ def make_spm(out, seed):
     w.add_token_types(types)
     w.add_token_scores(scores)
     w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    if bad_ids:
+        # Out of range: llama.cpp keeps the SentencePiece default EOS (2), disables EOT.
+        w.add_eos_token_id(0xFFFFFFFF)
+        w.add_eot_token_id(len(tokens) + 5)
+        w.add_pad_token_id(len(tokens))
+    else:
+        w.add_eos_token_id(2)
     w.add_unk_token_id(0)
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
@@ -262,10 +276,12 @@ def reference(model_path):
 def main():
     if len(sys.argv) == 5 and sys.argv[1] == "make-vocab":
         kind, out, seed = sys.argv[2], sys.argv[3], int(sys.argv[4])
+        bad_ids = kind.endswith("+bad-ids")
+        kind = kind.removesuffix("+bad-ids")
         if kind == "spm":
-            make_spm(out, seed)
+            make_spm(out, seed, bad_ids)
         elif kind in ("qwen2", "llama-bpe", "default", "gpt-2", "starcoder"):
-            make_bpe(kind, out, seed)
+            make_bpe(kind, out, seed, bad_ids)
         else:
             sys.exit(f"unknown vocabulary kind {kind!r}")
     elif len(sys.argv) == 3 and sys.argv[1] == "reference":
