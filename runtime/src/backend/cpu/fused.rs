@@ -720,6 +720,28 @@ pub(crate) fn rows(
 ) {
     let m = act.f32s.len() / act.k.max(1);
     #[cfg(target_arch = "x86_64")]
+    if m > 1 && takes_m(kernel, w.ty) && super::kquant::TYPES.contains(&w.ty) {
+        // K-quants: each weight row unpacked once (`kquant::x86::Unpacked`), then dotted with
+        // every activation row from L1.
+        let mut un = super::kquant::x86::Unpacked::default();
+        for (j, outs) in ct.chunks_exact_mut(m).enumerate() {
+            let n = n0 + j;
+            if skip == Some(n) {
+                continue;
+            }
+            let src = &w.data[n * row_bytes..(n + 1) * row_bytes];
+            let unpacked = un.unpack(w.ty, src);
+            for (i, o) in outs.iter_mut().enumerate() {
+                // SAFETY: `takes_m` detected AVX2 and F16C.
+                *o = match unpacked.then(|| unsafe { un.dot(act, i) }).flatten() {
+                    Some(v) => v,
+                    None => row_at(kernel, w.ty, src, act, i),
+                };
+            }
+        }
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
     if m > 1 && takes_m(kernel, w.ty) {
         // Each weight row unpacked once, then dotted with every activation row from L1.
         let mut un = x86::Unpacked::default();

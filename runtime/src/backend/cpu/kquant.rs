@@ -154,6 +154,156 @@ pub(super) mod x86 {
         hsum_i32(acc)
     }
 
+    /// One K-quant weight row unpacked once for M > 1, so the per-activation-row loop
+    /// ([`Unpacked::dot`]) is one `vpmaddubsw` and one `vpmaddwd` per 32 quants: `u` holds the
+    /// quants as unsigned bytes (Q4_K 0..15, Q5_K 0..31, Q6_K 0..63, i.e. Q6_K's without its
+    /// −32), `sv` for every 32 quants the 16 i16 scale lanes `vpmaddwd` takes (one 32-element
+    /// sub-block's scale, or Q6_K's two 16-element groups' scales eight lanes each), `sc` Q6_K's
+    /// 16 scales per super-block (for `−32·Σ sc·bsum`), `mins` Q4_K/Q5_K's eight mins, `d` and
+    /// `dmin` widened (exact). The integer sums equal [`row_dot`]'s, so the bits do too.
+    #[derive(Default)]
+    pub(in super::super) struct Unpacked {
+        ty: Option<GgmlType>,
+        nb: usize,
+        u: Vec<u8>,
+        sv: Vec<i16>,
+        sc: Vec<i32>,
+        mins: Vec<i32>,
+        d: Vec<f32>,
+        dmin: Vec<f32>,
+    }
+
+    impl Unpacked {
+        /// Unpack weight row `src` (whole super-blocks of a K-quant `ty`); false (nothing to
+        /// dot) for another type or a row that is not whole super-blocks.
+        pub(in super::super) fn unpack(&mut self, ty: GgmlType, src: &[u8]) -> bool {
+            let bb = ty.block_bytes();
+            if !super::TYPES.contains(&ty) || src.len() % bb != 0 {
+                self.ty = None;
+                return false;
+            }
+            let nb = src.len() / bb;
+            self.ty = Some(ty);
+            self.nb = nb;
+            self.u.resize(nb * QK_K, 0);
+            self.sv.resize(nb * 8 * 16, 0);
+            self.d.resize(nb, 0.0);
+            let q6 = ty == GgmlType::Q6K;
+            self.sc.resize(if q6 { nb * 16 } else { 0 }, 0);
+            self.mins.resize(if q6 { 0 } else { nb * 8 }, 0);
+            self.dmin.resize(if q6 { 0 } else { nb }, 0.0);
+            for (b, blk) in src.chunks_exact(bb).enumerate() {
+                let u = &mut self.u[b * QK_K..(b + 1) * QK_K];
+                let sv = &mut self.sv[b * 128..(b + 1) * 128];
+                if q6 {
+                    self.d[b] = f16_at(blk, 208);
+                    for n in 0..2 {
+                        let (ql, qh) =
+                            (&blk[64 * n..64 * n + 64], &blk[128 + 32 * n..160 + 32 * n]);
+                        let u = &mut u[128 * n..128 * n + 128];
+                        for l in 0..32 {
+                            u[l] = (ql[l] & 0xF) | ((qh[l] & 3) << 4);
+                            u[l + 32] = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
+                            u[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+                            u[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+                        }
+                    }
+                    for g in 0..16 {
+                        let s = blk[192 + g] as i8 as i32;
+                        self.sc[16 * b + g] = s;
+                        sv[8 * g..8 * g + 8].fill(s as i16);
+                    }
+                } else {
+                    self.d[b] = f16_at(blk, 0);
+                    self.dmin[b] = f16_at(blk, 2);
+                    let Ok(packed) = <&[u8; 12]>::try_from(&blk[4..16]) else {
+                        self.ty = None;
+                        return false;
+                    };
+                    let (sc, mins) = scales_mins(packed);
+                    let (qs, qh) = if ty == GgmlType::Q5K {
+                        (&blk[48..176], Some(&blk[16..48]))
+                    } else {
+                        (&blk[16..144], None)
+                    };
+                    for c in 0..4 {
+                        for l in 0..32 {
+                            let q = qs[32 * c + l];
+                            let (h0, h1) = match qh {
+                                Some(h) => (
+                                    ((h[l] >> (2 * c)) & 1) << 4,
+                                    ((h[l] >> (2 * c + 1)) & 1) << 4,
+                                ),
+                                None => (0, 0),
+                            };
+                            u[64 * c + l] = (q & 0xF) | h0;
+                            u[64 * c + 32 + l] = (q >> 4) | h1;
+                        }
+                    }
+                    for j in 0..8 {
+                        sv[16 * j..16 * j + 16].fill(sc[j] as i16);
+                        self.mins[8 * b + j] = mins[j] as i32;
+                    }
+                }
+            }
+            true
+        }
+
+        /// The unpacked row · activation row `row` of `act` (Q8_K), in the canonical order;
+        /// `None` if nothing is unpacked or the row's K differs.
+        ///
+        /// # Safety
+        /// The CPU must have AVX2 and F16C.
+        #[target_feature(enable = "avx2,f16c")]
+        #[inline(never)]
+        pub(in super::super) unsafe fn dot(
+            &self,
+            act: &Activations<'_>,
+            row: usize,
+        ) -> Option<f32> {
+            let ty = self.ty?;
+            let (k, nb) = (act.k, self.nb);
+            if k != nb * QK_K {
+                return None;
+            }
+            let aq = act.qs.get(row * k..row * k + k)?;
+            let ad = act.d.get(row * nb..row * nb + nb)?;
+            let bsums = act.bsums.get(row * nb * 16..(row + 1) * nb * 16)?;
+            let (pu, pa, ps) = (self.u.as_ptr(), aq.as_ptr(), self.sv.as_ptr());
+            let mut acc = [0.0f32; BLOCK_LANES];
+            for b in 0..nb {
+                // SAFETY: b < nb: the super-block's 256 quants and 128 scale lanes lie inside
+                // `u`, `sv` (sized by `unpack`) and `aq` (checked above); AVX2 is promised.
+                let mut v = _mm256_setzero_si256();
+                for c in 0..8 {
+                    let o = b * QK_K + 32 * c;
+                    let p = _mm256_maddubs_epi16(load(pu.add(o)), load(pa.add(o) as *const u8));
+                    let s = _mm256_loadu_si256(ps.add(b * 128 + 16 * c) as *const __m256i);
+                    v = _mm256_add_epi32(v, _mm256_madd_epi16(p, s));
+                }
+                let isum = hsum_i32(v);
+                let bs = &bsums[16 * b..16 * b + 16];
+                acc[b % BLOCK_LANES] += if ty == GgmlType::Q6K {
+                    // The −32 of every quant, exactly: Σ_g sc_g · 32 · bsum_g.
+                    let sc = &self.sc[16 * b..16 * b + 16];
+                    let mut corr = 0i32;
+                    for g in 0..16 {
+                        corr += sc[g] * bs[g] as i32;
+                    }
+                    self.d[b] * ad[b] * (isum - 32 * corr) as f32
+                } else {
+                    let mins = &self.mins[8 * b..8 * b + 8];
+                    let mut msum = 0i32;
+                    for j in 0..8 {
+                        msum += mins[j] * (bs[2 * j] as i32 + bs[2 * j + 1] as i32);
+                    }
+                    ad[b] * (self.d[b] * isum as f32 - self.dmin[b] * msum as f32)
+                };
+            }
+            Some(reduce_lanes(&acc))
+        }
+    }
+
     /// Activation row `row` of `act` (Q8_K) · the weight row `src` (whole super-blocks of a
     /// K-quant `ty`), in the canonical order; `None` for another type or lengths that are not
     /// whole super-blocks (the unpacked path takes those).
@@ -219,7 +369,8 @@ mod tests {
     use super::scales_mins;
     use crate::quant::get_scale_min_k4;
 
-    /// The AVX2 super-block dots against the unpacked path (`RowScratch`, the portable statement
+    /// The AVX2 super-block dots (decode's, off the packed bytes, and M > 1's, off a row
+    /// unpacked once) against the unpacked tile path (`RowScratch`, the portable statement
     /// every other kernel shares), to the bit: each activation row of an M = 3 run, weights of
     /// every byte pattern (random quants, scales, mins and high bits; signed Q6_K scales down to
     /// −128), K of 9, 1 and 3 super-blocks (a group of eight and a tail, only a tail).
@@ -263,15 +414,20 @@ mod tests {
                 let act = Activations::quantize(fmt, &a, k);
                 let mut sc = RowScratch::default();
                 sc.unpack(ty, &src);
+                let mut un = super::x86::Unpacked::default();
+                assert!(un.unpack(ty, &src), "{ty} K={k}: not unpacked");
                 for row in 0..3 {
                     let want = sc.dot(Kernel::Portable, ty, &act, row);
                     // SAFETY: AVX2 and F16C were detected above.
-                    let got = unsafe { super::x86::row_dot(ty, &src, &act, row) };
-                    assert_eq!(
-                        got.map(f32::to_bits),
-                        Some(want.to_bits()),
-                        "{ty} K={k} row {row}: {got:?} vs {want}"
-                    );
+                    let (fused, unpacked) =
+                        unsafe { (super::x86::row_dot(ty, &src, &act, row), un.dot(&act, row)) };
+                    for (path, got) in [("fused", fused), ("unpacked", unpacked)] {
+                        assert_eq!(
+                            got.map(f32::to_bits),
+                            Some(want.to_bits()),
+                            "{ty} K={k} row {row} ({path}): {got:?} vs {want}"
+                        );
+                    }
                 }
             }
         }
