@@ -68,12 +68,12 @@ impl BlockDot for Portable {
     }
 }
 
-/// Whether [`rows`] takes M = 1 runs of this type here: [`row_dot`]'s types everywhere, and the
-/// K-quants where [`super::kquant`] has its dots (x86 with AVX2); the rest go through the
-/// unpacked tile path.
-pub(crate) fn supports(ty: GgmlType) -> bool {
+/// Whether [`rows`] takes M = 1 runs of this type with this kernel here: [`row_dot`]'s types
+/// everywhere, and the K-quants where [`super::kquant`] has dots for `kernel` (x86 with AVX2;
+/// aarch64 with `Neon` or `NeonSdot`); the rest go through the unpacked tile path.
+pub(crate) fn supports(kernel: Kernel, ty: GgmlType) -> bool {
     use GgmlType::*;
-    matches!(ty, F16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0) || super::kquant::available(ty)
+    matches!(ty, F16 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q8_0) || super::kquant::available(kernel, ty)
 }
 
 fn f16_le(b: &[u8], at: usize) -> f32 {
@@ -686,18 +686,20 @@ mod x86 {
 /// Whether [`rows`] takes M > 1 runs of this type with this kernel here: on x86 with AVX2 and
 /// F16C, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 go through [`x86::Unpacked`] (each weight row unpacked once,
 /// then dotted with every activation row from L1), which gives the tile path's bits faster; on
-/// aarch64 the same five types with the NEON kernels through [`neon::Unpacked`].
+/// aarch64 the same five types with the NEON kernels through [`neon::Unpacked`], and the
+/// K-quants with them through [`super::kquant::neon`]'s row dots, once per activation row.
 pub(crate) fn takes_m(kernel: Kernel, ty: GgmlType) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         kernel == Kernel::Portable
-            && (x86::UNPACK_TYPES.contains(&ty) || super::kquant::available(ty))
+            && (x86::UNPACK_TYPES.contains(&ty) || super::kquant::available(kernel, ty))
             && std::arch::is_x86_feature_detected!("avx2")
             && std::arch::is_x86_feature_detected!("f16c")
     }
     #[cfg(target_arch = "aarch64")]
     {
-        kernel != Kernel::Portable && neon::UNPACK_TYPES.contains(&ty)
+        kernel != Kernel::Portable
+            && (neon::UNPACK_TYPES.contains(&ty) || super::kquant::available(kernel, ty))
     }
     #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
     {
@@ -772,6 +774,8 @@ pub(crate) fn rows(
     #[cfg(target_arch = "aarch64")]
     if m > 1 && takes_m(kernel, w.ty) {
         // Each weight row unpacked once (`neon::Unpacked`), then dotted with every activation row.
+        // The K-quants are not unpacked (`unpack` is false for them): each activation row goes
+        // through `row_at`, `kquant::neon`'s dots off the packed row, which stays in L1.
         let mut un = neon::Unpacked::default();
         // Re-checked, not trusted (see `Kernel::dots`): `sdot` without dotprod is UB.
         let sdot = kernel == Kernel::NeonSdot && std::arch::is_aarch64_feature_detected!("dotprod");
@@ -826,18 +830,36 @@ fn row_at(kernel: Kernel, ty: GgmlType, src: &[u8], act: &Activations<'_>, i: us
             row_dot::<Portable>(ty, src, act, i)
         }
         #[cfg(target_arch = "aarch64")]
-        Kernel::Neon => neon::row_dot_neon(ty, src, act, i),
-        #[cfg(target_arch = "aarch64")]
-        Kernel::NeonSdot => {
+        Kernel::Neon | Kernel::NeonSdot => {
             // Re-checked, not trusted (see `Kernel::dots`): `sdot` without dotprod is UB.
-            if std::arch::is_aarch64_feature_detected!("dotprod") {
+            let sdot =
+                kernel == Kernel::NeonSdot && std::arch::is_aarch64_feature_detected!("dotprod");
+            match (super::kquant::TYPES.contains(&ty), sdot) {
+                (true, _) => kquant_row_neon(sdot, ty, src, act, i),
                 // SAFETY: dotprod was just detected on this CPU.
-                unsafe { neon::row_dot_sdot(ty, src, act, i) }
-            } else {
-                neon::row_dot_neon(ty, src, act, i)
+                (false, true) => unsafe { neon::row_dot_sdot(ty, src, act, i) },
+                (false, false) => neon::row_dot_neon(ty, src, act, i),
             }
         }
     }
+}
+
+/// A K-quant row on the NEON kernels: [`super::kquant::neon`]'s super-block dots (`sdot` when
+/// the caller detected dotprod). A row they do not take (not whole super-blocks: `check_run`
+/// refuses those first) goes through the unpacked tile path, as it did before they existed.
+#[cfg(target_arch = "aarch64")]
+fn kquant_row_neon(sdot: bool, ty: GgmlType, src: &[u8], act: &Activations<'_>, i: usize) -> f32 {
+    let v = if sdot {
+        // SAFETY: the caller detected dotprod on this CPU.
+        unsafe { super::kquant::neon::row_dot_sdot(ty, src, act, i) }
+    } else {
+        super::kquant::neon::row_dot_neon(ty, src, act, i)
+    };
+    v.unwrap_or_else(|| {
+        let mut sc = super::fast::RowScratch::default();
+        sc.unpack(ty, src);
+        sc.dot(Kernel::Neon, ty, act, i)
+    })
 }
 
 #[cfg(target_arch = "aarch64")]

@@ -10,7 +10,7 @@
 //! for every activation row, as ggml does for these types.
 
 use super::fast::Activations;
-use super::kernels::{reduce_lanes, BLOCK_LANES};
+use super::kernels::{reduce_lanes, Kernel, BLOCK_LANES};
 use crate::quant::{GgmlType, QK_K};
 
 /// The eight 6-bit scales and eight 6-bit mins of a Q4_K/Q5_K super-block from its 12 packed
@@ -34,21 +34,28 @@ pub(crate) fn scales_mins(s: &[u8; 12]) -> ([u8; 8], [u8; 8]) {
     (join(sc_lo, sc_hi), join(m_lo, m_hi))
 }
 
-/// The types [`x86::row_dot`] takes.
-#[cfg(target_arch = "x86_64")]
+/// The types [`x86::row_dot`] and [`neon`]'s row dots take.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 pub(super) const TYPES: [GgmlType; 3] = [GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K];
 
-/// Whether this CPU runs the hand-written K-quant dots (x86 with AVX2 and F16C).
-pub(super) fn available(ty: GgmlType) -> bool {
+/// Whether `kernel` runs the hand-written K-quant dots of `ty` on this CPU: x86 with AVX2 and
+/// F16C (its one kernel), aarch64 with the NEON kernels (`Neon`, `NeonSdot`); the portable
+/// kernel on aarch64 keeps the unpacked tile path.
+pub(super) fn available(kernel: Kernel, ty: GgmlType) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
+        let _ = kernel;
         TYPES.contains(&ty)
             && std::arch::is_x86_feature_detected!("avx2")
             && std::arch::is_x86_feature_detected!("f16c")
     }
-    #[cfg(not(target_arch = "x86_64"))]
+    #[cfg(target_arch = "aarch64")]
     {
-        let _ = ty;
+        kernel != Kernel::Portable && TYPES.contains(&ty)
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    {
+        let _ = (kernel, ty);
         false
     }
 }
@@ -364,6 +371,297 @@ pub(super) mod x86 {
     }
 }
 
+/// aarch64: the same super-block sums with NEON, as llama.cpp's `ggml_vec_dot_q*_K_q8_K` NEON
+/// code forms them — with `sdot` ([`row_dot_sdot`], A55/A76) or with `smull`/`sadalp`
+/// widening multiplies ([`row_dot_neon`], A53/A72). Only the instruction that multiplies 16
+/// weight bytes by 16 activation bytes differs ([`Dot`]); both keep every integer sum exact, so
+/// `isum`/`msum` are the tile path's and the f32 terms, formed as `fast.rs` forms them, are added
+/// to accumulator `b % 8` as `x86::row_dot` adds them.
+#[cfg(target_arch = "aarch64")]
+pub(super) mod neon {
+    use super::super::fast::f16_bits_to_f32;
+    use super::super::kernels::sdot;
+    use super::{reduce_lanes, scales_mins, Activations, GgmlType, BLOCK_LANES, QK_K};
+    use std::arch::aarch64::*;
+
+    #[inline(always)]
+    fn f16_at(b: &[u8], at: usize) -> f32 {
+        f16_bits_to_f32(u16::from_le_bytes([b[at], b[at + 1]]))
+    }
+
+    /// `acc` plus the 16 products of one weight and one activation register, in four i32
+    /// partial sums (which products go to which lane differs between the implementations, their
+    /// total does not: integer sums are exact in any order). Exact for every i8 pair.
+    trait Dot {
+        /// # Safety
+        /// Whatever the implementation's instructions need (`Sdot`: dotprod).
+        unsafe fn dot16(acc: int32x4_t, w: int8x16_t, a: int8x16_t) -> int32x4_t;
+    }
+
+    /// Without dotprod (A72, A53): `smull`/`smull2` (an i8·i8 product fits i16: |−128·−128| =
+    /// 2¹⁴) and `sadalp` pairwise into the i32 lanes (four products per lane).
+    struct Neon;
+
+    impl Dot for Neon {
+        #[inline(always)]
+        unsafe fn dot16(acc: int32x4_t, w: int8x16_t, a: int8x16_t) -> int32x4_t {
+            let lo = vmull_s8(vget_low_s8(w), vget_low_s8(a));
+            let hi = vmull_high_s8(w, a);
+            vpadalq_s16(vpadalq_s16(acc, lo), hi)
+        }
+    }
+
+    /// `sdot` (the `asm!` of `kernels`), only ever inlined into [`row_dot_sdot`], which enables
+    /// dotprod.
+    struct Sdot;
+
+    impl Dot for Sdot {
+        #[inline(always)]
+        unsafe fn dot16(acc: int32x4_t, w: int8x16_t, a: int8x16_t) -> int32x4_t {
+            sdot(acc, w, a)
+        }
+    }
+
+    /// Four groups' partial sums to their four integer dots, lane j = group j (two levels of
+    /// pairwise adds, exact).
+    #[inline(always)]
+    unsafe fn sums4(p0: int32x4_t, p1: int32x4_t, p2: int32x4_t, p3: int32x4_t) -> int32x4_t {
+        vpaddq_s32(vpaddq_s32(p0, p1), vpaddq_s32(p2, p3))
+    }
+
+    /// Σ_j sc_j · (q·a over sub-block j) for the eight 32-element sub-blocks of a Q4_K
+    /// (`Q5` false) or Q5_K super-block: `qs` its 128 nibble bytes, `qh` its 32 fifth-bit bytes
+    /// (Q5_K only), `a` the 256 activation quants, `sc` the eight 6-bit scales. Bounds: q ≤ 31,
+    /// |a| ≤ 128, so a sub-block's dot is at most 32·31·128 < 2¹⁷ (each lane of its partial sums
+    /// less), times sc ≤ 63 < 2²³, and the eight together < 2²⁶: every i32 step is exact.
+    #[inline(always)]
+    unsafe fn isum_q45<D: Dot, const Q5: bool>(
+        qs: *const u8,
+        qh: *const u8,
+        a: *const i8,
+        sc: &[u8; 8],
+    ) -> i32 {
+        let m4 = vdupq_n_u8(0x0F);
+        let (one, two) = (vdupq_n_u8(1), vdupq_n_u8(2));
+        let zero = vdupq_n_s32(0);
+        // Byte l of qh: bit 2c is element 64c + l's fifth bit, bit 2c + 1 element 64c + 32 + l's
+        // (l in 0..32, two registers); shifted right by two after each c.
+        let mut h = if Q5 {
+            [vld1q_u8(qh), vld1q_u8(qh.add(16))]
+        } else {
+            [vdupq_n_u8(0); 2]
+        };
+        let mut dots = [zero; 8];
+        for c in 0..4 {
+            let q = [vld1q_u8(qs.add(32 * c)), vld1q_u8(qs.add(32 * c + 16))];
+            let mut lo = [vandq_u8(q[0], m4), vandq_u8(q[1], m4)];
+            let mut hi = [vshrq_n_u8::<4>(q[0]), vshrq_n_u8::<4>(q[1])];
+            if Q5 {
+                for i in 0..2 {
+                    lo[i] = vorrq_u8(lo[i], vshlq_n_u8::<4>(vandq_u8(h[i], one)));
+                    hi[i] = vorrq_u8(hi[i], vshlq_n_u8::<3>(vandq_u8(h[i], two)));
+                    h[i] = vshrq_n_u8::<2>(h[i]);
+                }
+            }
+            // Sub-block 2c: elements 64c..64c + 32 (the low nibbles), 2c + 1: the next 32.
+            let p = a.add(64 * c);
+            let s8 = vreinterpretq_s8_u8;
+            dots[2 * c] = D::dot16(
+                D::dot16(zero, s8(lo[0]), vld1q_s8(p)),
+                s8(lo[1]),
+                vld1q_s8(p.add(16)),
+            );
+            dots[2 * c + 1] = D::dot16(
+                D::dot16(zero, s8(hi[0]), vld1q_s8(p.add(32))),
+                s8(hi[1]),
+                vld1q_s8(p.add(48)),
+            );
+        }
+        let d03 = sums4(dots[0], dots[1], dots[2], dots[3]);
+        let d47 = sums4(dots[4], dots[5], dots[6], dots[7]);
+        // The scales widened to i32 (exact), lane j sub-block j's (4 + j's).
+        let s = vmovl_u8(vld1_u8(sc.as_ptr()));
+        let s03 = vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(s)));
+        let s47 = vreinterpretq_s32_u32(vmovl_high_u16(s));
+        vaddvq_s32(vmlaq_s32(vmulq_s32(d03, s03), d47, s47))
+    }
+
+    /// Σ_j min_j · (bsum_2j + bsum_2j+1) of a Q4_K/Q5_K super-block (`bs` its 16 Q8_K bsums).
+    /// |bsum| ≤ 16·128, a pair ≤ 2¹² (fits the i16 lane of `addp`), min ≤ 63: < 2²¹. Exact.
+    #[inline(always)]
+    unsafe fn msum_q45(bs: *const i16, mins: &[u8; 8]) -> i32 {
+        let pairs = vpaddq_s16(vld1q_s16(bs), vld1q_s16(bs.add(8)));
+        let m = vreinterpretq_s16_u16(vmovl_u8(vld1_u8(mins.as_ptr())));
+        let p = vmlal_high_s16(vmull_s16(vget_low_s16(pairs), vget_low_s16(m)), pairs, m);
+        vaddvq_s32(p)
+    }
+
+    /// Σ_g sc_g · (q·a over the 16-element group g) of a Q6_K super-block (`b` its 210 bytes,
+    /// `bs` the 16 Q8_K bsums), quants q in −32..=31 as (unsigned 6-bit u) − 32, as llama.cpp
+    /// forms it: Σ sc·(u·a) − 32·Σ sc·bsum. Bounds: u ≤ 63, |a| ≤ 128, |sc| ≤ 128, so a group's
+    /// u·a is at most 16·63·128 < 2¹⁷, times sc < 2²⁴, the sixteen < 2²⁸; Σ sc·bsum ≤
+    /// 16·128·2048 = 2²², times 32 = 2²⁷; the difference (the signed sum, < 2²⁷) and every step
+    /// fit i32: exact.
+    #[inline(always)]
+    unsafe fn isum_q6<D: Dot>(b: *const u8, a: *const i8, bs: *const i16) -> i32 {
+        let m4 = vdupq_n_u8(0x0F);
+        let m3 = vdupq_n_u8(0x03);
+        let m30 = vdupq_n_u8(0x30);
+        let zero = vdupq_n_s32(0);
+        let s8 = vreinterpretq_s8_u8;
+        let mut dots = [zero; 16];
+        for n in 0..2 {
+            let ql = b.add(64 * n);
+            let qh = b.add(128 + 32 * n);
+            let l = [
+                vld1q_u8(ql),
+                vld1q_u8(ql.add(16)),
+                vld1q_u8(ql.add(32)),
+                vld1q_u8(ql.add(48)),
+            ];
+            for i in 0..2 {
+                // Bytes 16i..16i + 16 of this half's ql/qh; quarter j's quants are elements
+                // 128n + 32j + 16i + (0..16), group 8n + 2j + i: ql's nibble, qh's bits 2j, 2j + 1
+                // as bits 4 and 5.
+                let h = vld1q_u8(qh.add(16 * i));
+                let u = [
+                    vorrq_u8(vandq_u8(l[i], m4), vshlq_n_u8::<4>(vandq_u8(h, m3))),
+                    vorrq_u8(vandq_u8(l[2 + i], m4), vandq_u8(vshlq_n_u8::<2>(h), m30)),
+                    vorrq_u8(vshrq_n_u8::<4>(l[i]), vandq_u8(h, m30)),
+                    vorrq_u8(vshrq_n_u8::<4>(l[2 + i]), vandq_u8(vshrq_n_u8::<2>(h), m30)),
+                ];
+                for (j, u) in u.into_iter().enumerate() {
+                    let av = vld1q_s8(a.add(128 * n + 32 * j + 16 * i));
+                    dots[8 * n + 2 * j + i] = D::dot16(zero, s8(u), av);
+                }
+            }
+        }
+        // The signed scales widened (exact): s16[h] groups 8h..8h + 8, s32[q] groups 4q..4q + 4.
+        let sc = vld1q_s8(b.add(192) as *const i8);
+        let s16 = [vmovl_s8(vget_low_s8(sc)), vmovl_high_s8(sc)];
+        let s32 = [
+            vmovl_s16(vget_low_s16(s16[0])),
+            vmovl_high_s16(s16[0]),
+            vmovl_s16(vget_low_s16(s16[1])),
+            vmovl_high_s16(s16[1]),
+        ];
+        let mut acc = vdupq_n_s32(0);
+        for (d, s) in dots.chunks_exact(4).zip(s32) {
+            acc = vmlaq_s32(acc, sums4(d[0], d[1], d[2], d[3]), s);
+        }
+        // The −32 of every quant: Σ_g sc_g · bsum_g.
+        let (b0, b1) = (vld1q_s16(bs), vld1q_s16(bs.add(8)));
+        let m = vmull_s16(vget_low_s16(b0), vget_low_s16(s16[0]));
+        let m = vmlal_high_s16(m, b0, s16[0]);
+        let m = vmlal_s16(m, vget_low_s16(b1), vget_low_s16(s16[1]));
+        let m = vmlal_high_s16(m, b1, s16[1]);
+        vaddvq_s32(acc) - 32 * vaddvq_s32(m)
+    }
+
+    /// The Q4_K (`Q5` false) or Q5_K super-blocks' terms, `ad·(d·isum − dmin·msum)` as `fast.rs`
+    /// forms them, added to `acc[b % 8]` in increasing b.
+    ///
+    /// # Safety
+    /// `D`'s features; `src` holds `nb` super-blocks of `bb` bytes, `aq` nb·256 quants, `ad` nb
+    /// scales, `bsums` nb·16 sums.
+    #[inline(always)]
+    unsafe fn terms_q45<D: Dot, const Q5: bool>(
+        src: &[u8],
+        bb: usize,
+        aq: &[i8],
+        ad: &[f32],
+        bsums: &[i16],
+        acc: &mut [f32; BLOCK_LANES],
+    ) {
+        let (ps, pa, pb) = (src.as_ptr(), aq.as_ptr(), bsums.as_ptr());
+        for (b, blk) in src.chunks_exact(bb).enumerate().take(ad.len()) {
+            let Ok(packed) = <&[u8; 12]>::try_from(&blk[4..16]) else {
+                continue; // unreachable: a super-block is at least 144 bytes
+            };
+            let (sc, mins) = scales_mins(packed);
+            let p = ps.add(b * bb);
+            let (qs, qh) = if Q5 {
+                (p.add(48), p.add(16))
+            } else {
+                (p.add(16), p)
+            };
+            let isum = isum_q45::<D, Q5>(qs, qh, pa.add(b * QK_K), &sc);
+            let msum = msum_q45(pb.add(16 * b), &mins);
+            acc[b % BLOCK_LANES] +=
+                ad[b] * (f16_at(blk, 0) * isum as f32 - f16_at(blk, 2) * msum as f32);
+        }
+    }
+
+    /// Activation row `row` of `act` (Q8_K) · weight row `src` (whole super-blocks of a K-quant
+    /// `ty`) in the canonical order; `None` for another type or lengths that are not whole
+    /// super-blocks.
+    ///
+    /// # Safety
+    /// `D`'s features.
+    #[inline(always)]
+    unsafe fn row_dot<D: Dot>(
+        ty: GgmlType,
+        src: &[u8],
+        act: &Activations<'_>,
+        row: usize,
+    ) -> Option<f32> {
+        let k = act.k;
+        let nb = k / QK_K;
+        let bb = ty.block_bytes();
+        if k % QK_K != 0 || src.len() != nb * bb || !super::TYPES.contains(&ty) {
+            return None;
+        }
+        let aq = act.qs.get(row * k..row * k + k)?;
+        let ad = act.d.get(row * nb..row * nb + nb)?;
+        let bsums = act.bsums.get(row * nb * 16..(row + 1) * nb * 16)?;
+        // SAFETY (every super-block below): b < nb, so its bb bytes, its 256 activation quants
+        // and its 16 bsums lie inside `src`, `aq` and `bsums` (lengths checked above).
+        let mut acc = [0.0f32; BLOCK_LANES];
+        // Loops and `#[inline(always)]` fns, not closures: a closure would not inherit
+        // `row_dot_sdot`'s dotprod, and `sdot` would not assemble in it.
+        match ty {
+            GgmlType::Q6K => {
+                let (ps, pa, pb) = (src.as_ptr(), aq.as_ptr(), bsums.as_ptr());
+                for b in 0..nb {
+                    let blk = &src[b * bb..(b + 1) * bb];
+                    let isum = isum_q6::<D>(ps.add(b * bb), pa.add(b * QK_K), pb.add(16 * b));
+                    acc[b % BLOCK_LANES] += f16_at(blk, 208) * ad[b] * isum as f32;
+                }
+            }
+            GgmlType::Q5K => terms_q45::<D, true>(src, bb, aq, ad, bsums, &mut acc),
+            _ => terms_q45::<D, false>(src, bb, aq, ad, bsums, &mut acc),
+        }
+        Some(reduce_lanes(&acc))
+    }
+
+    /// [`row_dot`] with `sdot` (A55, A76).
+    ///
+    /// # Safety
+    /// The CPU must have the dotprod extension.
+    #[target_feature(enable = "dotprod")]
+    #[inline(never)]
+    pub(in super::super) unsafe fn row_dot_sdot(
+        ty: GgmlType,
+        src: &[u8],
+        act: &Activations<'_>,
+        row: usize,
+    ) -> Option<f32> {
+        row_dot::<Sdot>(ty, src, act, row)
+    }
+
+    /// [`row_dot`] with widening multiplies (A72, A53).
+    #[inline(never)]
+    pub(in super::super) fn row_dot_neon(
+        ty: GgmlType,
+        src: &[u8],
+        act: &Activations<'_>,
+        row: usize,
+    ) -> Option<f32> {
+        // SAFETY: `Neon` needs nothing beyond baseline NEON.
+        unsafe { row_dot::<Neon>(ty, src, act, row) }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::scales_mins;
@@ -381,7 +679,7 @@ mod tests {
         use super::super::kernels::Kernel;
         use crate::quant::{GgmlType, QK_K};
         use half::f16;
-        if !super::available(GgmlType::Q4K) {
+        if !super::available(Kernel::Portable, GgmlType::Q4K) {
             eprintln!("no AVX2/F16C here: nothing to compare");
             return;
         }
@@ -426,6 +724,78 @@ mod tests {
                             got.map(f32::to_bits),
                             Some(want.to_bits()),
                             "{ty} K={k} row {row} ({path}): {got:?} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// The NEON super-block dots (`smull`/`sadalp`, and `sdot` where the CPU has dotprod: the
+    /// cortex-a76 stage) against the unpacked path (`RowScratch`, the portable statement every
+    /// other kernel shares), to the bit: each activation row of an M = 3 run (the third all
+    /// −1.0, so every quant is −127), weights of every byte pattern (random quants, scales, mins
+    /// and high bits, signed Q6_K scales; the first super-block all ones: quants 15/31/63, scales
+    /// and mins 63, Q6_K scales −128, the bounds the comments state), K of 9, 1 and 3
+    /// super-blocks (a group of eight and a tail, only a tail).
+    #[cfg(target_arch = "aarch64")]
+    #[test]
+    fn neon_super_block_dots_equal_the_unpacked_path() {
+        use super::super::fast::{act_format, Activations, RowScratch};
+        use super::super::kernels::Kernel;
+        use crate::quant::{GgmlType, QK_K};
+        use half::f16;
+        let sdot = std::arch::is_aarch64_feature_detected!("dotprod");
+        if !sdot {
+            eprintln!("no dotprod here: the sdot dots are not compared");
+        }
+        let mut z = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = move || {
+            z ^= z << 13;
+            z ^= z >> 7;
+            z ^= z << 17;
+            z
+        };
+        for ty in super::TYPES {
+            for nb in [9usize, 1, 3] {
+                let k = nb * QK_K;
+                let bb = ty.block_bytes();
+                let mut src: Vec<u8> = (0..nb * bb).map(|_| next() as u8).collect();
+                src[..bb].fill(0xFF);
+                if ty == GgmlType::Q6K {
+                    src[192..208].fill(0x80);
+                }
+                for b in src.chunks_exact_mut(bb) {
+                    let d = f16::from_f32(0.001 + (next() % 1000) as f32 * 1e-5).to_le_bytes();
+                    if ty == GgmlType::Q6K {
+                        b[208..210].copy_from_slice(&d);
+                    } else {
+                        b[..2].copy_from_slice(&d);
+                        let m = f16::from_f32((next() % 1000) as f32 * 1e-5).to_le_bytes();
+                        b[2..4].copy_from_slice(&m);
+                    }
+                }
+                let mut a: Vec<f32> = (0..2 * k)
+                    .map(|_| (next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0)
+                    .collect();
+                a.resize(3 * k, -1.0);
+                let fmt = act_format(ty).expect("a fast-path type");
+                let act = Activations::quantize(fmt, &a, k);
+                let mut sc = RowScratch::default();
+                sc.unpack(ty, &src);
+                for row in 0..3 {
+                    let want = sc.dot(Kernel::Portable, ty, &act, row);
+                    let mut got = vec![("neon", super::neon::row_dot_neon(ty, &src, &act, row))];
+                    if sdot {
+                        // SAFETY: dotprod was detected above.
+                        let v = unsafe { super::neon::row_dot_sdot(ty, &src, &act, row) };
+                        got.push(("sdot", v));
+                    }
+                    for (kernel, got) in got {
+                        assert_eq!(
+                            got.map(f32::to_bits),
+                            Some(want.to_bits()),
+                            "{ty} {kernel} K={k} row {row}: {got:?} vs {want}"
                         );
                     }
                 }

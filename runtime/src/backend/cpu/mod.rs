@@ -333,7 +333,7 @@ impl CpuBackend {
         let takes_m = fused::takes_m(self.kernel, w.ty) && !self.serial_order;
         #[cfg(not(test))]
         let takes_m = fused::takes_m(self.kernel, w.ty);
-        if (m == 1 && fused::supports(w.ty)) || (m > 1 && takes_m) {
+        if (m == 1 && fused::supports(self.kernel, w.ty)) || (m > 1 && takes_m) {
             #[cfg(test)]
             let skip = self.skip_column;
             #[cfg(not(test))]

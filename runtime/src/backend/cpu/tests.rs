@@ -392,16 +392,23 @@ fn f16_widening_is_exact_for_every_bit_pattern() {
     }
 }
 
-/// M = 1 runs the fused dots on the packed bytes, M > 1 the unpacked tiles: the same row, run
-/// alone and as both rows of an M = 2 run, must give the same bits, on every kernel, for every
-/// type the fused path takes. Weights use every byte pattern (extreme nibbles and 5th bits, Q8_0's
+/// M = 1 runs the fused dots on the packed bytes, M > 1 the unpacked tiles (or, where `takes_m`,
+/// the fused path's own M > 1 loop): the same row, run alone and as both rows of an M = 2 run,
+/// must give the same bits, on every kernel, for every type the fused path takes with some
+/// kernel (each kernel's bits are also held to the others' by
+/// `every_fast_kernel_matches_the_reference_on_every_type`). Weights use every byte pattern (extreme nibbles and 5th bits, Q8_0's
 /// −128); K = 544, 128 and 96 (17, 4 and 3 blocks), and 547 for F16, leave every tail of x86's
 /// four-block groups, the F16 chunking and the lanes.
 #[test]
 fn fused_decode_dots_equal_the_unpacked_path() {
     let mut rng = Rng(13);
     let n = 9;
-    for ty in CPU_TYPES.into_iter().filter(|&t| super::fused::supports(t)) {
+    let fused = |t| {
+        Kernel::available()
+            .into_iter()
+            .any(|k| super::fused::supports(k, t))
+    };
+    for ty in CPU_TYPES.into_iter().filter(|&t| fused(t)) {
         // F16 rows of 547: a tail after the 16 lanes too. Blocks: 17 (groups of four and a
         // tail, as x86's AVX2 path takes them), 4 (no tail), 3 (only the tail).
         let ks: &[usize] = if ty == GgmlType::F16 {
@@ -718,23 +725,35 @@ fn a_rows_output_does_not_depend_on_its_batch() {
     check_batch_invariance(&backends).unwrap_or_else(|e| panic!("{e}"));
 }
 
-/// On aarch64 the NEON kernels take M > 1 for the five unpacked types through
-/// `fused::rows` (so the order and batch checks above run the unpacked path), and the
-/// portable kernel does not.
+/// On aarch64 the NEON kernels take M > 1 through `fused::rows` for the five unpacked types and
+/// the K-quants (`kquant::neon`'s super-block dots), and M = 1 for the K-quants too (so the
+/// order and batch checks above run those paths), and the portable kernel takes neither: it
+/// keeps the tile path.
 #[cfg(target_arch = "aarch64")]
 #[test]
 fn neon_kernels_take_m_for_the_unpacked_types() {
+    use super::fused::{supports, takes_m};
     for ty in [
         GgmlType::Q4_0,
         GgmlType::Q4_1,
         GgmlType::Q5_0,
         GgmlType::Q5_1,
         GgmlType::Q8_0,
+        GgmlType::Q4K,
+        GgmlType::Q5K,
+        GgmlType::Q6K,
     ] {
         for kernel in [Kernel::Neon, Kernel::NeonSdot] {
-            assert!(super::fused::takes_m(kernel, ty), "{ty} {kernel}");
+            assert!(takes_m(kernel, ty), "{ty} {kernel}");
+            assert!(supports(kernel, ty), "{ty} {kernel}");
         }
-        assert!(!super::fused::takes_m(Kernel::Portable, ty), "{ty}");
+        assert!(!takes_m(Kernel::Portable, ty), "{ty}");
     }
-    assert!(!super::fused::takes_m(Kernel::Neon, GgmlType::Q4K));
+    for ty in [GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K] {
+        assert!(!supports(Kernel::Portable, ty), "{ty}");
+    }
+    for kernel in [Kernel::Neon, Kernel::NeonSdot] {
+        assert!(!takes_m(kernel, GgmlType::Q2K), "{kernel}");
+        assert!(!supports(kernel, GgmlType::Q2K), "{kernel}");
+    }
 }
