@@ -114,6 +114,23 @@ macro_rules! canonical_sum {
     }};
 }
 
+/// `ct[j] = $dot` with `$src` weight row `n0 + j` (of `$row_bytes` in `$data`), for every j
+/// but `$skip`. A macro, not a closure, so the row loop and its dot are compiled inside the
+/// caller's `target_feature` function.
+#[cfg(target_arch = "x86_64")]
+macro_rules! each_row {
+    ($data:expr, $row_bytes:expr, $n0:expr, $ct:expr, $skip:expr, |$src:ident| $dot:expr) => {{
+        for (j, o) in $ct.iter_mut().enumerate() {
+            let n = $n0 + j;
+            if $skip == Some(n) {
+                continue;
+            }
+            let $src = &$data[n * $row_bytes..(n + 1) * $row_bytes];
+            *o = $dot;
+        }
+    }};
+}
+
 /// Σ over blocks of one weight row (`src`, whole blocks of `ty`) · activation row `row`, in the
 /// canonical order ([`super::kernels::sum_blocks`]).
 #[inline(always)]
@@ -681,6 +698,113 @@ mod x86 {
             }
         }
     }
+
+    /// `ct[j]` = weight row `n0 + j` of `data` (rows of `row_bytes`) · activation row 0, for
+    /// every j but `skip`: decode's whole loop in one AVX2 function, the type matched once per
+    /// matmul and [`blocks`] inlined into the row loop (dispatching per row through `row_at`
+    /// cost two feature checks and a type match per row of 28 blocks). False (nothing written)
+    /// for a type this function does not take or rows that are not whole blocks.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and F16C.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(super) unsafe fn rows_m1(
+        ty: GgmlType,
+        data: &[u8],
+        row_bytes: usize,
+        act: &Activations<'_>,
+        n0: usize,
+        ct: &mut [f32],
+        skip: Option<usize>,
+    ) -> bool {
+        let (k, bb) = (act.k, ty.block_bytes());
+        let nb = k / 32;
+        let (Some(aq), Some(ad)) = (act.qs.get(..k), act.d.get(..nb)) else {
+            return false;
+        };
+        if k % 32 != 0 || row_bytes != nb * bb || data.len() < (n0 + ct.len()) * row_bytes {
+            return false;
+        }
+        let as_ = act.s.get(..nb).unwrap_or(&[]);
+        // SAFETY (each arm): every row lies in `data` (checked above), `aq`/`ad`/`as_` hold
+        // `nb` blocks; AVX2 and F16C are the caller's promise.
+        unsafe {
+            match ty {
+                GgmlType::Q8_0 => each_row!(data, row_bytes, n0, ct, skip, |src| blocks::<Q8_0>(
+                    src,
+                    bb,
+                    aq,
+                    ad,
+                    &[],
+                    nb
+                )),
+                GgmlType::Q4_0 => each_row!(data, row_bytes, n0, ct, skip, |src| blocks::<Q4_0>(
+                    src,
+                    bb,
+                    aq,
+                    ad,
+                    &[],
+                    nb
+                )),
+                GgmlType::Q4_1 if as_.len() == nb => {
+                    each_row!(data, row_bytes, n0, ct, skip, |src| blocks::<Q4_1>(
+                        src, bb, aq, ad, as_, nb
+                    ))
+                }
+                GgmlType::Q5_0 | GgmlType::Q5_1 => {
+                    return rows_m1_q5(ty, data, row_bytes, act, n0, ct, skip)
+                }
+                _ => return false,
+            }
+        }
+        true
+    }
+
+    /// [`rows_m1`] for Q5_0 and Q5_1, out of line for the reason [`row_dot_q5`] is.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and F16C.
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline(never)]
+    unsafe fn rows_m1_q5(
+        ty: GgmlType,
+        data: &[u8],
+        row_bytes: usize,
+        act: &Activations<'_>,
+        n0: usize,
+        ct: &mut [f32],
+        skip: Option<usize>,
+    ) -> bool {
+        let (k, bb) = (act.k, ty.block_bytes());
+        let nb = k / 32;
+        let (Some(aq), Some(ad)) = (act.qs.get(..k), act.d.get(..nb)) else {
+            return false;
+        };
+        if k % 32 != 0 || row_bytes != nb * bb || data.len() < (n0 + ct.len()) * row_bytes {
+            return false;
+        }
+        let as_ = act.s.get(..nb).unwrap_or(&[]);
+        // SAFETY: as in `rows_m1`.
+        unsafe {
+            match ty {
+                GgmlType::Q5_0 => each_row!(data, row_bytes, n0, ct, skip, |src| blocks::<Q5_0>(
+                    src,
+                    bb,
+                    aq,
+                    ad,
+                    &[],
+                    nb
+                )),
+                GgmlType::Q5_1 if as_.len() == nb => {
+                    each_row!(data, row_bytes, n0, ct, skip, |src| blocks::<Q5_1>(
+                        src, bb, aq, ad, as_, nb
+                    ))
+                }
+                _ => return false,
+            }
+        }
+        true
+    }
 }
 
 /// Whether [`rows`] takes M > 1 runs of this type with this kernel here: on x86 with AVX2 and
@@ -800,6 +924,24 @@ pub(crate) fn rows(
             }
         }
         return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if m == 1
+        && kernel == Kernel::Portable
+        && std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("f16c")
+    {
+        // SAFETY: AVX2 and F16C were just detected on this CPU.
+        let done = unsafe {
+            if super::kquant::TYPES.contains(&w.ty) {
+                super::kquant::x86::rows_m1(w.ty, w.data, row_bytes, act, n0, ct, skip)
+            } else {
+                x86::rows_m1(w.ty, w.data, row_bytes, act, n0, ct, skip)
+            }
+        };
+        if done {
+            return;
+        }
     }
     for (j, outs) in ct.chunks_exact_mut(m.max(1)).enumerate() {
         let n = n0 + j;

@@ -325,6 +325,55 @@ pub(super) mod x86 {
         act: &Activations<'_>,
         row: usize,
     ) -> Option<f32> {
+        // SAFETY: AVX2 and F16C are the caller's promise.
+        unsafe { row_dot_in(ty, src, act, row) }
+    }
+
+    /// `ct[j]` = weight row `n0 + j` of `data` (rows of `row_bytes`) · activation row 0, for
+    /// every j but `skip`: decode's row loop inside one AVX2 function (see
+    /// `fused::x86::rows_m1`). False (nothing written) if a row is not whole super-blocks.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and F16C.
+    #[target_feature(enable = "avx2,f16c")]
+    pub(in super::super) unsafe fn rows_m1(
+        ty: GgmlType,
+        data: &[u8],
+        row_bytes: usize,
+        act: &Activations<'_>,
+        n0: usize,
+        ct: &mut [f32],
+        skip: Option<usize>,
+    ) -> bool {
+        let k = act.k;
+        if k % QK_K != 0 || row_bytes != k / QK_K * ty.block_bytes() {
+            return false;
+        }
+        if data.len() < (n0 + ct.len()) * row_bytes || !super::TYPES.contains(&ty) {
+            return false;
+        }
+        for (j, o) in ct.iter_mut().enumerate() {
+            let n = n0 + j;
+            if skip == Some(n) {
+                continue;
+            }
+            // SAFETY: AVX2 and F16C are the caller's promise; the lengths are checked above.
+            match unsafe { row_dot_in(ty, &data[n * row_bytes..(n + 1) * row_bytes], act, 0) } {
+                Some(v) => *o = v,
+                None => return false,
+            }
+        }
+        true
+    }
+
+    /// [`row_dot`]'s body, inlined into both callers.
+    #[inline(always)]
+    unsafe fn row_dot_in(
+        ty: GgmlType,
+        src: &[u8],
+        act: &Activations<'_>,
+        row: usize,
+    ) -> Option<f32> {
         let k = act.k;
         let nb = k / QK_K;
         let bb = ty.block_bytes();
