@@ -84,12 +84,25 @@ pub(super) mod x86 {
         _mm256_loadu_si256(p as *const __m256i)
     }
 
+    /// A `vpshufb` control that copies i16 lane `j` (bytes 2j, 2j + 1) of each 128-bit half to
+    /// all eight lanes of that half.
+    #[inline(always)]
+    unsafe fn lane16(j: usize) -> __m256i {
+        _mm256_set1_epi16((((2 * j + 1) << 8) | (2 * j)) as i16)
+    }
+
     /// Σ_j sc_j · (q·a over sub-block j) for the eight 32-element sub-blocks of a Q4_K or Q5_K
     /// super-block: `qs` its 128 nibble bytes, `qh` its 32 fifth-bit bytes (Q5_K), `a` the 256
-    /// activation quants. `vpmaddubsw` pairs are at most 2·31·127 < 2¹⁵ and the scales at most
-    /// 63, so every step is exact.
+    /// activation quants, `scv` the eight scales as i16 lanes 0..8 of both 128-bit halves.
+    /// `vpmaddubsw` pairs are at most 2·31·127 < 2¹⁵ and the scales at most 63, so every step is
+    /// exact.
     #[inline(always)]
-    unsafe fn isum_q45(qs: *const u8, qh: Option<*const u8>, a: *const i8, sc: &[u8; 8]) -> i32 {
+    unsafe fn isum_q45(
+        qs: *const u8,
+        qh: Option<*const u8>,
+        a: *const i8,
+        scv: __m256i,
+    ) -> __m256i {
         let m4 = _mm256_set1_epi8(0x0F);
         let one = _mm256_set1_epi8(1);
         let hbits = match qh {
@@ -99,12 +112,12 @@ pub(super) mod x86 {
         let mut acc = _mm256_setzero_si256();
         for c in 0..4 {
             let q = load(qs.add(32 * c));
-            let sh0 = _mm_cvtsi32_si128(2 * c as i32);
-            let sh1 = _mm_cvtsi32_si128(2 * c as i32 + 1);
             let mut lo = _mm256_and_si256(q, m4);
             let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4);
             if let Some(h) = hbits {
                 // Bit 2c of byte l is element 64c + l's fifth bit, bit 2c + 1 element 64c + 32 + l's.
+                let sh0 = _mm_cvtsi32_si128(2 * c as i32);
+                let sh1 = _mm_cvtsi32_si128(2 * c as i32 + 1);
                 let b0 = _mm256_and_si256(_mm256_srl_epi16(h, sh0), one);
                 let b1 = _mm256_and_si256(_mm256_srl_epi16(h, sh1), one);
                 lo = _mm256_or_si256(lo, _mm256_slli_epi16::<4>(b0));
@@ -112,24 +125,40 @@ pub(super) mod x86 {
             }
             let p_lo = _mm256_maddubs_epi16(lo, load(a.add(64 * c) as *const u8));
             let p_hi = _mm256_maddubs_epi16(hi, load(a.add(64 * c + 32) as *const u8));
-            let s_lo = _mm256_set1_epi16(sc[2 * c] as i16);
-            let s_hi = _mm256_set1_epi16(sc[2 * c + 1] as i16);
+            let s_lo = _mm256_shuffle_epi8(scv, lane16(2 * c));
+            let s_hi = _mm256_shuffle_epi8(scv, lane16(2 * c + 1));
             acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p_lo, s_lo));
             acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p_hi, s_hi));
         }
-        hsum_i32(acc)
+        acc
+    }
+
+    /// Σ_j min_j · (bsum_2j + bsum_2j+1) of a Q4_K/Q5_K super-block: `mins` the eight mins,
+    /// `bsums` the activation block's sixteen sums of 16 quants. A pair of sums is at most
+    /// 2·16·127 and a min at most 63: exact in `vpmaddwd`.
+    #[inline(always)]
+    unsafe fn msum_q45(mins: u64, bsums: *const i16) -> i32 {
+        let m = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(mins as i64));
+        let pairs = _mm_hadd_epi16(
+            _mm_loadu_si128(bsums as *const __m128i),
+            _mm_loadu_si128(bsums.add(8) as *const __m128i),
+        );
+        let v = _mm_madd_epi16(m, pairs);
+        let v = _mm_add_epi32(v, _mm_shuffle_epi32::<0b01_00_11_10>(v));
+        let v = _mm_add_epi32(v, _mm_shuffle_epi32::<0b10_11_00_01>(v));
+        _mm_cvtsi128_si32(v)
     }
 
     /// Σ_j sc_j · (q·a over the 16-element group j) of a Q6_K super-block (`b` its 210 bytes),
-    /// quants q in −32..=31 as (unsigned 6-bit) − 32: `vpmaddubsw(q6, a) − vpmaddubsw(32, a)`
-    /// per pair (|·| ≤ 2·63·127 + 2·32·127 < 2¹⁵), weighted by the signed scales in
-    /// `vpmaddwd`. Exact.
+    /// quants q in −32..=31 as (unsigned 6-bit) − 32: `vpmaddubsw(q6, a)` (pairs at most
+    /// 2·63·127 < 2¹⁵) weighted by the signed scales in `vpmaddwd`, and the −32 of every quant
+    /// taken once per super-block as `32·Σ sc_j·bsum_j` from the activation block's sums
+    /// (`bsums`, sixteen sums of 16 quants, each at most 16·127). Exact.
     #[inline(always)]
-    unsafe fn isum_q6(b: *const u8, a: *const i8) -> i32 {
+    unsafe fn isum_q6(b: *const u8, a: *const i8, bsums: *const i16) -> i32 {
         let m4 = _mm256_set1_epi8(0x0F);
         let m2 = _mm256_set1_epi8(0x03);
-        let k32 = _mm256_set1_epi8(32);
-        let sc = b.add(192) as *const i8;
+        let sc8 = _mm_loadu_si128(b.add(192) as *const __m128i);
         let mut acc = _mm256_setzero_si256();
         for n in 0..2 {
             let ql0 = load(b.add(64 * n));
@@ -148,17 +177,20 @@ pub(super) mod x86 {
             ];
             for (j, q) in q.into_iter().enumerate() {
                 let av = load(a.add(128 * n + 32 * j) as *const u8);
-                let p =
-                    _mm256_sub_epi16(_mm256_maddubs_epi16(q, av), _mm256_maddubs_epi16(k32, av));
-                // Lanes 0..8 (elements 0..16 of this 32) take group 8n + 2j's scale, 8..16 the next.
-                let g = 8 * n + 2 * j;
-                let s0 = *sc.add(g) as i16;
-                let s1 = *sc.add(g + 1) as i16;
-                let s = _mm256_set_m128i(_mm_set1_epi16(s1), _mm_set1_epi16(s0));
+                let p = _mm256_maddubs_epi16(q, av);
+                // Lanes 0..8 (elements 0..16 of this 32) take group g's scale, 8..16 group g + 1's.
+                let g = (8 * n + 2 * j) as i64;
+                let pick =
+                    _mm_set_epi64x((g + 1) * 0x0101_0101_0101_0101, g * 0x0101_0101_0101_0101);
+                let s = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, pick));
                 acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
             }
         }
-        hsum_i32(acc)
+        let corr = _mm256_madd_epi16(
+            _mm256_cvtepi8_epi16(sc8),
+            _mm256_loadu_si256(bsums as *const __m256i),
+        );
+        hsum_i32(_mm256_sub_epi32(acc, _mm256_slli_epi32::<5>(corr)))
     }
 
     /// One K-quant weight row unpacked once for M > 1, so the per-activation-row loop
@@ -391,7 +423,8 @@ pub(super) mod x86 {
         if ty == GgmlType::Q6K {
             for b in 0..nb {
                 let blk = &src[b * bb..(b + 1) * bb];
-                let isum = unsafe { isum_q6(ps.add(b * bb), pa.add(b * QK_K)) };
+                let isum =
+                    unsafe { isum_q6(ps.add(b * bb), pa.add(b * QK_K), bsums[16 * b..].as_ptr()) };
                 acc[b % BLOCK_LANES] += f16_at(blk, 208) * ad[b] * isum as f32;
             }
         } else {
@@ -406,12 +439,11 @@ pub(super) mod x86 {
                 } else {
                     (p.add(16), None)
                 };
-                let isum = unsafe { isum_q45(qs, qh, pa.add(b * QK_K), &sc) };
-                let bs = &bsums[16 * b..16 * b + 16];
-                let mut msum = 0i32;
-                for j in 0..8 {
-                    msum += mins[j] as i32 * (bs[2 * j] as i32 + bs[2 * j + 1] as i32);
-                }
+                let scv = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(
+                    u64::from_le_bytes(sc) as i64,
+                )));
+                let isum = hsum_i32(unsafe { isum_q45(qs, qh, pa.add(b * QK_K), scv) });
+                let msum = unsafe { msum_q45(u64::from_le_bytes(mins), bsums[16 * b..].as_ptr()) };
                 acc[b % BLOCK_LANES] +=
                     ad[b] * (f16_at(blk, 0) * isum as f32 - f16_at(blk, 2) * msum as f32);
             }
