@@ -811,7 +811,7 @@ mod x86 {
 /// F16C, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 go through [`x86::Unpacked`] (each weight row unpacked once,
 /// then dotted with every activation row from L1), which gives the tile path's bits faster; on
 /// aarch64 the same five types with the NEON kernels through [`neon::Unpacked`], and the
-/// K-quants with them through [`super::kquant::neon`]'s row dots, once per activation row.
+/// K-quants with them through `kquant::neon::Unpacked`.
 pub(crate) fn takes_m(kernel: Kernel, ty: GgmlType) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
@@ -896,10 +896,37 @@ pub(crate) fn rows(
         return;
     }
     #[cfg(target_arch = "aarch64")]
+    if m > 1 && takes_m(kernel, w.ty) && super::kquant::TYPES.contains(&w.ty) {
+        // K-quants: each weight row unpacked once (`kquant::neon::Unpacked`), then dotted with
+        // every activation row from L1.
+        let mut un = super::kquant::neon::Unpacked::default();
+        // Re-checked, not trusted (see `Kernel::dots`): `sdot` without dotprod is UB.
+        let sdot = kernel == Kernel::NeonSdot && std::arch::is_aarch64_feature_detected!("dotprod");
+        for (j, outs) in ct.chunks_exact_mut(m).enumerate() {
+            let n = n0 + j;
+            if skip == Some(n) {
+                continue;
+            }
+            let src = &w.data[n * row_bytes..(n + 1) * row_bytes];
+            let unpacked = un.unpack(w.ty, src);
+            for (i, o) in outs.iter_mut().enumerate() {
+                let v = match (unpacked, sdot) {
+                    (false, _) => None,
+                    // SAFETY: dotprod was just detected on this CPU.
+                    (true, true) => unsafe { super::kquant::neon::unpacked_sdot(&un, act, i) },
+                    (true, false) => super::kquant::neon::unpacked_neon(&un, act, i),
+                };
+                *o = match v {
+                    Some(v) => v,
+                    None => row_at(kernel, w.ty, src, act, i),
+                };
+            }
+        }
+        return;
+    }
+    #[cfg(target_arch = "aarch64")]
     if m > 1 && takes_m(kernel, w.ty) {
         // Each weight row unpacked once (`neon::Unpacked`), then dotted with every activation row.
-        // The K-quants are not unpacked (`unpack` is false for them): each activation row goes
-        // through `row_at`, `kquant::neon`'s dots off the packed row, which stays in L1.
         let mut un = neon::Unpacked::default();
         // Re-checked, not trusted (see `Kernel::dots`): `sdot` without dotprod is UB.
         let sdot = kernel == Kernel::NeonSdot && std::arch::is_aarch64_feature_detected!("dotprod");

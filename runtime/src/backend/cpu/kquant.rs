@@ -733,6 +733,253 @@ pub(super) mod neon {
         Some(reduce_lanes(&acc))
     }
 
+    /// One K-quant weight row unpacked once for M > 1 (x86's `kquant::x86::Unpacked` on NEON),
+    /// so the per-activation-row loop ([`Unpacked::dot`]) is loads, `sdot` (or `smull`/`sadalp`)
+    /// and the reductions of [`isum_q45`]/[`isum_q6`], with no nibble, high-bit, scale or f16 work:
+    /// `q` holds each super-block's 256 quants in element order as the bytes those take (Q4_K
+    /// 0..15, Q5_K 0..31, Q6_K 0..63, i.e. without its −32, folded in through the bsums as
+    /// decode does), `sc` the scales widened to i32 (Q4_K/Q5_K eight, Q6_K sixteen), `m16` the
+    /// i16 the bsums term multiplies (Q4_K/Q5_K the eight mins, Q6_K the sixteen scales), `d` and
+    /// `dmin` widened by [`f16x2_at`]. The integer sums are decode's, exactly, and the f32 terms
+    /// the same operations in the same order, so the bits are [`row_dot`]'s. Per thread, 256 +
+    /// 64 + 32 + 8 bytes per super-block of K (K = 8192: 11 KiB), reused for every row of the
+    /// call.
+    #[derive(Default)]
+    pub(in super::super) struct Unpacked {
+        ty: Option<GgmlType>,
+        nb: usize,
+        q: Vec<u8>,
+        sc: Vec<i32>,
+        m16: Vec<i16>,
+        d: Vec<f32>,
+        dmin: Vec<f32>,
+    }
+
+    impl Unpacked {
+        /// Unpack weight row `src` (whole super-blocks of a K-quant `ty`); false (and nothing to
+        /// dot) for another type or a row that is not whole super-blocks.
+        pub(in super::super) fn unpack(&mut self, ty: GgmlType, src: &[u8]) -> bool {
+            let bb = ty.block_bytes();
+            if !super::TYPES.contains(&ty) || src.len() % bb != 0 {
+                self.ty = None;
+                return false;
+            }
+            let nb = src.len() / bb;
+            let q6 = ty == GgmlType::Q6K;
+            let per = if q6 { 16 } else { 8 };
+            self.ty = Some(ty);
+            self.nb = nb;
+            self.q.resize(nb * QK_K, 0);
+            self.sc.resize(nb * per, 0);
+            self.m16.resize(nb * per, 0);
+            self.d.resize(nb, 0.0);
+            self.dmin.resize(if q6 { 0 } else { nb }, 0.0);
+            for (b, blk) in src.chunks_exact(bb).enumerate() {
+                // SAFETY: `blk` is one whole super-block and `q` holds 256 bytes at 256·b (sized
+                // above); NEON is baseline.
+                unsafe {
+                    let out = self.q.as_mut_ptr().add(b * QK_K);
+                    match ty {
+                        GgmlType::Q6K => quants_q6(blk.as_ptr(), out),
+                        GgmlType::Q5K => {
+                            quants_q45::<true>(blk.as_ptr().add(48), blk.as_ptr().add(16), out)
+                        }
+                        _ => quants_q45::<false>(blk.as_ptr().add(16), blk.as_ptr(), out),
+                    }
+                }
+                if q6 {
+                    self.d[b] = f16x2_at(blk, 208).0;
+                    for g in 0..16 {
+                        let s = blk[192 + g] as i8;
+                        self.sc[16 * b + g] = s as i32;
+                        self.m16[16 * b + g] = s as i16;
+                    }
+                } else {
+                    (self.d[b], self.dmin[b]) = f16x2_at(blk, 0);
+                    let Ok(packed) = <&[u8; 12]>::try_from(&blk[4..16]) else {
+                        self.ty = None;
+                        return false;
+                    };
+                    let (sc, mins) = scales_mins(packed);
+                    for j in 0..8 {
+                        self.sc[8 * b + j] = sc[j] as i32;
+                        self.m16[8 * b + j] = mins[j] as i16;
+                    }
+                }
+            }
+            true
+        }
+
+        /// The unpacked row · activation row `row` of `act` (Q8_K), in the canonical order;
+        /// `None` if nothing is unpacked or the row's K differs.
+        ///
+        /// # Safety
+        /// `D`'s features (`Sdot`: dotprod).
+        #[inline(always)]
+        unsafe fn dot<D: Dot>(&self, act: &Activations<'_>, row: usize) -> Option<f32> {
+            let ty = self.ty?;
+            let (k, nb) = (act.k, self.nb);
+            if k != nb * QK_K {
+                return None;
+            }
+            let aq = act.qs.get(row * k..row * k + k)?;
+            let ad = act.d.get(row * nb..row * nb + nb)?;
+            let bsums = act.bsums.get(row * nb * 16..(row + 1) * nb * 16)?;
+            let (pq, pa, pb) = (self.q.as_ptr(), aq.as_ptr(), bsums.as_ptr());
+            let (psc, pm) = (self.sc.as_ptr(), self.m16.as_ptr());
+            let zero = vdupq_n_s32(0);
+            let mut acc = [0.0f32; BLOCK_LANES];
+            // SAFETY (every super-block below): b < nb, so its 256 quants, its scales and its
+            // activation quants and bsums lie inside `q`, `sc`, `m16` (sized by `unpack`), `aq`
+            // and `bsums` (checked above). Loops, not closures (see `row_dot`).
+            if ty == GgmlType::Q6K {
+                for b in 0..nb {
+                    let (q, a) = (pq.add(b * QK_K), pa.add(b * QK_K));
+                    // Group g: elements 16g..16g + 16, one register of each; the bounds of
+                    // `isum_q6`.
+                    let mut s = zero;
+                    for g4 in 0..4 {
+                        let mut p = [zero; 4];
+                        for (j, p) in p.iter_mut().enumerate() {
+                            let o = 16 * (4 * g4 + j);
+                            *p = D::dot16(
+                                zero,
+                                vreinterpretq_s8_u8(vld1q_u8(q.add(o))),
+                                vld1q_s8(a.add(o)),
+                            );
+                        }
+                        let d = sums4(p[0], p[1], p[2], p[3]);
+                        s = vmlaq_s32(s, d, vld1q_s32(psc.add(16 * b + 4 * g4)));
+                    }
+                    let (b0, b1) = (vld1q_s16(pb.add(16 * b)), vld1q_s16(pb.add(16 * b + 8)));
+                    let (s0, s1) = (vld1q_s16(pm.add(16 * b)), vld1q_s16(pm.add(16 * b + 8)));
+                    let m = vmull_s16(vget_low_s16(b0), vget_low_s16(s0));
+                    let m = vmlal_high_s16(m, b0, s0);
+                    let m = vmlal_s16(m, vget_low_s16(b1), vget_low_s16(s1));
+                    let m = vmlal_high_s16(m, b1, s1);
+                    let isum = vaddvq_s32(s) - 32 * vaddvq_s32(m);
+                    acc[b % BLOCK_LANES] += self.d[b] * ad[b] * isum as f32;
+                }
+            } else {
+                for b in 0..nb {
+                    let (q, a) = (pq.add(b * QK_K), pa.add(b * QK_K));
+                    // Sub-block j: elements 32j..32j + 32, two registers of each; the bounds of
+                    // `isum_q45`.
+                    let mut s = zero;
+                    for h in 0..2 {
+                        let mut p = [zero; 4];
+                        for (j, p) in p.iter_mut().enumerate() {
+                            let o = 32 * (4 * h + j);
+                            let w0 = vreinterpretq_s8_u8(vld1q_u8(q.add(o)));
+                            let w1 = vreinterpretq_s8_u8(vld1q_u8(q.add(o + 16)));
+                            *p = D::dot16(
+                                D::dot16(zero, w0, vld1q_s8(a.add(o))),
+                                w1,
+                                vld1q_s8(a.add(o + 16)),
+                            );
+                        }
+                        let d = sums4(p[0], p[1], p[2], p[3]);
+                        s = vmlaq_s32(s, d, vld1q_s32(psc.add(8 * b + 4 * h)));
+                    }
+                    let isum = vaddvq_s32(s);
+                    // Σ_j min_j · (bsum_2j + bsum_2j+1), as `msum_q45`.
+                    let pairs =
+                        vpaddq_s16(vld1q_s16(pb.add(16 * b)), vld1q_s16(pb.add(16 * b + 8)));
+                    let mn = vld1q_s16(pm.add(8 * b));
+                    let p =
+                        vmlal_high_s16(vmull_s16(vget_low_s16(pairs), vget_low_s16(mn)), pairs, mn);
+                    let msum = vaddvq_s32(p);
+                    acc[b % BLOCK_LANES] +=
+                        ad[b] * (self.d[b] * isum as f32 - self.dmin[b] * msum as f32);
+                }
+            }
+            Some(reduce_lanes(&acc))
+        }
+    }
+
+    /// [`Unpacked::dot`] with `sdot`.
+    ///
+    /// # Safety
+    /// The CPU must have the dotprod extension.
+    #[target_feature(enable = "dotprod")]
+    #[inline(never)]
+    pub(in super::super) unsafe fn unpacked_sdot(
+        un: &Unpacked,
+        act: &Activations<'_>,
+        row: usize,
+    ) -> Option<f32> {
+        un.dot::<Sdot>(act, row)
+    }
+
+    /// [`Unpacked::dot`] with widening multiplies (A72, A53).
+    #[inline(never)]
+    pub(in super::super) fn unpacked_neon(
+        un: &Unpacked,
+        act: &Activations<'_>,
+        row: usize,
+    ) -> Option<f32> {
+        // SAFETY: `Neon` needs nothing beyond baseline NEON.
+        unsafe { un.dot::<Neon>(act, row) }
+    }
+
+    /// A Q4_K (`Q5` false) or Q5_K super-block's 256 quants in element order, to `out`, as
+    /// [`isum_q45`] forms them (`qs` the 128 nibble bytes, `qh` the 32 fifth-bit bytes).
+    ///
+    /// # Safety
+    /// `qs` (and `qh` for Q5_K) readable, `out` writable for 256 bytes.
+    #[inline(always)]
+    unsafe fn quants_q45<const Q5: bool>(qs: *const u8, qh: *const u8, out: *mut u8) {
+        let m4 = vdupq_n_u8(0x0F);
+        let (one, two) = (vdupq_n_u8(1), vdupq_n_u8(2));
+        let mut h = if Q5 {
+            [vld1q_u8(qh), vld1q_u8(qh.add(16))]
+        } else {
+            [vdupq_n_u8(0); 2]
+        };
+        for c in 0..4 {
+            let q = [vld1q_u8(qs.add(32 * c)), vld1q_u8(qs.add(32 * c + 16))];
+            for i in 0..2 {
+                let mut lo = vandq_u8(q[i], m4);
+                let mut hi = vshrq_n_u8::<4>(q[i]);
+                if Q5 {
+                    lo = vorrq_u8(lo, vshlq_n_u8::<4>(vandq_u8(h[i], one)));
+                    hi = vorrq_u8(hi, vshlq_n_u8::<3>(vandq_u8(h[i], two)));
+                    h[i] = vshrq_n_u8::<2>(h[i]);
+                }
+                vst1q_u8(out.add(64 * c + 16 * i), lo);
+                vst1q_u8(out.add(64 * c + 32 + 16 * i), hi);
+            }
+        }
+    }
+
+    /// A Q6_K super-block's 256 unsigned 6-bit quants in element order, to `out`, as
+    /// [`isum_q6`] forms them (`b` its 210 bytes).
+    ///
+    /// # Safety
+    /// `b` readable for 192 bytes, `out` writable for 256.
+    #[inline(always)]
+    unsafe fn quants_q6(b: *const u8, out: *mut u8) {
+        let m4 = vdupq_n_u8(0x0F);
+        let m3 = vdupq_n_u8(0x03);
+        let m30 = vdupq_n_u8(0x30);
+        for n in 0..2 {
+            let (ql, qh) = (b.add(64 * n), b.add(128 + 32 * n));
+            for i in 0..2 {
+                let (l0, l2) = (vld1q_u8(ql.add(16 * i)), vld1q_u8(ql.add(32 + 16 * i)));
+                let h = vld1q_u8(qh.add(16 * i));
+                let u = [
+                    vorrq_u8(vandq_u8(l0, m4), vshlq_n_u8::<4>(vandq_u8(h, m3))),
+                    vorrq_u8(vandq_u8(l2, m4), vandq_u8(vshlq_n_u8::<2>(h), m30)),
+                    vorrq_u8(vshrq_n_u8::<4>(l0), vandq_u8(h, m30)),
+                    vorrq_u8(vshrq_n_u8::<4>(l2), vandq_u8(vshrq_n_u8::<2>(h), m30)),
+                ];
+                for (j, u) in u.into_iter().enumerate() {
+                    vst1q_u8(out.add(128 * n + 32 * j + 16 * i), u);
+                }
+            }
+        }
+    }
+
     /// [`row_dot`] with `sdot` (A55, A76).
     ///
     /// # Safety
@@ -831,7 +1078,8 @@ mod tests {
     }
 
     /// The NEON super-block dots (`smull`/`sadalp`, and `sdot` where the CPU has dotprod: the
-    /// cortex-a76 stage) against the unpacked path (`RowScratch`, the portable statement every
+    /// cortex-a76 stage), decode's off the packed bytes and M > 1's off a row unpacked once
+    /// (`neon::Unpacked`), against the unpacked tile path (`RowScratch`, the portable statement every
     /// other kernel shares), to the bit: each activation row of an M = 3 run (the third all
     /// −1.0, so every quant is −127), weights of every byte pattern (random quants, scales, mins
     /// and high bits, signed Q6_K scales; the first super-block all ones: quants 15/31/63, scales
@@ -882,13 +1130,24 @@ mod tests {
                 let act = Activations::quantize(fmt, &a, k);
                 let mut sc = RowScratch::default();
                 sc.unpack(ty, &src);
+                let mut un = super::neon::Unpacked::default();
+                assert!(un.unpack(ty, &src), "{ty} K={k}: not unpacked");
                 for row in 0..3 {
                     let want = sc.dot(Kernel::Portable, ty, &act, row);
-                    let mut got = vec![("neon", super::neon::row_dot_neon(ty, &src, &act, row))];
+                    let mut got = vec![
+                        ("neon", super::neon::row_dot_neon(ty, &src, &act, row)),
+                        ("neon unpacked", super::neon::unpacked_neon(&un, &act, row)),
+                    ];
                     if sdot {
                         // SAFETY: dotprod was detected above.
-                        let v = unsafe { super::neon::row_dot_sdot(ty, &src, &act, row) };
+                        let (v, u) = unsafe {
+                            (
+                                super::neon::row_dot_sdot(ty, &src, &act, row),
+                                super::neon::unpacked_sdot(&un, &act, row),
+                            )
+                        };
                         got.push(("sdot", v));
+                        got.push(("sdot unpacked", u));
                     }
                     for (kernel, got) in got {
                         assert_eq!(
