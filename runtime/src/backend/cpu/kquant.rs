@@ -741,9 +741,9 @@ pub(super) mod neon {
     /// decode does), `sc` the scales widened to i32 (Q4_K/Q5_K eight, Q6_K sixteen), `m16` the
     /// i16 the bsums term multiplies (Q4_K/Q5_K the eight mins, Q6_K the sixteen scales), `d` and
     /// `dmin` widened by [`f16x2_at`]. The integer sums are decode's, exactly, and the f32 terms
-    /// the same operations in the same order, so the bits are [`row_dot`]'s. Per thread, 256 +
-    /// 64 + 32 + 8 bytes per super-block of K (K = 8192: 11 KiB), reused for every row of the
-    /// call.
+    /// the same operations in the same order, so the bits are [`row_dot`]'s. Per thread, at most
+    /// 256 + 64 + 32 + 4 bytes per super-block of K (Q6_K; K = 8192: 11 KiB), reused for every
+    /// row of the call.
     #[derive(Default)]
     pub(in super::super) struct Unpacked {
         ty: Option<GgmlType>,
