@@ -105,9 +105,12 @@ pub(super) mod x86 {
     ) -> __m256i {
         let m4 = _mm256_set1_epi8(0x0F);
         let one = _mm256_set1_epi8(1);
-        let hbits = match qh {
-            Some(p) => Some(load(p)),
-            None => None,
+        // `if let`, not `Option::map`: a closure would not inherit the caller's AVX2.
+        #[allow(clippy::manual_map)]
+        let hbits = if let Some(p) = qh {
+            Some(load(p))
+        } else {
+            None
         };
         let mut acc = _mm256_setzero_si256();
         for c in 0..4 {
