@@ -699,6 +699,27 @@ mod x86 {
         }
     }
 
+    /// What [`rows_m1`] and [`rows_m1_q5`] read of activation row 0 — its quants, scales and
+    /// (Q8_1) sums, the blocks per row and the block size — or `None` when the `rows` rows of
+    /// `row_bytes` (in `data_len` bytes) are not whole blocks of `ty` over the activations' K.
+    #[inline(always)]
+    #[allow(clippy::type_complexity)]
+    fn m1_inputs<'a>(
+        ty: GgmlType,
+        data_len: usize,
+        row_bytes: usize,
+        act: &'a Activations<'_>,
+        rows: usize,
+    ) -> Option<(&'a [i8], &'a [f32], &'a [f32], usize, usize)> {
+        let (k, bb) = (act.k, ty.block_bytes());
+        let nb = k / 32;
+        let (aq, ad) = (act.qs.get(..k)?, act.d.get(..nb)?);
+        if k % 32 != 0 || row_bytes != nb * bb || data_len < rows * row_bytes {
+            return None;
+        }
+        Some((aq, ad, act.s.get(..nb).unwrap_or(&[]), nb, bb))
+    }
+
     /// `ct[j]` = weight row `n0 + j` of `data` (rows of `row_bytes`) · activation row 0, for
     /// every j but `skip`: decode's whole loop in one AVX2 function, the type matched once per
     /// matmul and [`blocks`] inlined into the row loop (dispatching per row through `row_at`
@@ -717,15 +738,10 @@ mod x86 {
         ct: &mut [f32],
         skip: Option<usize>,
     ) -> bool {
-        let (k, bb) = (act.k, ty.block_bytes());
-        let nb = k / 32;
-        let (Some(aq), Some(ad)) = (act.qs.get(..k), act.d.get(..nb)) else {
+        let Some((aq, ad, as_, nb, bb)) = m1_inputs(ty, data.len(), row_bytes, act, n0 + ct.len())
+        else {
             return false;
         };
-        if k % 32 != 0 || row_bytes != nb * bb || data.len() < (n0 + ct.len()) * row_bytes {
-            return false;
-        }
-        let as_ = act.s.get(..nb).unwrap_or(&[]);
         // SAFETY (each arm): every row lies in `data` (checked above), `aq`/`ad`/`as_` hold
         // `nb` blocks; AVX2 and F16C are the caller's promise.
         unsafe {
@@ -775,15 +791,10 @@ mod x86 {
         ct: &mut [f32],
         skip: Option<usize>,
     ) -> bool {
-        let (k, bb) = (act.k, ty.block_bytes());
-        let nb = k / 32;
-        let (Some(aq), Some(ad)) = (act.qs.get(..k), act.d.get(..nb)) else {
+        let Some((aq, ad, as_, nb, bb)) = m1_inputs(ty, data.len(), row_bytes, act, n0 + ct.len())
+        else {
             return false;
         };
-        if k % 32 != 0 || row_bytes != nb * bb || data.len() < (n0 + ct.len()) * row_bytes {
-            return false;
-        }
-        let as_ = act.s.get(..nb).unwrap_or(&[]);
         // SAFETY: as in `rows_m1`.
         unsafe {
             match ty {
