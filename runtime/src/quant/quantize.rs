@@ -32,9 +32,18 @@ pub struct BlockQ8K {
     pub bsums: [i16; QK_K / 16],
 }
 
-/// ggml's `nearest_int`: round to nearest, ties to even (the float magic-number trick).
-fn nearest_int(x: f32) -> i32 {
-    x.round_ties_even() as i32
+/// ggml's `nearest_int`: round to nearest, ties to even, by its float magic-number trick where
+/// ggml uses it (|x| ≤ 4194303: adding 1.5·2²³ leaves the rounded integer in the low mantissa
+/// bits), `round_ties_even` elsewhere (large values, NaN → 0). The trick, not
+/// `round_ties_even` throughout: without SSE4.1 in the baseline x86-64 target that is a call
+/// to libm's `rintf` per value, 5 % of a Q4_K_M prefill in the Q8_K activation quantiser.
+#[inline(always)]
+pub(crate) fn nearest_int(x: f32) -> i32 {
+    if x.abs() <= 4_194_303.0 {
+        ((x + 12_582_912.0).to_bits() & 0x007f_ffff) as i32 - 0x0040_0000
+    } else {
+        x.round_ties_even() as i32
+    }
 }
 
 /// `v.round() as i8` (half away from zero, saturating, NaN to 0) for every f32, without a call

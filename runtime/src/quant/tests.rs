@@ -416,3 +416,38 @@ fn q8_row_equals_the_reference_blocks() {
         );
     }
 }
+
+/// ggml's magic-number `nearest_int` equals `round_ties_even` for every f32 (ties, their
+/// neighbours, the range edge 4194303 and beyond, ±0, infinities, NaN, and a stride through all
+/// bit patterns).
+#[test]
+fn nearest_int_is_round_ties_even() {
+    let mut vals = vec![
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        -0.0,
+        0.0,
+        f32::MAX,
+        f32::MIN,
+    ];
+    for k in (-300i32..=300).chain([4_194_302, 4_194_303, 4_194_304, -4_194_303, -4_194_304]) {
+        let half = k as f32 + 0.5;
+        for v in [k as f32, half, -half] {
+            vals.extend([
+                v,
+                f32::from_bits(v.to_bits() + 1),
+                f32::from_bits(v.to_bits().max(1) - 1),
+            ]);
+        }
+    }
+    vals.extend((0..=u32::MAX).step_by(4099).map(f32::from_bits));
+    for v in vals {
+        assert_eq!(
+            super::quantize::nearest_int(v),
+            v.round_ties_even() as i32,
+            "{v:e} ({:#x})",
+            v.to_bits()
+        );
+    }
+}
