@@ -315,11 +315,10 @@ fn quantizers_round_trip_within_half_a_step() {
     }
 }
 
-/// The activation quantiser's rounding is `f32::round` then a saturating cast, for every kind of
-/// value: halves of both signs, the neighbours of each half, the ±127 edge, values past i8 and
-/// past i32, infinities, NaN, and a stride through all 2³² bit patterns.
-#[test]
-fn round_i8_is_round_half_away_then_saturate() {
+/// Values where a rounding can go wrong: ±0, ±∞, NaN, the extremes, each integer k of `ks`
+/// and k + 0.5 of both signs with their neighbours one ulp away, and a stride through all 2³²
+/// bit patterns.
+fn rounding_edges(ks: impl IntoIterator<Item = i32>) -> Vec<f32> {
     let mut vals = vec![
         f32::INFINITY,
         f32::NEG_INFINITY,
@@ -329,7 +328,7 @@ fn round_i8_is_round_half_away_then_saturate() {
         f32::MAX,
         f32::MIN,
     ];
-    for k in -300i32..=300 {
+    for k in ks {
         let half = k as f32 + 0.5;
         for v in [k as f32, half, -half] {
             vals.extend([
@@ -339,8 +338,17 @@ fn round_i8_is_round_half_away_then_saturate() {
             ]);
         }
     }
-    vals.extend([8388607.5, 8388608.0, 2147483520.0, 2147483648.0, 3e9, -3e9]);
     vals.extend((0..=u32::MAX).step_by(4099).map(f32::from_bits));
+    vals
+}
+
+/// The activation quantiser's rounding is `f32::round` then a saturating cast, for every kind of
+/// value: halves of both signs, the neighbours of each half, the ±127 edge, values past i8 and
+/// past i32, infinities, NaN, and a stride through all 2³² bit patterns.
+#[test]
+fn round_i8_is_round_half_away_then_saturate() {
+    let mut vals = rounding_edges(-300..=300);
+    vals.extend([8388607.5, 8388608.0, 2147483520.0, 2147483648.0, 3e9, -3e9]);
     for v in vals {
         assert_eq!(
             super::quantize::round_i8(v),
@@ -422,26 +430,9 @@ fn q8_row_equals_the_reference_blocks() {
 /// bit patterns).
 #[test]
 fn nearest_int_is_round_ties_even() {
-    let mut vals = vec![
-        f32::INFINITY,
-        f32::NEG_INFINITY,
-        f32::NAN,
-        -0.0,
-        0.0,
-        f32::MAX,
-        f32::MIN,
-    ];
-    for k in (-300i32..=300).chain([4_194_302, 4_194_303, 4_194_304, -4_194_303, -4_194_304]) {
-        let half = k as f32 + 0.5;
-        for v in [k as f32, half, -half] {
-            vals.extend([
-                v,
-                f32::from_bits(v.to_bits() + 1),
-                f32::from_bits(v.to_bits().max(1) - 1),
-            ]);
-        }
-    }
-    vals.extend((0..=u32::MAX).step_by(4099).map(f32::from_bits));
+    let vals = rounding_edges(
+        (-300i32..=300).chain([4_194_302, 4_194_303, 4_194_304, -4_194_303, -4_194_304]),
+    );
     for v in vals {
         assert_eq!(
             super::quantize::nearest_int(v),
