@@ -252,7 +252,8 @@ mod x86 {
         _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h))
     }
 
-    /// The types [`row_dot`] takes (its match arms; the tests walk this list).
+    /// The types [`row_dot`] and [`row_dot_q5`] take (their match arms; the tests walk this
+    /// list).
     #[cfg(test)]
     pub(super) const TYPES: [GgmlType; 5] = [
         GgmlType::Q8_0,
@@ -630,9 +631,9 @@ mod x86 {
         }
     }
 
-    /// Activation row `row` of `act` · the weight row `src`, for Q4_0, Q4_1, Q5_0, Q5_1 and
-    /// Q8_0; `None` for the other types, or if the lengths are not whole blocks (the portable
-    /// path handles those).
+    /// Activation row `row` of `act` · the weight row `src`, for Q4_0, Q4_1 and Q8_0 (Q5_0 and
+    /// Q5_1: [`row_dot_q5`]); `None` for the other types, or if the lengths are not whole blocks
+    /// (the portable path handles those).
     ///
     /// # Safety
     /// The CPU must have AVX2 and F16C.

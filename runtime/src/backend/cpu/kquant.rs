@@ -5,9 +5,10 @@
 //! Q4_K/Q5_K `msum = Σ min·bsum`). The f32 term of each super-block is then formed with the
 //! operations of the unpacked path (`fast.rs`: Q4_K/Q5_K `d_a·(d_w·isum − dmin_w·msum)`, Q6_K
 //! `d_w·d_a·isum`) and added in the canonical order (ARCHITECTURE.md, "CPU reduction order"), so
-//! the bits are those of every other kernel. One pass over each weight row: decode reads each
-//! weight byte once and writes nothing back; M > 1 reads a row (at most a few KiB) from L1 again
-//! for every activation row, as ggml does for these types.
+//! the bits are those of every other kernel. Decode reads each weight byte once and writes
+//! nothing back; M > 1 unpacks each weight row once per matmul into a per-call scratch
+//! (`x86::Unpacked`, `neon::Unpacked`: the quants as the dot instructions take them, the scales
+//! ready) and dots it with every activation row from L1. Nothing is repacked at load.
 
 use super::fast::Activations;
 use super::kernels::{reduce_lanes, Kernel, BLOCK_LANES};
