@@ -22,12 +22,20 @@ use std::sync::{Arc, OnceLock};
 use tokio::sync::mpsc::unbounded_channel;
 use tokio_stream::StreamExt as _;
 
-/// Request bodies above this get 413.
+/// Request bodies above this get 413 (one announced above it, before it is read).
 const BODY_LIMIT: usize = 1 << 20;
+/// A request's head (request line and headers) above this gets 431 from hyper, as do more than
+/// its default 100 headers.
+const HEAD_LIMIT: usize = 64 << 10;
 
 struct App {
     model_id: String,
-    key: Option<String>,
+    /// The API key's SHA-256: compared in constant time with the presented key's.
+    key: Option<[u8; 32]>,
+    /// Bound to loopback: a request whose `Host` is not a loopback name or address gets 403.
+    loopback_only: bool,
+    /// How requests are authorised, as /health tells it: "api-key", "loopback" or "insecure".
+    access: &'static str,
     report: Option<Vec<u8>>,
     /// Why inference is refused: the `--report` given did not PASS (see [`refusal`]).
     refused: Option<String>,
@@ -109,10 +117,24 @@ pub async fn serve(
     let (jobs, rx) = std::sync::mpsc::sync_channel(a.queue.max(1));
     let metrics = Arc::new(Metrics::default());
     let metrics2 = metrics.clone();
+    let loopback_only = is_loopback_name(&a.host);
+    let access = match (&key, loopback_only) {
+        (Some(_), _) => "api-key",
+        (None, true) => "loopback",
+        (None, false) => "insecure",
+    };
+    if access == "insecure" {
+        eprintln!(
+            "kiln serve: INSECURE: no API key on {} (--insecure): anyone who reaches the port may use the model",
+            a.host
+        );
+    }
     let app = Arc::new(App {
         client_timeout: std::time::Duration::from_secs(a.client_timeout),
         model_id,
-        key,
+        key: key.map(|k| sha256(k.as_bytes())),
+        loopback_only,
+        access,
         refused: missing_report.or_else(|| report.as_deref().and_then(refusal)),
         report,
         ready: OnceLock::new(),
@@ -145,17 +167,18 @@ pub async fn serve(
             })
             .context("starting the inference thread")?;
     }
-    let v1 = Router::new()
+    // Behind the key: everything but /health (the report and /metrics tell versions and load).
+    let keyed = Router::new()
         .route("/v1/models", get(models))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat))
         .route_layer(middleware::from_fn_with_state(app.clone(), body_deadline))
-        .route_layer(middleware::from_fn_with_state(app.clone(), auth));
-    let router = Router::new()
-        .merge(v1)
-        .route("/health", get(health))
         .route("/kiln/report", get(kiln_report))
         .route("/metrics", get(metrics_text))
+        .route_layer(middleware::from_fn_with_state(app.clone(), auth));
+    let router = Router::new()
+        .merge(keyed)
+        .route("/health", get(health))
         .fallback(|| async {
             error(
                 404,
@@ -167,6 +190,7 @@ pub async fn serve(
         })
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .layer(middleware::from_fn_with_state(app.clone(), count))
+        .layer(middleware::from_fn_with_state(app.clone(), host_guard))
         .with_state(app);
     let addr = format!("{}:{}", a.host, a.port);
     let listener = tokio::net::TcpListener::bind(&addr)
@@ -211,6 +235,7 @@ async fn accept(
             let conn = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
                 .header_read_timeout(timeout)
+                .max_header_size(HEAD_LIMIT)
                 .serve_connection(TokioIo::new(stream), service);
             // A client's protocol error or reset is that client's end, not the server's.
             let _ = conn.await;
@@ -221,6 +246,39 @@ async fn accept(
 /// The body of a request must arrive within `--client-timeout` of its headers (else 408) and
 /// within [`BODY_LIMIT`] (else 413): read whole here, so no handler waits on a slow client.
 async fn body_deadline(State(app): St, req: Request, next: Next) -> Response {
+    // A body announced over the limit is refused before a byte of it is read.
+    let announced = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if announced.is_some_and(|n| n > BODY_LIMIT as u64) {
+        // Answered at once. Then, as nginx's lingering close does, up to LINGER bytes of what
+        // the client is still sending are read and dropped (for at most 5 s) before the
+        // connection closes: a client that writes its whole body before it reads sees the 413,
+        // not a reset.
+        const LINGER: usize = 4 << 20;
+        let body = req.into_body();
+        tokio::spawn(async move {
+            use http_body_util::BodyExt;
+            let drain = async move {
+                let (mut body, mut n) = (body, 0usize);
+                while let Some(Ok(f)) = body.frame().await {
+                    n += f.data_ref().map_or(0, |d| d.len());
+                    if n > LINGER {
+                        break;
+                    }
+                }
+            };
+            let _ = tokio::time::timeout(std::time::Duration::from_secs(5), drain).await;
+        });
+        let mut r = too_large_body();
+        r.headers_mut().insert(
+            header::CONNECTION,
+            header::HeaderValue::from_static("close"),
+        );
+        return r;
+    }
     let (parts, body) = req.into_parts();
     match tokio::time::timeout(app.client_timeout, axum::body::to_bytes(body, BODY_LIMIT)).await {
         Err(_) => error(
@@ -258,13 +316,72 @@ async fn count(State(app): St, req: Request, next: Next) -> Response {
     r
 }
 
+fn sha256(b: &[u8]) -> [u8; 32] {
+    use sha2::Digest;
+    sha2::Sha256::digest(b).into()
+}
+
+/// Whether `host` (a `--host` value, or a `Host` header's name without its port) names loopback:
+/// `localhost` (and `*.localhost`, which resolvers keep on loopback, RFC 6761), 127.0.0.0/8 or ::1.
+pub fn is_loopback_name(host: &str) -> bool {
+    let h = host.trim_end_matches('.').to_ascii_lowercase();
+    let h = h
+        .strip_prefix('[')
+        .and_then(|v| v.strip_suffix(']'))
+        .unwrap_or(&h);
+    h == "localhost"
+        || h.ends_with(".localhost")
+        || h.parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// A `Host` header's name, its port taken off (`name:port`, `[v6]:port`, `[v6]`).
+fn host_name(value: &str) -> &str {
+    if value.starts_with('[') {
+        return value
+            .split_once(']')
+            .map_or(value, |(v, _)| &value[..v.len() + 1]);
+    }
+    match value.rsplit_once(':') {
+        Some((name, port)) if port.bytes().all(|b| b.is_ascii_digit()) => name,
+        _ => value,
+    }
+}
+
+/// Bound to loopback, only a request that names loopback in its `Host` is served: a web page
+/// that rebinds its own domain to 127.0.0.1 sends its domain, and gets 403.
+async fn host_guard(State(app): St, req: Request, next: Next) -> Response {
+    if app.loopback_only {
+        let host = req
+            .headers()
+            .get(header::HOST)
+            .map(|v| v.to_str().map(host_name));
+        let ok = matches!(host, Some(Ok(h)) if is_loopback_name(h));
+        if !ok {
+            return error(
+                403,
+                "invalid_request_error",
+                "forbidden_host",
+                None,
+                "this server listens on loopback only and answers only a Host that names loopback \
+                 (localhost, 127.0.0.1, [::1])",
+            );
+        }
+    }
+    next.run(req).await
+}
+
 async fn auth(State(app): St, headers: HeaderMap, req: Request, next: Next) -> Response {
     if let Some(k) = &app.key {
+        use subtle::ConstantTimeEq;
         let got = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "));
-        if got != Some(k.as_str()) {
+        // Digests of equal length, compared in constant time: neither the key's bytes nor its
+        // length show in the time a wrong key takes.
+        let ok = got.is_some_and(|g| bool::from(sha256(g.as_bytes()).ct_eq(k)));
+        if !ok {
             return error(
                 401,
                 "invalid_request_error",
@@ -286,24 +403,24 @@ async fn health(State(app): St) -> Response {
     if let Some(why) = &app.refused {
         return (
             StatusCode::SERVICE_UNAVAILABLE,
-            axum::Json(json!({"status": "selfcheck_failed", "error": why, "verdict": verdict})),
+            axum::Json(json!({"status": "selfcheck_failed", "error": why, "verdict": verdict, "access": app.access})),
         )
             .into_response();
     }
     match app.ready.get() {
         Some(Ok(_)) => (
             StatusCode::OK,
-            axum::Json(json!({"status": "ok", "model": app.model_id, "verdict": verdict})),
+            axum::Json(json!({"status": "ok", "model": app.model_id, "verdict": verdict, "access": app.access})),
         )
             .into_response(),
         Some(Err(e)) => (
             StatusCode::SERVICE_UNAVAILABLE,
-            axum::Json(json!({"status": "error", "error": e, "verdict": verdict})),
+            axum::Json(json!({"status": "error", "error": e, "verdict": verdict, "access": app.access})),
         )
             .into_response(),
         None => (
             StatusCode::SERVICE_UNAVAILABLE,
-            axum::Json(json!({"status": "loading", "verdict": verdict})),
+            axum::Json(json!({"status": "loading", "verdict": verdict, "access": app.access})),
         )
             .into_response(),
     }
@@ -360,6 +477,103 @@ fn body_json(
         Ok(_) => Err(bad(None, "the body must be a JSON object")),
         Err(e) => Err(bad(None, format!("the body is not valid JSON: {e}"))),
     }
+}
+
+/// The parameters kiln implements, per endpoint (`top_k` is llama.cpp's and vLLM's extension;
+/// `user` only names the end user to the provider and asks for nothing in the output).
+const COMPLETION_PARAMS: &[&str] = &[
+    "model",
+    "prompt",
+    "max_tokens",
+    "n",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "temperature",
+    "top_p",
+    "top_k",
+    "user",
+];
+const CHAT_PARAMS: &[&str] = &[
+    "model",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "n",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "temperature",
+    "top_p",
+    "top_k",
+    "user",
+];
+
+/// OpenAI parameters kiln does not implement, accepted only at the value that asks for nothing
+/// (OpenAI's default; `null` always is), as that value's description: a client that asked for
+/// log-probabilities, penalties, tools or a format gets 400 naming the parameter, never a plain
+/// answer and 200.
+fn neutral_only(k: &str, v: &Value, chat: bool) -> Option<(&'static str, bool)> {
+    let zero = |v: &Value| v.as_f64() == Some(0.0);
+    let empty = |v: &Value| v.as_object().is_some_and(|o| o.is_empty());
+    let r = match k {
+        "frequency_penalty" | "presence_penalty" => ("0", zero(v)),
+        "logit_bias" => ("{}", empty(v)),
+        "logprobs" if chat => ("false", v == &Value::Bool(false)),
+        "logprobs" => ("null", false),
+        "top_logprobs" if chat => ("0", zero(v)),
+        "echo" if !chat => ("false", v == &Value::Bool(false)),
+        "best_of" if !chat => ("1", v.as_u64() == Some(1)),
+        "suffix" if !chat => ("\"\"", v.as_str() == Some("")),
+        "response_format" if chat => (
+            "{\"type\": \"text\"}",
+            v.as_object()
+                .is_some_and(|o| o.len() == 1 && o.get("type") == Some(&json!("text"))),
+        ),
+        "tools" | "functions" if chat => ("[]", v.as_array().is_some_and(|a| a.is_empty())),
+        "tool_choice" | "function_call" if chat => ("\"none\"", v.as_str() == Some("none")),
+        "parallel_tool_calls" if chat => ("a boolean (there are no tools)", v.is_boolean()),
+        "store" if chat => ("false", v == &Value::Bool(false)),
+        "metadata" if chat => ("{}", empty(v)),
+        "service_tier" => (
+            "\"auto\" or \"default\"",
+            matches!(v.as_str(), Some("auto" | "default")),
+        ),
+        _ => return None,
+    };
+    Some((r.0, r.1 || v.is_null()))
+}
+
+/// Every parameter of the request is implemented, or at its neutral value; anything else is a
+/// 400 naming it (a parameter silently ignored is a request answered as if it had not been made).
+fn honest(m: &serde_json::Map<String, Value>, chat: bool) -> Result<(), Response> {
+    let known = if chat { CHAT_PARAMS } else { COMPLETION_PARAMS };
+    for (k, v) in m {
+        if known.contains(&k.as_str()) {
+            continue;
+        }
+        let msg = match neutral_only(k, v, chat) {
+            Some((_, true)) => continue,
+            Some(("null", false)) => format!("kiln does not implement {k}: only null is accepted"),
+            Some((neutral, false)) => {
+                format!("kiln does not implement {k}: it is accepted only as {neutral} or null")
+            }
+            None => format!(
+                "unknown parameter {k}: kiln refuses a parameter it does not implement rather \
+                 than ignore it"
+            ),
+        };
+        return Err(error(
+            400,
+            "invalid_request_error",
+            "unsupported_parameter",
+            Some(k),
+            msg,
+        ));
+    }
+    Ok(())
 }
 
 fn num(
@@ -425,7 +639,12 @@ fn params(
         max_tokens,
         temp: num(m, "temperature", 0.0, 2.0, 1.0)? as f32,
         top_p: num(m, "top_p", 0.0, 1.0, 1.0)? as f32,
-        top_k: uint(m, "top_k")?.map_or(0, |k| usize::try_from(k).unwrap_or(usize::MAX)),
+        top_k: match uint(m, "top_k")? {
+            None => 0,
+            Some(k) => u32::try_from(k)
+                .map(|k| k as usize)
+                .map_err(|_| bad(Some("top_k"), "top_k must be an integer in [0, 4294967295]"))?,
+        },
         seed: match m.get("seed") {
             None | Some(Value::Null) => 42,
             Some(v) => v
@@ -457,6 +676,7 @@ fn check_model(app: &App, m: &serde_json::Map<String, Value>) -> Result<(), Resp
 async fn completions(State(app): St, body: Result<Bytes, BytesRejection>) -> Response {
     let r = async {
         let m = body_json(body)?;
+        honest(&m, false)?;
         check_model(&app, &m)?;
         let input = match m.get("prompt") {
             Some(Value::String(s)) => Input::Text(s.clone()),
@@ -489,6 +709,7 @@ async fn completions(State(app): St, body: Result<Bytes, BytesRejection>) -> Res
 async fn chat(State(app): St, body: Result<Bytes, BytesRejection>) -> Response {
     let r = async {
         let m = body_json(body)?;
+        honest(&m, true)?;
         check_model(&app, &m)?;
         let msgs = m
             .get("messages")
@@ -497,6 +718,20 @@ async fn chat(State(app): St, body: Result<Bytes, BytesRejection>) -> Response {
             .ok_or_else(|| bad(Some("messages"), "messages must be a non-empty list"))?;
         let mut out = Vec::new();
         for msg in msgs {
+            // A message's other fields (a participant `name`, tool calls) would be dropped by
+            // the template: refused unless null.
+            if let Some((k, _)) = msg.as_object().and_then(|o| {
+                o.iter()
+                    .find(|(k, v)| !["role", "content"].contains(&k.as_str()) && !v.is_null())
+            }) {
+                return Err(error(
+                    400,
+                    "invalid_request_error",
+                    "unsupported_parameter",
+                    Some("messages"),
+                    format!("kiln does not implement messages[].{k}"),
+                ));
+            }
             let role = msg
                 .get("role")
                 .and_then(Value::as_str)
@@ -512,9 +747,18 @@ async fn chat(State(app): St, body: Result<Bytes, BytesRejection>) -> Response {
                 Some(Value::String(s)) => s.clone(),
                 Some(Value::Array(parts)) => parts
                     .iter()
-                    .map(|p| p.get("text").and_then(Value::as_str))
+                    .map(|p| {
+                        (p.get("type").and_then(Value::as_str) == Some("text"))
+                            .then(|| p.get("text").and_then(Value::as_str))
+                            .flatten()
+                    })
                     .collect::<Option<Vec<_>>>()
-                    .ok_or_else(|| bad(Some("messages"), "only text content parts are supported"))?
+                    .ok_or_else(|| {
+                        bad(
+                            Some("messages"),
+                            "messages: only text content parts are supported",
+                        )
+                    })?
                     .concat(),
                 _ => return Err(bad(Some("messages"), "each message needs a string content")),
             };
@@ -537,11 +781,36 @@ fn stream_flags(m: &serde_json::Map<String, Value>) -> Result<(bool, bool), Resp
         Some(Value::Bool(b)) => *b,
         Some(_) => return Err(bad(Some("stream"), "stream must be a boolean")),
     };
-    let usage = m
-        .get("stream_options")
-        .and_then(|o| o.get("include_usage"))
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
+    let usage = match m.get("stream_options") {
+        None | Some(Value::Null) => false,
+        Some(Value::Object(o)) => {
+            if let Some(k) = o.keys().find(|k| *k != "include_usage") {
+                return Err(error(
+                    400,
+                    "invalid_request_error",
+                    "unsupported_parameter",
+                    Some("stream_options"),
+                    format!("kiln does not implement stream_options.{k}"),
+                ));
+            }
+            match o.get("include_usage") {
+                None | Some(Value::Null) => false,
+                Some(Value::Bool(b)) => *b,
+                Some(_) => {
+                    return Err(bad(
+                        Some("stream_options"),
+                        "stream_options.include_usage must be a boolean",
+                    ))
+                }
+            }
+        }
+        Some(_) => {
+            return Err(bad(
+                Some("stream_options"),
+                "stream_options must be an object",
+            ))
+        }
+    };
     Ok((stream, usage))
 }
 
@@ -748,7 +1017,73 @@ async fn generate(
 
 #[cfg(test)]
 mod refusal_tests {
-    use super::refusal;
+    use super::{host_name, is_loopback_name, neutral_only, refusal};
+    use serde_json::json;
+
+    #[test]
+    fn loopback_names_and_host_headers() {
+        for h in [
+            "localhost",
+            "LOCALHOST.",
+            "a.localhost",
+            "127.0.0.1",
+            "127.9.9.9",
+            "::1",
+            "[::1]",
+        ] {
+            assert!(is_loopback_name(h), "{h}");
+        }
+        for h in [
+            "0.0.0.0",
+            "::",
+            "10.0.0.1",
+            "localhost.example",
+            "127.0.0.1.nip.io",
+            "",
+            "[::2]",
+        ] {
+            assert!(!is_loopback_name(h), "{h}");
+        }
+        assert_eq!(host_name("localhost:8080"), "localhost");
+        assert_eq!(host_name("[::1]:8080"), "[::1]");
+        assert_eq!(host_name("[::1]"), "[::1]");
+        assert_eq!(host_name("127.0.0.1"), "127.0.0.1");
+        assert_eq!(host_name("evil.example:80:80"), "evil.example:80");
+    }
+
+    #[test]
+    fn neutral_values_only() {
+        assert_eq!(
+            neutral_only("logprobs", &json!(false), true),
+            Some(("false", true))
+        );
+        assert_eq!(
+            neutral_only("logprobs", &json!(true), true),
+            Some(("false", false))
+        );
+        assert_eq!(
+            neutral_only("logprobs", &json!(0), false),
+            Some(("null", false))
+        );
+        assert_eq!(
+            neutral_only("logprobs", &json!(null), false),
+            Some(("null", true))
+        );
+        assert_eq!(
+            neutral_only("presence_penalty", &json!(0.0), true).map(|r| r.1),
+            Some(true)
+        );
+        assert_eq!(
+            neutral_only("presence_penalty", &json!(0.1), false).map(|r| r.1),
+            Some(false)
+        );
+        assert_eq!(
+            neutral_only("echo", &json!(false), true),
+            None,
+            "echo is not a chat parameter"
+        );
+        assert_eq!(neutral_only("grammar", &json!("x"), false), None);
+    }
 
     #[test]
     fn only_a_passing_report_serves() {

@@ -20,7 +20,9 @@ use std::path::PathBuf;
 pub struct Args {
     #[command(flatten)]
     pub m: ModelArgs,
-    /// Address to listen on.
+    /// Address to listen on. Anything but loopback needs --api-key-file, or --insecure in so many
+    /// words. On loopback, a request whose `Host` is not a loopback name or address gets 403
+    /// (DNS rebinding: a web page's script reaching a server on the user's own machine).
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
     #[arg(long, default_value_t = 8080)]
@@ -31,9 +33,13 @@ pub struct Args {
     /// Requests that may wait for a slot before new ones get 429.
     #[arg(long, default_value_t = 64)]
     pub queue: usize,
-    /// A file holding the bearer key every /v1 request must carry (one line).
+    /// A file holding the bearer key every request but GET /health must carry (one line).
     #[arg(long)]
     pub api_key_file: Option<PathBuf>,
+    /// Serve beyond loopback without an API key: anyone who reaches the port may use the model
+    /// and read the report. Said at start-up and in /health.
+    #[arg(long, conflicts_with = "api_key_file")]
+    pub insecure: bool,
     /// The self-check report served byte-equal at GET /kiln/report (its verdict in /health).
     /// Only a PASS report serves; a missing file refuses inference like a FAIL.
     #[arg(long)]
@@ -72,6 +78,14 @@ pub fn run(a: Args) -> Result<()> {
         }
         None => None,
     };
+    let loopback = http::is_loopback_name(&a.host);
+    if !loopback && key.is_none() && !a.insecure {
+        anyhow::bail!(
+            "--host {}: serving beyond loopback needs an API key (--api-key-file FILE); to serve \
+             without one, say --insecure",
+            a.host
+        );
+    }
     // A report that is not there is a refusal, not a start-up error: the board stays
     // diagnosable over the network (/health says why) and serves nothing it did not prove.
     let (report, missing) = match &a.report {

@@ -7,6 +7,32 @@ use super::Tokenizer;
 use anyhow::{Context, Result};
 
 /// The conversation rendered by the model's template.
+/// The steps (minijinja's fuel, about one per instruction) a template may take: a fixed part and
+/// a part per message. Real templates take a few dozen steps per message; a template in a file
+/// that loops for ever, or for 10^10 steps, fails here instead of holding the engine.
+const FUEL_BASE: u64 = 200_000;
+const FUEL_PER_MESSAGE: u64 = 2_000;
+/// A rendered prompt above this is refused (a template that repeats its input without end).
+pub const OUTPUT_LIMIT: usize = 8 << 20;
+
+/// Collects the output, failing past [`OUTPUT_LIMIT`] instead of growing without bound.
+struct Bounded(Vec<u8>);
+
+impl std::io::Write for Bounded {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        if self.0.len() + b.len() > OUTPUT_LIMIT {
+            return Err(std::io::Error::other(format!(
+                "the rendered prompt is over {OUTPUT_LIMIT} bytes"
+            )));
+        }
+        self.0.extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 pub fn render(
     template: &str,
     messages: &[(String, String)],
@@ -14,6 +40,9 @@ pub fn render(
     eos: &str,
 ) -> Result<String> {
     let mut env = minijinja::Environment::new();
+    env.set_fuel(Some(FUEL_BASE.saturating_add(
+        FUEL_PER_MESSAGE.saturating_mul(messages.len() as u64),
+    )));
     env.add_template("chat", template)
         .context("tokenizer.chat_template does not parse")?;
     // Hugging Face templates call raise_exception(msg) for conversations they refuse.
@@ -30,16 +59,22 @@ pub fn render(
         .iter()
         .map(|(role, content)| minijinja::context! { role => role, content => content })
         .collect();
+    let mut out = Bounded(Vec::new());
     env.get_template("chat")
         .and_then(|t| {
-            t.render(minijinja::context! {
-                messages => msgs,
-                add_generation_prompt => true,
-                bos_token => bos,
-                eos_token => eos,
-            })
+            t.render_captured_to(
+                minijinja::context! {
+                    messages => msgs,
+                    add_generation_prompt => true,
+                    bos_token => bos,
+                    eos_token => eos,
+                },
+                &mut out,
+            )
+            .map(|_| ())
         })
-        .context("rendering tokenizer.chat_template")
+        .context("rendering tokenizer.chat_template")?;
+    String::from_utf8(out.0).context("tokenizer.chat_template rendered invalid UTF-8")
 }
 
 /// A tokenizer's chat template with its BOS/EOS pieces.
@@ -70,5 +105,70 @@ impl Template {
     /// `(role, content)` messages as the prompt text (to be encoded with special tokens parsed).
     pub fn render(&self, messages: &[(String, String)]) -> Result<String> {
         render(&self.template, messages, &self.bos, &self.eos)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat() -> Vec<(String, String)> {
+        vec![
+            ("system".into(), "Be brief.".into()),
+            ("user".into(), "Hi".into()),
+        ]
+    }
+
+    /// A ChatML template (SmolLM2's and Qwen's shape) renders as Hugging Face renders it.
+    #[test]
+    fn a_real_template_renders() {
+        let t = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+        assert_eq!(
+            render(t, &chat(), "", "").expect("renders"),
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        );
+    }
+
+    /// Templates a hostile GGUF could carry: each fails with an error, quickly, instead of
+    /// hanging the engine or exhausting memory.
+    #[test]
+    fn a_hostile_template_fails_and_never_hangs() {
+        let cases = [
+            (
+                "a loop of 10^12 steps with no output",
+                "{% set ns = namespace(n=0) %}{% for i in range(9999) %}{% for j in range(9999) %}\
+                 {% for k in range(9999) %}{% set ns.n = ns.n + 1 %}{% endfor %}{% endfor %}\
+                 {% endfor %}{{ ns.n }}",
+            ),
+            (
+                "output without end",
+                "{% for i in range(1000) %}{{ messages[0]['content'] * 100000 }}{% endfor %}",
+            ),
+            (
+                "recursion without end",
+                "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+            ),
+            ("a raise", "{{ raise_exception('no system role') }}"),
+        ];
+        let deep = format!(
+            "{}1{}",
+            "{{ (".repeat(1) + &"(".repeat(5000),
+            ")".repeat(5001) + " }}"
+        );
+        for (what, t) in cases
+            .iter()
+            .copied()
+            .chain([("nesting 5000 deep", deep.as_str())])
+        {
+            let t0 = std::time::Instant::now();
+            let r = render(t, &chat(), "", "");
+            let dt = t0.elapsed();
+            assert!(
+                r.is_err(),
+                "{what}: rendered {} bytes",
+                r.map_or(0, |s| s.len())
+            );
+            assert!(dt.as_secs() < 10, "{what}: took {dt:?}");
+        }
     }
 }

@@ -55,7 +55,7 @@ pub fn run(o: &Opts) -> Result<()> {
                 let log = logs.join(format!("{}-{n}.log", side.name()));
                 let server = Server::start(side, &gguf, n, o.threads, &log)?;
                 let model = server.model_id()?;
-                let req = request_body(&model, o.max_tokens);
+                let req = request_body(&model, o.max_tokens, matches!(side, Side::LlamaServer(_)));
                 run_round(server.port, &req, n)
                     .with_context(|| format!("{}: warm-up with {n} clients", side.name()))?;
                 let r = run_round(server.port, &req, n)
@@ -492,21 +492,23 @@ impl Server {
 // ---------------------------------------------------------------------------------------------
 // The client
 
-fn request_body(model: &str, max_tokens: usize) -> String {
-    // `ignore_eos` and `cache_prompt` are llama-server's; kiln ignores fields it does not know
-    // (it has no `ignore_eos`: the prompt is chosen so that greedy decoding does not end early,
-    // and the tokens are counted from `usage` either way).
-    serde_json::json!({
+fn request_body(model: &str, max_tokens: usize, llama_server: bool) -> String {
+    let mut body = serde_json::json!({
         "model": model,
         "prompt": PROMPT,
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": true,
         "stream_options": {"include_usage": true},
-        "ignore_eos": true,
-        "cache_prompt": false,
-    })
-    .to_string()
+    });
+    // `ignore_eos` and `cache_prompt` are llama-server's own; kiln refuses parameters it does
+    // not implement (it has no `ignore_eos`: the prompt is chosen so that greedy decoding does
+    // not end early, and the tokens are counted from `usage` either way).
+    if llama_server {
+        body["ignore_eos"] = true.into();
+        body["cache_prompt"] = false.into();
+    }
+    body.to_string()
 }
 
 fn connect(port: u16) -> Result<TcpStream> {

@@ -130,10 +130,19 @@ pub struct Serve {
     pub parallel: u32,
     /// KV cache length per sequence (default: the model's context length, at most 2048).
     pub ctx: Option<u32>,
-    /// A file on the board holding the bearer key every /v1 request must carry (e.g. on
-    /// `/data`). Named but missing at boot: nothing is served (never open by accident).
+    /// A file on the board holding the bearer key every request but `/health` must carry,
+    /// provisioned per board, never in the image (default [`DEFAULT_API_KEY_FILE`], on `data`).
+    /// Missing at boot: `kiln serve` listens on loopback only, unless `insecure`.
     pub api_key_file: Option<String>,
+    /// Serve on the network without a key, said in so many words (a QEMU board behind the host's
+    /// forwarded port, a closed lab). `/init` says so on the console and `/health` names it.
+    #[serde(default)]
+    pub insecure: bool,
 }
+
+/// Where a board's API key is looked for when the recipe names no other file: the `data`
+/// partition, which no image or update writes (`cargo xtask flash --api-key FILE` puts it there).
+pub const DEFAULT_API_KEY_FILE: &str = "/data/kiln/api-key";
 
 fn default_parallel() -> u32 {
     4
@@ -424,20 +433,21 @@ impl Board {
                 if !(1..=64).contains(&s.parallel) {
                     bail!("serve.parallel {}: 1 to 64", s.parallel);
                 }
-                if let Some(k) = &s.api_key_file {
-                    plain("serve.api_key_file", k, "/")?;
-                    if !k.starts_with('/') {
-                        bail!("serve.api_key_file {k:?}: an absolute path on the board");
-                    }
+                let key = s.api_key_file.as_deref().unwrap_or(DEFAULT_API_KEY_FILE);
+                plain("serve.api_key_file", key, "/")?;
+                if !key.starts_with('/') {
+                    bail!("serve.api_key_file {key:?}: an absolute path on the board");
                 }
                 out.push_str(&format!(
                     "KILN_SERVE=1\nKILN_SERVE_MODEL={}\nKILN_SERVE_PORT={}\n\
-                     KILN_SERVE_PARALLEL={}\nKILN_SERVE_CTX={}\nKILN_SERVE_API_KEY_FILE={}\n",
+                     KILN_SERVE_PARALLEL={}\nKILN_SERVE_CTX={}\nKILN_SERVE_API_KEY_FILE={}\n\
+                     KILN_SERVE_INSECURE={}\n",
                     s.model,
                     s.port,
                     s.parallel,
                     s.ctx.map(|c| c.to_string()).unwrap_or_default(),
-                    s.api_key_file.as_deref().unwrap_or_default()
+                    key,
+                    u8::from(s.insecure)
                 ));
             }
         }
