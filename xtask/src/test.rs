@@ -19,6 +19,10 @@ pub struct Args {
 
 type StageFn = fn(&Args) -> Result<()>;
 
+// Every `cargo test` here selects `--workspace` (and filters by target): `-p` resolves another
+// feature set for the shared dependencies (syn's, so every proc macro and all that uses them),
+// and each set is a full compile of its own, minutes on 2 cores.
+
 /// Every stage of the suite, in order.
 const STAGES: &[(&str, StageFn)] = &[
     ("fmt", fmt),
@@ -197,9 +201,12 @@ fn host_tests(_: &Args) -> Result<()> {
 /// presents the 1.x ABI. Returns both `.so` paths, for `KILN_RKNN_STANDIN(_ABI1)`.
 fn build_standins(target: Option<&str>) -> Result<(PathBuf, PathBuf)> {
     let sh = crate::paths::shell()?;
-    let abi1_dir = crate::paths::target_dir().join("standin-abi1");
+    // Both builds share the target dir (a second one would compile every dependency again):
+    // each `.so` is copied out before the other overwrites it.
+    let dir = crate::paths::target_dir();
+    let keep = dir.join("kiln/standin").join(target.unwrap_or("host"));
     let mut out = Vec::new();
-    for (features, dir) in [(None, crate::paths::target_dir()), (Some("abi1"), abi1_dir)] {
+    for features in [None, Some("abi1")] {
         let mut c = match target {
             Some(t) => doctor::cross_toolchain()?.cargo(&sh).args([
                 "build",
@@ -211,7 +218,6 @@ fn build_standins(target: Option<&str>) -> Result<(PathBuf, PathBuf)> {
             ]),
             None => cmd!(sh, "cargo build --locked -p rknn-standin"),
         };
-        c = c.arg("--target-dir").arg(&dir);
         if let Some(f) = features {
             c = c.args(["--features", f]);
         }
@@ -219,7 +225,7 @@ fn build_standins(target: Option<&str>) -> Result<(PathBuf, PathBuf)> {
             .with_context(|| format!("building rknn-standin (features {features:?})"))?;
         let so = match target {
             Some(t) => dir.join(t),
-            None => dir,
+            None => dir.clone(),
         }
         .join("debug/librknn_standin.so");
         ensure!(
@@ -227,7 +233,12 @@ fn build_standins(target: Option<&str>) -> Result<(PathBuf, PathBuf)> {
             "built rknn-standin but {} is missing",
             so.display()
         );
-        out.push(so);
+        let to = keep.join(features.unwrap_or("abi2"));
+        std::fs::create_dir_all(&to).with_context(|| format!("creating {}", to.display()))?;
+        let to = to.join("librknn_standin.so");
+        std::fs::copy(&so, &to)
+            .with_context(|| format!("copying {} to {}", so.display(), to.display()))?;
+        out.push(to);
     }
     Ok((out.remove(0), out.remove(0)))
 }
@@ -582,7 +593,7 @@ fn gguf_reference(_: &Args) -> Result<()> {
     let sh = crate::paths::shell()?;
     cmd!(
         sh,
-        "cargo test --locked -p kiln-runtime --test gguf_reference -- --ignored"
+        "cargo test --locked --workspace --test gguf_reference -- --ignored"
     )
     .env("KILN_GGUF_PY", &python)
     .env("KILN_SMOLLM2", &model)
@@ -627,7 +638,7 @@ fn llama_cpp(_: &Args) -> Result<()> {
     let runner = format!("qemu-aarch64-static -cpu cortex-a76 -L {}", doctor::SYSROOT);
     cmd!(
         sh,
-        "cargo test --locked -p kiln-runtime --tests -- --ignored llama_cpp_"
+        "cargo test --locked --workspace --tests -- --ignored llama_cpp_"
     )
     .env("KILN_LLAMA_PY", &python)
     .env("KILN_SMOLLM2", &model)
@@ -766,7 +777,7 @@ fn npu_plan_smollm2(_: &Args) -> Result<()> {
     let sh = crate::paths::shell()?;
     cmd!(
         sh,
-        "cargo test --locked -p kiln-runtime --test kiln_plan -- --ignored"
+        "cargo test --locked --workspace --test kiln_plan -- --ignored"
     )
     .env("KILN_SMOLLM2", &model)
     .env("KILN_RKNN_STANDIN", standin)
@@ -810,7 +821,7 @@ fn serve(_: &Args) -> Result<()> {
     let sh = crate::paths::shell()?;
     cmd!(
         sh,
-        "cargo test --locked -p kiln-runtime --test serve_openai -- --ignored --nocapture"
+        "cargo test --locked --workspace --test serve_openai -- --ignored --nocapture"
     )
     .env("KILN_OPENAI_PY", &python)
     .env("KILN_SMOLLM2", &model)
@@ -1239,13 +1250,13 @@ fn flash(_: &Args) -> Result<()> {
     let sh = crate::paths::shell()?;
     cmd!(
         sh,
-        "cargo test --locked -p xtask --bin xtask -- bmap:: flash::"
+        "cargo test --locked --workspace --bin xtask -- bmap:: flash::"
     )
     .run()
     .context("bmap and flash unit tests")?;
     cmd!(
         sh,
-        "cargo test --locked -p xtask --test flash -- --include-ignored"
+        "cargo test --locked --workspace --test flash -- --include-ignored"
     )
     .run()
     .context("flash end-to-end tests (loop devices)")
@@ -1259,16 +1270,16 @@ fn pins_archive(_: &Args) -> Result<()> {
     let sh = crate::paths::shell()?;
     cmd!(
         sh,
-        "cargo test --locked -p xtask --bin xtask -- --include-ignored apt:: pins::"
+        "cargo test --locked --workspace --bin xtask -- --include-ignored apt:: pins::"
     )
     .run()
     .context("pins and apt tests (Debian's archive, local snapshot server)")?;
-    cmd!(sh, "cargo test --locked -p xtask --test doctor_path")
+    cmd!(sh, "cargo test --locked --workspace --test doctor_path")
         .run()
         .context("every command with one of its tools removed from PATH")?;
     cmd!(
         sh,
-        "cargo test --locked -p xtask --test pins_host_sources -- --include-ignored"
+        "cargo test --locked --workspace --test pins_host_sources -- --include-ignored"
     )
     .run()
     .context("pins with an empty host sources list")

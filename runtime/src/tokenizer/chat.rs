@@ -150,11 +150,7 @@ mod tests {
             ),
             ("a raise", "{{ raise_exception('no system role') }}"),
         ];
-        let deep = format!(
-            "{}1{}",
-            "{{ (".repeat(1) + &"(".repeat(5000),
-            ")".repeat(5001) + " }}"
-        );
+        let deep = format!("{{{{ {}1{} }}}}", "(".repeat(5000), ")".repeat(5000));
         for (what, t) in cases
             .iter()
             .copied()
