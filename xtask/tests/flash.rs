@@ -467,3 +467,124 @@ fn interactive_choice_and_confirmation() {
         .expect("read loop");
     check_target(&got, &std::fs::read(&img).expect("read image"));
 }
+
+/// A kiln-shaped disk: a GPT whose `data` partition (1 MiB in, 8 MiB) is an empty ext4, made by
+/// sfdisk and mke2fs, with its bmap.
+fn gpt_image(dir: &Path) -> PathBuf {
+    let img = dir.join("gpt.img");
+    File::create(&img)
+        .and_then(|f| f.set_len(12 * MIB))
+        .expect("create");
+    let mut sf = Command::new("sfdisk")
+        .arg("--quiet")
+        .arg(&img)
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .expect("sfdisk");
+    sf.stdin
+        .take()
+        .expect("stdin")
+        .write_all(b"label: gpt\nstart=2048, size=16384, name=data\n")
+        .expect("sfdisk script");
+    assert!(sf.wait().expect("sfdisk").success());
+    must(
+        Command::new("mke2fs")
+            .args(["-q", "-F", "-t", "ext4", "-E", "offset=1048576"])
+            .arg(&img)
+            .arg("8M"),
+    );
+    must(
+        Command::new("bmaptool")
+            .arg("create")
+            .arg("-o")
+            .arg(dir.join("gpt.img.bmap"))
+            .arg(&img),
+    );
+    img
+}
+
+/// `--api-key`: the key lands on the data partition as kiln/api-key, mode 0600, root's, and
+/// reads back through debugfs (an independent reader); a second flash replaces it. A key that is
+/// no bearer token, or an image with no data partition, is refused before a byte is written.
+#[test]
+fn api_key_lands_on_the_data_partition() {
+    let d = Dir::new("api-key");
+    let img = gpt_image(&d.0);
+    let t = d.0.join("card.bin");
+    let spec = format!("{}?offset=1048576", t.display());
+    let cat = |what: &str| {
+        let o = run(Command::new("debugfs").args(["-R", what, &spec]));
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    for key in [
+        "0123456789abcdef0123456789abcdef",
+        "a-second-key-rotated-in-0000",
+    ] {
+        let kf = d.0.join("key");
+        std::fs::write(&kf, format!("{key}\n")).expect("key");
+        prefilled(&t, 16 * MIB);
+        let out = flash(
+            &img,
+            t.to_str().expect("utf-8"),
+            &["--api-key", kf.to_str().expect("utf-8")],
+        );
+        assert!(out.status.success(), "{}", text(&out));
+        assert!(
+            text(&out).contains("/data/kiln/api-key (mode 0600"),
+            "{}",
+            text(&out)
+        );
+        assert_eq!(cat("cat kiln/api-key"), format!("{key}\n"));
+        let stat = cat("stat kiln/api-key");
+        assert!(
+            stat.contains("Mode:  0600") && stat.contains("User:     0"),
+            "{stat}"
+        );
+        must(Command::new("e2fsck").args(["-fn", &spec]));
+    }
+    for (bad, why) in [
+        ("short", "16 to 4096"),
+        ("has a space in it 0123456789", "visible ASCII"),
+    ] {
+        let kf = d.0.join("bad-key");
+        std::fs::write(&kf, bad).expect("key");
+        prefilled(&t, 16 * MIB);
+        let out = flash(
+            &img,
+            t.to_str().expect("utf-8"),
+            &["--api-key", kf.to_str().expect("utf-8")],
+        );
+        assert!(
+            !out.status.success() && text(&out).contains(why),
+            "{}",
+            text(&out)
+        );
+        assert!(
+            std::fs::read(&t)
+                .expect("read")
+                .iter()
+                .all(|&b| b == PATTERN),
+            "a refused key wrote to the target"
+        );
+    }
+    let plain = image(&d.0);
+    let kf = d.0.join("key");
+    prefilled(&t, 16 * MIB);
+    let out = flash(
+        &plain,
+        t.to_str().expect("utf-8"),
+        &["--api-key", kf.to_str().expect("utf-8")],
+    );
+    assert!(
+        !out.status.success() && text(&out).contains("--api-key needs a kiln image"),
+        "{}",
+        text(&out)
+    );
+    assert!(
+        std::fs::read(&t)
+            .expect("read")
+            .iter()
+            .all(|&b| b == PATTERN),
+        "an image without a data partition was written before --api-key refused it"
+    );
+}

@@ -168,6 +168,7 @@ fn flash() -> Result<()> {
         force_non_removable: false,
         force_large: false,
         expect_serial: None,
+        api_key: None,
         test_corrupt_at: None,
         test_stop_after: None,
     };

@@ -3,6 +3,7 @@
 //! page cache, against the bmap's sha256).
 
 pub mod devices;
+pub mod key;
 pub mod write;
 
 use crate::bmap::{self, Bmap};
@@ -48,6 +49,11 @@ pub struct Args {
     /// Refuse unless the device reports this serial number (for scripts that use `--yes`).
     #[arg(long)]
     pub expect_serial: Option<String>,
+    /// The board's own API key (one line): written after the image, and verified, to the data
+    /// partition as `/data/kiln/api-key` (mode 0600), where `kiln serve` looks for it. The image
+    /// stays the same for every board; to rotate a key, flash again or write the file by hand.
+    #[arg(long, value_name = "FILE")]
+    pub api_key: Option<PathBuf>,
     /// Test hook: flip the byte at this offset on the target between write and verify.
     #[arg(long, hide = true)]
     pub test_corrupt_at: Option<u64>,
@@ -229,6 +235,7 @@ impl Args {
             force_non_removable: false,
             force_large: false,
             expect_serial: None,
+            api_key: None,
             test_corrupt_at: None,
             test_stop_after: None,
         }
@@ -241,6 +248,11 @@ pub fn run(args: Args) -> Result<()> {
 
 pub fn flash(args: Args) -> Result<Summary> {
     doctor::ensure(&[&doctor::LSBLK])?;
+    // Checked before a byte is written.
+    let api_key = match &args.api_key {
+        Some(f) => Some(key::read_key(f)?),
+        None => None,
+    };
     let image = std::fs::canonicalize(&args.image)
         .with_context(|| format!("image {}", args.image.display()))?;
     let bmap = match find_bmap(&args) {
@@ -257,6 +269,9 @@ pub fn flash(args: Args) -> Result<Summary> {
             image.display(),
             image_size
         );
+    }
+    if api_key.is_some() && write::compression_of(&image) == write::Compression::None {
+        key::check_image(&image)?;
     }
     let raw_len = std::fs::metadata(&image)?.len();
     if write::compression_of(&image) == write::Compression::None && raw_len != image_size {
@@ -400,6 +415,14 @@ pub fn flash(args: Args) -> Result<Summary> {
         }
     }
     result?;
+    if let Some(k) = &api_key {
+        key::provision(&target_path, k)?;
+        println!(
+            "flash: the API key is on the data partition as /data/{} (mode 0600, read back \
+             equal, e2fsck clean)",
+            key::KEY_PATH
+        );
+    }
     println!("flash: done: {}", target_path.display());
     Ok(Summary {
         written_bytes: w.bytes,
