@@ -572,6 +572,14 @@ pub fn boot_with(args: &Args, probe: Option<&Probe>) -> Result<Boot> {
         "the console's verdict line `{verdict_line}` does not match its report (`{}`)",
         report.verdict_line()
     );
+    // The farm lines (`KILN-CHECK <id> <status> <ms>`), whole despite the kernel's console.
+    report
+        .check_lines_match(&console)
+        .with_context(|| format!("serial log: {}", serial_log.display()))?;
+    println!(
+        "boot-test: {} KILN-CHECK lines on the console, each whole, the report's ids and statuses",
+        report.checks.len()
+    );
     // The card must say the same as the console.
     let (card_bytes, on_card) = crate::report::read_report(&copy)
         .with_context(|| format!("reading the report back from {}", copy.display()))?;

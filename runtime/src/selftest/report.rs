@@ -13,6 +13,8 @@ use std::path::Path;
 pub const BEGIN: &str = "KILN-REPORT-BEGIN";
 pub const END: &str = "KILN-REPORT-END";
 pub const VERDICT_PREFIX: &str = "KILN-SELFTEST:";
+/// One console line per check, for farms (labgrid, LAVA): `KILN-CHECK <id> PASS|FAIL|SKIP <ms>`.
+pub const CHECK_PREFIX: &str = "KILN-CHECK";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "UPPERCASE")]
@@ -137,6 +139,79 @@ impl Report {
         )
     }
 
+    /// `KILN-CHECK <id> PASS|FAIL|SKIP <ms>`, one line per check in the report's order, the same
+    /// ids and statuses as the report: a stable grammar for farm tools (LAVA's `monitors`, a
+    /// labgrid test's `expect`). Ids hold no spaces; the time is whole milliseconds.
+    pub fn check_lines(&self) -> String {
+        let mut s = String::new();
+        for c in &self.checks {
+            let _ = writeln!(
+                s,
+                "{CHECK_PREFIX} {} {} {}",
+                c.id.replace(char::is_whitespace, "_"),
+                c.status.word().to_uppercase(),
+                c.duration_ms.round() as u64
+            );
+        }
+        s
+    }
+
+    /// The console's `KILN-CHECK` lines of the last self-check (those before the last
+    /// [`BEGIN`], after any earlier report) say exactly what this report says: every check once,
+    /// the same status, nothing else. Kernel lines between them are allowed; a line that a
+    /// kernel message broke is not a check line, so the check it carried is missing.
+    pub fn check_lines_match(&self, log: &str) -> Result<()> {
+        let lines: Vec<&str> = log.lines().map(|l| l.trim_end_matches('\r')).collect();
+        let begin = lines
+            .iter()
+            .rposition(|l| l.trim() == BEGIN)
+            .with_context(|| format!("no {BEGIN} line on the console"))?;
+        let start = lines[..begin]
+            .iter()
+            .rposition(|l| l.trim() == END || l.starts_with(VERDICT_PREFIX))
+            .map_or(0, |i| i + 1);
+        let mut seen: Vec<(String, String)> = Vec::new();
+        for l in &lines[start..begin] {
+            let Some(rest) = l
+                .strip_prefix(CHECK_PREFIX)
+                .and_then(|r| r.strip_prefix(' '))
+            else {
+                continue;
+            };
+            let f: Vec<&str> = rest.split(' ').collect();
+            let ok = f.len() == 3
+                && ["PASS", "FAIL", "SKIP"].contains(&f[1])
+                && !f[2].is_empty()
+                && f[2].bytes().all(|b| b.is_ascii_digit());
+            anyhow::ensure!(ok, "a malformed check line on the console: {l:?}");
+            seen.push((f[0].to_string(), f[1].to_string()));
+        }
+        let want: Vec<(String, String)> = self
+            .checks
+            .iter()
+            .map(|c| {
+                (
+                    c.id.replace(char::is_whitespace, "_"),
+                    c.status.word().to_uppercase(),
+                )
+            })
+            .collect();
+        if seen != want {
+            let show = |v: &[(String, String)]| {
+                v.iter()
+                    .map(|(i, s)| format!("{i} {s}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            };
+            anyhow::bail!(
+                "the console's {CHECK_PREFIX} lines [{}] are not the report's checks [{}]",
+                show(&seen),
+                show(&want)
+            );
+        }
+        Ok(())
+    }
+
     pub fn to_json_pretty(&self) -> String {
         // A Report is plain data: serialising it cannot fail.
         serde_json::to_string_pretty(self).unwrap_or_default()
@@ -146,7 +221,8 @@ impl Report {
     /// One line keeps it whole when kernel messages interleave on the serial port.
     pub fn console(&self) -> String {
         format!(
-            "{BEGIN}\n{}\n{END}\n{}\n",
+            "{}{BEGIN}\n{}\n{END}\n{}\n",
+            self.check_lines(),
             serde_json::to_string(self).unwrap_or_default(),
             self.verdict_line()
         )
@@ -196,6 +272,9 @@ impl Report {
             .max()
             .unwrap_or(2)
             .max(5);
+        // The farm lines first (the table below says the same for people).
+        s.push_str(&self.check_lines());
+        let _ = writeln!(s);
         let _ = writeln!(s, "{:<w$}  {:<4}  {:>9}  reason", "check", "", "ms");
         for c in &self.checks {
             let sim = if c.simulated { " (simulated)" } else { "" };
@@ -345,6 +424,56 @@ mod tests {
         assert_eq!(back, r);
         assert_eq!(line, r.verdict_line());
         assert!(Report::from_console("no report here").is_err());
+    }
+
+    /// The farm lines: the grammar, the report's ids and statuses, kernel lines between them
+    /// tolerated; a missing, broken, extra or contradicting line is refused.
+    #[test]
+    fn check_lines_say_what_the_report_says() {
+        let dir = tempdir();
+        let r = sample(&dir);
+        assert_eq!(
+            r.check_lines(),
+            "KILN-CHECK a.ok PASS 1\nKILN-CHECK b.skip SKIP 0\n"
+        );
+        let old = "KILN-CHECK zz.old FAIL 3\nKILN-REPORT-BEGIN\n{}\nKILN-REPORT-END\nKILN-SELFTEST: FAIL 0/1 manifest=none\n";
+        let good = format!(
+            "{old}[ 3.1] boot\r\nKILN-CHECK a.ok PASS 1\r\n[ 3.2] random: crng init done\r\n{}",
+            r.console().replacen("KILN-CHECK a.ok PASS 1\n", "", 1)
+        );
+        r.check_lines_match(&good)
+            .expect("kernel lines between check lines are fine");
+        for (what, bad) in [
+            (
+                "missing",
+                r.console().replace("KILN-CHECK b.skip SKIP 0\n", ""),
+            ),
+            (
+                "broken by a kernel message",
+                r.console()
+                    .replace("KILN-CHECK b.skip", "KILN-CH[ 4.0] usb 1-1\nECK b.skip"),
+            ),
+            (
+                "another status",
+                r.console().replace("b.skip SKIP", "b.skip PASS"),
+            ),
+            (
+                "extra",
+                r.console().replace(
+                    "KILN-CHECK b.skip",
+                    "KILN-CHECK c.x PASS 1\nKILN-CHECK b.skip",
+                ),
+            ),
+            (
+                "no time",
+                r.console().replace("b.skip SKIP 0", "b.skip SKIP"),
+            ),
+        ] {
+            assert!(
+                r.check_lines_match(&bad).is_err(),
+                "{what}: accepted\n{bad}"
+            );
+        }
     }
 
     #[test]
