@@ -642,3 +642,28 @@ pub fn run(args: Args) -> Result<()> {
     println!("doctor: everything kiln needs is present");
     Ok(())
 }
+
+/// A virtualenv `target/kiln/<name>` with `pins` (space-separated `pkg==version`) installed,
+/// made again when the pins change; returns its python.
+pub fn pinned_venv(name: &str, pins: &str) -> Result<std::path::PathBuf> {
+    let dir = crate::paths::target_dir().join("kiln").join(name);
+    let python = dir.join("bin/python");
+    let stamp = dir.join("kiln-pins.txt");
+    if std::fs::read_to_string(&stamp).ok().as_deref() == Some(pins) && python.exists() {
+        return Ok(python);
+    }
+    let sh = crate::paths::shell()?;
+    println!("{name}: installing {pins} into {}", dir.display());
+    cmd!(sh, "python3 -m venv --clear {dir}")
+        .run()
+        .with_context(|| format!("creating the virtualenv {}", dir.display()))?;
+    let list: Vec<&str> = pins.split_whitespace().collect();
+    cmd!(
+        sh,
+        "{python} -m pip install --disable-pip-version-check -q {list...}"
+    )
+    .run()
+    .with_context(|| format!("pip install {pins}"))?;
+    std::fs::write(&stamp, pins).with_context(|| format!("writing {}", stamp.display()))?;
+    Ok(python)
+}

@@ -14,6 +14,7 @@ mod bundle;
 mod civil;
 mod disk;
 mod doctor;
+mod farm;
 mod flash;
 mod fresh_machine;
 mod image;

@@ -359,6 +359,14 @@ fn boot_qemu_clean(_: &Args) -> Result<()> {
     }
     crate::readme::check_readme(&crate::paths::project_root(), &b.report.to_text())?;
     println!("boot-qemu-clean: README.md's report excerpt has the shape of this boot's report.txt");
+    // The LAVA jobs: LAVA's schema, and their monitors on this boot's console.
+    let checks: Vec<(String, String)> = b
+        .report
+        .checks
+        .iter()
+        .map(|c| (c.id.clone(), c.status.word().to_string()))
+        .collect();
+    crate::farm::check_lava_jobs(&b.serial_log, &checks)?;
     // `cargo xtask qemu` as a user gets it, over pipes: the verdict, the shell, the report, Ctrl-A X.
     // And, as the recipe's [serve] says, init started `kiln serve` after the PASS: the pinned
     // openai client on the host reaches it through QEMU's forwarded port.
@@ -1137,28 +1145,7 @@ fn card_files_listed(
 
 /// A virtualenv under `target/` with the pinned gguf-py; returns its python.
 pub(crate) fn gguf_py_venv() -> Result<std::path::PathBuf> {
-    let dir = crate::paths::target_dir().join("kiln/gguf-py-venv");
-    let python = dir.join("bin/python");
-    let stamp = dir.join("kiln-pins.txt");
-    if std::fs::read_to_string(&stamp).ok().as_deref() == Some(GGUF_PY_PIN) && python.exists() {
-        return Ok(python);
-    }
-    let sh = crate::paths::shell()?;
-    println!(
-        "gguf-reference: installing {GGUF_PY_PIN} into {}",
-        dir.display()
-    );
-    cmd!(sh, "python3 -m venv --clear {dir}")
-        .run()
-        .context("creating the gguf-py virtualenv")?;
-    cmd!(
-        sh,
-        "{python} -m pip install --disable-pip-version-check -q {GGUF_PY_PIN}"
-    )
-    .run()
-    .with_context(|| format!("pip install {GGUF_PY_PIN}"))?;
-    std::fs::write(&stamp, GGUF_PY_PIN).with_context(|| format!("writing {}", stamp.display()))?;
-    Ok(python)
+    doctor::pinned_venv("gguf-py-venv", GGUF_PY_PIN)
 }
 
 /// `$XDG_CACHE_HOME/kiln/sha256` (default `~/.cache/kiln/sha256`).

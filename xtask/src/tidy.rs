@@ -44,6 +44,7 @@ pub const LAYERS: &[(&str, &[&str])] = &[
             "tidy",
             "sbom",
             "bundle",
+            "farm",
         ],
     ),
     ("crate root", &["main"]),
