@@ -479,11 +479,11 @@ fn body_json(
     }
 }
 
-/// The parameters kiln implements, per endpoint (`top_k` is llama.cpp's and vLLM's extension;
-/// `user` only names the end user to the provider and asks for nothing in the output).
-const COMPLETION_PARAMS: &[&str] = &[
+/// The parameters kiln implements on both endpoints (`top_k` is llama.cpp's and vLLM's
+/// extension; `user` only names the end user to the provider and asks for nothing in the
+/// output), then each endpoint's own.
+const PARAMS: &[&str] = &[
     "model",
-    "prompt",
     "max_tokens",
     "n",
     "seed",
@@ -495,21 +495,8 @@ const COMPLETION_PARAMS: &[&str] = &[
     "top_k",
     "user",
 ];
-const CHAT_PARAMS: &[&str] = &[
-    "model",
-    "messages",
-    "max_tokens",
-    "max_completion_tokens",
-    "n",
-    "seed",
-    "stop",
-    "stream",
-    "stream_options",
-    "temperature",
-    "top_p",
-    "top_k",
-    "user",
-];
+const COMPLETION_ONLY: &[&str] = &["prompt"];
+const CHAT_ONLY: &[&str] = &["messages", "max_completion_tokens"];
 
 /// OpenAI parameters kiln does not implement, accepted only at the value that asks for nothing
 /// (OpenAI's default; `null` always is), as that value's description: a client that asked for
@@ -549,9 +536,9 @@ fn neutral_only(k: &str, v: &Value, chat: bool) -> Option<(&'static str, bool)> 
 /// Every parameter of the request is implemented, or at its neutral value; anything else is a
 /// 400 naming it (a parameter silently ignored is a request answered as if it had not been made).
 fn honest(m: &serde_json::Map<String, Value>, chat: bool) -> Result<(), Response> {
-    let known = if chat { CHAT_PARAMS } else { COMPLETION_PARAMS };
+    let own = if chat { CHAT_ONLY } else { COMPLETION_ONLY };
     for (k, v) in m {
-        if known.contains(&k.as_str()) {
+        if PARAMS.contains(&k.as_str()) || own.contains(&k.as_str()) {
             continue;
         }
         let msg = match neutral_only(k, v, chat) {
