@@ -1,6 +1,6 @@
 //! Hyper-parameters from GGUF metadata, checked once at the edge: every missing or inconsistent
-//! key is an error that names it, and architectures other than llama / qwen2 / qwen3 are refused
-//! by name.
+//! key is an error that names it, and architectures other than llama / qwen2 / qwen3 / gemma3 are
+//! refused by name.
 //!
 //! Every `{arch}.` key is accounted for ([`audit_arch_keys`]): kiln either applies it
 //! ([`APPLIED_KEYS`]), knows it does not change the maths of these architectures
@@ -19,7 +19,7 @@ use anyhow::{bail, Context, Result};
 pub enum RopeKind {
     /// llama: consecutive pairs (2i, 2i+1).
     Norm,
-    /// qwen2, qwen3: pairs (i, i + n_rot/2).
+    /// qwen2, qwen3, gemma3: pairs (i, i + n_rot/2).
     Neox,
 }
 
@@ -29,6 +29,11 @@ pub enum Arch {
     Llama,
     Qwen2,
     Qwen3,
+    /// Gemma 3 (text): embeddings scaled by sqrt(n_embd), Q/K norms, post-attention and
+    /// post-FFN norms, GELU(tanh)-gated FFN, Q pre-scaled, interleaved sliding-window layers
+    /// with their own RoPE base, optional final logit soft-cap (llama-cpp-python 0.3.36's
+    /// `src/models/gemma3.cpp`).
+    Gemma3,
 }
 
 impl Arch {
@@ -37,8 +42,10 @@ impl Arch {
             "llama" => Arch::Llama,
             "qwen2" => Arch::Qwen2,
             "qwen3" => Arch::Qwen3,
+            "gemma3" => Arch::Gemma3,
             other => bail!(
-                "general.architecture = {other:?} is not supported (kiln runs llama, qwen2, qwen3)"
+                "general.architecture = {other:?} is not supported (kiln runs llama, qwen2, \
+                 qwen3, gemma3)"
             ),
         })
     }
@@ -48,13 +55,14 @@ impl Arch {
             Arch::Llama => "llama",
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
+            Arch::Gemma3 => "gemma3",
         }
     }
 
     pub fn rope(self) -> RopeKind {
         match self {
             Arch::Llama => RopeKind::Norm,
-            Arch::Qwen2 | Arch::Qwen3 => RopeKind::Neox,
+            Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 => RopeKind::Neox,
         }
     }
 
@@ -63,9 +71,16 @@ impl Arch {
         self == Arch::Qwen2
     }
 
-    /// qwen3 normalises each Q and K head before RoPE.
+    /// qwen3 and gemma3 normalise each Q and K head before RoPE.
     pub fn qk_norm(self) -> bool {
-        self == Arch::Qwen3
+        matches!(self, Arch::Qwen3 | Arch::Gemma3)
+    }
+
+    /// gemma3 normalises the attention output and the FFN output before each residual add
+    /// (`post_attention_norm`, `post_ffw_norm`), scales the embeddings by sqrt(n_embd) and gates
+    /// its FFN with GELU(tanh) instead of SiLU.
+    pub fn gemma(self) -> bool {
+        self == Arch::Gemma3
     }
 }
 
@@ -86,8 +101,50 @@ pub struct HParams {
     /// scaling (the default type when the factor is given, as in llama.cpp), else 1.
     pub freq_scale: f32,
     pub n_ctx_train: usize,
-    /// Attention scale: `attention.scale` when the file has it, else 1/sqrt(head_dim).
+    /// Attention scale inside the softmax: `attention.scale` when the file has it, else
+    /// 1/sqrt(head_dim); 1 for gemma3, which scales Q instead ([`HParams::q_scale`]).
     pub kq_scale: f32,
+    /// gemma3's `f_attention_scale`, multiplied into Q after RoPE (before Q meets the f16 cache):
+    /// 1/sqrt(head_dim), or 1/sqrt(n_embd/n_head) for the 62-layer (27B) model, as llama.cpp
+    /// decides by layer count. 1 (not applied) for the others.
+    pub q_scale: f32,
+    /// Sliding-window attention: the window `n_swa` (`attention.sliding_window`) and which layers
+    /// use it; `None` when every layer attends to the whole context.
+    pub swa: Option<Swa>,
+    /// The RoPE base of sliding-window layers (`rope.freq_base_swa`, default 10000); they never
+    /// take the file's RoPE scaling (llama.cpp's `rope_freq_scale_train_swa` is always 1).
+    pub freq_base_swa: f32,
+    /// `final_logit_softcapping`: logits = cap·tanh(logits/cap) (gemma3, when the file sets it).
+    pub final_softcap: Option<f32>,
+    /// gemma3: the embeddings are multiplied by sqrt(n_embd) (in f32, as `ggml_scale`).
+    pub embd_scale: Option<f32>,
+}
+
+/// Which layers attend through a sliding window, and its width.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Swa {
+    /// A query at position p sees the keys at positions k with p − k < n_swa (llama.cpp's
+    /// `LLAMA_SWA_TYPE_STANDARD`: masked when p − k ≥ n_swa), i.e. itself and n_swa − 1 before.
+    pub n_swa: usize,
+    /// One flag per layer: true where the layer uses the window.
+    pub layers: Vec<bool>,
+}
+
+impl HParams {
+    /// Whether layer `l` attends through the sliding window.
+    pub fn is_swa(&self, l: usize) -> bool {
+        self.swa
+            .as_ref()
+            .is_some_and(|s| s.layers.get(l).copied().unwrap_or(false))
+    }
+
+    /// The first cache position a query at `pos` attends to in layer `l`.
+    pub fn first_visible(&self, l: usize, pos: usize) -> usize {
+        match &self.swa {
+            Some(s) if self.is_swa(l) => (pos + 1).saturating_sub(s.n_swa),
+            _ => 0,
+        }
+    }
 }
 
 /// `{arch}.` keys kiln reads and applies (`HParams::from_gguf`, or the tokenizer/model for
@@ -109,6 +166,28 @@ pub const APPLIED_KEYS: &[&str] = &[
     "rope.scaling.factor",
     "rope.scale_linear",
 ];
+
+/// `{arch}.` keys one architecture applies on top of [`APPLIED_KEYS`] (read as llama.cpp's
+/// `load_arch_hparams` for it reads them); for the other architectures they stay in
+/// [`NEUTRAL_KEYS`] or unknown.
+pub const ARCH_APPLIED_KEYS: &[(Arch, &[&str])] = &[(
+    Arch::Gemma3,
+    &[
+        "attention.sliding_window",
+        "attention.sliding_window_pattern",
+        "rope.freq_base_swa",
+        "final_logit_softcapping",
+    ],
+)];
+
+/// Keys of [`APPLIED_KEYS`] that an architecture's llama.cpp graph does not read: refused by
+/// name for it, with the reason (a file that sets one means something llama.cpp does not run).
+pub const ARCH_REFUSED_KEYS: &[(Arch, &str, &str)] = &[(
+    Arch::Gemma3,
+    "attention.scale",
+    "llama.cpp's gemma3 ignores it and scales Q by 1/sqrt(key_length) (1/sqrt(n_embd/n_head) \
+     for 62 layers)",
+)];
 
 /// `{arch}.` keys that do not change what llama.cpp computes for llama / qwen2 / qwen3 (read in
 /// llama.cpp's `llama_model_base::load_hparams` / `llama-context.cpp` of the pinned
@@ -187,7 +266,20 @@ pub fn audit_arch_keys(g: &Gguf, arch: Arch) -> Result<()> {
         let Some(suffix) = key.strip_prefix(&prefix) else {
             continue;
         };
-        if APPLIED_KEYS.contains(&suffix) || HARMLESS_KEYS.iter().any(|(k, _)| *k == suffix) {
+        if let Some((_, _, why)) = ARCH_REFUSED_KEYS
+            .iter()
+            .find(|(a, k, _)| *a == arch && *k == suffix)
+        {
+            refused.push(format!("{key} = {} ({why})", v.summary(4)));
+            continue;
+        }
+        let arch_applied = ARCH_APPLIED_KEYS
+            .iter()
+            .any(|(a, ks)| *a == arch && ks.contains(&suffix));
+        if arch_applied
+            || APPLIED_KEYS.contains(&suffix)
+            || HARMLESS_KEYS.iter().any(|(k, _)| *k == suffix)
+        {
             continue;
         }
         match NEUTRAL_KEYS.iter().find(|(k, _)| *k == suffix) {
@@ -233,6 +325,56 @@ fn float(g: &Gguf, key: &str) -> Result<Option<f32>> {
             .map(|x| Some(x as f32))
             .with_context(|| format!("metadata key {key} is {}, not a float", v.value_type())),
     }
+}
+
+/// gemma3's sliding window as llama.cpp's `llama_model_gemma3::load_arch_hparams` reads it: a
+/// window `attention.sliding_window` > 0 turns it on; which layers use it comes from
+/// `attention.sliding_window_pattern` as an array (one bool per layer: true = windowed) or a
+/// number n (default 6), where layer l is windowed unless l % n == n − 1 (every n-th layer
+/// attends globally; n = 0 windows every layer). A window of 0 or none: every layer is global.
+fn read_swa(g: &Gguf, a: &str, n_layer: usize) -> Result<Option<Swa>> {
+    let key = format!("{a}.attention.sliding_window");
+    let n_swa = match int(g, &key)? {
+        None | Some(0) => return Ok(None),
+        Some(n) => n,
+    };
+    let pkey = format!("{a}.attention.sliding_window_pattern");
+    let layers = match g.get(&pkey) {
+        None => pattern_layers(6, n_layer),
+        Some(Value::Array(_, items)) => {
+            if items.len() != n_layer {
+                bail!(
+                    "metadata key {pkey} has {} entries, the model has {n_layer} layers",
+                    items.len()
+                );
+            }
+            items
+                .iter()
+                .enumerate()
+                .map(|(i, v)| match v {
+                    Value::Bool(b) => Ok(*b),
+                    other => other
+                        .as_int()
+                        .map(|x| x != 0)
+                        .with_context(|| format!("metadata key {pkey}[{i}] is not a bool")),
+                })
+                .collect::<Result<Vec<bool>>>()?
+        }
+        Some(v) => {
+            let n = v
+                .as_int()
+                .with_context(|| format!("metadata key {pkey} is not a number or an array"))?;
+            let n = usize::try_from(n)
+                .with_context(|| format!("metadata key {pkey} = {n} is negative"))?;
+            pattern_layers(n, n_layer)
+        }
+    };
+    Ok(Some(Swa { n_swa, layers }))
+}
+
+/// llama.cpp's `set_swa_pattern(n, dense_first = false)`.
+fn pattern_layers(n: usize, n_layer: usize) -> Vec<bool> {
+    (0..n_layer).map(|l| n == 0 || l % n < n - 1).collect()
 }
 
 impl HParams {
@@ -340,11 +482,41 @@ impl HParams {
             ),
         };
         let n_ctx_train = req_int(g, &k("context_length"))?;
-        let kq_scale = match float(g, &k("attention.scale"))? {
+        let mut kq_scale = match float(g, &k("attention.scale"))? {
             Some(s) if s != 0.0 => s,
             _ => 1.0 / (head_dim as f32).sqrt(),
         };
         audit_arch_keys(g, arch)?;
+        let (mut q_scale, mut swa, mut freq_base_swa) = (1.0, None, 10000.0);
+        let (mut final_softcap, mut embd_scale) = (None, None);
+        if arch == Arch::Gemma3 {
+            // llama.cpp: 1/sqrt(n_embd/n_head) for LLM_TYPE_27B (62 layers), else
+            // 1/sqrt(n_embd_head_k); applied to Q, the softmax scale is 1.
+            q_scale = if n_layer == 62 {
+                1.0 / ((n_embd / n_head) as f32).sqrt()
+            } else {
+                1.0 / (head_dim as f32).sqrt()
+            };
+            kq_scale = 1.0;
+            embd_scale = Some((n_embd as f32).sqrt());
+            swa = read_swa(g, a, n_layer)?;
+            if swa.is_some() {
+                let key = k("rope.freq_base_swa");
+                if let Some(b) = float(g, &key)? {
+                    if !(b > 0.0 && b.is_finite()) {
+                        bail!("metadata key {key} = {b} is not a positive number");
+                    }
+                    freq_base_swa = b;
+                }
+            }
+            let key = k("final_logit_softcapping");
+            final_softcap = match float(g, &key)? {
+                None => None,
+                Some(c) if c == 0.0 => None,
+                Some(c) if c > 0.0 && c.is_finite() => Some(c),
+                Some(c) => bail!("metadata key {key} = {c} is not a positive number"),
+            };
+        }
         Ok(HParams {
             arch,
             n_layer,
@@ -359,6 +531,11 @@ impl HParams {
             freq_scale,
             n_ctx_train,
             kq_scale,
+            q_scale,
+            swa,
+            freq_base_swa,
+            final_softcap,
+            embd_scale,
         })
     }
 

@@ -1,6 +1,8 @@
-//! One decoder for llama / qwen2 / qwen3, parameterised by the architecture's flags (RoPE NORM or
-//! NEOX, per-head Q/K RMSNorm, Q/K/V biases, tied LM head, `key_length` head_dim, GQA), with
-//! Llama 3.x's `rope_freqs.weight` factors and linear RoPE scaling.
+//! One decoder for llama / qwen2 / qwen3 / gemma3, parameterised by the architecture's flags (RoPE
+//! NORM or NEOX, per-head Q/K RMSNorm, Q/K/V biases, tied LM head, `key_length` head_dim, GQA),
+//! with Llama 3.x's `rope_freqs.weight` factors and linear RoPE scaling, and Gemma 3's pieces
+//! (embedding scale, post-attention and post-FFN norms, GELU(tanh) gate, Q pre-scale,
+//! interleaved sliding-window layers with their own RoPE base, final logit soft-cap).
 //!
 //! Nothing in the file is ignored: a tensor the forward pass does not read refuses the load (all
 //! of them named; [`IGNORED_TENSORS`] is the allow-list), as does an `{arch}.` key that is not
@@ -68,6 +70,22 @@ pub enum Fault {
     /// value (a change of one f32 ulp, the size of a different summation order), to measure how
     /// far the model itself amplifies rounding.
     Ulp,
+    /// gemma3: skip the sqrt(n_embd) embedding scale.
+    NoEmbdScale,
+    /// gemma3: skip `post_attention_norm` and `post_ffw_norm`.
+    NoPostNorms,
+    /// gemma3: gate the FFN with SiLU (SwiGLU) instead of GELU(tanh).
+    SiluGate,
+    /// gemma3: every layer attends to the whole context (the sliding window not applied).
+    NoWindow,
+    /// gemma3: a window one key wider than llama.cpp's (p − k ≤ n_swa instead of < n_swa).
+    WindowPlusOne,
+    /// gemma3: the windowed layers take the global RoPE base and scaling.
+    OneRopeBase,
+    /// gemma3: scale Q by 1/sqrt(n_embd/n_head) (the 27B rule) instead of 1/sqrt(key_length).
+    QScaleEmbd,
+    /// gemma3: skip the final logit soft-cap.
+    NoSoftcap,
 }
 
 impl Default for Options {
@@ -93,6 +111,9 @@ struct Layer<'m> {
     attn_norm: &'m [f32],
     q_norm: Option<&'m [f32]>,
     k_norm: Option<&'m [f32]>,
+    /// gemma3's `post_attention_norm` and `post_ffw_norm`.
+    post_attn_norm: Option<&'m [f32]>,
+    post_ffn_norm: Option<&'m [f32]>,
     wq: Mat<'m>,
     wk: Mat<'m>,
     wv: Mat<'m>,
@@ -122,6 +143,12 @@ pub struct Model<'m> {
     rope_factors: Option<&'m [f32]>,
     /// [`Fault::Ulp`].
     ulp_nudge: bool,
+    /// The FFN gate: GELU(tanh) (gemma3) or SiLU.
+    gelu: bool,
+    /// [`Fault::NoWindow`].
+    no_window: bool,
+    /// [`Fault::OneRopeBase`].
+    one_rope_base: bool,
 }
 
 /// Which logits a forward pass returns.
@@ -161,6 +188,16 @@ struct Scratch {
     g: Vec<f32>,
     u: Vec<f32>,
     cs: Vec<(f32, f32)>,
+}
+
+/// One layer's norm weights as the load reads them.
+struct LayerNorms<'m> {
+    attn: &'m [f32],
+    q: Option<&'m [f32]>,
+    k: Option<&'m [f32]>,
+    ffn: &'m [f32],
+    post_attn: Option<&'m [f32]>,
+    post_ffn: Option<&'m [f32]>,
 }
 
 /// An F32 tensor's values, borrowed from the mapping (tensors are 32-byte aligned in the file
@@ -325,12 +362,23 @@ impl<'m> Model<'m> {
         ensure!(!backends.is_empty(), "a model needs at least one backend");
         let mut hp = HParams::from_gguf(f.gguf())
             .with_context(|| format!("{}: model hyper-parameters", f.path().display()))?;
-        if opt.fault == Some(Fault::RopeBase) {
-            hp.freq_base = if hp.freq_base == 10000.0 {
-                1e6
-            } else {
-                10000.0
-            };
+        match opt.fault {
+            Some(Fault::RopeBase) => {
+                hp.freq_base = if hp.freq_base == 10000.0 {
+                    1e6
+                } else {
+                    10000.0
+                };
+            }
+            Some(Fault::NoEmbdScale) => hp.embd_scale = None,
+            Some(Fault::NoSoftcap) => hp.final_softcap = None,
+            Some(Fault::QScaleEmbd) => hp.q_scale = 1.0 / ((hp.n_embd / hp.n_head) as f32).sqrt(),
+            Some(Fault::WindowPlusOne) => {
+                if let Some(w) = &mut hp.swa {
+                    w.n_swa += 1;
+                }
+            }
+            _ => {}
         }
         let e = hp.n_embd;
         let rd = Reader::new(f);
@@ -396,19 +444,34 @@ impl<'m> Model<'m> {
             } else {
                 (None, None)
             };
-            // The fault drops them after they were read: a deliberate fault, not a tensor the
+            let (pa, pf) = if hp.arch.gemma() {
+                (
+                    Some(rd.vector(&p("post_attention_norm.weight"), e)?),
+                    Some(rd.vector(&p("post_ffw_norm.weight"), e)?),
+                )
+            } else {
+                (None, None)
+            };
+            // The faults drop them after they were read: a deliberate fault, not a tensor the
             // load forgot.
             let (qn, kn) = if opt.fault == Some(Fault::NoQkNorm) {
                 (None, None)
             } else {
                 (qn, kn)
             };
-            norms.push((
-                rd.vector(&p("attn_norm.weight"), e)?,
-                qn,
-                kn,
-                rd.vector(&p("ffn_norm.weight"), e)?,
-            ));
+            let (pa, pf) = if opt.fault == Some(Fault::NoPostNorms) {
+                (None, None)
+            } else {
+                (pa, pf)
+            };
+            norms.push(LayerNorms {
+                attn: rd.vector(&p("attn_norm.weight"), e)?,
+                q: qn,
+                k: kn,
+                ffn: rd.vector(&p("ffn_norm.weight"), e)?,
+                post_attn: pa,
+                post_ffn: pf,
+            });
         }
         // Llama 3.x RoPE frequency factors (llama.cpp: llama only; one tensor shared by every
         // layer). qwen2/qwen3 do not read it, in llama.cpp or here: such a file is refused below.
@@ -517,6 +580,7 @@ impl<'m> Model<'m> {
             }
         }
         let output = mats.pop().context("no output weight")?;
+        let hp_gelu = hp.arch.gemma() && opt.fault != Some(Fault::SiluGate);
         let rope = match (opt.fault, hp.arch.rope()) {
             (Some(Fault::SwapRope), RopeKind::Norm) => RopeKind::Neox,
             (Some(Fault::SwapRope), RopeKind::Neox) => RopeKind::Norm,
@@ -529,15 +593,17 @@ impl<'m> Model<'m> {
         }
         let mut it = mats.into_iter();
         let mut layers = Vec::with_capacity(hp.n_layer);
-        for (attn_norm, q_norm, k_norm, ffn_norm) in norms {
+        for n in norms {
             let mut next = || {
                 it.next()
                     .context("internal: fewer matmul weights than layers")
             };
             layers.push(Layer {
-                attn_norm,
-                q_norm,
-                k_norm,
+                attn_norm: n.attn,
+                q_norm: n.q,
+                k_norm: n.k,
+                post_attn_norm: n.post_attn,
+                post_ffn_norm: n.post_ffn,
                 wq: next()?,
                 wk: next()?,
                 wv: next()?,
@@ -545,7 +611,7 @@ impl<'m> Model<'m> {
                 gate: next()?,
                 up: next()?,
                 down: next()?,
-                ffn_norm,
+                ffn_norm: n.ffn,
             });
         }
         Ok(Model {
@@ -565,6 +631,9 @@ impl<'m> Model<'m> {
             rope,
             rope_factors,
             ulp_nudge: opt.fault == Some(Fault::Ulp),
+            gelu: hp_gelu,
+            no_window: opt.fault == Some(Fault::NoWindow),
+            one_rope_base: opt.fault == Some(Fault::OneRopeBase),
         })
     }
 
@@ -771,6 +840,11 @@ impl<'m> Model<'m> {
                 )
                 .context("token_embd.weight row")?;
             }
+            if let Some(sc) = hp.embd_scale {
+                for v in x.iter_mut() {
+                    *v *= sc;
+                }
+            }
             if self.ulp_nudge {
                 for v in x.iter_mut() {
                     *v = f32::from_bits(v.to_bits() ^ 1);
@@ -789,10 +863,17 @@ impl<'m> Model<'m> {
                 }
                 let (qd, kd) = (hp.q_dim(), hp.kv_dim());
                 att.resize(m * nh * hd, 0.0);
+                // Windowed layers: their own base, never the file's scaling (llama.cpp's
+                // `get_rope_freq_base` / `get_rope_freq_scale`).
+                let (freq_base, freq_scale) = if hp.is_swa(li) && !self.one_rope_base {
+                    (hp.freq_base_swa, 1.0)
+                } else {
+                    (hp.freq_base, hp.freq_scale)
+                };
                 let freqs = ops::RopeFreqs {
                     n_rot: hp.n_rot,
-                    freq_base: hp.freq_base,
-                    freq_scale: hp.freq_scale,
+                    freq_base,
+                    freq_scale,
                     factors: self.rope_factors,
                 };
                 for ((s, _), &(r0, n, pos0)) in groups.iter_mut().zip(&spans) {
@@ -800,6 +881,11 @@ impl<'m> Model<'m> {
                         ops::rope_cache(pos0 + i - r0, &freqs, &mut cs);
                         ops::rope_heads(&mut q[i * qd..(i + 1) * qd], hd, hp.n_rot, self.rope, &cs);
                         ops::rope_heads(&mut k[i * kd..(i + 1) * kd], hd, hp.n_rot, self.rope, &cs);
+                        if hp.q_scale != 1.0 {
+                            for v in &mut q[i * qd..(i + 1) * qd] {
+                                *v *= hp.q_scale;
+                            }
+                        }
                         s.kv.write(
                             li,
                             pos0 + i - r0,
@@ -817,6 +903,9 @@ impl<'m> Model<'m> {
                     }
                 }
                 self.matmul(&l.wo, &att, m, &mut o, &mut stats)?;
+                if let Some(w) = l.post_attn_norm {
+                    ops::rms_norm_rows_inplace(&mut o, w, hp.eps);
+                }
                 for (a, &b) in x.iter_mut().zip(&o) {
                     *a += b;
                 }
@@ -825,8 +914,15 @@ impl<'m> Model<'m> {
                 }
                 self.matmul(&l.gate, &xn, m, &mut g, &mut stats)?;
                 self.matmul(&l.up, &xn, m, &mut u, &mut stats)?;
-                ops::swiglu_inplace(&mut g, &u);
+                if self.gelu {
+                    ops::geglu_inplace(&mut g, &u);
+                } else {
+                    ops::swiglu_inplace(&mut g, &u);
+                }
                 self.matmul(&l.down, &g, m, &mut o, &mut stats)?;
+                if let Some(w) = l.post_ffn_norm {
+                    ops::rms_norm_rows_inplace(&mut o, w, hp.eps);
+                }
                 for (a, &b) in x.iter_mut().zip(&o) {
                     *a += b;
                 }
@@ -845,6 +941,13 @@ impl<'m> Model<'m> {
             }
             let mut logits = Vec::new();
             self.matmul(&self.output, &xn[..r * e], r, &mut logits, &mut stats)?;
+            if let Some(cap) = hp.final_softcap {
+                // ggml_scale(1/cap), ggml_tanh, ggml_scale(cap).
+                let inv = 1.0 / cap;
+                for v in logits.iter_mut() {
+                    *v = (*v * inv).tanh() * cap;
+                }
+            }
             Ok(logits)
         })();
         let s0 = &mut *groups[0].0;
@@ -886,6 +989,13 @@ impl<'m> Model<'m> {
         let hp = &self.hp;
         let (hd, nh) = (hp.head_dim, hp.n_head);
         let group = nh / hp.n_head_kv;
+        let first = |pos: usize| {
+            if self.no_window {
+                0
+            } else {
+                hp.first_visible(layer, pos)
+            }
+        };
         let f16 = kv.ty == KvType::F16;
         out.clear();
         out.resize(nh * m * hd, 0.0);
@@ -898,19 +1008,22 @@ impl<'m> Model<'m> {
                 let h = h0 + hi;
                 let g = h / group;
                 for i in 0..m {
+                    // Keys j0..=pos: the causal mask, and the sliding window's where the layer
+                    // has one (masked keys weigh exactly 0 in ggml's softmax).
                     let n_kv = pos0 + i + 1;
+                    let j0 = first(pos0 + i);
                     let src = &q[i * nh * hd + h * hd..i * nh * hd + (h + 1) * hd];
                     for (d, &s) in qh.iter_mut().zip(src) {
                         *d = if f16 { ops::round_f16(s) } else { s };
                     }
-                    let sc = &mut scores[..n_kv];
-                    for (j, s) in sc.iter_mut().enumerate() {
+                    let sc = &mut scores[j0..n_kv];
+                    for (j, s) in (j0..).zip(sc.iter_mut()) {
                         *s = kv.k(layer, j, g).dot(&qh);
                     }
                     ops::softmax_scaled(sc, hp.kq_scale);
                     let o = &mut oh[i * hd..(i + 1) * hd];
                     o.fill(0.0);
-                    for (j, &p) in sc.iter().enumerate() {
+                    for (j, &p) in (j0..).zip(sc.iter()) {
                         let p = if f16 { ops::round_f16(p) } else { p };
                         kv.v(layer, j, g).axpy(o, p);
                     }
