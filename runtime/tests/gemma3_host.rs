@@ -439,3 +439,151 @@ fn gemma3_missing_post_norm_is_named() {
         "{e}"
     );
 }
+
+/// Gemma 3's chat template as Google ships it (`tokenizer_config.json` of google/gemma-3-*-it,
+/// and `tokenizer.chat_template` of the ggml-org gemma-3 GGUFs).
+pub const GEMMA3_CHAT_TEMPLATE: &str = r#"{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"#;
+
+/// A Gemma-style SentencePiece vocabulary (ids as Gemma 3's: 0 `<pad>`, 1 `<eos>`, 2 `<bos>`,
+/// 3 `<unk>`; the turn markers as control tokens; byte fallback) with the chat template.
+fn gemma_tokenizer_gguf() -> Vec<u8> {
+    let mut toks: Vec<String> = [
+        "<pad>",
+        "<eos>",
+        "<bos>",
+        "<unk>",
+        "<start_of_turn>",
+        "<end_of_turn>",
+    ]
+    .map(String::from)
+    .to_vec();
+    let mut types = vec![3i32, 3, 3, 2, 3, 3];
+    for b in 0..=255u8 {
+        toks.push(format!("<0x{b:02X}>"));
+        types.push(6);
+    }
+    let n = toks.len();
+    let mut g = GgufWriter::new();
+    let strs = |v: Vec<String>| {
+        Value::Array(
+            kiln_runtime::gguf::ValueType::String,
+            v.into_iter().map(Value::String).collect(),
+        )
+    };
+    g.add("general.architecture", Value::String("gemma3".into()))
+        .unwrap();
+    for (k, v) in [
+        ("tokenizer.ggml.model", Value::String("llama".into())),
+        ("tokenizer.ggml.pre", Value::String("default".into())),
+        ("tokenizer.ggml.tokens", strs(toks)),
+        (
+            "tokenizer.ggml.scores",
+            Value::Array(kiln_runtime::gguf::ValueType::F32, vec![Value::F32(0.0); n]),
+        ),
+        (
+            "tokenizer.ggml.token_type",
+            Value::Array(
+                kiln_runtime::gguf::ValueType::I32,
+                types.into_iter().map(Value::I32).collect(),
+            ),
+        ),
+        ("tokenizer.ggml.bos_token_id", Value::U32(2)),
+        ("tokenizer.ggml.eos_token_id", Value::U32(1)),
+        ("tokenizer.ggml.unknown_token_id", Value::U32(3)),
+        ("tokenizer.ggml.padding_token_id", Value::U32(0)),
+        ("tokenizer.ggml.add_bos_token", Value::Bool(true)),
+        ("tokenizer.ggml.add_space_prefix", Value::Bool(false)),
+        (
+            "tokenizer.chat_template",
+            Value::String(GEMMA3_CHAT_TEMPLATE.into()),
+        ),
+    ] {
+        g.add(k, v).unwrap();
+    }
+    g.to_bytes()
+}
+
+/// The Gemma 3 template renders through minijinja to Gemma's turn format (what Hugging Face's
+/// jinja2 and llama.cpp render; `llama_cpp_gemma3_chat_template` checks both in the llama-cpp
+/// stage), and since the file adds BOS itself, the template's leading `<bos>` is dropped as
+/// llama.cpp drops it: the prompt encodes to one BOS, not two.
+#[test]
+fn gemma3_chat_template_renders_gemma_turns_with_one_bos() {
+    use kiln_runtime::tokenizer::{chat, Tokenizer};
+    let bytes = gemma_tokenizer_gguf();
+    let g = kiln_runtime::gguf::Gguf::parse(&bytes).unwrap();
+    let tok = Tokenizer::from_gguf(&g).unwrap();
+    let t = chat::Template::of(&tok).unwrap();
+    let m = |r: &str, c: &str| (r.to_string(), c.to_string());
+    let two = [
+        m("user", "Hello there. "),
+        m("assistant", "Hi! How can I help?"),
+    ];
+    assert_eq!(
+        t.render(&two).unwrap(),
+        "<start_of_turn>user\nHello there.<end_of_turn>\n<start_of_turn>model\nHi! How can I \
+         help?<end_of_turn>\n<start_of_turn>model\n"
+    );
+    let sys = [
+        m("system", "Answer in one word."),
+        m("user", "Capital of France?"),
+    ];
+    let prompt = t.render(&sys).unwrap();
+    assert_eq!(
+        prompt,
+        "<start_of_turn>user\nAnswer in one word.\n\nCapital of France?<end_of_turn>\n\
+         <start_of_turn>model\n"
+    );
+    let ids = tok.encode(&prompt, true, true).unwrap();
+    assert_eq!(ids[..2], [2, 4], "one BOS then <start_of_turn>: {ids:?}");
+    // The raw render (as Hugging Face's) keeps the template's <bos>.
+    assert!(chat::render(GEMMA3_CHAT_TEMPLATE, &two, "<bos>", "<eos>")
+        .unwrap()
+        .starts_with("<bos><start_of_turn>user\n"));
+    // Roles that do not alternate: the template's own error.
+    let e = t.render(&[m("user", "a"), m("user", "b")]).unwrap_err();
+    assert!(
+        format!("{e:#}").contains("Conversation roles must alternate"),
+        "{e:#}"
+    );
+}
