@@ -6,8 +6,10 @@
 //!
 //! Models: SmolLM2-135M Q4_1 (llama, tied Q8_0 head) and seeded synthetic models written by
 //! gguf-py (`tests/py/llama_cpp_model.py synth`): qwen3 with key_length 64 ≠ 256/8 and Q/K norms,
-//! qwen2 with Q/K/V biases, llama with an untied head; each with Q8_0, Q4_0 and Q4_K weights;
-//! and a Llama-3-style llama (`rope_freqs.weight` factors, linear `rope.scaling`).
+//! qwen2 with Q/K/V biases, llama with an untied head, gemma3 with every Gemma 3 piece set away
+//! from its default; each with Q8_0, Q4_0 and Q4_K weights; a Llama-3-style llama
+//! (`rope_freqs.weight` factors, linear `rope.scaling`); and Gemma 3 270M Q4_K_M (`KILN_GEMMA3`)
+//! on a text longer than its sliding window.
 //!
 //! Tolerances, and why they are not zero: kiln quantises activations exactly as ggml's
 //! `vec_dot_type` does (Q8_0 / Q8_1 / Q8_K), so the integer dots are the same; what differs is the

@@ -512,7 +512,7 @@ impl HParams {
             let key = k("final_logit_softcapping");
             final_softcap = match float(g, &key)? {
                 None => None,
-                Some(c) if c == 0.0 => None,
+                Some(0.0) => None,
                 Some(c) if c > 0.0 && c.is_finite() => Some(c),
                 Some(c) => bail!("metadata key {key} = {c} is not a positive number"),
             };
@@ -591,7 +591,10 @@ mod tests {
     fn rope_scaling_as_llama_cpp_reads_it() {
         let scale = |extra: &[(&'static str, Value)]| {
             let mut kv = llama();
-            kv.extend(extra.iter().cloned());
+            for (k, v) in extra {
+                kv.retain(|(old, _)| old != k);
+                kv.push((k, v.clone()));
+            }
             parse(&kv).map(|h| h.freq_scale)
         };
         let t = |s: &str| ("llama.rope.scaling.type", Value::String(s.into()));
@@ -614,6 +617,77 @@ mod tests {
         }
         let e = format!("{:#}", scale(&[f(-1.0)]).unwrap_err());
         assert!(e.contains("llama.rope.scaling.factor = -1"), "{e}");
+    }
+
+    /// Gemma 3 270M's keys: Q scaled by 1/sqrt(key_length) with the softmax scale 1, the window
+    /// on every layer but each sixth (llama.cpp's default pattern), windowed layers at base
+    /// 10000 unscaled; the 27B rule (62 layers) scales by 1/sqrt(n_embd/n_head).
+    #[test]
+    fn gemma3_reads_as_llama_cpp() {
+        let gemma = |n_layer: u32, extra: &[(&'static str, Value)]| {
+            let mut kv = vec![
+                ("general.architecture", Value::String("gemma3".into())),
+                ("gemma3.block_count", Value::U32(n_layer)),
+                ("gemma3.embedding_length", Value::U32(640)),
+                ("gemma3.feed_forward_length", Value::U32(2048)),
+                ("gemma3.attention.head_count", Value::U32(4)),
+                ("gemma3.attention.head_count_kv", Value::U32(1)),
+                ("gemma3.attention.key_length", Value::U32(256)),
+                ("gemma3.attention.value_length", Value::U32(256)),
+                ("gemma3.attention.layer_norm_rms_epsilon", Value::F32(1e-6)),
+                ("gemma3.rope.freq_base", Value::F32(1e6)),
+                ("gemma3.attention.sliding_window", Value::U32(512)),
+                ("gemma3.context_length", Value::U32(32768)),
+            ];
+            for (k, v) in extra {
+                kv.retain(|(old, _)| old != k);
+                kv.push((k, v.clone()));
+            }
+            parse(&kv)
+        };
+        let h = gemma(18, &[]).unwrap();
+        assert_eq!((h.q_scale, h.kq_scale), (1.0 / 16.0, 1.0));
+        assert_eq!(h.embd_scale, Some(640f32.sqrt()));
+        assert_eq!(h.arch.rope(), RopeKind::Neox);
+        let w = h.swa.as_ref().unwrap();
+        assert_eq!(w.n_swa, 512);
+        let global: Vec<usize> = (0..18).filter(|&l| !h.is_swa(l)).collect();
+        assert_eq!(global, [5, 11, 17]);
+        assert_eq!(
+            (h.freq_base, h.freq_base_swa, h.final_softcap),
+            (1e6, 1e4, None)
+        );
+        assert_eq!((h.first_visible(0, 511), h.first_visible(0, 512)), (0, 1));
+        assert_eq!(
+            h.first_visible(5, 4000),
+            0,
+            "a global layer sees everything"
+        );
+        let h = gemma(62, &[]).unwrap();
+        assert_eq!(h.q_scale, 1.0 / 160f32.sqrt());
+        let h = gemma(
+            18,
+            &[
+                ("gemma3.rope.freq_base_swa", Value::F32(5e4)),
+                ("gemma3.final_logit_softcapping", Value::F32(30.0)),
+                ("gemma3.attention.sliding_window_pattern", Value::U32(2)),
+            ],
+        )
+        .unwrap();
+        assert_eq!((h.freq_base_swa, h.final_softcap), (5e4, Some(30.0)));
+        assert!(h.is_swa(0) && !h.is_swa(1) && h.is_swa(16) && !h.is_swa(17));
+        let h = gemma(18, &[("gemma3.attention.sliding_window", Value::U32(0))]).unwrap();
+        assert!(h.swa.is_none() && !h.is_swa(0));
+        let e = format!(
+            "{:#}",
+            gemma(18, &[("gemma3.attention.scale", Value::F32(0.0625))]).unwrap_err()
+        );
+        assert!(
+            e.contains("gemma3.attention.scale = 0.0625 (llama.cpp's gemma3 ignores it"),
+            "{e}"
+        );
+        assert_eq!(pattern_layers(0, 3), [true; 3]);
+        assert_eq!(pattern_layers(1, 3), [false; 3]);
     }
 
     #[test]
