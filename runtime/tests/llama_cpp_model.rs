@@ -377,6 +377,14 @@ fn llama_cpp_gemma3_synthetic_logits_nll_greedy() {
     );
 }
 
+/// phi3 with fused `attn_qkv` and gate/up `ffn_up`, an untied head, and a `sliding_window` key
+/// that llama.cpp reads and switches off (so kiln must not apply it either).
+#[test]
+#[ignore = "needs llama-cpp-python (KILN_LLAMA_PY); run by the llama-cpp stage"]
+fn llama_cpp_phi3_synthetic_logits_nll_greedy() {
+    synthetic("phi3", &[Fault::SwapRope, Fault::SwapGateUp]);
+}
+
 #[test]
 #[ignore = "needs llama-cpp-python (KILN_LLAMA_PY); run by the llama-cpp stage"]
 fn llama_cpp_llama_synthetic_logits_nll_greedy() {

@@ -34,6 +34,9 @@ pub enum Arch {
     /// with their own RoPE base, optional final logit soft-cap (llama-cpp-python 0.3.36's
     /// `src/models/gemma3.cpp`).
     Gemma3,
+    /// Phi-3 (`src/models/phi3.cpp`): fused `attn_qkv`, fused gate/up `ffn_up` (2·n_ff wide, the
+    /// gate first), Q pre-scaled by 1/sqrt(head_dim); LongRoPE factors refused.
+    Phi3,
 }
 
 impl Arch {
@@ -43,9 +46,10 @@ impl Arch {
             "qwen2" => Arch::Qwen2,
             "qwen3" => Arch::Qwen3,
             "gemma3" => Arch::Gemma3,
+            "phi3" => Arch::Phi3,
             other => bail!(
                 "general.architecture = {other:?} is not supported (kiln runs llama, qwen2, \
-                 qwen3, gemma3)"
+                 qwen3, gemma3, phi3)"
             ),
         })
     }
@@ -56,13 +60,14 @@ impl Arch {
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
             Arch::Gemma3 => "gemma3",
+            Arch::Phi3 => "phi3",
         }
     }
 
     pub fn rope(self) -> RopeKind {
         match self {
             Arch::Llama => RopeKind::Norm,
-            Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 => RopeKind::Neox,
+            Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 | Arch::Phi3 => RopeKind::Neox,
         }
     }
 
@@ -182,11 +187,27 @@ pub const ARCH_APPLIED_KEYS: &[(Arch, &[&str])] = &[(
 
 /// Keys of [`APPLIED_KEYS`] that an architecture's llama.cpp graph does not read: refused by
 /// name for it, with the reason (a file that sets one means something llama.cpp does not run).
-pub const ARCH_REFUSED_KEYS: &[(Arch, &str, &str)] = &[(
-    Arch::Gemma3,
-    "attention.scale",
-    "llama.cpp's gemma3 ignores it and scales Q by 1/sqrt(key_length) (1/sqrt(n_embd/n_head) \
-     for 62 layers)",
+pub const ARCH_REFUSED_KEYS: &[(Arch, &str, &str)] = &[
+    (
+        Arch::Gemma3,
+        "attention.scale",
+        "llama.cpp's gemma3 ignores it and scales Q by 1/sqrt(key_length) (1/sqrt(n_embd/n_head) \
+         for 62 layers)",
+    ),
+    (
+        Arch::Phi3,
+        "attention.scale",
+        "llama.cpp's phi3 ignores it and scales Q by 1/sqrt(head_dim)",
+    ),
+];
+
+/// `{arch}.` keys that one architecture's llama.cpp reads and then does not use, with the
+/// reason: accepted at any value for it.
+pub const ARCH_HARMLESS_KEYS: &[(Arch, &str, &str)] = &[(
+    Arch::Phi3,
+    "attention.sliding_window",
+    "llama.cpp's phi3 reads it and turns the window off (swa_type NONE, n_swa 0: \
+     \"Phi SWA is currently disabled\"); every layer attends fully",
 )];
 
 /// `{arch}.` keys that do not change what llama.cpp computes for llama / qwen2 / qwen3 (read in
@@ -275,7 +296,10 @@ pub fn audit_arch_keys(g: &Gguf, arch: Arch) -> Result<()> {
         }
         let arch_applied = ARCH_APPLIED_KEYS
             .iter()
-            .any(|(a, ks)| *a == arch && ks.contains(&suffix));
+            .any(|(a, ks)| *a == arch && ks.contains(&suffix))
+            || ARCH_HARMLESS_KEYS
+                .iter()
+                .any(|(a, k, _)| *a == arch && *k == suffix);
         if arch_applied
             || APPLIED_KEYS.contains(&suffix)
             || HARMLESS_KEYS.iter().any(|(k, _)| *k == suffix)
@@ -516,6 +540,11 @@ impl HParams {
                 Some(c) if c > 0.0 && c.is_finite() => Some(c),
                 Some(c) => bail!("metadata key {key} = {c} is not a positive number"),
             };
+        }
+        if arch == Arch::Phi3 {
+            // llama.cpp: Qcur × 1/sqrtf(n_embd_head), then the softmax at scale 1.
+            q_scale = 1.0 / (head_dim as f32).sqrt();
+            kq_scale = 1.0;
         }
         Ok(HParams {
             arch,

@@ -86,6 +86,8 @@ pub enum Fault {
     QScaleEmbd,
     /// gemma3: skip the final logit soft-cap.
     NoSoftcap,
+    /// phi3: take the fused `ffn_up` row's halves the other way round (up first, gate second).
+    SwapGateUp,
 }
 
 impl Default for Options {
@@ -107,6 +109,23 @@ struct Mat<'m> {
     prepared: Vec<Option<Box<dyn PreparedWeight + 'm>>>,
 }
 
+/// Q, K and V: three weights, or phi3's one `attn_qkv` whose output rows are [q | k | v].
+enum QkvIn<'m> {
+    Separate {
+        wq: Mat<'m>,
+        wk: Mat<'m>,
+        wv: Mat<'m>,
+    },
+    Fused(Mat<'m>),
+}
+
+/// The FFN's gate and up projections: two weights, or phi3's one `ffn_up` whose output rows are
+/// [gate | up] (ggml's `swiglu` of the fused row: the first half through SiLU).
+enum GateUp<'m> {
+    Separate { gate: Mat<'m>, up: Mat<'m> },
+    Fused(Mat<'m>),
+}
+
 struct Layer<'m> {
     attn_norm: &'m [f32],
     q_norm: Option<&'m [f32]>,
@@ -114,14 +133,27 @@ struct Layer<'m> {
     /// gemma3's `post_attention_norm` and `post_ffw_norm`.
     post_attn_norm: Option<&'m [f32]>,
     post_ffn_norm: Option<&'m [f32]>,
-    wq: Mat<'m>,
-    wk: Mat<'m>,
-    wv: Mat<'m>,
+    qkv: QkvIn<'m>,
     wo: Mat<'m>,
     ffn_norm: &'m [f32],
-    gate: Mat<'m>,
-    up: Mat<'m>,
+    gate_up: GateUp<'m>,
     down: Mat<'m>,
+}
+
+impl<'m> Layer<'m> {
+    fn mats(&self) -> Vec<&Mat<'m>> {
+        let mut v = match &self.qkv {
+            QkvIn::Separate { wq, wk, wv } => vec![wq, wk, wv],
+            QkvIn::Fused(m) => vec![m],
+        };
+        v.push(&self.wo);
+        match &self.gate_up {
+            GateUp::Separate { gate, up } => v.extend([gate, up]),
+            GateUp::Fused(m) => v.push(m),
+        }
+        v.push(&self.down);
+        v
+    }
 }
 
 pub struct Model<'m> {
@@ -149,6 +181,8 @@ pub struct Model<'m> {
     no_window: bool,
     /// [`Fault::OneRopeBase`].
     one_rope_base: bool,
+    /// [`Fault::SwapGateUp`].
+    swap_gate_up: bool,
 }
 
 /// Which logits a forward pass returns.
@@ -192,6 +226,8 @@ struct Scratch {
 
 /// One layer's norm weights as the load reads them.
 struct LayerNorms<'m> {
+    /// phi3's fused `attn_qkv` and gate/up `ffn_up`.
+    fused: bool,
     attn: &'m [f32],
     q: Option<&'m [f32]>,
     k: Option<&'m [f32]>,
@@ -420,21 +456,31 @@ impl<'m> Model<'m> {
                 }
                 Ok(b)
             };
-            names.push((
-                weight(&p("attn_q.weight"), e, qd)?,
-                bias("attn_q.bias", qd)?,
-            ));
-            names.push((
-                weight(&p("attn_k.weight"), e, kvd)?,
-                bias("attn_k.bias", kvd)?,
-            ));
-            names.push((
-                weight(&p("attn_v.weight"), e, kvd)?,
-                bias("attn_v.bias", kvd)?,
-            ));
+            let fused = hp.arch == Arch::Phi3;
+            if fused {
+                // phi3 (as its converter writes it): one [q | k | v] projection, no biases.
+                names.push((weight(&p("attn_qkv.weight"), e, qd + 2 * kvd)?, None));
+            } else {
+                names.push((
+                    weight(&p("attn_q.weight"), e, qd)?,
+                    bias("attn_q.bias", qd)?,
+                ));
+                names.push((
+                    weight(&p("attn_k.weight"), e, kvd)?,
+                    bias("attn_k.bias", kvd)?,
+                ));
+                names.push((
+                    weight(&p("attn_v.weight"), e, kvd)?,
+                    bias("attn_v.bias", kvd)?,
+                ));
+            }
             names.push((weight(&p("attn_output.weight"), qd, e)?, None));
-            names.push((weight(&p("ffn_gate.weight"), e, hp.n_ff)?, None));
-            names.push((weight(&p("ffn_up.weight"), e, hp.n_ff)?, None));
+            if fused {
+                names.push((weight(&p("ffn_up.weight"), e, 2 * hp.n_ff)?, None));
+            } else {
+                names.push((weight(&p("ffn_gate.weight"), e, hp.n_ff)?, None));
+                names.push((weight(&p("ffn_up.weight"), e, hp.n_ff)?, None));
+            }
             names.push((weight(&p("ffn_down.weight"), hp.n_ff, e)?, None));
             let (qn, kn) = if hp.arch.qk_norm() {
                 (
@@ -465,6 +511,7 @@ impl<'m> Model<'m> {
                 (pa, pf)
             };
             norms.push(LayerNorms {
+                fused,
                 attn: rd.vector(&p("attn_norm.weight"), e)?,
                 q: qn,
                 k: kn,
@@ -494,6 +541,20 @@ impl<'m> Model<'m> {
         } else {
             None
         };
+        // Phi-3's LongRoPE (long/short frequency factors chosen by context length, plus an
+        // attention factor): not implemented, refused by name rather than left unused.
+        let longrope: Vec<&str> = f
+            .tensors()
+            .map(|t| t.name)
+            .filter(|n| n.starts_with("rope_factors_") || n.contains(".rope_factors_"))
+            .collect();
+        if !longrope.is_empty() {
+            bail!(
+                "{}: LongRoPE frequency factors ({}) are not implemented by kiln",
+                f.path().display(),
+                longrope.join(", ")
+            );
+        }
         let tied = f.tensor("output.weight").is_none();
         let out_w = if tied {
             tok_embd
@@ -598,18 +659,33 @@ impl<'m> Model<'m> {
                 it.next()
                     .context("internal: fewer matmul weights than layers")
             };
+            let qkv = if n.fused {
+                QkvIn::Fused(next()?)
+            } else {
+                QkvIn::Separate {
+                    wq: next()?,
+                    wk: next()?,
+                    wv: next()?,
+                }
+            };
+            let wo = next()?;
+            let gate_up = if n.fused {
+                GateUp::Fused(next()?)
+            } else {
+                GateUp::Separate {
+                    gate: next()?,
+                    up: next()?,
+                }
+            };
             layers.push(Layer {
                 attn_norm: n.attn,
                 q_norm: n.q,
                 k_norm: n.k,
                 post_attn_norm: n.post_attn,
                 post_ffn_norm: n.post_ffn,
-                wq: next()?,
-                wk: next()?,
-                wv: next()?,
-                wo: next()?,
-                gate: next()?,
-                up: next()?,
+                qkv,
+                wo,
+                gate_up,
                 down: next()?,
                 ffn_norm: n.ffn,
             });
@@ -634,6 +710,7 @@ impl<'m> Model<'m> {
             gelu: hp_gelu,
             no_window: opt.fault == Some(Fault::NoWindow),
             one_rope_base: opt.fault == Some(Fault::OneRopeBase),
+            swap_gate_up: opt.fault == Some(Fault::SwapGateUp),
         })
     }
 
@@ -645,7 +722,7 @@ impl<'m> Model<'m> {
     pub fn weight_bytes_per_token(&self) -> u64 {
         let mut b = self.output.w.data.len() as u64;
         for l in &self.layers {
-            for m in [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down] {
+            for m in l.mats() {
                 b += m.w.data.len() as u64;
             }
         }
@@ -854,9 +931,26 @@ impl<'m> Model<'m> {
                 for (xr, yr) in x.chunks_exact(e).zip(xn.chunks_exact_mut(e)) {
                     ops::rms_norm(xr, l.attn_norm, hp.eps, yr);
                 }
-                self.matmul(&l.wq, &xn, m, &mut q, &mut stats)?;
-                self.matmul(&l.wk, &xn, m, &mut k, &mut stats)?;
-                self.matmul(&l.wv, &xn, m, &mut v, &mut stats)?;
+                match &l.qkv {
+                    QkvIn::Separate { wq, wk, wv } => {
+                        self.matmul(wq, &xn, m, &mut q, &mut stats)?;
+                        self.matmul(wk, &xn, m, &mut k, &mut stats)?;
+                        self.matmul(wv, &xn, m, &mut v, &mut stats)?;
+                    }
+                    QkvIn::Fused(w) => {
+                        // Rows of [q | k | v], split as ggml's views of the fused output.
+                        let (qd, kd) = (hp.q_dim(), hp.kv_dim());
+                        self.matmul(w, &xn, m, &mut u, &mut stats)?;
+                        q.resize(m * qd, 0.0);
+                        k.resize(m * kd, 0.0);
+                        v.resize(m * kd, 0.0);
+                        for (i, row) in u.chunks_exact(qd + 2 * kd).enumerate() {
+                            q[i * qd..(i + 1) * qd].copy_from_slice(&row[..qd]);
+                            k[i * kd..(i + 1) * kd].copy_from_slice(&row[qd..qd + kd]);
+                            v[i * kd..(i + 1) * kd].copy_from_slice(&row[qd + kd..]);
+                        }
+                    }
+                }
                 if let (Some(qn), Some(kn)) = (l.q_norm, l.k_norm) {
                     ops::rms_norm_rows_inplace(&mut q, qn, hp.eps);
                     ops::rms_norm_rows_inplace(&mut k, kn, hp.eps);
@@ -912,8 +1006,24 @@ impl<'m> Model<'m> {
                 for (xr, yr) in x.chunks_exact(e).zip(xn.chunks_exact_mut(e)) {
                     ops::rms_norm(xr, l.ffn_norm, hp.eps, yr);
                 }
-                self.matmul(&l.gate, &xn, m, &mut g, &mut stats)?;
-                self.matmul(&l.up, &xn, m, &mut u, &mut stats)?;
+                match &l.gate_up {
+                    GateUp::Separate { gate, up } => {
+                        self.matmul(gate, &xn, m, &mut g, &mut stats)?;
+                        self.matmul(up, &xn, m, &mut u, &mut stats)?;
+                    }
+                    GateUp::Fused(w) => {
+                        // Rows of [gate | up]: ggml's swiglu of the fused row.
+                        let ff = hp.n_ff;
+                        self.matmul(w, &xn, m, &mut o, &mut stats)?;
+                        g.resize(m * ff, 0.0);
+                        u.resize(m * ff, 0.0);
+                        let (gh, uh) = if self.swap_gate_up { (ff, 0) } else { (0, ff) };
+                        for (i, row) in o.chunks_exact(2 * ff).enumerate() {
+                            g[i * ff..(i + 1) * ff].copy_from_slice(&row[gh..gh + ff]);
+                            u[i * ff..(i + 1) * ff].copy_from_slice(&row[uh..uh + ff]);
+                        }
+                    }
+                }
                 if self.gelu {
                     ops::geglu_inplace(&mut g, &u);
                 } else {

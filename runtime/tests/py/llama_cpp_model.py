@@ -72,6 +72,8 @@ def synth(args):
     elif arch == "gemma3":
         # key_length (128) != 256 / 4; GQA 4/2.
         n_embd, n_head, n_kv, head_dim, n_ff = 256, 4, 2, 128, 512
+    elif arch == "phi3":
+        n_embd, n_head, n_kv, head_dim, n_ff = 256, 4, 2, 64, 512
     elif arch == "qwen2":
         n_embd, n_head, n_kv, head_dim, n_ff = 256, 4, 2, 64, 512
     else:
@@ -104,6 +106,10 @@ def synth(args):
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(2.0)
         w.add_final_logit_softcapping(5.0)
+    if arch == "phi3":
+        # Read and then switched off by llama.cpp's phi3 ("Phi SWA is currently disabled"): a
+        # window shorter than the sequences, so that applying it would show.
+        w.add_sliding_window(16)
     if arch in ("qwen3", "gemma3") or args.key_length:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -166,15 +172,19 @@ def synth(args):
     else:
         w.add_tensor("token_embd.weight", gguf.quants.quantize(emb, wtype), raw_dtype=wtype)
     vec("output_norm.weight", n_embd)
-    if arch == "llama":
+    if arch in ("llama", "phi3"):
         mat("output.weight", n_embd, n_vocab)
     qd, kvd = n_head * head_dim, n_kv * head_dim
     for l in range(n_layer):
         p = "blk.%d." % l
         vec(p + "attn_norm.weight", n_embd)
-        mat(p + "attn_q.weight", n_embd, qd)
-        mat(p + "attn_k.weight", n_embd, kvd)
-        mat(p + "attn_v.weight", n_embd, kvd)
+        if arch == "phi3":
+            # Fused as Phi-3 ships them: rows [q | k | v], and [gate | up] below.
+            mat(p + "attn_qkv.weight", n_embd, qd + 2 * kvd)
+        else:
+            mat(p + "attn_q.weight", n_embd, qd)
+            mat(p + "attn_k.weight", n_embd, kvd)
+            mat(p + "attn_v.weight", n_embd, kvd)
         if arch == "qwen2":
             vec(p + "attn_q.bias", qd, 0.0, 0.5)
             vec(p + "attn_k.bias", kvd, 0.0, 0.5)
@@ -187,8 +197,11 @@ def synth(args):
             vec(p + "post_ffw_norm.weight", n_embd)
         mat(p + "attn_output.weight", qd, n_embd)
         vec(p + "ffn_norm.weight", n_embd)
-        mat(p + "ffn_gate.weight", n_embd, n_ff)
-        mat(p + "ffn_up.weight", n_embd, n_ff)
+        if arch == "phi3":
+            mat(p + "ffn_up.weight", n_embd, 2 * n_ff)
+        else:
+            mat(p + "ffn_gate.weight", n_embd, n_ff)
+            mat(p + "ffn_up.weight", n_embd, n_ff)
         mat(p + "ffn_down.weight", n_ff, n_embd)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -415,7 +428,7 @@ def main():
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("synth")
-    s.add_argument("--arch", required=True, choices=["llama", "qwen2", "qwen3", "gemma3"])
+    s.add_argument("--arch", required=True, choices=["llama", "qwen2", "qwen3", "gemma3", "phi3"])
     s.add_argument("--wtype", required=True, choices=["q8_0", "q4_0", "q4_1", "q4_k"])
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--key-length", action="store_true")
