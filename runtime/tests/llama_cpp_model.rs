@@ -293,7 +293,12 @@ fn ids(n: usize, n_vocab: u32, seed: u64) -> Vec<u32> {
 }
 
 fn synthetic(arch: &str, faults: &[Fault]) {
-    for (wi, wtype) in ["q8_0", "q4_0", "q4_1", "q4_k"].iter().enumerate() {
+    synthetic_on(arch, faults, 32, &["q8_0", "q4_0", "q4_1", "q4_k"])
+}
+
+/// [`synthetic`] with `greedy` greedy steps (0: none), on the weight types `wtypes`.
+fn synthetic_on(arch: &str, faults: &[Fault], greedy: usize, wtypes: &[&str]) {
+    for (wi, wtype) in wtypes.iter().enumerate() {
         let dir = scratch(&format!("llama_cpp_{arch}_{wtype}"));
         let model = dir.join("m.gguf");
         let seed = (wi + 1).to_string();
@@ -317,19 +322,21 @@ fn synthetic(arch: &str, faults: &[Fault]) {
             d.ok(KvType::F32),
             "{arch} {wtype} kv f32: kiln differs from llama.cpp: {d:?}"
         );
-        let r = reference(&model, &seq, &dir, 32, KvType::F16);
+        let r = reference(&model, &seq, &dir, greedy, KvType::F16);
         let d = compare(&kiln_logits(&f, &seq, None, KvType::F16), &r, &seq);
         eprintln!("{arch} {wtype} kv f16: {d:?}");
         assert!(
             d.ok(KvType::F16),
             "{arch} {wtype} kv f16: kiln differs from llama.cpp: {d:?}"
         );
-        check_greedy(
-            &format!("{arch} {wtype}"),
-            &kiln_greedy(&f, &seq, 32),
-            &r,
-            GREEDY_TIE,
-        );
+        if greedy > 0 {
+            check_greedy(
+                &format!("{arch} {wtype}"),
+                &kiln_greedy(&f, &seq, greedy),
+                &r,
+                GREEDY_TIE,
+            );
+        }
         // The comparison is not blind: each fault breaks it, even at the looser f16 tolerance.
         for &fault in faults {
             let d = compare(&kiln_logits(&f, &seq, Some(fault), KvType::F16), &r, &seq);
@@ -356,11 +363,13 @@ fn llama_cpp_qwen2_synthetic_logits_nll_greedy() {
 
 /// gemma3 with every piece set away from llama.cpp's defaults (window 8 over 48 tokens, every
 /// third layer global, windowed RoPE base 20000, linear scaling ×2 on the global layers, soft-cap
-/// 5, key_length 128 ≠ 256/4); each of kiln's gemma faults must break the comparison.
+/// 5, key_length 128 ≠ 256/4); each of kiln's gemma faults must break the comparison. Two weight
+/// types (Q8_0 and the K-quant) and no greedy steps, for the stage's time: llama.cpp decodes this
+/// file at ~0.5 s a token (its SWA cache path), and the real Gemma 3 test has greedy steps.
 #[test]
 #[ignore = "needs llama-cpp-python (KILN_LLAMA_PY); run by the llama-cpp stage"]
 fn llama_cpp_gemma3_synthetic_logits_nll_greedy() {
-    synthetic(
+    synthetic_on(
         "gemma3",
         &[
             Fault::SwapRope,
@@ -374,15 +383,18 @@ fn llama_cpp_gemma3_synthetic_logits_nll_greedy() {
             Fault::QScaleEmbd,
             Fault::NoSoftcap,
         ],
+        0,
+        &["q8_0", "q4_k"],
     );
 }
 
 /// phi3 with fused `attn_qkv` and gate/up `ffn_up`, an untied head, and a `sliding_window` key
-/// that llama.cpp reads and switches off (so kiln must not apply it either).
+/// that llama.cpp reads and switches off (so kiln must not apply it either). One weight type,
+/// for the stage's time (the synthetic gemma3 runs Q8_0 and Q4_K).
 #[test]
 #[ignore = "needs llama-cpp-python (KILN_LLAMA_PY); run by the llama-cpp stage"]
 fn llama_cpp_phi3_synthetic_logits_nll_greedy() {
-    synthetic("phi3", &[Fault::SwapRope, Fault::SwapGateUp]);
+    synthetic_on("phi3", &[Fault::SwapRope, Fault::SwapGateUp], 32, &["q4_0"]);
 }
 
 #[test]
@@ -911,13 +923,15 @@ fn llama_cpp_long_text_nll() {
 
 /// Tokens of the real Gemma 3 text test: more than its 512-token sliding window, so that the
 /// windowed layers (15 of 18) hide the start of the text from the last positions.
-const GEMMA3_TOKENS: usize = 640;
+const GEMMA3_TOKENS: usize = 600;
 
 /// Gemma 3 270M Q4_K_M (`KILN_GEMMA3`, the pinned PyPI file): on [`GEMMA3_TOKENS`] tokens of the
 /// GPL's preamble in one context, kiln's token ids equal llama.cpp's, its mean NLL is within
-/// [`LONG_NLL_VS_LLAMA_MAX`] of llama.cpp's (f16 KV both), and so is the NLL of the positions past
-/// the window alone; kiln with the window off (`Fault::NoWindow`) is not; and 16 greedy tokens
-/// after the text agree up to a near-tie.
+/// [`LONG_NLL_VS_LLAMA_MAX`] of llama.cpp's (f16 KV both); the NLL of the 87 positions past the
+/// window alone within [`NLL_DIFF_MAX`] (the short-text bound: a mean over so few tokens moves by
+/// that much with rounding alone; measured −1.1e-2 here, −2.7e-3 over the 127 of a 640-token
+/// run), while kiln with the window off (`Fault::NoWindow`) is 0.23 away there; and 8 greedy
+/// tokens after the text agree up to a near-tie.
 #[test]
 #[ignore = "needs llama-cpp-python (KILN_LLAMA_PY) and KILN_GEMMA3; run by the llama-cpp stage"]
 fn llama_cpp_gemma3_long_text_nll_greedy() {
@@ -951,7 +965,9 @@ fn llama_cpp_gemma3_long_text_nll_greedy() {
         .n_swa;
     // Positions whose prediction sees past the window: from position n_swa on.
     let tail = GEMMA3_TOKENS - n_swa;
-    let greedy = 16;
+    // Few greedy steps: llama.cpp decodes this file at ~0.45 s a token on 2 cores (its SWA
+    // cache path), against ~14 s for loading it and the whole prefill.
+    let greedy = 8;
     let ids_s: Vec<String> = ids.iter().map(u32::to_string).collect();
     let t_ref = std::time::Instant::now();
     let r: J = serde_json::from_str(&py(&[
@@ -982,9 +998,18 @@ fn llama_cpp_gemma3_long_text_nll_greedy() {
         )
         .unwrap();
         let mut s = m.session(ids.len() + greedy + 1, KvType::F16).unwrap();
-        let l = m.forward(&mut s, ids, Want::All).unwrap();
-        let per: Vec<f64> = (0..ids.len() - 1)
-            .map(|i| kiln_runtime::model::token_nll(&l[i * nv..(i + 1) * nv], ids[i + 1]))
+        // The fault run needs the positions past the window only: the rest is prefilled
+        // without logits (the 262144-row LM head is most of the cost), then scored.
+        let from = if fault.is_some() { n_swa } else { 0 };
+        if from > 0 {
+            m.forward(&mut s, &ids[..from], Want::None).unwrap();
+        }
+        let l = m.forward(&mut s, &ids[from..], Want::All).unwrap();
+        let per: Vec<f64> = (from..ids.len() - 1)
+            .map(|i| {
+                let r = i - from;
+                kiln_runtime::model::token_nll(&l[r * nv..(r + 1) * nv], ids[i + 1])
+            })
             .collect();
         let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
         let mut out = Vec::new();
@@ -1001,11 +1026,11 @@ fn llama_cpp_gemma3_long_text_nll_greedy() {
     let t_kiln = std::time::Instant::now();
     let (nll, nll_tail, ours_greedy) = nlls(None);
     let t_kiln = t_kiln.elapsed().as_secs_f64();
-    let (nw, nw_tail, _) = nlls(Some(Fault::NoWindow));
+    let (_, nw_tail, _) = nlls(Some(Fault::NoWindow));
     eprintln!(
         "gemma3 270M: {GEMMA3_TOKENS} tokens (window {n_swa}): mean NLL kiln {nll:.5} / llama.cpp \
          {ref_nll:.5} (Δ {:+.2e}); the {} positions past the window: kiln {nll_tail:.5} / \
-         llama.cpp {ref_tail:.5} (Δ {:+.2e}); kiln without the window {nw:.5} / {nw_tail:.5} \
+         llama.cpp {ref_tail:.5} (Δ {:+.2e}); kiln without the window {nw_tail:.5} there \
          [llama.cpp {t_ref:.1} s, kiln {t_kiln:.1} s, total {:.1} s]",
         nll - ref_nll,
         tail - 1,
@@ -1017,12 +1042,12 @@ fn llama_cpp_gemma3_long_text_nll_greedy() {
         "gemma3: kiln's NLL {nll} is more than {LONG_NLL_VS_LLAMA_MAX} from llama.cpp's {ref_nll}"
     );
     assert!(
-        (nll_tail - ref_tail).abs() <= LONG_NLL_VS_LLAMA_MAX,
-        "gemma3: past the window kiln's NLL {nll_tail} is more than {LONG_NLL_VS_LLAMA_MAX} from \
+        (nll_tail - ref_tail).abs() <= NLL_DIFF_MAX,
+        "gemma3: past the window kiln's NLL {nll_tail} is more than {NLL_DIFF_MAX} from \
          llama.cpp's {ref_tail}"
     );
     assert!(
-        (nw_tail - ref_tail).abs() > 2.0 * LONG_NLL_VS_LLAMA_MAX,
+        (nw_tail - ref_tail).abs() > 2.0 * NLL_DIFF_MAX,
         "gemma3: kiln without the sliding window ({nw_tail}) is within twice the tolerance of \
          llama.cpp ({ref_tail}) past the window: this text cannot tell whether it is applied"
     );
