@@ -1,6 +1,6 @@
 //! Hyper-parameters from GGUF metadata, checked once at the edge: every missing or inconsistent
-//! key is an error that names it, and architectures other than llama / qwen2 / qwen3 / gemma3 are
-//! refused by name.
+//! key is an error that names it, and architectures other than llama / qwen2 / qwen3 / gemma3 /
+//! phi3 are refused by name.
 //!
 //! Every `{arch}.` key is accounted for ([`audit_arch_keys`]): kiln either applies it
 //! ([`APPLIED_KEYS`]), knows it does not change the maths of these architectures

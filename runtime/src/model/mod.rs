@@ -1,8 +1,9 @@
-//! One decoder for llama / qwen2 / qwen3 / gemma3, parameterised by the architecture's flags (RoPE
-//! NORM or NEOX, per-head Q/K RMSNorm, Q/K/V biases, tied LM head, `key_length` head_dim, GQA),
-//! with Llama 3.x's `rope_freqs.weight` factors and linear RoPE scaling, and Gemma 3's pieces
-//! (embedding scale, post-attention and post-FFN norms, GELU(tanh) gate, Q pre-scale,
-//! interleaved sliding-window layers with their own RoPE base, final logit soft-cap).
+//! One decoder for llama / qwen2 / qwen3 / gemma3 / phi3, parameterised by the architecture's
+//! flags (RoPE NORM or NEOX, per-head Q/K RMSNorm, Q/K/V biases, tied LM head, `key_length`
+//! head_dim, GQA), with Llama 3.x's `rope_freqs.weight` factors and linear RoPE scaling, Gemma 3's
+//! pieces (embedding scale, post-attention and post-FFN norms, GELU(tanh) gate, Q pre-scale,
+//! interleaved sliding-window layers with their own RoPE base, final logit soft-cap) and Phi-3's
+//! fused Q/K/V and gate/up projections.
 //!
 //! Nothing in the file is ignored: a tensor the forward pass does not read refuses the load (all
 //! of them named; [`IGNORED_TENSORS`] is the allow-list), as does an `{arch}.` key that is not
