@@ -363,8 +363,8 @@ fn llama_cpp_qwen2_synthetic_logits_nll_greedy() {
 
 /// gemma3 with every piece set away from llama.cpp's defaults (window 8 over 48 tokens, every
 /// third layer global, windowed RoPE base 20000, linear scaling ×2 on the global layers, soft-cap
-/// 5, key_length 128 ≠ 256/4); each of kiln's gemma faults must break the comparison. Two weight
-/// types (Q8_0 and the K-quant) and no greedy steps, for the stage's time: llama.cpp decodes this
+/// 5, key_length 128 ≠ 256/4); each of kiln's gemma faults must break the comparison. One weight
+/// type (Q4_K; Q8_0 measured the same) and no greedy steps, for the stage's time: llama.cpp decodes this
 /// file at ~0.5 s a token (its SWA cache path), and the real Gemma 3 test has greedy steps.
 #[test]
 #[ignore = "needs llama-cpp-python (KILN_LLAMA_PY); run by the llama-cpp stage"]
@@ -384,13 +384,13 @@ fn llama_cpp_gemma3_synthetic_logits_nll_greedy() {
             Fault::NoSoftcap,
         ],
         0,
-        &["q8_0", "q4_k"],
+        &["q4_k"],
     );
 }
 
 /// phi3 with fused `attn_qkv` and gate/up `ffn_up`, an untied head, and a `sliding_window` key
 /// that llama.cpp reads and switches off (so kiln must not apply it either). One weight type,
-/// for the stage's time (the synthetic gemma3 runs Q8_0 and Q4_K).
+/// for the stage's time (the synthetic gemma3 runs Q4_K).
 #[test]
 #[ignore = "needs llama-cpp-python (KILN_LLAMA_PY); run by the llama-cpp stage"]
 fn llama_cpp_phi3_synthetic_logits_nll_greedy() {
@@ -930,8 +930,10 @@ const GEMMA3_TOKENS: usize = 600;
 /// [`LONG_NLL_VS_LLAMA_MAX`] of llama.cpp's (f16 KV both); the NLL of the 87 positions past the
 /// window alone within [`NLL_DIFF_MAX`] (the short-text bound: a mean over so few tokens moves by
 /// that much with rounding alone; measured −1.1e-2 here, −2.7e-3 over the 127 of a 640-token
-/// run), while kiln with the window off (`Fault::NoWindow`) is 0.23 away there; and 8 greedy
-/// tokens after the text agree up to a near-tie.
+/// run); and 8 greedy tokens after the text agree up to a near-tie. With `KILN_GEMMA3_FAULTS`
+/// set, kiln with the window off (`Fault::NoWindow`) must be more than twice that bound away past
+/// the window (measured 0.23; 0.59 over 640 tokens): left out of the stage for its time, the
+/// synthetic gemma3 and `tests/gemma3_host.rs` hold that fault every run.
 #[test]
 #[ignore = "needs llama-cpp-python (KILN_LLAMA_PY) and KILN_GEMMA3; run by the llama-cpp stage"]
 fn llama_cpp_gemma3_long_text_nll_greedy() {
@@ -1026,11 +1028,11 @@ fn llama_cpp_gemma3_long_text_nll_greedy() {
     let t_kiln = std::time::Instant::now();
     let (nll, nll_tail, ours_greedy) = nlls(None);
     let t_kiln = t_kiln.elapsed().as_secs_f64();
-    let (_, nw_tail, _) = nlls(Some(Fault::NoWindow));
+    let nw_tail = std::env::var_os("KILN_GEMMA3_FAULTS").map(|_| nlls(Some(Fault::NoWindow)).1);
     eprintln!(
         "gemma3 270M: {GEMMA3_TOKENS} tokens (window {n_swa}): mean NLL kiln {nll:.5} / llama.cpp \
          {ref_nll:.5} (Δ {:+.2e}); the {} positions past the window: kiln {nll_tail:.5} / \
-         llama.cpp {ref_tail:.5} (Δ {:+.2e}); kiln without the window {nw_tail:.5} there \
+         llama.cpp {ref_tail:.5} (Δ {:+.2e}); kiln without the window {nw_tail:.5?} there \
          [llama.cpp {t_ref:.1} s, kiln {t_kiln:.1} s, total {:.1} s]",
         nll - ref_nll,
         tail - 1,
@@ -1046,11 +1048,13 @@ fn llama_cpp_gemma3_long_text_nll_greedy() {
         "gemma3: past the window kiln's NLL {nll_tail} is more than {NLL_DIFF_MAX} from \
          llama.cpp's {ref_tail}"
     );
-    assert!(
-        (nw_tail - ref_tail).abs() > 2.0 * NLL_DIFF_MAX,
-        "gemma3: kiln without the sliding window ({nw_tail}) is within twice the tolerance of \
+    if let Some(nw_tail) = nw_tail {
+        assert!(
+            (nw_tail - ref_tail).abs() > 2.0 * NLL_DIFF_MAX,
+            "gemma3: kiln without the sliding window ({nw_tail}) is within twice the tolerance of \
          llama.cpp ({ref_tail}) past the window: this text cannot tell whether it is applied"
-    );
+        );
+    }
     let reference = Reference {
         n_vocab: nv,
         logits: Vec::new(),
