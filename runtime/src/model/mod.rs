@@ -1,6 +1,9 @@
-//! One decoder for llama / qwen2 / qwen3, parameterised by the architecture's flags (RoPE NORM or
-//! NEOX, per-head Q/K RMSNorm, Q/K/V biases, tied LM head, `key_length` head_dim, GQA), with
-//! Llama 3.x's `rope_freqs.weight` factors and linear RoPE scaling.
+//! One decoder for llama / qwen2 / qwen3 / gemma3 / phi3, parameterised by the architecture's
+//! flags (RoPE NORM or NEOX, per-head Q/K RMSNorm, Q/K/V biases, tied LM head, `key_length`
+//! head_dim, GQA), with Llama 3.x's `rope_freqs.weight` factors and linear RoPE scaling, Gemma 3's
+//! pieces (embedding scale, post-attention and post-FFN norms, GELU(tanh) gate, Q pre-scale,
+//! interleaved sliding-window layers with their own RoPE base, final logit soft-cap) and Phi-3's
+//! fused Q/K/V and gate/up projections.
 //!
 //! Nothing in the file is ignored: a tensor the forward pass does not read refuses the load (all
 //! of them named; [`IGNORED_TENSORS`] is the allow-list), as does an `{arch}.` key that is not
@@ -68,6 +71,24 @@ pub enum Fault {
     /// value (a change of one f32 ulp, the size of a different summation order), to measure how
     /// far the model itself amplifies rounding.
     Ulp,
+    /// gemma3: skip the sqrt(n_embd) embedding scale.
+    NoEmbdScale,
+    /// gemma3: skip `post_attention_norm` and `post_ffw_norm`.
+    NoPostNorms,
+    /// gemma3: gate the FFN with SiLU (SwiGLU) instead of GELU(tanh).
+    SiluGate,
+    /// gemma3: every layer attends to the whole context (the sliding window not applied).
+    NoWindow,
+    /// gemma3: a window one key wider than llama.cpp's (p − k ≤ n_swa instead of < n_swa).
+    WindowPlusOne,
+    /// gemma3: the windowed layers take the global RoPE base and scaling.
+    OneRopeBase,
+    /// gemma3: scale Q by 1/sqrt(n_embd/n_head) (the 27B rule) instead of 1/sqrt(key_length).
+    QScaleEmbd,
+    /// gemma3: skip the final logit soft-cap.
+    NoSoftcap,
+    /// phi3: take the fused `ffn_up` row's halves the other way round (up first, gate second).
+    SwapGateUp,
 }
 
 impl Default for Options {
@@ -89,18 +110,51 @@ struct Mat<'m> {
     prepared: Vec<Option<Box<dyn PreparedWeight + 'm>>>,
 }
 
+/// Q, K and V: three weights, or phi3's one `attn_qkv` whose output rows are [q | k | v].
+enum QkvIn<'m> {
+    Separate {
+        wq: Mat<'m>,
+        wk: Mat<'m>,
+        wv: Mat<'m>,
+    },
+    Fused(Mat<'m>),
+}
+
+/// The FFN's gate and up projections: two weights, or phi3's one `ffn_up` whose output rows are
+/// [gate | up] (ggml's `swiglu` of the fused row: the first half through SiLU).
+enum GateUp<'m> {
+    Separate { gate: Mat<'m>, up: Mat<'m> },
+    Fused(Mat<'m>),
+}
+
 struct Layer<'m> {
     attn_norm: &'m [f32],
     q_norm: Option<&'m [f32]>,
     k_norm: Option<&'m [f32]>,
-    wq: Mat<'m>,
-    wk: Mat<'m>,
-    wv: Mat<'m>,
+    /// gemma3's `post_attention_norm` and `post_ffw_norm`.
+    post_attn_norm: Option<&'m [f32]>,
+    post_ffn_norm: Option<&'m [f32]>,
+    qkv: QkvIn<'m>,
     wo: Mat<'m>,
     ffn_norm: &'m [f32],
-    gate: Mat<'m>,
-    up: Mat<'m>,
+    gate_up: GateUp<'m>,
     down: Mat<'m>,
+}
+
+impl<'m> Layer<'m> {
+    fn mats(&self) -> Vec<&Mat<'m>> {
+        let mut v = match &self.qkv {
+            QkvIn::Separate { wq, wk, wv } => vec![wq, wk, wv],
+            QkvIn::Fused(m) => vec![m],
+        };
+        v.push(&self.wo);
+        match &self.gate_up {
+            GateUp::Separate { gate, up } => v.extend([gate, up]),
+            GateUp::Fused(m) => v.push(m),
+        }
+        v.push(&self.down);
+        v
+    }
 }
 
 pub struct Model<'m> {
@@ -122,6 +176,14 @@ pub struct Model<'m> {
     rope_factors: Option<&'m [f32]>,
     /// [`Fault::Ulp`].
     ulp_nudge: bool,
+    /// The FFN gate: GELU(tanh) (gemma3) or SiLU.
+    gelu: bool,
+    /// [`Fault::NoWindow`].
+    no_window: bool,
+    /// [`Fault::OneRopeBase`].
+    one_rope_base: bool,
+    /// [`Fault::SwapGateUp`].
+    swap_gate_up: bool,
 }
 
 /// Which logits a forward pass returns.
@@ -161,6 +223,18 @@ struct Scratch {
     g: Vec<f32>,
     u: Vec<f32>,
     cs: Vec<(f32, f32)>,
+}
+
+/// One layer's norm weights as the load reads them.
+struct LayerNorms<'m> {
+    /// phi3's fused `attn_qkv` and gate/up `ffn_up`.
+    fused: bool,
+    attn: &'m [f32],
+    q: Option<&'m [f32]>,
+    k: Option<&'m [f32]>,
+    ffn: &'m [f32],
+    post_attn: Option<&'m [f32]>,
+    post_ffn: Option<&'m [f32]>,
 }
 
 /// An F32 tensor's values, borrowed from the mapping (tensors are 32-byte aligned in the file
@@ -325,12 +399,23 @@ impl<'m> Model<'m> {
         ensure!(!backends.is_empty(), "a model needs at least one backend");
         let mut hp = HParams::from_gguf(f.gguf())
             .with_context(|| format!("{}: model hyper-parameters", f.path().display()))?;
-        if opt.fault == Some(Fault::RopeBase) {
-            hp.freq_base = if hp.freq_base == 10000.0 {
-                1e6
-            } else {
-                10000.0
-            };
+        match opt.fault {
+            Some(Fault::RopeBase) => {
+                hp.freq_base = if hp.freq_base == 10000.0 {
+                    1e6
+                } else {
+                    10000.0
+                };
+            }
+            Some(Fault::NoEmbdScale) => hp.embd_scale = None,
+            Some(Fault::NoSoftcap) => hp.final_softcap = None,
+            Some(Fault::QScaleEmbd) => hp.q_scale = 1.0 / ((hp.n_embd / hp.n_head) as f32).sqrt(),
+            Some(Fault::WindowPlusOne) => {
+                if let Some(w) = &mut hp.swa {
+                    w.n_swa += 1;
+                }
+            }
+            _ => {}
         }
         let e = hp.n_embd;
         let rd = Reader::new(f);
@@ -372,21 +457,31 @@ impl<'m> Model<'m> {
                 }
                 Ok(b)
             };
-            names.push((
-                weight(&p("attn_q.weight"), e, qd)?,
-                bias("attn_q.bias", qd)?,
-            ));
-            names.push((
-                weight(&p("attn_k.weight"), e, kvd)?,
-                bias("attn_k.bias", kvd)?,
-            ));
-            names.push((
-                weight(&p("attn_v.weight"), e, kvd)?,
-                bias("attn_v.bias", kvd)?,
-            ));
+            let fused = hp.arch == Arch::Phi3;
+            if fused {
+                // phi3 (as its converter writes it): one [q | k | v] projection, no biases.
+                names.push((weight(&p("attn_qkv.weight"), e, qd + 2 * kvd)?, None));
+            } else {
+                names.push((
+                    weight(&p("attn_q.weight"), e, qd)?,
+                    bias("attn_q.bias", qd)?,
+                ));
+                names.push((
+                    weight(&p("attn_k.weight"), e, kvd)?,
+                    bias("attn_k.bias", kvd)?,
+                ));
+                names.push((
+                    weight(&p("attn_v.weight"), e, kvd)?,
+                    bias("attn_v.bias", kvd)?,
+                ));
+            }
             names.push((weight(&p("attn_output.weight"), qd, e)?, None));
-            names.push((weight(&p("ffn_gate.weight"), e, hp.n_ff)?, None));
-            names.push((weight(&p("ffn_up.weight"), e, hp.n_ff)?, None));
+            if fused {
+                names.push((weight(&p("ffn_up.weight"), e, 2 * hp.n_ff)?, None));
+            } else {
+                names.push((weight(&p("ffn_gate.weight"), e, hp.n_ff)?, None));
+                names.push((weight(&p("ffn_up.weight"), e, hp.n_ff)?, None));
+            }
             names.push((weight(&p("ffn_down.weight"), hp.n_ff, e)?, None));
             let (qn, kn) = if hp.arch.qk_norm() {
                 (
@@ -396,19 +491,35 @@ impl<'m> Model<'m> {
             } else {
                 (None, None)
             };
-            // The fault drops them after they were read: a deliberate fault, not a tensor the
+            let (pa, pf) = if hp.arch.gemma() {
+                (
+                    Some(rd.vector(&p("post_attention_norm.weight"), e)?),
+                    Some(rd.vector(&p("post_ffw_norm.weight"), e)?),
+                )
+            } else {
+                (None, None)
+            };
+            // The faults drop them after they were read: a deliberate fault, not a tensor the
             // load forgot.
             let (qn, kn) = if opt.fault == Some(Fault::NoQkNorm) {
                 (None, None)
             } else {
                 (qn, kn)
             };
-            norms.push((
-                rd.vector(&p("attn_norm.weight"), e)?,
-                qn,
-                kn,
-                rd.vector(&p("ffn_norm.weight"), e)?,
-            ));
+            let (pa, pf) = if opt.fault == Some(Fault::NoPostNorms) {
+                (None, None)
+            } else {
+                (pa, pf)
+            };
+            norms.push(LayerNorms {
+                fused,
+                attn: rd.vector(&p("attn_norm.weight"), e)?,
+                q: qn,
+                k: kn,
+                ffn: rd.vector(&p("ffn_norm.weight"), e)?,
+                post_attn: pa,
+                post_ffn: pf,
+            });
         }
         // Llama 3.x RoPE frequency factors (llama.cpp: llama only; one tensor shared by every
         // layer). qwen2/qwen3 do not read it, in llama.cpp or here: such a file is refused below.
@@ -431,6 +542,20 @@ impl<'m> Model<'m> {
         } else {
             None
         };
+        // Phi-3's LongRoPE (long/short frequency factors chosen by context length, plus an
+        // attention factor): not implemented, refused by name rather than left unused.
+        let longrope: Vec<&str> = f
+            .tensors()
+            .map(|t| t.name)
+            .filter(|n| n.starts_with("rope_factors_") || n.contains(".rope_factors_"))
+            .collect();
+        if !longrope.is_empty() {
+            bail!(
+                "{}: LongRoPE frequency factors ({}) are not implemented by kiln",
+                f.path().display(),
+                longrope.join(", ")
+            );
+        }
         let tied = f.tensor("output.weight").is_none();
         let out_w = if tied {
             tok_embd
@@ -517,6 +642,7 @@ impl<'m> Model<'m> {
             }
         }
         let output = mats.pop().context("no output weight")?;
+        let hp_gelu = hp.arch.gemma() && opt.fault != Some(Fault::SiluGate);
         let rope = match (opt.fault, hp.arch.rope()) {
             (Some(Fault::SwapRope), RopeKind::Norm) => RopeKind::Neox,
             (Some(Fault::SwapRope), RopeKind::Neox) => RopeKind::Norm,
@@ -529,23 +655,40 @@ impl<'m> Model<'m> {
         }
         let mut it = mats.into_iter();
         let mut layers = Vec::with_capacity(hp.n_layer);
-        for (attn_norm, q_norm, k_norm, ffn_norm) in norms {
+        for n in norms {
             let mut next = || {
                 it.next()
                     .context("internal: fewer matmul weights than layers")
             };
+            let qkv = if n.fused {
+                QkvIn::Fused(next()?)
+            } else {
+                QkvIn::Separate {
+                    wq: next()?,
+                    wk: next()?,
+                    wv: next()?,
+                }
+            };
+            let wo = next()?;
+            let gate_up = if n.fused {
+                GateUp::Fused(next()?)
+            } else {
+                GateUp::Separate {
+                    gate: next()?,
+                    up: next()?,
+                }
+            };
             layers.push(Layer {
-                attn_norm,
-                q_norm,
-                k_norm,
-                wq: next()?,
-                wk: next()?,
-                wv: next()?,
-                wo: next()?,
-                gate: next()?,
-                up: next()?,
+                attn_norm: n.attn,
+                q_norm: n.q,
+                k_norm: n.k,
+                post_attn_norm: n.post_attn,
+                post_ffn_norm: n.post_ffn,
+                qkv,
+                wo,
+                gate_up,
                 down: next()?,
-                ffn_norm,
+                ffn_norm: n.ffn,
             });
         }
         Ok(Model {
@@ -565,6 +708,10 @@ impl<'m> Model<'m> {
             rope,
             rope_factors,
             ulp_nudge: opt.fault == Some(Fault::Ulp),
+            gelu: hp_gelu,
+            no_window: opt.fault == Some(Fault::NoWindow),
+            one_rope_base: opt.fault == Some(Fault::OneRopeBase),
+            swap_gate_up: opt.fault == Some(Fault::SwapGateUp),
         })
     }
 
@@ -576,7 +723,7 @@ impl<'m> Model<'m> {
     pub fn weight_bytes_per_token(&self) -> u64 {
         let mut b = self.output.w.data.len() as u64;
         for l in &self.layers {
-            for m in [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down] {
+            for m in l.mats() {
                 b += m.w.data.len() as u64;
             }
         }
@@ -771,6 +918,11 @@ impl<'m> Model<'m> {
                 )
                 .context("token_embd.weight row")?;
             }
+            if let Some(sc) = hp.embd_scale {
+                for v in x.iter_mut() {
+                    *v *= sc;
+                }
+            }
             if self.ulp_nudge {
                 for v in x.iter_mut() {
                     *v = f32::from_bits(v.to_bits() ^ 1);
@@ -780,19 +932,43 @@ impl<'m> Model<'m> {
                 for (xr, yr) in x.chunks_exact(e).zip(xn.chunks_exact_mut(e)) {
                     ops::rms_norm(xr, l.attn_norm, hp.eps, yr);
                 }
-                self.matmul(&l.wq, &xn, m, &mut q, &mut stats)?;
-                self.matmul(&l.wk, &xn, m, &mut k, &mut stats)?;
-                self.matmul(&l.wv, &xn, m, &mut v, &mut stats)?;
+                match &l.qkv {
+                    QkvIn::Separate { wq, wk, wv } => {
+                        self.matmul(wq, &xn, m, &mut q, &mut stats)?;
+                        self.matmul(wk, &xn, m, &mut k, &mut stats)?;
+                        self.matmul(wv, &xn, m, &mut v, &mut stats)?;
+                    }
+                    QkvIn::Fused(w) => {
+                        // Rows of [q | k | v], split as ggml's views of the fused output.
+                        let (qd, kd) = (hp.q_dim(), hp.kv_dim());
+                        self.matmul(w, &xn, m, &mut u, &mut stats)?;
+                        q.resize(m * qd, 0.0);
+                        k.resize(m * kd, 0.0);
+                        v.resize(m * kd, 0.0);
+                        for (i, row) in u.chunks_exact(qd + 2 * kd).enumerate() {
+                            q[i * qd..(i + 1) * qd].copy_from_slice(&row[..qd]);
+                            k[i * kd..(i + 1) * kd].copy_from_slice(&row[qd..qd + kd]);
+                            v[i * kd..(i + 1) * kd].copy_from_slice(&row[qd + kd..]);
+                        }
+                    }
+                }
                 if let (Some(qn), Some(kn)) = (l.q_norm, l.k_norm) {
                     ops::rms_norm_rows_inplace(&mut q, qn, hp.eps);
                     ops::rms_norm_rows_inplace(&mut k, kn, hp.eps);
                 }
                 let (qd, kd) = (hp.q_dim(), hp.kv_dim());
                 att.resize(m * nh * hd, 0.0);
+                // Windowed layers: their own base, never the file's scaling (llama.cpp's
+                // `get_rope_freq_base` / `get_rope_freq_scale`).
+                let (freq_base, freq_scale) = if hp.is_swa(li) && !self.one_rope_base {
+                    (hp.freq_base_swa, 1.0)
+                } else {
+                    (hp.freq_base, hp.freq_scale)
+                };
                 let freqs = ops::RopeFreqs {
                     n_rot: hp.n_rot,
-                    freq_base: hp.freq_base,
-                    freq_scale: hp.freq_scale,
+                    freq_base,
+                    freq_scale,
                     factors: self.rope_factors,
                 };
                 for ((s, _), &(r0, n, pos0)) in groups.iter_mut().zip(&spans) {
@@ -800,6 +976,11 @@ impl<'m> Model<'m> {
                         ops::rope_cache(pos0 + i - r0, &freqs, &mut cs);
                         ops::rope_heads(&mut q[i * qd..(i + 1) * qd], hd, hp.n_rot, self.rope, &cs);
                         ops::rope_heads(&mut k[i * kd..(i + 1) * kd], hd, hp.n_rot, self.rope, &cs);
+                        if hp.q_scale != 1.0 {
+                            for v in &mut q[i * qd..(i + 1) * qd] {
+                                *v *= hp.q_scale;
+                            }
+                        }
                         s.kv.write(
                             li,
                             pos0 + i - r0,
@@ -817,16 +998,42 @@ impl<'m> Model<'m> {
                     }
                 }
                 self.matmul(&l.wo, &att, m, &mut o, &mut stats)?;
+                if let Some(w) = l.post_attn_norm {
+                    ops::rms_norm_rows_inplace(&mut o, w, hp.eps);
+                }
                 for (a, &b) in x.iter_mut().zip(&o) {
                     *a += b;
                 }
                 for (xr, yr) in x.chunks_exact(e).zip(xn.chunks_exact_mut(e)) {
                     ops::rms_norm(xr, l.ffn_norm, hp.eps, yr);
                 }
-                self.matmul(&l.gate, &xn, m, &mut g, &mut stats)?;
-                self.matmul(&l.up, &xn, m, &mut u, &mut stats)?;
-                ops::swiglu_inplace(&mut g, &u);
+                match &l.gate_up {
+                    GateUp::Separate { gate, up } => {
+                        self.matmul(gate, &xn, m, &mut g, &mut stats)?;
+                        self.matmul(up, &xn, m, &mut u, &mut stats)?;
+                    }
+                    GateUp::Fused(w) => {
+                        // Rows of [gate | up]: ggml's swiglu of the fused row.
+                        let ff = hp.n_ff;
+                        self.matmul(w, &xn, m, &mut o, &mut stats)?;
+                        g.resize(m * ff, 0.0);
+                        u.resize(m * ff, 0.0);
+                        let (gh, uh) = if self.swap_gate_up { (ff, 0) } else { (0, ff) };
+                        for (i, row) in o.chunks_exact(2 * ff).enumerate() {
+                            g[i * ff..(i + 1) * ff].copy_from_slice(&row[gh..gh + ff]);
+                            u[i * ff..(i + 1) * ff].copy_from_slice(&row[uh..uh + ff]);
+                        }
+                    }
+                }
+                if self.gelu {
+                    ops::geglu_inplace(&mut g, &u);
+                } else {
+                    ops::swiglu_inplace(&mut g, &u);
+                }
                 self.matmul(&l.down, &g, m, &mut o, &mut stats)?;
+                if let Some(w) = l.post_ffn_norm {
+                    ops::rms_norm_rows_inplace(&mut o, w, hp.eps);
+                }
                 for (a, &b) in x.iter_mut().zip(&o) {
                     *a += b;
                 }
@@ -845,6 +1052,13 @@ impl<'m> Model<'m> {
             }
             let mut logits = Vec::new();
             self.matmul(&self.output, &xn[..r * e], r, &mut logits, &mut stats)?;
+            if let Some(cap) = hp.final_softcap {
+                // ggml_scale(1/cap), ggml_tanh, ggml_scale(cap).
+                let inv = 1.0 / cap;
+                for v in logits.iter_mut() {
+                    *v = (*v * inv).tanh() * cap;
+                }
+            }
             Ok(logits)
         })();
         let s0 = &mut *groups[0].0;
@@ -886,6 +1100,13 @@ impl<'m> Model<'m> {
         let hp = &self.hp;
         let (hd, nh) = (hp.head_dim, hp.n_head);
         let group = nh / hp.n_head_kv;
+        let first = |pos: usize| {
+            if self.no_window {
+                0
+            } else {
+                hp.first_visible(layer, pos)
+            }
+        };
         let f16 = kv.ty == KvType::F16;
         out.clear();
         out.resize(nh * m * hd, 0.0);
@@ -898,19 +1119,22 @@ impl<'m> Model<'m> {
                 let h = h0 + hi;
                 let g = h / group;
                 for i in 0..m {
+                    // Keys j0..=pos: the causal mask, and the sliding window's where the layer
+                    // has one (masked keys weigh exactly 0 in ggml's softmax).
                     let n_kv = pos0 + i + 1;
+                    let j0 = first(pos0 + i);
                     let src = &q[i * nh * hd + h * hd..i * nh * hd + (h + 1) * hd];
                     for (d, &s) in qh.iter_mut().zip(src) {
                         *d = if f16 { ops::round_f16(s) } else { s };
                     }
-                    let sc = &mut scores[..n_kv];
-                    for (j, s) in sc.iter_mut().enumerate() {
+                    let sc = &mut scores[j0..n_kv];
+                    for (j, s) in (j0..).zip(sc.iter_mut()) {
                         *s = kv.k(layer, j, g).dot(&qh);
                     }
                     ops::softmax_scaled(sc, hp.kq_scale);
                     let o = &mut oh[i * hd..(i + 1) * hd];
                     o.fill(0.0);
-                    for (j, &p) in sc.iter().enumerate() {
+                    for (j, &p) in (j0..).zip(sc.iter()) {
                         let p = if f16 { ops::round_f16(p) } else { p };
                         kv.v(layer, j, g).axpy(o, p);
                     }

@@ -88,6 +88,39 @@ pub fn swiglu_inplace(g: &mut [f32], u: &[f32]) {
     }
 }
 
+/// ggml's GELU (tanh approximation) as its CPU backend computes it (`GGML_GELU_FP16`): below
+/// −10 it is 0, from 10 up the identity, and between, the input rounded to f16 looks up
+/// `ggml_table_gelu_f16`, i.e. `gelu_f32` of that f16 value rounded to f16 again.
+pub fn gelu_ggml(x: f32) -> f32 {
+    if x <= -10.0 {
+        0.0
+    } else if x >= 10.0 {
+        x
+    } else {
+        round_f16(gelu_f32(round_f16(x)))
+    }
+}
+
+/// ggml's `ggml_gelu_f32`: `0.5x(1 + tanh(sqrt(2/π)·x·(1 + 0.044715x²)))`, in its order.
+fn gelu_f32(x: f32) -> f32 {
+    const GELU_COEF_A: f32 = 0.044715;
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + GELU_COEF_A * x * x)).tanh())
+}
+
+/// ggml's `geglu` (`ggml_vec_geglu_f32`): `gelu(g)·u` into `g`; outside ±10 as ggml: 0, or `g·u`.
+pub fn geglu_inplace(g: &mut [f32], u: &[f32]) {
+    for (a, &b) in g.iter_mut().zip(u) {
+        *a = if *a <= -10.0 {
+            0.0
+        } else if *a >= 10.0 {
+            *a * b
+        } else {
+            gelu_ggml(*a) * b
+        };
+    }
+}
+
 /// ggml's `soft_max_ext` over the first `n` scores (the causal mask makes the rest −∞):
 /// `x·scale`, max, `expf(x − max)`, sum in f64, multiply by `1/sum`.
 pub fn softmax_scaled(s: &mut [f32], scale: f32) {

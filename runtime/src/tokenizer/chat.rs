@@ -82,6 +82,10 @@ pub struct Template {
     template: String,
     bos: String,
     eos: String,
+    /// Whether encoding the prompt adds BOS / EOS itself (the file's `add_bos_token` /
+    /// `add_eos_token`).
+    add_bos: bool,
+    add_eos: bool,
 }
 
 impl Template {
@@ -99,12 +103,24 @@ impl Template {
             template,
             bos: piece(tok.bos()),
             eos: piece(tok.eos()),
+            add_bos: tok.add_bos(),
+            add_eos: tok.add_eos(),
         })
     }
 
-    /// `(role, content)` messages as the prompt text (to be encoded with special tokens parsed).
+    /// `(role, content)` messages as the prompt text (to be encoded with special tokens parsed
+    /// and added). As llama.cpp's `common_chat_template_direct_apply`: where encoding adds BOS
+    /// itself, a leading BOS piece the template wrote (`{{ bos_token }}`, Gemma, Llama 3) is
+    /// dropped, and likewise a trailing EOS piece, so the prompt does not start with two BOS.
     pub fn render(&self, messages: &[(String, String)]) -> Result<String> {
-        render(&self.template, messages, &self.bos, &self.eos)
+        let mut out = render(&self.template, messages, &self.bos, &self.eos)?;
+        if self.add_bos && !self.bos.is_empty() && out.starts_with(&self.bos) {
+            out.drain(..self.bos.len());
+        }
+        if self.add_eos && !self.eos.is_empty() && out.ends_with(&self.eos) {
+            out.truncate(out.len() - self.eos.len());
+        }
+        Ok(out)
     }
 }
 

@@ -826,6 +826,16 @@ impl Tokenizer {
         self.tokens.len()
     }
 
+    /// Whether `encode(.., add_special = true, ..)` adds BOS (`tokenizer.ggml.add_bos_token`).
+    pub fn add_bos(&self) -> bool {
+        self.add_bos
+    }
+
+    /// Whether `encode(.., add_special = true, ..)` adds EOS (`tokenizer.ggml.add_eos_token`).
+    pub fn add_eos(&self) -> bool {
+        self.add_eos
+    }
+
     pub fn bos(&self) -> Option<u32> {
         self.bos
     }

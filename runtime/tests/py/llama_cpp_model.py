@@ -7,6 +7,13 @@
       attention pinned), write per-position logits as raw little-endian f32 [n_ids, n_vocab] and
       print {"n_vocab", "greedy"} as JSON.
   tokenize --model F --text-file T    llama.cpp's token ids of the text, as JSON
+  nll --model F --ids 1,2,3 [--tail N] [--greedy N]
+      llama.cpp's mean NLL of the ids (each predicted from those before it, one context), of
+      the last N of them, and greedy tokens after them, as JSON (no logits file: for a large
+      vocabulary the logits of a long text are a gigabyte)
+  chat --template-file T --messages-json M [--bos S] [--eos S]
+      a conversation rendered by llama-cpp-python's Jinja2ChatFormatter (jinja2, as Hugging
+      Face renders) and by llama.cpp's own llama_chat_apply_template, as JSON
   add-rope-freqs --model F --out G [--orig-ctx N]    F plus Llama 3's rope_freqs.weight
 """
 
@@ -62,11 +69,18 @@ def synth(args):
     if arch == "qwen3":
         # key_length (64) != embedding_length / head_count (256 / 8 = 32); GQA 8/4.
         n_embd, n_head, n_kv, head_dim, n_ff = 256, 8, 4, 64, 512
+    elif arch == "gemma3":
+        # key_length (128) != 256 / 4; GQA 4/2.
+        n_embd, n_head, n_kv, head_dim, n_ff = 256, 4, 2, 128, 512
+    elif arch == "phi3":
+        n_embd, n_head, n_kv, head_dim, n_ff = 256, 4, 2, 64, 512
     elif arch == "qwen2":
         n_embd, n_head, n_kv, head_dim, n_ff = 256, 4, 2, 64, 512
     else:
         n_embd, n_head, n_kv, head_dim, n_ff = 256, 4, 1, 64, 512
     n_layer, n_vocab, n_ctx = 2, 384, 256
+    if arch == "gemma3":
+        n_layer = 6
     if args.shape:
         n_embd, n_head, n_kv, head_dim, n_ff = 576, 9, 3, 64, 1536
         n_layer = args.shape
@@ -81,7 +95,22 @@ def synth(args):
     w.add_head_count_kv(n_kv)
     w.add_layer_norm_rms_eps(1e-6 if arch != "llama" else 1e-5)
     w.add_rope_freq_base(10000.0 if arch == "llama" else 1000000.0)
-    if arch == "qwen3" or args.key_length:
+    if arch == "gemma3":
+        # Gemma 3's pieces, each set away from its default so that reading it shows: a window
+        # of 8 (the sequences are 48 long), every third layer global (llama.cpp's default is
+        # 6), windowed layers' RoPE base 20000 (default 10000), linear RoPE scaling x2 (global
+        # layers only, as Gemma 3 4B+ has x8), and a final logit soft-cap of 5.
+        w.add_sliding_window(8)
+        w.add_sliding_window_pattern(3)
+        w.add_rope_freq_base_swa(20000.0)
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(2.0)
+        w.add_final_logit_softcapping(5.0)
+    if arch == "phi3":
+        # Read and then switched off by llama.cpp's phi3 ("Phi SWA is currently disabled"): a
+        # window shorter than the sequences, so that applying it would show.
+        w.add_sliding_window(16)
+    if arch in ("qwen3", "gemma3") or args.key_length:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
@@ -143,26 +172,36 @@ def synth(args):
     else:
         w.add_tensor("token_embd.weight", gguf.quants.quantize(emb, wtype), raw_dtype=wtype)
     vec("output_norm.weight", n_embd)
-    if arch == "llama":
+    if arch in ("llama", "phi3"):
         mat("output.weight", n_embd, n_vocab)
     qd, kvd = n_head * head_dim, n_kv * head_dim
     for l in range(n_layer):
         p = "blk.%d." % l
         vec(p + "attn_norm.weight", n_embd)
-        mat(p + "attn_q.weight", n_embd, qd)
-        mat(p + "attn_k.weight", n_embd, kvd)
-        mat(p + "attn_v.weight", n_embd, kvd)
+        if arch == "phi3":
+            # Fused as Phi-3 ships them: rows [q | k | v], and [gate | up] below.
+            mat(p + "attn_qkv.weight", n_embd, qd + 2 * kvd)
+        else:
+            mat(p + "attn_q.weight", n_embd, qd)
+            mat(p + "attn_k.weight", n_embd, kvd)
+            mat(p + "attn_v.weight", n_embd, kvd)
         if arch == "qwen2":
             vec(p + "attn_q.bias", qd, 0.0, 0.5)
             vec(p + "attn_k.bias", kvd, 0.0, 0.5)
             vec(p + "attn_v.bias", kvd, 0.0, 0.5)
-        if arch == "qwen3":
+        if arch in ("qwen3", "gemma3"):
             vec(p + "attn_q_norm.weight", head_dim)
             vec(p + "attn_k_norm.weight", head_dim)
+        if arch == "gemma3":
+            vec(p + "post_attention_norm.weight", n_embd)
+            vec(p + "post_ffw_norm.weight", n_embd)
         mat(p + "attn_output.weight", qd, n_embd)
         vec(p + "ffn_norm.weight", n_embd)
-        mat(p + "ffn_gate.weight", n_embd, n_ff)
-        mat(p + "ffn_up.weight", n_embd, n_ff)
+        if arch == "phi3":
+            mat(p + "ffn_up.weight", n_embd, 2 * n_ff)
+        else:
+            mat(p + "ffn_gate.weight", n_embd, n_ff)
+            mat(p + "ffn_up.weight", n_embd, n_ff)
         mat(p + "ffn_down.weight", n_ff, n_embd)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -263,6 +302,81 @@ def tokenize(args):
     print()
 
 
+def nll(args):
+    """Mean NLL of the ids in one context (f16 KV, no flash attention, as `logits`), computed
+    here row by row, and greedy tokens after them with llama.cpp's top-2 gaps."""
+    import llama_cpp
+
+    ids = [int(t) for t in args.ids.split(",") if t.strip()]
+    llm = llama_cpp.Llama(
+        model_path=args.model,
+        n_ctx=len(ids) + args.greedy + 8,
+        n_batch=512,
+        n_ubatch=512,
+        logits_all=True,
+        type_k=1,
+        type_v=1,
+        flash_attn=False,
+        n_threads=args.threads,
+        n_threads_batch=args.threads,
+        n_gpu_layers=0,
+        verbose=False,
+    )
+    llm.eval(ids)
+    n_vocab = llm.n_vocab()
+    per = []
+    for i in range(len(ids) - 1):
+        row = np.asarray(llm.scores[i, :n_vocab], dtype=np.float64)
+        m = row.max()
+        per.append(float(np.log(np.exp(row - m).sum()) + m - row[ids[i + 1]]))
+    greedy, gaps = [], []
+    for _ in range(args.greedy):
+        row = np.array(llm.scores[llm.n_tokens - 1, :n_vocab], dtype=np.float64)
+        t = int(np.argmax(row))
+        top2 = np.sort(row)[-2:]
+        greedy.append(t)
+        gaps.append(float(top2[1] - top2[0]))
+        llm.eval([t])
+    tail = per[-args.tail:] if args.tail else per
+    json.dump(
+        {
+            "n_vocab": n_vocab,
+            "nll": sum(per) / len(per),
+            "nll_tail": sum(tail) / len(tail),
+            "greedy": greedy,
+            "gaps": gaps,
+        },
+        sys.stdout,
+    )
+    print()
+
+
+def chat(args):
+    """A conversation through llama-cpp-python's Jinja2ChatFormatter (jinja2) and through
+    llama.cpp's C API llama_chat_apply_template with the same template text."""
+    import ctypes
+
+    import llama_cpp
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    template = open(args.template_file, encoding="utf-8").read()
+    messages = json.load(open(args.messages_json, encoding="utf-8"))
+    fmt = Jinja2ChatFormatter(template=template, eos_token=args.eos, bos_token=args.bos)
+    jinja = fmt(messages=messages).prompt
+    arr = (llama_cpp.llama_chat_message * len(messages))()
+    keep = []
+    for i, m in enumerate(messages):
+        role, content = m["role"].encode(), m["content"].encode()
+        keep += [role, content]
+        arr[i].role = role
+        arr[i].content = content
+    buf = ctypes.create_string_buffer(1 << 16)
+    n = llama_cpp.llama_chat_apply_template(template.encode(), arr, len(messages), True, buf, len(buf))
+    native = buf.raw[:n].decode("utf-8") if n >= 0 else None
+    json.dump({"jinja2": jinja, "llama_cpp": native}, sys.stdout)
+    print()
+
+
 def bench(args):
     """llama.cpp's prefill and decode tok/s for the same shape as `kiln bench` (f16 KV, no flash
     attention, ids spread over the vocabulary, greedy decode)."""
@@ -314,7 +428,7 @@ def main():
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("synth")
-    s.add_argument("--arch", required=True, choices=["llama", "qwen2", "qwen3"])
+    s.add_argument("--arch", required=True, choices=["llama", "qwen2", "qwen3", "gemma3", "phi3"])
     s.add_argument("--wtype", required=True, choices=["q8_0", "q4_0", "q4_1", "q4_k"])
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--key-length", action="store_true")
@@ -339,6 +453,17 @@ def main():
     t = sub.add_parser("tokenize")
     t.add_argument("--model", required=True)
     t.add_argument("--text-file", required=True)
+    n = sub.add_parser("nll")
+    n.add_argument("--model", required=True)
+    n.add_argument("--ids", required=True)
+    n.add_argument("--threads", type=int, default=2)
+    n.add_argument("--tail", type=int, default=0)
+    n.add_argument("--greedy", type=int, default=0)
+    c = sub.add_parser("chat")
+    c.add_argument("--template-file", required=True)
+    c.add_argument("--messages-json", required=True)
+    c.add_argument("--bos", default="<bos>")
+    c.add_argument("--eos", default="<eos>")
     b = sub.add_parser("bench")
     b.add_argument("--model", required=True)
     b.add_argument("-p", type=int, default=128)
@@ -350,6 +475,8 @@ def main():
         "add-rope-freqs": add_rope_freqs,
         "logits": logits,
         "tokenize": tokenize,
+        "nll": nll,
+        "chat": chat,
         "bench": bench,
     }[a.cmd](a)
 

@@ -1,0 +1,149 @@
+//! Phi-3 on the host (the comparison with llama.cpp is `llama_cpp_phi3_synthetic_logits_nll_greedy`
+//! in the llama-cpp stage): a small seeded phi3 GGUF with fused `attn_qkv` and gate/up `ffn_up`
+//! loads with every tensor used; the `sliding_window` key that llama.cpp's phi3 reads and switches
+//! off changes nothing; `attention.scale` (ignored by llama.cpp's phi3) and LongRoPE's factor
+//! tensors are refused by name; the fused halves are read in llama.cpp's order (swapping them,
+//! `Fault::SwapGateUp`, changes the logits).
+
+use kiln_runtime::gguf::writer::GgufWriter;
+use kiln_runtime::gguf::{GgufFile, Value};
+use kiln_runtime::model::{BackendSel, Fault, KvType, Model, Options, Want};
+
+const E: usize = 64;
+const NH: usize = 4;
+const NKV: usize = 2;
+const HD: usize = 16;
+const FF: usize = 96;
+const NV: usize = 80;
+
+fn gguf(edit: impl FnOnce(&mut Vec<(String, Value)>), extra_tensor: Option<&str>) -> Vec<u8> {
+    let mut z = 0x2545_f491_4f6c_dd1du64;
+    let mut vals = |n: usize, mean: f32, sd: f32| -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                z ^= z << 13;
+                z ^= z >> 7;
+                z ^= z << 17;
+                mean + ((z >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * sd * 1.7
+            })
+            .collect()
+    };
+    let mut g = GgufWriter::new();
+    g.add("general.architecture", Value::String("phi3".into()))
+        .unwrap();
+    let mut kv: Vec<(String, Value)> = [
+        ("context_length", Value::U32(64)),
+        ("embedding_length", Value::U32(E as u32)),
+        ("block_count", Value::U32(2)),
+        ("feed_forward_length", Value::U32(FF as u32)),
+        ("attention.head_count", Value::U32(NH as u32)),
+        ("attention.head_count_kv", Value::U32(NKV as u32)),
+        ("attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
+        ("rope.dimension_count", Value::U32(HD as u32)),
+    ]
+    .into_iter()
+    .map(|(k, v)| (format!("phi3.{k}"), v))
+    .collect();
+    edit(&mut kv);
+    for (k, v) in kv {
+        g.add(k, v).unwrap();
+    }
+    let mut mat = |g: &mut GgufWriter, name: &str, k: usize, n: usize| {
+        let v = vals(k * n, 0.0, 1.0 / (k as f32).sqrt());
+        g.tensor_f32(name, &[k as u64, n as u64], &v).unwrap();
+    };
+    mat(&mut g, "token_embd.weight", E, NV);
+    mat(&mut g, "output.weight", E, NV);
+    let (qd, kvd) = (NH * HD, NKV * HD);
+    for l in 0..2 {
+        mat(&mut g, &format!("blk.{l}.attn_qkv.weight"), E, qd + 2 * kvd);
+        mat(&mut g, &format!("blk.{l}.attn_output.weight"), qd, E);
+        mat(&mut g, &format!("blk.{l}.ffn_up.weight"), E, 2 * FF);
+        mat(&mut g, &format!("blk.{l}.ffn_down.weight"), FF, E);
+    }
+    let mut names = vec!["output_norm.weight".to_string()];
+    for l in 0..2 {
+        names.push(format!("blk.{l}.attn_norm.weight"));
+        names.push(format!("blk.{l}.ffn_norm.weight"));
+    }
+    for n in names {
+        let v = vals(E, 1.0, 0.2);
+        g.tensor_f32(n, &[E as u64], &v).unwrap();
+    }
+    if let Some(name) = extra_tensor {
+        let v = vals(HD / 2, 1.0, 0.0);
+        g.tensor_f32(name, &[(HD / 2) as u64], &v).unwrap();
+    }
+    g.to_bytes()
+}
+
+fn run(bytes: &[u8], fault: Option<Fault>) -> Result<Vec<f32>, String> {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("phi3.gguf");
+    std::fs::write(&p, bytes).unwrap();
+    let f = GgufFile::open(&p).unwrap();
+    let opt = Options {
+        backend: BackendSel::CpuRef,
+        fault,
+        ..Options::default()
+    };
+    let r = match Model::load(&f, &opt) {
+        Ok(m) => {
+            let ids: Vec<u32> = (0..24u32).map(|i| (i * 29 + 3) % NV as u32).collect();
+            let mut s = m.session(ids.len(), KvType::F32).unwrap();
+            Ok(m.forward(&mut s, &ids, Want::All).unwrap())
+        }
+        Err(e) => Err(format!("{e:#}")),
+    };
+    r
+}
+
+#[test]
+fn phi3_fused_weights_load_and_llama_cpp_s_ignored_keys_are_handled() {
+    let plain = run(&gguf(|_| {}, None), None).unwrap();
+    assert!(plain.iter().all(|v| v.is_finite()));
+    let windowed = run(
+        &gguf(
+            |kv| kv.push(("phi3.attention.sliding_window".into(), Value::U32(4))),
+            None,
+        ),
+        None,
+    )
+    .unwrap();
+    assert_eq!(plain, windowed, "phi3's sliding_window changed the logits");
+    assert_ne!(
+        run(&gguf(|_| {}, None), Some(Fault::SwapGateUp)).unwrap(),
+        plain
+    );
+    let e = run(
+        &gguf(
+            |kv| kv.push(("phi3.attention.scale".into(), Value::F32(0.25))),
+            None,
+        ),
+        None,
+    )
+    .unwrap_err();
+    assert!(
+        e.contains("phi3.attention.scale = 0.25 (llama.cpp's phi3 ignores it"),
+        "{e}"
+    );
+    let e = run(&gguf(|_| {}, Some("rope_factors_long.weight")), None).unwrap_err();
+    assert!(
+        e.contains("LongRoPE frequency factors (rope_factors_long.weight) are not implemented"),
+        "{e}"
+    );
+    let e = run(
+        &gguf(
+            |kv| {
+                kv.push((
+                    "phi3.rope.scaling.type".into(),
+                    Value::String("longrope".into()),
+                ))
+            },
+            None,
+        ),
+        None,
+    )
+    .unwrap_err();
+    assert!(e.contains("phi3.rope.scaling.type = \"longrope\""), "{e}");
+}
