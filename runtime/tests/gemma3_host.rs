@@ -11,9 +11,12 @@
 //! scaling ×4, soft-cap 3. The only differences from the f64 pass are f32 rounding and ggml's f16
 //! GELU table; each of kiln's injectable gemma faults is shown to exceed the tolerance.
 
+mod support;
+
 use kiln_runtime::gguf::writer::GgufWriter;
-use kiln_runtime::gguf::{GgufFile, Value};
-use kiln_runtime::model::{BackendSel, Fault, KvType, Model, Options, Want};
+use kiln_runtime::gguf::Value;
+use kiln_runtime::model::{Fault, KvType, Want};
+use support::with_model;
 
 const E: usize = 64;
 const NH: usize = 4;
@@ -266,27 +269,6 @@ fn reference(w: &Weights, ids: &[u32]) -> Vec<f64> {
                 .collect::<Vec<_>>()
         })
         .collect()
-}
-
-fn with_model<T>(
-    bytes: &[u8],
-    fault: Option<Fault>,
-    then: impl FnOnce(&Model<'_>) -> T,
-) -> Result<T, String> {
-    let dir = tempfile::tempdir().unwrap();
-    let p = dir.path().join("gemma3.gguf");
-    std::fs::write(&p, bytes).unwrap();
-    let f = GgufFile::open(&p).unwrap();
-    let opt = Options {
-        backend: BackendSel::CpuRef,
-        fault,
-        ..Options::default()
-    };
-    let r = match Model::load(&f, &opt) {
-        Ok(m) => Ok(then(&m)),
-        Err(e) => Err(format!("{e:#}")),
-    };
-    r
 }
 
 fn kiln(bytes: &[u8], fault: Option<Fault>) -> Vec<f32> {

@@ -5,9 +5,11 @@
 //! tensors are refused by name; the fused halves are read in llama.cpp's order (swapping them,
 //! `Fault::SwapGateUp`, changes the logits).
 
+mod support;
+
 use kiln_runtime::gguf::writer::GgufWriter;
-use kiln_runtime::gguf::{GgufFile, Value};
-use kiln_runtime::model::{BackendSel, Fault, KvType, Model, Options, Want};
+use kiln_runtime::gguf::Value;
+use kiln_runtime::model::{Fault, KvType, Want};
 
 const E: usize = 64;
 const NH: usize = 4;
@@ -78,24 +80,11 @@ fn gguf(edit: impl FnOnce(&mut Vec<(String, Value)>), extra_tensor: Option<&str>
 }
 
 fn run(bytes: &[u8], fault: Option<Fault>) -> Result<Vec<f32>, String> {
-    let dir = tempfile::tempdir().unwrap();
-    let p = dir.path().join("phi3.gguf");
-    std::fs::write(&p, bytes).unwrap();
-    let f = GgufFile::open(&p).unwrap();
-    let opt = Options {
-        backend: BackendSel::CpuRef,
-        fault,
-        ..Options::default()
-    };
-    let r = match Model::load(&f, &opt) {
-        Ok(m) => {
-            let ids: Vec<u32> = (0..24u32).map(|i| (i * 29 + 3) % NV as u32).collect();
-            let mut s = m.session(ids.len(), KvType::F32).unwrap();
-            Ok(m.forward(&mut s, &ids, Want::All).unwrap())
-        }
-        Err(e) => Err(format!("{e:#}")),
-    };
-    r
+    support::with_model(bytes, fault, |m| {
+        let ids: Vec<u32> = (0..24u32).map(|i| (i * 29 + 3) % NV as u32).collect();
+        let mut s = m.session(ids.len(), KvType::F32).unwrap();
+        m.forward(&mut s, &ids, Want::All).unwrap()
+    })
 }
 
 #[test]
