@@ -106,6 +106,15 @@ pub fn provision(target: &Path, key: &[u8]) -> Result<()> {
     let spec = format!("{}?offset={}", target.display(), data.start_bytes());
     let dir = tempfile::tempdir().context("a private directory for the key")?;
     let tmp = dir.path().join("api-key");
+    // debugfs splits its commands at whitespace: a temporary path with a space would write
+    // something else, or nothing.
+    if tmp.to_string_lossy().contains(char::is_whitespace) {
+        bail!(
+            "the temporary key file {} has whitespace in its path, which debugfs cannot take: \
+             set TMPDIR to a directory without spaces",
+            tmp.display()
+        );
+    }
     {
         use std::os::unix::fs::OpenOptionsExt;
         let mut f = std::fs::OpenOptions::new()
