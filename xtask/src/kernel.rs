@@ -214,6 +214,13 @@ fn kernel_root() -> PathBuf {
     crate::paths::target_dir().join("kiln/kernel")
 }
 
+/// Where finished builds are kept, by key: the user's cache (`~/.cache/kiln/kernel/<key>`), so a
+/// new checkout of the same inputs does not build the kernel again (about 5 minutes on 2 cores).
+/// The key holds every input that can change the bytes; an entry is re-hashed before it is used.
+fn outputs_root() -> Result<PathBuf> {
+    Ok(crate::paths::user_cache()?.join("kernel"))
+}
+
 /// Unpack the kernel source (a Debian source .deb holding a tarball, or a tarball) once, into
 /// `target/kiln/kernel/src-<sha>/`, and return the tree (the folder holding `Makefile`).
 fn unpack_source(spec: &KernelSpec, file: &Path, sha: &Sha256) -> Result<PathBuf> {
@@ -340,7 +347,7 @@ fn from_deb(
         )
         .as_bytes(),
     );
-    let out_dir = kernel_root().join(key.short());
+    let out_dir = outputs_root()?.join(key.short());
     if let Some(k) = load_cached(&out_dir, &key)? {
         println!(
             "kernel: reused {} taken from {} ({}, Image sha256 {})",
@@ -358,8 +365,8 @@ fn from_deb(
         dtb.as_deref().map(|d| format!(", {d}")).unwrap_or_default(),
         source.display()
     );
-    std::fs::create_dir_all(kernel_root())?;
-    let tmp = kernel_root().join(format!(".{}.tmp", key.short()));
+    let _lock = lock_key(&key)?;
+    let tmp = outputs_root()?.join(format!(".{}.tmp", key.short()));
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp)?;
     }
@@ -449,13 +456,22 @@ pub fn build(
         return from_deb(spec, release, source, source_sha, &fragment_text, &fragment);
     }
     let key = build_key(spec, source_sha, &fragment_text, epoch, &tools.key);
-    let out_dir = kernel_root().join(key.short());
+    let out_dir = outputs_root()?.join(key.short());
     if let Some(k) = load_cached(&out_dir, &key)? {
         println!(
             "kernel: reused cached build {} ({}, Image sha256 {})",
             key.short(),
             k.release,
             k.image_sha256.short()
+        );
+        return Ok(k);
+    }
+    let _lock = lock_key(&key)?;
+    // Another checkout may have built it while this one waited for the lock.
+    if let Some(k) = load_cached(&out_dir, &key)? {
+        println!(
+            "kernel: reused {} (built meanwhile by another build)",
+            key.short()
         );
         return Ok(k);
     }
@@ -509,7 +525,7 @@ pub fn build(
         .to_string();
     let secs = t0.elapsed().as_secs_f64();
 
-    let tmp = kernel_root().join(format!(".{}.tmp", key.short()));
+    let tmp = outputs_root()?.join(format!(".{}.tmp", key.short()));
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp)?;
     }
@@ -641,6 +657,11 @@ pub fn check_config_only(
     let scratch = tempfile::tempdir_in(kernel_root())?;
     let kb = Kbuild::new(spec, &src, 0, tools);
     configure(&kb, spec, scratch.path(), &fragment)
+}
+
+/// The lock of one key's cache entry (its folder, its temporary folder), held while it is made.
+fn lock_key(key: &Sha256) -> Result<std::fs::File> {
+    crate::paths::lock_exclusive(&outputs_root()?.join(format!(".{}.lock", key.short())))
 }
 
 /// A cached build, if its files still hash to what its record says.

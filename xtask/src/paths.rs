@@ -24,3 +24,49 @@ pub fn shell() -> anyhow::Result<xshell::Shell> {
     sh.change_dir(project_root());
     Ok(sh)
 }
+
+/// kiln's per-user cache: `$XDG_CACHE_HOME/kiln`, else `~/.cache/kiln`. It outlives checkouts:
+/// the download cache (`sha256/`) and the builds keyed by every input that shapes their bytes
+/// (`tools-root/<key>`, `kernel/<key>`), so a new clone does not make them again.
+pub fn user_cache() -> anyhow::Result<PathBuf> {
+    use anyhow::Context;
+    let base = match std::env::var_os("XDG_CACHE_HOME").filter(|v| !v.is_empty()) {
+        Some(x) => PathBuf::from(x),
+        None => PathBuf::from(
+            std::env::var_os("HOME").context("neither XDG_CACHE_HOME nor HOME is set")?,
+        )
+        .join(".cache"),
+    };
+    Ok(base.join("kiln"))
+}
+
+/// An exclusive lock on `path` (created if absent), held until the returned file is dropped:
+/// two builds that would make the same keyed cache entry take turns instead of writing one
+/// temporary folder together. Says who waits, when it has to.
+pub fn lock_exclusive(path: &Path) -> anyhow::Result<std::fs::File> {
+    use anyhow::Context;
+    if let Some(d) = path.parent() {
+        std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
+    }
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)
+        .with_context(|| format!("opening the lock {}", path.display()))?;
+    match f.try_lock() {
+        Ok(()) => return Ok(f),
+        Err(std::fs::TryLockError::WouldBlock) => {
+            println!(
+                "waiting for {} (another build holds it) ...",
+                path.display()
+            )
+        }
+        Err(std::fs::TryLockError::Error(e)) => {
+            return Err(e).with_context(|| format!("locking {}", path.display()))
+        }
+    }
+    f.lock()
+        .with_context(|| format!("locking {}", path.display()))?;
+    Ok(f)
+}

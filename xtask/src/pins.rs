@@ -368,15 +368,8 @@ pub struct Cache {
 impl Cache {
     /// `$XDG_CACHE_HOME/kiln/sha256`, else `~/.cache/kiln/sha256`.
     pub fn user() -> Result<Cache> {
-        let base = match std::env::var_os("XDG_CACHE_HOME").filter(|v| !v.is_empty()) {
-            Some(x) => PathBuf::from(x),
-            None => PathBuf::from(
-                std::env::var_os("HOME").context("neither XDG_CACHE_HOME nor HOME is set")?,
-            )
-            .join(".cache"),
-        };
         Ok(Cache {
-            dir: base.join("kiln/sha256"),
+            dir: crate::paths::user_cache()?.join("sha256"),
         })
     }
 

@@ -89,6 +89,7 @@ pub fn run(args: Args) -> Result<()> {
             Err(e) => println!("<== stage {name}: FAIL ({secs:.1} s): {e:#}"),
         }
         results.push((*name, r.is_ok(), secs));
+        record_stage(name, r.is_ok(), secs);
     }
     println!("\nstage summary:");
     for (name, ok, secs) in &results {
@@ -105,6 +106,47 @@ pub fn run(args: Args) -> Result<()> {
         bail!("{failed} stage(s) failed");
     }
     Ok(())
+}
+
+/// One line per finished stage in `~/.cache/kiln/test-stages.log` (UTC time, commit, stage,
+/// PASS/FAIL, seconds): the stage times of earlier runs, clean clones among them, outlive their
+/// checkouts, so a run's cost can be read back stage by stage. A failure to record is only said.
+fn record_stage(name: &str, ok: bool, secs: f64) {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0);
+    let (y, mo, d) = crate::civil::civil_from_days(now.div_euclid(86400));
+    let t = now.rem_euclid(86400);
+    let commit = std::process::Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .current_dir(crate::paths::project_root())
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_else(|| "-".into());
+    let line = format!(
+        "{y:04}-{mo:02}-{d:02}T{:02}:{:02}:{:02}Z {commit} {name} {} {secs:.1}\n",
+        t / 3600,
+        t / 60 % 60,
+        t % 60,
+        if ok { "PASS" } else { "FAIL" }
+    );
+    let write = || -> Result<()> {
+        use std::io::Write;
+        let p = crate::paths::user_cache()?.join("test-stages.log");
+        std::fs::create_dir_all(p.parent().unwrap_or(std::path::Path::new(".")))?;
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&p)?;
+        f.write_all(line.as_bytes())?;
+        Ok(())
+    };
+    if let Err(e) = write() {
+        println!("test: could not record the stage's time: {e:#}");
+    }
 }
 
 /// The host tools a stage needs and whether it cross-builds Rust for aarch64. A stage not named
@@ -630,22 +672,10 @@ fn llama_cpp(_: &Args) -> Result<()> {
     let model = smollm2_model(&python)?;
     let gemma3 = gemma3_model(&python)?;
     let sh = crate::paths::shell()?;
-    let tc = doctor::cross_toolchain()?;
-    tc.cargo(&sh)
-        .args([
-            "build",
-            "--locked",
-            "--release",
-            "-p",
-            "kiln-runtime",
-            "--bin",
-            "kiln",
-            "--target",
-            doctor::AARCH64,
-        ])
-        .run()
-        .context("building kiln for aarch64 (release)")?;
-    let a64 = crate::paths::target_dir().join(format!("{}/release/kiln", doctor::AARCH64));
+    // The image's `kiln`, built as the image builds it (the tools root's linker), so the boot
+    // stages' image build reuses this build instead of linking it again (about 2 minutes).
+    crate::tools_root::ensure(false)?.link_cross_builds()?;
+    let a64 = crate::build::build_runtime(true).context("building kiln for aarch64 (release)")?;
     let runner = format!("qemu-aarch64-static -cpu cortex-a76 -L {}", doctor::SYSROOT);
     cmd!(
         sh,

@@ -9,9 +9,10 @@
 //! - Building: every pin resolved like any input (cache → live archive → snapshot, sha256
 //!   verified), a local `file:` repository of exactly those .debs (Packages from their own
 //!   control files, a Release over it), then `debootstrap --variant=minbase` from it, so nothing
-//!   unpinned can enter. Kept under `target/kiln/tools-root/<key>/`, keyed by [`key`] (the hash
+//!   unpinned can enter. Keyed by [`key`] (the hash
 //!   of the pin list's packages), and checked at every use against the pins: the root's dpkg
-//!   status must list exactly the pinned packages at their pinned versions.
+//!   status must list exactly the pinned packages at their pinned versions. Kept in the user's
+//!   cache (`~/.cache/kiln/tools-root/<key>/`), so every checkout shares it.
 //! - Running: as root, `unshare --mount` + bind mounts of the checkout and `target/` at the same
 //!   paths + `chroot`, with an empty environment plus what the caller passes. Non-root is not
 //!   supported (a user namespace could do it; not done).
@@ -141,7 +142,15 @@ pub fn inputs() -> Result<Vec<Input>> {
     Ok(inputs)
 }
 
-fn root_dir() -> PathBuf {
+/// Where made roots are kept: the user's cache (`~/.cache/kiln/tools-root/<key>`), shared by
+/// every checkout, since the key is the pin list's packages and a root is checked against them at
+/// every use. (It was `target/kiln/tools-root/`, made again by every new clone: about 3.5 minutes.)
+fn root_dir() -> Result<PathBuf> {
+    Ok(crate::paths::user_cache()?.join("tools-root"))
+}
+
+/// Per-checkout files of the root: the linker wrappers, which bind this checkout's paths.
+fn checkout_dir() -> PathBuf {
     crate::paths::target_dir().join("kiln/tools-root")
 }
 
@@ -154,13 +163,19 @@ pub fn ensure(offline: bool) -> Result<ToolsRoot> {
         .iter()
         .map(|i| (i.name.clone(), i.version.clone()))
         .collect();
-    let dir = root_dir().join(key.short());
+    let dir = root_dir()?.join(key.short());
     let root = ToolsRoot {
         dir,
         key,
         packages,
         pins: inputs.clone(),
     };
+    if root.dir.join(".kiln-tools-root").exists() {
+        root.verify()?;
+        return Ok(root);
+    }
+    let _lock = crate::paths::lock_exclusive(&root_dir()?.join(format!(".{}.lock", key.short())))?;
+    // Another build may have made it while this one waited for the lock.
     if root.dir.join(".kiln-tools-root").exists() {
         root.verify()?;
         return Ok(root);
@@ -311,7 +326,7 @@ impl ToolsRoot {
             quote(&r),
             quote(&r)
         ));
-        let base = root_dir();
+        let base = checkout_dir();
         let inner_path = base.join(format!("{}-link.sh", self.key.short()));
         // Named `…-gcc`: rustc infers the linker flavor from the name.
         let outer_path = base.join(format!("{}-aarch64-linux-gnu-gcc", self.key.short()));
@@ -326,6 +341,15 @@ impl ToolsRoot {
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&outer_path, std::fs::Permissions::from_mode(0o755))?;
         Ok(outer_path)
+    }
+
+    /// Link every later aarch64 build of this process with the root's cross gcc
+    /// ([`ToolsRoot::linker`]), as the image links `kiln`: a test that runs the image's binary
+    /// then builds exactly it, and the image build reuses that build.
+    pub fn link_cross_builds(&self) -> Result<()> {
+        let sysroot = crate::doctor::rust_sysroot()?;
+        crate::doctor::link_with(self.linker(&sysroot, &crate::doctor::cargo_home())?);
+        Ok(())
     }
 
     /// For the manifest: the pin list's key, every recorded tool's package version, and every
@@ -398,7 +422,7 @@ fn make(root: &ToolsRoot, inputs: &[Input], offline: bool) -> Result<()> {
         debs.len(),
         t0.elapsed().as_secs_f64()
     );
-    let base = root_dir();
+    let base = root_dir()?;
     std::fs::create_dir_all(&base)?;
     let repo = base.join(format!(".repo-{}", root.key.short()));
     let tmp = base.join(format!(".{}.tmp", root.key.short()));

@@ -205,8 +205,7 @@ pub fn build(args: &Args) -> Result<Built> {
         tools.key.short(),
         tools.packages.len()
     ));
-    let sysroot = crate::doctor::rust_sysroot()?;
-    crate::doctor::link_with(tools.linker(&sysroot, &crate::doctor::cargo_home())?);
+    tools.link_cross_builds()?;
     let models = steps::models(&args.models)?;
     let ctx = steps::Ctx {
         tools,
