@@ -528,6 +528,12 @@ pub fn run(args: Args) -> Result<()> {
     Ok(())
 }
 
+/// The good bundle the run made (`v2.raucb`: this image's boot slot, signed with the development
+/// key), which labgrid's suite installs after the run.
+pub fn v2_bundle() -> PathBuf {
+    crate::paths::target_dir().join("ab-test/bundles/v2.raucb")
+}
+
 /// The erofs disk of the update scenarios: a bundle of this image (`v2.raucb`) and the bundles
 /// RAUC must refuse.
 fn update_disk(dir: &Path) -> Result<PathBuf> {

@@ -660,7 +660,7 @@ pub fn check_config_only(
 }
 
 /// The lock of one key's cache entry (its folder, its temporary folder), held while it is made.
-fn lock_key(key: &Sha256) -> Result<std::fs::File> {
+fn lock_key(key: &Sha256) -> Result<nix::fcntl::Flock<std::fs::File>> {
     crate::paths::lock_exclusive(&outputs_root()?.join(format!(".{}.lock", key.short())))
 }
 

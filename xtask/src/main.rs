@@ -69,6 +69,9 @@ enum Cli {
     Sbom(sbom::Args),
     /// A signed RAUC bundle (verity) of the board's boot slot, for `rauc install` on the board.
     Bundle(bundle::Args),
+    /// kiln's labgrid suite (images/labgrid/) on the QEMU board, or with `--env` on a rack:
+    /// write, boot, check lines against the report, an A/B update, a power cut.
+    Labgrid(farm::labgrid::Args),
 }
 
 /// An expected error (a missing tool, a wrong pin) is one line: the cause chain and the remedy,
@@ -117,6 +120,10 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
                 prepare("qemu", doctor::FOR_IMAGE, true)?;
             }
             qemu::run(a)
+        }
+        Cli::Labgrid(a) => {
+            prepare("labgrid", &[&doctor::PYTHON_VENV], false)?;
+            farm::labgrid::run(a)
         }
         Cli::Flash(a) => {
             prepare("flash", doctor::FOR_FLASH, false)?;

@@ -40,33 +40,60 @@ pub fn user_cache() -> anyhow::Result<PathBuf> {
     Ok(base.join("kiln"))
 }
 
-/// An exclusive lock on `path` (created if absent), held until the returned file is dropped:
+/// An exclusive lock on `path` (created if absent), held until the returned lock is dropped:
 /// two builds that would make the same keyed cache entry take turns instead of writing one
-/// temporary folder together. Says who waits, when it has to.
-pub fn lock_exclusive(path: &Path) -> anyhow::Result<std::fs::File> {
+/// temporary folder together. Says who waits, when it has to. (`flock(2)`: released by the
+/// kernel when the process dies.)
+pub fn lock_exclusive(path: &Path) -> anyhow::Result<nix::fcntl::Flock<std::fs::File>> {
     use anyhow::Context;
+    use nix::fcntl::{Flock, FlockArg};
     if let Some(d) = path.parent() {
         std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
     }
-    let f = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(path)
-        .with_context(|| format!("opening the lock {}", path.display()))?;
-    match f.try_lock() {
-        Ok(()) => return Ok(f),
-        Err(std::fs::TryLockError::WouldBlock) => {
+    let open = || {
+        std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(path)
+            .with_context(|| format!("opening the lock {}", path.display()))
+    };
+    match Flock::lock(open()?, FlockArg::LockExclusiveNonblock) {
+        Ok(l) => return Ok(l),
+        Err((_, nix::errno::Errno::EWOULDBLOCK)) => {
             println!(
                 "waiting for {} (another build holds it) ...",
                 path.display()
             )
         }
-        Err(std::fs::TryLockError::Error(e)) => {
-            return Err(e).with_context(|| format!("locking {}", path.display()))
-        }
+        Err((_, e)) => return Err(e).with_context(|| format!("locking {}", path.display())),
     }
-    f.lock()
-        .with_context(|| format!("locking {}", path.display()))?;
-    Ok(f)
+    Flock::lock(open()?, FlockArg::LockExclusive)
+        .map_err(|(_, e)| e)
+        .with_context(|| format!("locking {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    #[test]
+    fn a_second_lock_waits_for_the_first() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("sub/.key.lock");
+        let first = lock_exclusive(&path).unwrap();
+        let got = Arc::new(AtomicBool::new(false));
+        let (p, g) = (path.clone(), got.clone());
+        let t = std::thread::spawn(move || {
+            let _second = lock_exclusive(&p).unwrap();
+            g.store(true, Ordering::SeqCst);
+        });
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        assert!(!got.load(Ordering::SeqCst), "the second lock did not wait");
+        drop(first);
+        t.join().unwrap();
+        assert!(got.load(Ordering::SeqCst));
+    }
 }

@@ -308,6 +308,8 @@ pub const APPLETS: &[(&str, &[&str])] = &[
             "uniq",
             "awk",
             "ip",
+            // A farm's test (images/labgrid) fetches a bundle from the test host for `rauc install`.
+            "wget",
         ],
     ),
     (

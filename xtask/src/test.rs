@@ -50,7 +50,12 @@ const STAGES: &[(&str, StageFn)] = &[
             first_seed: 1,
             cuts_only: false,
             image: None,
-        })
+        })?;
+        // labgrid's suite on the same image, updating with the stage's own `v2.raucb`.
+        crate::farm::labgrid::stage(
+            &crate::boot_test::image_path("qemu-virt"),
+            &crate::ab_test::v2_bundle(),
+        )
     }),
     ("flash", flash),
     ("image-checks", |_| crate::image::checks::stage()),

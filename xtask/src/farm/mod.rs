@@ -1,4 +1,5 @@
-//! Farms: the LAVA jobs in `images/lava/` held to LAVA's own job schema and to a real console.
+//! Farms: the LAVA jobs in `images/lava/` held to LAVA's own job schema and to a real console;
+//! labgrid's environments and kiln's board suite in [`labgrid`].
 //!
 //! The schema is lava-common's (`lava_common.schemas.validate`, voluptuous), taken from Debian
 //! bookworm's `lava-common` package (pinned by version and sha256, fetched through kiln's private
@@ -8,6 +9,8 @@
 //! each job's monitor regex, applied as LAVA's monitor applies it (Python `re.search` line by
 //! line between `start` and `end`), must turn a boot's serial console into exactly the report's
 //! checks as test cases, `pass`/`fail`/`skip` through its `fixupdict`.
+
+pub mod labgrid;
 
 use crate::apt::{Apt, Download};
 use crate::pins::{Cache, Sha256};

@@ -1,0 +1,273 @@
+//! `cargo xtask labgrid`: kiln's labgrid environments and board suite (`images/labgrid/`) run by
+//! labgrid itself, pinned from PyPI into a venv: `KilnStrategy` (off → written → verdict →
+//! shell → serving) and `test_kiln_board.py` (the check lines against the report, the report on
+//! the shell and over HTTP, an A/B update through RAUC, a power cut at the verdict). On the QEMU
+//! board (`qemu-virt.yaml`, labgrid's QEMUDriver) this prepares what the environment names: U-Boot's
+//! environment on the second pflash (no `kiln.mode`: init serves and gives the shell), a path for
+//! the disk copy the strategy writes. For a rack (`--env images/labgrid/rock-5b.yaml`) the LG_*
+//! variables of that file come from the caller.
+//!
+//! CI runs the suite in `boot-qemu-ab`, on that stage's image and its `v2.raucb`, and requires
+//! all four tests to pass (none skipped); and loads `rock-5b.yaml` with labgrid's own config
+//! loader (`xtask/tests/labgrid_envs.py`): every resource and driver of a rack place is named.
+
+use anyhow::{ensure, Context, Result};
+use std::path::{Path, PathBuf};
+use xshell::cmd;
+
+/// labgrid 26.0.1 and the versions of its dependencies it resolved to (pip, Python 3.11):
+/// every package of the venv pinned, so the suite runs the same labgrid on every host.
+pub const PINS: &str = "labgrid==26.0.1 attrs==26.1.0 certifi==2026.10.19.post1 \
+charset-normalizer==3.5.3 exceptiongroup==1.3.2 grpcio==1.85.3 grpcio-reflection==1.85.1 \
+idna==3.21 iniconfig==2.3.1 Jinja2==3.1.6 MarkupSafe==3.0.4 packaging==26.4 pexpect==4.9.0 \
+pluggy==1.7.0 protobuf==7.36.2 ptyprocess==0.7.0 Pygments==2.21.0 pyserial-labgrid==3.5.0.2 \
+pytest==9.2.0 pyudev==0.24.5 pyusb==1.3.1 PyYAML==6.0.4 requests==2.34.2 \
+typing_extensions==4.16.0 urllib3==2.8.0 xmodem==0.5.0";
+
+/// The suite's tests, all of which CI requires to pass.
+pub const TESTS: &[&str] = &[
+    "test_boot_verdict_and_check_lines",
+    "test_report_over_shell_and_http",
+    "test_ab_update_boots_the_other_slot",
+    "test_power_cut_at_the_verdict",
+];
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// The labgrid environment (default: images/labgrid/qemu-virt.yaml, the QEMU board).
+    #[arg(long)]
+    pub env: Option<PathBuf>,
+    /// The image the strategy writes (default: target/images/kiln-qemu-virt.img; build it with
+    /// `cargo xtask image`).
+    #[arg(long)]
+    pub image: Option<PathBuf>,
+    /// The RAUC bundle the update test installs (`cargo xtask bundle`); without it that test is
+    /// skipped, by name.
+    #[arg(long)]
+    pub bundle: Option<PathBuf>,
+    /// Arguments for pytest, after `--` (e.g. `-- -k power_cut`).
+    #[arg(last = true)]
+    pub pytest: Vec<String>,
+}
+
+fn dir() -> PathBuf {
+    crate::paths::project_root().join("images/labgrid")
+}
+
+/// What a run of the suite found, from its JUnit XML.
+#[derive(Debug, Default)]
+pub struct Outcome {
+    pub passed: Vec<String>,
+    pub failed: Vec<String>,
+    pub skipped: Vec<String>,
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let o = suite(&args)?;
+    println!(
+        "labgrid: {} passed, {} failed, {} skipped{}",
+        o.passed.len(),
+        o.failed.len(),
+        o.skipped.len(),
+        if o.skipped.is_empty() {
+            String::new()
+        } else {
+            format!(" ({})", o.skipped.join(", "))
+        }
+    );
+    ensure!(
+        o.failed.is_empty(),
+        "labgrid: failed: {}",
+        o.failed.join(", ")
+    );
+    Ok(())
+}
+
+/// Run the suite with `args`; the outcome per test (pytest's own exit status is not used: a
+/// failure is read from the JUnit XML, with the rest).
+pub fn suite(args: &Args) -> Result<Outcome> {
+    let python = crate::doctor::pinned_venv("labgrid-venv", PINS)?;
+    let env = args
+        .env
+        .clone()
+        .unwrap_or_else(|| dir().join("qemu-virt.yaml"));
+    let env = std::fs::canonicalize(&env)
+        .with_context(|| format!("the labgrid environment {}", env.display()))?;
+    let work = crate::paths::target_dir().join("labgrid");
+    if work.exists() {
+        std::fs::remove_dir_all(&work).with_context(|| format!("removing {}", work.display()))?;
+    }
+    std::fs::create_dir_all(&work).with_context(|| format!("creating {}", work.display()))?;
+    let image = args
+        .image
+        .clone()
+        .unwrap_or_else(|| crate::boot_test::image_path("qemu-virt"));
+    let image = std::fs::canonicalize(&image).with_context(|| {
+        format!(
+            "the image {} (cargo xtask image, or --image)",
+            image.display()
+        )
+    })?;
+    let mut vars: Vec<(&str, PathBuf)> = vec![("LG_KILN_IMAGE", image)];
+    if let Some(b) = &args.bundle {
+        let b = std::fs::canonicalize(b)
+            .with_context(|| format!("the bundle {} (cargo xtask bundle)", b.display()))?;
+        vars.push(("LG_KILN_BUNDLE", b));
+    }
+    if env.file_name().is_some_and(|n| n == "qemu-virt.yaml") {
+        crate::doctor::ensure(crate::doctor::FOR_BOOT)?;
+        // No kiln.mode: init runs the self-check, then serves and gives the console shell.
+        vars.push(("LG_KILN_PFLASH", crate::boot_test::pflash_with(&work, "")?));
+        vars.push(("LG_KILN_DISK", work.join("disk.img")));
+        vars.push(("LG_UBOOT", crate::boot_test::UBOOT_BIN.into()));
+        vars.push(("LG_QEMU_BIN", which("qemu-system-aarch64")?));
+    }
+    let junit = work.join("junit.xml");
+    let log = work.join("log");
+    let suite = dir().join("test_kiln_board.py");
+    let extra = &args.pytest;
+    println!(
+        "labgrid: {} on {} ({}; console log {})",
+        suite.display(),
+        env.display(),
+        vars.iter()
+            .map(|(k, v)| format!("{k}={}", v.display()))
+            .collect::<Vec<_>>()
+            .join(" "),
+        log.display()
+    );
+    let sh = crate::paths::shell()?;
+    let mut c = cmd!(
+        sh,
+        "{python} -m pytest -p no:cacheprovider -v --lg-env {env} --lg-log {log} --junitxml {junit} {suite} {extra...}"
+    )
+    .ignore_status();
+    for (k, v) in &vars {
+        c = c.env(k, v);
+    }
+    let out = c.run();
+    let outcome = read_junit(&junit).with_context(|| {
+        format!(
+            "labgrid's pytest left no readable results ({})",
+            match &out {
+                Ok(()) => "it exited".to_string(),
+                Err(e) => format!("{e:#}"),
+            }
+        )
+    })?;
+    Ok(outcome)
+}
+
+fn which(tool: &str) -> Result<PathBuf> {
+    std::env::var_os("PATH")
+        .iter()
+        .flat_map(std::env::split_paths)
+        .map(|d| d.join(tool))
+        .find(|p| p.is_file())
+        .with_context(|| format!("{tool} is not on PATH"))
+}
+
+/// The tests of a JUnit XML file (pytest's `--junitxml`) by outcome.
+pub fn read_junit(path: &Path) -> Result<Outcome> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    parse_junit(&text).with_context(|| path.display().to_string())
+}
+
+fn parse_junit(text: &str) -> Result<Outcome> {
+    let doc = roxmltree::Document::parse(text).context("not XML")?;
+    let mut o = Outcome::default();
+    for case in doc.descendants().filter(|n| n.has_tag_name("testcase")) {
+        let name = case.attribute("name").unwrap_or("?").to_string();
+        let has = |t: &str| case.children().any(|c| c.has_tag_name(t));
+        if has("failure") || has("error") {
+            o.failed.push(name);
+        } else if has("skipped") {
+            o.skipped.push(name);
+        } else {
+            o.passed.push(name);
+        }
+    }
+    ensure!(
+        !(o.passed.is_empty() && o.failed.is_empty() && o.skipped.is_empty()),
+        "no test case in it"
+    );
+    Ok(o)
+}
+
+/// The `boot-qemu-ab` stage's part: the suite on the stage's image with its `v2.raucb`, every
+/// test passed; then the rack's environment loaded by labgrid.
+pub fn stage(image: &Path, bundle: &Path) -> Result<()> {
+    let o = suite(&Args {
+        env: None,
+        image: Some(image.to_path_buf()),
+        bundle: Some(bundle.to_path_buf()),
+        pytest: vec![],
+    })?;
+    ensure!(
+        o.failed.is_empty() && o.skipped.is_empty(),
+        "labgrid suite: failed {:?}, skipped {:?} (console log target/labgrid/log)",
+        o.failed,
+        o.skipped
+    );
+    let missing: Vec<&&str> = TESTS
+        .iter()
+        .filter(|t| !o.passed.iter().any(|p| p == **t))
+        .collect();
+    ensure!(
+        missing.is_empty(),
+        "labgrid suite: {missing:?} did not run (passed: {:?})",
+        o.passed
+    );
+    println!(
+        "labgrid: the suite passed on the QEMU board: {}",
+        o.passed.join(", ")
+    );
+    check_rack_env()
+}
+
+/// `rock-5b.yaml` through labgrid's own loader: every resource and driver a rack place needs.
+pub fn check_rack_env() -> Result<()> {
+    let python = crate::doctor::pinned_venv("labgrid-venv", PINS)?;
+    let script = crate::paths::project_root().join("xtask/tests/labgrid_envs.py");
+    let env = dir().join("rock-5b.yaml");
+    let sh = crate::paths::shell()?;
+    cmd!(sh, "{python} {script} {env}")
+        .run()
+        .context("the rack's labgrid environment (images/labgrid/rock-5b.yaml)")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn junit_outcomes_are_read_per_test() {
+        let x = r#"<?xml version="1.0"?><testsuites><testsuite name="pytest" tests="4">
+<testcase classname="t" name="a" time="1"/>
+<testcase classname="t" name="b" time="1"><failure message="x">y</failure></testcase>
+<testcase classname="t" name="c" time="0"><skipped message="no bundle"/></testcase>
+<testcase classname="t" name="d" time="1"><error message="setup"/></testcase>
+</testsuite></testsuites>"#;
+        let o = parse_junit(x).unwrap();
+        assert_eq!(o.passed, ["a"]);
+        assert_eq!(o.failed, ["b", "d"]);
+        assert_eq!(o.skipped, ["c"]);
+        assert!(parse_junit("<testsuites/>").is_err());
+        assert!(parse_junit("not xml").is_err());
+    }
+
+    #[test]
+    fn the_pins_name_labgrid_and_nothing_twice() {
+        let names: Vec<&str> = PINS
+            .split_whitespace()
+            .map(|p| p.split("==").next().unwrap_or(p))
+            .collect();
+        assert!(names.contains(&"labgrid"));
+        let mut d = names.clone();
+        d.sort();
+        d.dedup();
+        assert_eq!(d.len(), names.len());
+        assert!(PINS.split_whitespace().all(|p| p.contains("==")));
+    }
+}
