@@ -546,12 +546,16 @@ fn update_disk(dir: &Path) -> Result<PathBuf> {
                 board: "qemu-virt".into(),
                 models: vec![],
                 offline: false,
+                dev_keys: false,
             },
             key: key.map(|(k, _)| keys.join(k)),
             cert: key.map(|(_, c)| keys.join(c)),
             out: Some(bundles.join(name)),
             compatible: compatible.map(str::to_string),
             needs_model: needs.iter().map(|n| n.to_string()).collect(),
+            // A bundle signed by another key is made to be refused by the board: it is checked
+            // against its own certificate here, not the board's keyring.
+            keyring: key.map(|(_, c)| keys.join(c)),
         })
     };
     let good = make("v2.raucb", None, None, &[])?;

@@ -177,6 +177,7 @@ pub fn ensure_image(
             board: board.to_string(),
             models: models.to_vec(),
             offline: false,
+            dev_keys: false,
         })
         .context("building the image (cargo xtask image)")?;
     }

@@ -38,6 +38,10 @@ pub struct Args {
     /// refusal of a bundle whose models the card does not hold).
     #[arg(long, hide = true)]
     pub needs_model: Vec<String>,
+    /// The keyring the new bundle must verify against (default: the board's, what its RAUC
+    /// trusts), for tests of other keys.
+    #[arg(long, hide = true)]
+    pub keyring: Option<PathBuf>,
 }
 
 /// What a bundle run made.
@@ -226,6 +230,26 @@ pub fn make(args: &Args) -> Result<Bundle> {
     }
     let certfile = tmp.path().join("cert.pem");
     std::fs::write(&certfile, &cert)?;
+    // What the board will check: the signature against the keyring its RAUC trusts (a CA, for a
+    // fleet's keys), so a bundle that board would refuse is refused here, before it ships.
+    let (trusted, what) = match &args.keyring {
+        Some(k) => (pem(k, "--keyring", "CERTIFICATE")?, k.display().to_string()),
+        None => {
+            let b = crate::image::board::Board::load(&args.image.board)?;
+            let (k, dev) = updates::keyring_of(&b)?;
+            let what = match (&b.update.keyring, dev) {
+                (_, true) => "kiln's development certificate".to_string(),
+                (Some(p), false) => p.clone(),
+                (None, false) => "the recipe's keyring".to_string(),
+            };
+            (
+                k,
+                format!("images/{}.toml's keyring ({what})", args.image.board),
+            )
+        }
+    };
+    let keyringfile = tmp.path().join("keyring.pem");
+    std::fs::write(&keyringfile, &trusted)?;
     let raucb = tmp.path().join("out.raucb");
     let env = [
         ("TZ", "UTC".to_string()),
@@ -254,7 +278,6 @@ pub fn make(args: &Args) -> Result<Bundle> {
             ],
         )
         .context("rauc bundle")?;
-    // What the board will check: the signature against the certificate it was made with.
     let info = tools
         .read(
             tmp.path(),
@@ -263,12 +286,17 @@ pub fn make(args: &Args) -> Result<Bundle> {
                 "rauc",
                 "info",
                 "--keyring",
-                &p(&certfile),
+                &p(&keyringfile),
                 "--output-format=json",
                 &p(&raucb),
             ],
         )
-        .context("rauc info of the new bundle")?;
+        .with_context(|| {
+            format!(
+                "rauc info of the new bundle against {what}: the board would refuse it (sign with a \
+                 key its keyring trusts)"
+            )
+        })?;
     let info: serde_json::Value =
         serde_json::from_str(&info).context("rauc info --output-format=json")?;
     if info["compatible"].as_str() != Some(compatible.as_str()) {

@@ -262,6 +262,7 @@ pub fn stage() -> Result<()> {
         board: "qemu-virt".into(),
         models: Vec::new(),
         offline: false,
+        dev_keys: false,
     })
     .context("building the image outside the root")?;
     println!(

@@ -20,6 +20,7 @@ mod fresh_machine;
 mod image;
 mod kernel;
 mod kernel_modules;
+mod keys;
 mod paths;
 mod pins;
 mod pins_cmd;
@@ -72,6 +73,9 @@ enum Cli {
     /// kiln's labgrid suite (images/labgrid/) on the QEMU board, or with `--env` on a rack:
     /// write, boot, check lines against the report, an A/B update, a power cut.
     Labgrid(farm::labgrid::Args),
+    /// A fleet's own update keys, outside the checkout: `keys new --out DIR` (a CA and a signing
+    /// certificate), `keys sign --ca DIR --out DIR2` (a new signing certificate: rotation).
+    Keys(keys::Args),
 }
 
 /// An expected error (a missing tool, a wrong pin) is one line: the cause chain and the remedy,
@@ -121,6 +125,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             }
             qemu::run(a)
         }
+        Cli::Keys(a) => keys::run(a),
         Cli::Labgrid(a) => {
             prepare("labgrid", &[&doctor::PYTHON_VENV], false)?;
             farm::labgrid::run(a)

@@ -55,7 +55,9 @@ const STAGES: &[(&str, StageFn)] = &[
         crate::farm::labgrid::stage(
             &crate::boot_test::image_path("qemu-virt"),
             &crate::ab_test::v2_bundle(),
-        )
+        )?;
+        // A fleet's own keys (`cargo xtask keys`) against the board's RAUC.
+        crate::keys::stage()
     }),
     ("flash", flash),
     ("image-checks", |_| crate::image::checks::stage()),
@@ -898,6 +900,7 @@ fn sbom(_: &Args) -> Result<()> {
             board: board.into(),
             models: vec![],
             offline: false,
+            dev_keys: false,
         })
         .context("building the qemu-virt image for its SBOM")?;
     }
@@ -1419,6 +1422,7 @@ fn boot_qemu_faults(_: &Args) -> Result<()> {
         board: base.board.clone(),
         models: base.models.clone(),
         offline: false,
+        dev_keys: false,
     })
     .context("building the image with SmolLM2")?;
     let image = crate::boot_test::image_path(&base.board);

@@ -45,6 +45,7 @@ pub const LAYERS: &[(&str, &[&str])] = &[
             "sbom",
             "bundle",
             "farm",
+            "keys",
         ],
     ),
     ("crate root", &["main"]),

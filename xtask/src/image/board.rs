@@ -54,6 +54,10 @@ pub struct Update {
     /// PEM certificate(s) the board's RAUC accepts bundles signed under (a path from the project
     /// root). None: kiln's public development certificate, with a warning.
     pub keyring: Option<String>,
+    /// The recipe's own "yes" to the development keyring (an emulated board on a desk): its
+    /// images build with it without `--dev-keys`. A real board's recipe leaves it out.
+    #[serde(default)]
+    pub dev_keys: bool,
 }
 
 /// `[modules]`: kernel modules init loads before it looks for partitions (a kernel taken from a

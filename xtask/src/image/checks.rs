@@ -16,6 +16,7 @@ fn qemu_args() -> Args {
         board: "qemu-virt".into(),
         models: Vec::new(),
         offline: false,
+        dev_keys: false,
     }
 }
 
@@ -315,6 +316,7 @@ pub fn stage() -> Result<()> {
         board: "rock-5b-vendor".into(),
         models: Vec::new(),
         offline: true,
+        dev_keys: true,
     });
     match r {
         Ok(_) => bail!("rock-5b-vendor built without its vendor inputs"),
@@ -341,10 +343,12 @@ pub fn stage() -> Result<()> {
 fn rock5b(sh: &xshell::Shell, tmp: &Path) -> Result<()> {
     let board = Board::load("rock-5b")?;
     super::loader::seed_rkbin(&board)?;
+    // A test board: it trusts the development key, asked for in so many words.
     let built = super::build(&Args {
         board: "rock-5b".into(),
         models: Vec::new(),
         offline: false,
+        dev_keys: true,
     })?;
     let manifest = read_json(&built.manifest)?;
     let release = board

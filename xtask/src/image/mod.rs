@@ -37,6 +37,11 @@ pub struct Args {
     /// Build from the download cache alone; list what is missing.
     #[arg(long)]
     pub offline: bool,
+    /// Let an image of a real board trust kiln's public development update key (anyone can sign
+    /// a bundle it installs): for a board on your desk, never a fleet. Without it such a build
+    /// stops; `cargo xtask keys new` makes a fleet's own.
+    #[arg(long)]
+    pub dev_keys: bool,
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -175,6 +180,7 @@ pub fn append_line(board: &Board) -> String {
 /// (see `steps.rs`), reused by the runner when its key is unchanged.
 pub fn build(args: &Args) -> Result<Built> {
     let board = Board::load(&args.board)?;
+    updates::check_keys(&board, args.dev_keys)?;
     let commit = commit_info(&board)?;
     let work = crate::paths::target_dir()
         .join("kiln/image")

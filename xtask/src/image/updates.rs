@@ -50,22 +50,42 @@ pub const DEV_WARNING: &str = "the update keyring is kiln's public development c
      name your own certificate in the recipe ([update] keyring) and sign with its key \
      (cargo xtask bundle --key K --cert C)";
 
+/// An image whose keyring is the development certificate builds only where that was asked for in
+/// so many words: the recipe's `[update] dev_keys = true` (qemu-virt) or `--dev-keys`.
+pub fn check_keys(board: &super::board::Board, dev_keys_flag: bool) -> Result<()> {
+    if board.update.keyring.is_some() || board.update.dev_keys || dev_keys_flag {
+        return Ok(());
+    }
+    anyhow::bail!(
+        "{}: no [update] keyring, so this image would trust kiln's public development key, with \
+         which anyone can sign a bundle the board installs. For a fleet: `cargo xtask keys new \
+         --out DIR` and name DIR/fleet-ca.pem in the recipe as [update] keyring = \"...\". For a \
+         board on your desk: build with --dev-keys",
+        board.path.display()
+    )
+}
+
 /// The keyring (PEM certificates) the image trusts, and whether it is the development one.
 pub fn keyring(ctx: &Ctx) -> Result<(Vec<u8>, bool)> {
-    match &ctx.board.update.keyring {
+    keyring_of(&ctx.board)
+}
+
+/// The keyring (PEM certificates) `board`'s images trust, and whether it is the development one.
+pub fn keyring_of(board: &super::board::Board) -> Result<(Vec<u8>, bool)> {
+    match &board.update.keyring {
         Some(p) => {
             let path = crate::paths::project_root().join(p);
             let bytes = std::fs::read(&path).with_context(|| {
                 format!(
                     "{}: [update] keyring {}: cannot read it",
-                    ctx.board.path.display(),
+                    board.path.display(),
                     path.display()
                 )
             })?;
             anyhow::ensure!(
                 String::from_utf8_lossy(&bytes).contains("-----BEGIN CERTIFICATE-----"),
                 "{}: [update] keyring {} holds no PEM certificate",
-                ctx.board.path.display(),
+                board.path.display(),
                 path.display()
             );
             Ok((bytes, false))
@@ -281,6 +301,30 @@ pub fn step(ctx: &Ctx) -> Step<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_real_board_with_the_development_keyring_needs_dev_keys() {
+        for board in ["rock-5b", "rock-5b-vendor"] {
+            // Refused before anything is resolved or built, naming the way out.
+            let e = crate::image::build(&crate::image::Args {
+                board: board.into(),
+                models: vec![],
+                offline: true,
+                dev_keys: false,
+            })
+            .err()
+            .unwrap_or_else(|| panic!("{board} built with the development keyring"));
+            let e = format!("{e:#}");
+            assert!(
+                e.contains("--dev-keys") && e.contains("keys new"),
+                "{board}: {e}"
+            );
+            let b = crate::image::board::Board::load(board).unwrap();
+            assert!(check_keys(&b, true).is_ok());
+        }
+        let q = crate::image::board::Board::load("qemu-virt").unwrap();
+        assert!(q.update.dev_keys && check_keys(&q, false).is_ok());
+    }
 
     #[test]
     fn system_conf_names_both_slots_and_the_board() {

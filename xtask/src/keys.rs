@@ -1,0 +1,270 @@
+//! `cargo xtask keys new --out DIR`: a fleet's own update keys, outside the checkout. A CA
+//! (`fleet-ca.pem`, the certificate a recipe names as `[update] keyring`, and its key) and a
+//! signing certificate it issued (`signing-cert.pem` + `signing-key.pem`, what `cargo xtask
+//! bundle --key --cert` signs with). EC P-256, made by `rcgen` (pure Rust: no OpenSSL on the
+//! host, the same on every Linux). Valid from 1970-01-01 to 9999-12-31 like the development
+//! certificate, since a board may boot with its clock unset; a key is retired by rotation (a new
+//! signing certificate from the same CA) or, for the CA itself, by a new keyring in an update.
+//!
+//! Keys are never written into the checkout (a key in a repository is a key anyone can read) nor
+//! over existing files; private keys are mode 0600.
+
+use anyhow::{bail, Context, Result};
+use rcgen::{
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, IsCa, KeyPair, KeyUsagePurpose,
+    PKCS_ECDSA_P256_SHA256,
+};
+use std::path::{Path, PathBuf};
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(subcommand)]
+    pub what: What,
+}
+
+#[derive(clap::Subcommand)]
+pub enum What {
+    /// A new CA and a signing certificate it issued, written to DIR (outside the checkout).
+    New {
+        /// Where to write the four files (created; must not hold them already).
+        #[arg(long)]
+        out: PathBuf,
+        /// The fleet's name, in the certificates' subjects.
+        #[arg(long, default_value = "kiln fleet")]
+        name: String,
+    },
+    /// A new signing certificate from an existing CA (rotation): DIR/signing-{cert,key}.pem.
+    Sign {
+        /// The folder of `keys new` (its fleet-ca.pem and fleet-ca.key.pem).
+        #[arg(long)]
+        ca: PathBuf,
+        /// Where to write the new signing certificate and key.
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value = "kiln fleet")]
+        name: String,
+    },
+}
+
+pub const CA_CERT: &str = "fleet-ca.pem";
+pub const CA_KEY: &str = "fleet-ca.key.pem";
+pub const SIGNING_CERT: &str = "signing-cert.pem";
+pub const SIGNING_KEY: &str = "signing-key.pem";
+
+pub fn run(args: Args) -> Result<()> {
+    match args.what {
+        What::New { out, name } => {
+            let files = new(&out, &name)?;
+            println!("keys: {}", files.join(", "));
+            println!(
+                "keys: in the recipe: [update] keyring = \"{}\"",
+                out.join(CA_CERT).display()
+            );
+            println!(
+                "keys: sign bundles with: cargo xtask bundle --key {} --cert {}",
+                out.join(SIGNING_KEY).display(),
+                out.join(SIGNING_CERT).display()
+            );
+            println!(
+                "keys: keep {} offline; a new signing certificate: cargo xtask keys sign --ca {} --out DIR",
+                CA_KEY,
+                out.display()
+            );
+            Ok(())
+        }
+        What::Sign { ca, out, name } => {
+            let files = sign(&ca, &out, &name)?;
+            println!("keys: {}", files.join(", "));
+            Ok(())
+        }
+    }
+}
+
+fn outside_checkout(out: &Path) -> Result<PathBuf> {
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let out = std::fs::canonicalize(out).with_context(|| format!("resolving {}", out.display()))?;
+    let root = std::fs::canonicalize(crate::paths::project_root())?;
+    if out.starts_with(&root) {
+        bail!(
+            "{} is inside the checkout {}: keys there end up in a commit or an archive; give a \
+             folder outside it",
+            out.display(),
+            root.display()
+        );
+    }
+    Ok(out)
+}
+
+fn params(name: &str, what: &str, ca: bool) -> Result<CertificateParams> {
+    let mut p = CertificateParams::new(Vec::<String>::new())?;
+    let mut dn = DistinguishedName::new();
+    dn.push(DnType::OrganizationName, name);
+    dn.push(DnType::CommonName, format!("{name} {what}"));
+    p.distinguished_name = dn;
+    p.not_before = rcgen::date_time_ymd(1970, 1, 1);
+    p.not_after = rcgen::date_time_ymd(9999, 12, 31);
+    if ca {
+        p.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+        p.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    } else {
+        p.is_ca = IsCa::ExplicitNoCa;
+        p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+    }
+    Ok(p)
+}
+
+/// Write `name` in `dir` (not over an existing file); `secret`: mode 0600.
+fn write_new(dir: &Path, name: &str, text: &str, secret: bool) -> Result<String> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = dir.join(name);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(if secret { 0o600 } else { 0o644 })
+        .open(&path)
+        .with_context(|| format!("writing {} (it must not exist yet)", path.display()))?;
+    f.write_all(text.as_bytes())
+        .and_then(|()| f.sync_all())
+        .with_context(|| format!("writing {}", path.display()))?;
+    Ok(path.display().to_string())
+}
+
+fn refuse_existing(dir: &Path, names: &[&str]) -> Result<()> {
+    let there: Vec<&&str> = names.iter().filter(|n| dir.join(n).exists()).collect();
+    if !there.is_empty() {
+        bail!(
+            "{} already holds {:?}: keys are never overwritten; give another folder",
+            dir.display(),
+            there
+        );
+    }
+    Ok(())
+}
+
+/// A new CA and a signing certificate it issued in `out`; the paths written.
+pub fn new(out: &Path, name: &str) -> Result<Vec<String>> {
+    let out = outside_checkout(out)?;
+    refuse_existing(&out, &[CA_CERT, CA_KEY, SIGNING_CERT, SIGNING_KEY])?;
+    let ca_key = KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256)?;
+    let ca = params(name, "update CA", true)?.self_signed(&ca_key)?;
+    let mut files = vec![
+        write_new(&out, CA_CERT, &ca.pem(), false)?,
+        write_new(&out, CA_KEY, &ca_key.serialize_pem(), true)?,
+    ];
+    files.extend(issue(&out, name, &ca, &ca_key)?);
+    Ok(files)
+}
+
+/// A new signing certificate from the CA in `ca_dir`, written to `out`.
+pub fn sign(ca_dir: &Path, out: &Path, name: &str) -> Result<Vec<String>> {
+    let read = |f: &str| {
+        let p = ca_dir.join(f);
+        std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))
+    };
+    let ca_key = KeyPair::from_pem(&read(CA_KEY)?).context("the CA key")?;
+    let ca_params =
+        CertificateParams::from_ca_cert_pem(&read(CA_CERT)?).context("the CA certificate")?;
+    // rcgen signs with the issuer's name and key: the certificate object is rebuilt from the
+    // CA's own parameters, so the issued certificate names exactly that CA.
+    let ca = ca_params.self_signed(&ca_key)?;
+    let out = outside_checkout(out)?;
+    refuse_existing(&out, &[SIGNING_CERT, SIGNING_KEY])?;
+    issue(&out, name, &ca, &ca_key)
+}
+
+fn issue(out: &Path, name: &str, ca: &rcgen::Certificate, ca_key: &KeyPair) -> Result<Vec<String>> {
+    let key = KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256)?;
+    let cert = params(name, "bundle signing", false)?.signed_by(&key, ca, ca_key)?;
+    Ok(vec![
+        write_new(out, SIGNING_CERT, &cert.pem(), false)?,
+        write_new(out, SIGNING_KEY, &key.serialize_pem(), true)?,
+    ])
+}
+
+/// The `boot-qemu-ab` stage's part: fleet keys against RAUC itself (the tools root's `rauc`,
+/// the version the board runs). A bundle signed with a fleet's signing certificate verifies
+/// against the fleet CA, and so does one from a rotated signing certificate; against the
+/// development keyring (qemu-virt's) it is refused before it ships, and a bundle signed with
+/// the development key does not verify against the fleet CA.
+pub fn stage() -> Result<()> {
+    let dir = tempfile::tempdir().context("a folder for the test fleet's keys")?;
+    let fleet = dir.path().join("fleet");
+    new(&fleet, "kiln test fleet")?;
+    let rotated = dir.path().join("rotated");
+    sign(&fleet, &rotated, "kiln test fleet")?;
+    let out = crate::paths::target_dir().join("kiln/keys-test");
+    std::fs::create_dir_all(&out)?;
+    let bundle = |signer: Option<&Path>, keyring: Option<PathBuf>, name: &str| {
+        crate::bundle::make(&crate::bundle::Args {
+            image: crate::image::Args {
+                board: "qemu-virt".into(),
+                models: vec![],
+                offline: false,
+                dev_keys: false,
+            },
+            key: signer.map(|d| d.join(SIGNING_KEY)),
+            cert: signer.map(|d| d.join(SIGNING_CERT)),
+            out: Some(out.join(name)),
+            compatible: None,
+            needs_model: vec![],
+            keyring,
+        })
+    };
+    let ca = Some(fleet.join(CA_CERT));
+    bundle(Some(&fleet), ca.clone(), "fleet.raucb")
+        .context("a bundle signed by the fleet's signing certificate, against the fleet CA")?;
+    println!("keys: a bundle signed with `keys new`'s signing certificate verifies against its CA (rauc info)");
+    bundle(Some(&rotated), ca.clone(), "rotated.raucb")
+        .context("a bundle signed by a rotated signing certificate, against the fleet CA")?;
+    println!("keys: so does one signed with `keys sign`'s new certificate from the same CA");
+    match bundle(Some(&fleet), None, "refused.raucb") {
+        Ok(_) => bail!("a fleet-signed bundle verified against qemu-virt's development keyring"),
+        Err(e) => {
+            let e = format!("{e:#}");
+            anyhow::ensure!(e.contains("the board would refuse it"), "{e}");
+            println!("keys: against the development keyring it is refused before it ships");
+        }
+    }
+    match bundle(None, ca, "dev-signed.raucb") {
+        Ok(_) => bail!("a bundle signed with the development key verified against the fleet CA"),
+        Err(_) => println!(
+            "keys: a bundle signed with the development key does not verify against the fleet CA"
+        ),
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_made_outside_the_checkout_and_never_over_old_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let files = new(dir.path(), "test fleet").unwrap();
+        assert_eq!(files.len(), 4);
+        use std::os::unix::fs::PermissionsExt;
+        for (f, mode) in [(CA_KEY, 0o600), (SIGNING_KEY, 0o600), (CA_CERT, 0o644)] {
+            let m = std::fs::metadata(dir.path().join(f))
+                .unwrap()
+                .permissions()
+                .mode();
+            assert_eq!(m & 0o777, mode, "{f}");
+        }
+        let e = new(dir.path(), "again").unwrap_err();
+        assert!(format!("{e:#}").contains("never overwritten"), "{e:#}");
+        let inside = crate::paths::project_root().join("target/kiln/keys-test");
+        let e = new(&inside, "x").unwrap_err();
+        assert!(format!("{e:#}").contains("inside the checkout"), "{e:#}");
+        // Rotation: a second signing certificate from the same CA, elsewhere.
+        let other = tempfile::tempdir().unwrap();
+        assert_eq!(
+            sign(dir.path(), other.path(), "test fleet").unwrap().len(),
+            2
+        );
+        let a = std::fs::read_to_string(dir.path().join(SIGNING_CERT)).unwrap();
+        let b = std::fs::read_to_string(other.path().join(SIGNING_CERT)).unwrap();
+        assert_ne!(a, b);
+    }
+}
