@@ -45,7 +45,7 @@ use xshell::cmd;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// How many seeded power cuts (CI runs 6; a soak: `--seeds 200`).
+    /// How many seeded power cuts (CI runs 4; a soak: `--seeds 200`).
     #[arg(long, default_value_t = 12)]
     pub seeds: u64,
     /// The first seed: `--first-seed 7 --seeds 1` runs seed 7 again.
