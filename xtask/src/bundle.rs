@@ -250,6 +250,21 @@ pub fn make(args: &Args) -> Result<Bundle> {
     };
     let keyringfile = tmp.path().join("keyring.pem");
     std::fs::write(&keyringfile, &trusted)?;
+    // RAUC reads check-crl from its system.conf only: a conf for the check that checks the
+    // keyring's CRL as the board's does (`updates::system_conf`), with no bootloader to touch.
+    let checkconf = tmp.path().join("check-system.conf");
+    std::fs::write(
+        &checkconf,
+        format!(
+            "[system]\ncompatible={compatible}\nbootloader=noop\n\n[keyring]\npath={}\n{}",
+            keyringfile.display(),
+            if updates::has_crl(&trusted) {
+                "check-crl=true\n"
+            } else {
+                ""
+            }
+        ),
+    )?;
     let raucb = tmp.path().join("out.raucb");
     let env = [
         ("TZ", "UTC".to_string()),
@@ -284,9 +299,8 @@ pub fn make(args: &Args) -> Result<Bundle> {
             &env,
             &[
                 "rauc",
+                &format!("--conf={}", p(&checkconf)),
                 "info",
-                "--keyring",
-                &p(&keyringfile),
                 "--output-format=json",
                 &p(&raucb),
             ],

@@ -33,6 +33,16 @@ pub enum What {
         #[arg(long, default_value = "kiln fleet")]
         name: String,
     },
+    /// Revoke a signing certificate: the CA's CRL (in DIR/keyring.pem, the file the recipe
+    /// names) lists it, and boards built with that keyring refuse bundles it signed.
+    Revoke {
+        /// The folder of `keys new` (its CA, its keyring.pem, its list of revoked serials).
+        #[arg(long)]
+        ca: PathBuf,
+        /// The signing certificate to revoke (PEM).
+        #[arg(long)]
+        cert: PathBuf,
+    },
     /// A new signing certificate from an existing CA (rotation): DIR/signing-{cert,key}.pem.
     Sign {
         /// The folder of `keys new` (its fleet-ca.pem and fleet-ca.key.pem).
@@ -50,6 +60,10 @@ pub const CA_CERT: &str = "fleet-ca.pem";
 pub const CA_KEY: &str = "fleet-ca.key.pem";
 pub const SIGNING_CERT: &str = "signing-cert.pem";
 pub const SIGNING_KEY: &str = "signing-key.pem";
+/// What a recipe names as `[update] keyring`: the CA and its CRL (empty until `keys revoke`).
+pub const KEYRING: &str = "keyring.pem";
+/// The serials `keys revoke` listed, one per line (hex), so the next CRL keeps them.
+pub const REVOKED: &str = "revoked.txt";
 
 pub fn run(args: Args) -> Result<()> {
     match args.what {
@@ -58,7 +72,7 @@ pub fn run(args: Args) -> Result<()> {
             println!("keys: {}", files.join(", "));
             println!(
                 "keys: in the recipe: [update] keyring = \"{}\"",
-                out.join(CA_CERT).display()
+                out.join(KEYRING).display()
             );
             println!(
                 "keys: sign bundles with: cargo xtask bundle --key {} --cert {}",
@@ -69,6 +83,16 @@ pub fn run(args: Args) -> Result<()> {
                 "keys: keep {} offline; a new signing certificate: cargo xtask keys sign --ca {} --out DIR",
                 CA_KEY,
                 out.display()
+            );
+            Ok(())
+        }
+        What::Revoke { ca, cert } => {
+            let serial = revoke(&ca, &cert)?;
+            println!(
+                "keys: revoked {} (serial {serial}); {} now lists it: build and ship an image with \
+                 it (signed by a certificate still valid) so boards refuse bundles it signed",
+                cert.display(),
+                ca.join(KEYRING).display()
             );
             Ok(())
         }
@@ -153,11 +177,50 @@ pub fn new(out: &Path, name: &str) -> Result<Vec<String>> {
         write_new(&out, CA_KEY, &ca_key.serialize_pem(), true)?,
     ];
     files.extend(issue(&out, name, &ca, &ca_key)?);
+    write_keyring(&out, &ca, &ca_key, &[])?;
+    files.push(out.join(KEYRING).display().to_string());
     Ok(files)
 }
 
-/// A new signing certificate from the CA in `ca_dir`, written to `out`.
-pub fn sign(ca_dir: &Path, out: &Path, name: &str) -> Result<Vec<String>> {
+/// `keyring.pem`: the CA and a CRL it signed listing `revoked` (hex serials), written atomically.
+/// The CRL's times span 1970-01-01 to 9999-12-31, like the certificates: a board whose clock was
+/// never set still accepts it (OpenSSL checks a CRL's dates).
+fn write_keyring(
+    dir: &Path,
+    ca: &rcgen::Certificate,
+    ca_key: &KeyPair,
+    revoked: &[String],
+) -> Result<()> {
+    use rcgen::{CertificateRevocationListParams, KeyIdMethod, RevokedCertParams, SerialNumber};
+    let revoked_certs = revoked
+        .iter()
+        .map(|h| {
+            Ok(RevokedCertParams {
+                serial_number: SerialNumber::from_slice(
+                    &hex::decode(h).with_context(|| format!("{REVOKED}: {h:?} is not hex"))?,
+                ),
+                revocation_time: rcgen::date_time_ymd(1970, 1, 1),
+                reason_code: Some(rcgen::RevocationReason::KeyCompromise),
+                invalidity_date: None,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let crl = CertificateRevocationListParams {
+        this_update: rcgen::date_time_ymd(1970, 1, 1),
+        next_update: rcgen::date_time_ymd(9999, 12, 31),
+        crl_number: SerialNumber::from(revoked.len() as u64 + 1),
+        issuing_distribution_point: None,
+        revoked_certs,
+        key_identifier_method: KeyIdMethod::Sha256,
+    }
+    .signed_by(ca, ca_key)?;
+    let text = format!("{}{}", ca.pem(), crl.pem()?);
+    crate::atomic::write_atomic(&dir.join(KEYRING), text.as_bytes())
+}
+
+/// The CA of a `keys new` folder: its certificate rebuilt from its own parameters and key (rcgen
+/// signs with the issuer's name and key, so what it issues names exactly that CA).
+fn load_ca(ca_dir: &Path) -> Result<(rcgen::Certificate, KeyPair)> {
     let read = |f: &str| {
         let p = ca_dir.join(f);
         std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))
@@ -165,9 +228,42 @@ pub fn sign(ca_dir: &Path, out: &Path, name: &str) -> Result<Vec<String>> {
     let ca_key = KeyPair::from_pem(&read(CA_KEY)?).context("the CA key")?;
     let ca_params =
         CertificateParams::from_ca_cert_pem(&read(CA_CERT)?).context("the CA certificate")?;
-    // rcgen signs with the issuer's name and key: the certificate object is rebuilt from the
-    // CA's own parameters, so the issued certificate names exactly that CA.
     let ca = ca_params.self_signed(&ca_key)?;
+    Ok((ca, ca_key))
+}
+
+/// Add `cert`'s serial to the CA's revoked list and write its keyring anew; the serial (hex).
+pub fn revoke(ca_dir: &Path, cert: &Path) -> Result<String> {
+    let (ca, ca_key) = load_ca(ca_dir)?;
+    let pem =
+        std::fs::read_to_string(cert).with_context(|| format!("reading {}", cert.display()))?;
+    let params = CertificateParams::from_ca_cert_pem(&pem)
+        .with_context(|| format!("{}: not a PEM certificate", cert.display()))?;
+    let serial = hex::encode(
+        params
+            .serial_number
+            .as_ref()
+            .with_context(|| format!("{}: no serial number", cert.display()))?
+            .as_ref(),
+    );
+    let list = ca_dir.join(REVOKED);
+    let mut revoked: Vec<String> = std::fs::read_to_string(&list)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| l.trim().to_string())
+        .filter(|l| !l.is_empty())
+        .collect();
+    if !revoked.contains(&serial) {
+        revoked.push(serial.clone());
+    }
+    crate::atomic::write_atomic(&list, format!("{}\n", revoked.join("\n")).as_bytes())?;
+    write_keyring(ca_dir, &ca, &ca_key, &revoked)?;
+    Ok(serial)
+}
+
+/// A new signing certificate from the CA in `ca_dir`, written to `out`.
+pub fn sign(ca_dir: &Path, out: &Path, name: &str) -> Result<Vec<String>> {
+    let (ca, ca_key) = load_ca(ca_dir)?;
     let out = outside_checkout(out)?;
     refuse_existing(&out, &[SIGNING_CERT, SIGNING_KEY])?;
     issue(&out, name, &ca, &ca_key)
@@ -232,6 +328,28 @@ pub fn stage() -> Result<()> {
             "keys: a bundle signed with the development key does not verify against the fleet CA"
         ),
     }
+    // Revocation: the first signing certificate revoked, the keyring (CA + CRL) is what a board
+    // built from it trusts, with check-crl as its system.conf says.
+    revoke(&fleet, &fleet.join(SIGNING_CERT))?;
+    let keyring = Some(fleet.join(KEYRING));
+    match bundle(Some(&fleet), keyring.clone(), "revoked.raucb") {
+        Ok(_) => bail!(
+            "a bundle signed by a revoked certificate verified against the keyring with its CRL"
+        ),
+        Err(e) => {
+            let e = format!("{e:#}");
+            anyhow::ensure!(
+                e.contains("certificate revoked"),
+                "refused, but not as revoked: {e}"
+            );
+            println!(
+                "keys: after `keys revoke`, a bundle its certificate signs is refused: certificate revoked"
+            );
+        }
+    }
+    bundle(Some(&rotated), keyring, "after-revoke.raucb")
+        .context("a bundle signed by the rotated certificate after the first was revoked")?;
+    println!("keys: the rotated certificate's bundles still verify");
     Ok(())
 }
 
@@ -239,11 +357,21 @@ pub fn stage() -> Result<()> {
 mod tests {
     use super::*;
 
+    /// `cargo test --workspace --bin xtask -- --ignored keys::tests::with_rauc`: [`stage`] alone
+    /// (the tools root and the qemu-virt image are made or reused).
+    #[test]
+    #[ignore]
+    fn with_rauc() {
+        stage().unwrap();
+    }
+
     #[test]
     fn keys_are_made_outside_the_checkout_and_never_over_old_ones() {
         let dir = tempfile::tempdir().unwrap();
         let files = new(dir.path(), "test fleet").unwrap();
-        assert_eq!(files.len(), 4);
+        assert_eq!(files.len(), 5);
+        let kr = std::fs::read_to_string(dir.path().join(KEYRING)).unwrap();
+        assert!(kr.contains("BEGIN CERTIFICATE") && crate::image::updates::has_crl(kr.as_bytes()));
         use std::os::unix::fs::PermissionsExt;
         for (f, mode) in [(CA_KEY, 0o600), (SIGNING_KEY, 0o600), (CA_CERT, 0o644)] {
             let m = std::fs::metadata(dir.path().join(f))

@@ -102,7 +102,14 @@ pub fn compatible(board: &str) -> String {
 /// `/etc/rauc/system.conf`: two boot slots, RAUC's U-Boot backend on the counters file, the
 /// central status file on the data partition (a per-slot status file would change the slot's
 /// file system, which must stay the bundle's bytes).
-pub fn system_conf(board: &str) -> String {
+/// Whether a keyring (PEM) carries a CRL: then the board's RAUC checks it (`check-crl=true`), and
+/// a bundle signed by a revoked certificate is refused. (With `check-crl` and no CRL, OpenSSL
+/// refuses every bundle: "unable to get certificate CRL".)
+pub fn has_crl(keyring: &[u8]) -> bool {
+    String::from_utf8_lossy(keyring).contains("-----BEGIN X509 CRL-----")
+}
+
+pub fn system_conf(board: &str, check_crl: bool) -> String {
     format!(
         "# RAUC on kiln-{board} (made by cargo xtask image: xtask/src/image/updates.rs).\n\
          [system]\n\
@@ -113,6 +120,7 @@ pub fn system_conf(board: &str) -> String {
          \n\
          [keyring]\n\
          path=/etc/rauc/keyring.pem\n\
+         {}\
          \n\
          [slot.boot.0]\n\
          device=/dev/disk/by-partlabel/boot_a\n\
@@ -123,7 +131,8 @@ pub fn system_conf(board: &str) -> String {
          device=/dev/disk/by-partlabel/boot_b\n\
          type=vfat\n\
          bootname=B\n",
-        compatible(board)
+        compatible(board),
+        if check_crl { "check-crl=true\n" } else { "" }
     )
 }
 
@@ -199,7 +208,7 @@ pub fn add_to_initramfs(
     t.add(
         "etc/rauc/system.conf",
         0o644,
-        file(system_conf(board).as_bytes()),
+        file(system_conf(board, has_crl(keyring)).as_bytes()),
         origin,
     )?;
     t.add("etc/rauc/keyring.pem", 0o644, file(keyring), origin)?;
@@ -328,7 +337,11 @@ mod tests {
 
     #[test]
     fn system_conf_names_both_slots_and_the_board() {
-        let c = system_conf("qemu-virt");
+        let c = system_conf("qemu-virt", false);
+        assert!(!c.contains("check-crl"));
+        assert!(
+            system_conf("qemu-virt", true).contains("path=/etc/rauc/keyring.pem\ncheck-crl=true\n")
+        );
         assert!(c.contains("compatible=kiln-qemu-virt\n"));
         assert!(c.contains(
             "[slot.boot.0]\ndevice=/dev/disk/by-partlabel/boot_a\ntype=vfat\nbootname=A\n"
