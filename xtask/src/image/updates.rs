@@ -59,7 +59,7 @@ pub fn check_keys(board: &super::board::Board, dev_keys_flag: bool) -> Result<()
     anyhow::bail!(
         "{}: no [update] keyring, so this image would trust kiln's public development key, with \
          which anyone can sign a bundle the board installs. For a fleet: `cargo xtask keys new \
-         --out DIR` and name DIR/fleet-ca.pem in the recipe as [update] keyring = \"...\". For a \
+         --out DIR` and name DIR/keyring.pem in the recipe as [update] keyring = \"...\". For a \
          board on your desk: build with --dev-keys",
         board.path.display()
     )
