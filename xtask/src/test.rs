@@ -1614,6 +1614,36 @@ fn boot_qemu_faults(_: &Args) -> Result<()> {
         &["model.matmul.cpu", "model.matmul.npu", "image.manifest"],
     )?;
 
+    // 2.–4. need no model: they boot edited copies of the image without SmolLM2 (the image
+    // boot-qemu-ab boots next), whose self-check takes seconds instead of SmolLM2's minute.
+    crate::image::run(crate::image::Args {
+        board: base.board.clone(),
+        models: vec![],
+        offline: false,
+        dev_keys: false,
+    })
+    .context("building the image without a model")?;
+    let parts = gpt::read(&image).with_context(|| format!("GPT of {}", image.display()))?;
+    let boot = parts
+        .iter()
+        .find(|p| p.name == "boot_a")
+        .cloned()
+        .with_context(|| format!("{} has no partition boot_a", image.display()))?;
+    let mtools_img = |img: &std::path::Path| format!("{}@@{}", img.display(), boot.start_bytes());
+    let manifest_bytes = fat::read_file(
+        &image,
+        boot.start_bytes(),
+        boot.size_bytes(),
+        crate::report::MANIFEST_PATH,
+    )?;
+    let manifest: serde_json::Value = serde_json::from_slice(&manifest_bytes)?;
+    ensure!(
+        manifest["models"]
+            .as_array()
+            .is_none_or(|m| m.iter().all(|m| m["name"] != SMOLLM2_FILE)),
+        "the image without a model still lists {SMOLLM2_FILE}"
+    );
+
     // 2. The manifest on the card edited to another kiln hash.
     let edited_path = dir.join("manifest-edited.json");
     let kiln_sha = manifest["runtime"]["sha256"]
