@@ -66,9 +66,57 @@ pub(super) mod x86 {
     use super::{reduce_lanes, scales_mins, Activations, GgmlType, BLOCK_LANES, QK_K};
     use std::arch::x86_64::*;
 
+    /// The f16 at byte `at` of `b`, widened (exact, the bits of `fast::f16_bits_to_f32`),
+    /// without arithmetic on a subnormal f32: `f16_bits_to_f32` forms a subnormal f16 as a
+    /// subnormal f32 times 2¹¹², and on Intel cores that multiply takes a microcode assist
+    /// (~150 cycles). Q6_K's super-block scales are mostly subnormal f16 (d ≈ max|w| / 4064), so
+    /// the unpack of a Q6_K row paid one per super-block. Here a subnormal (or zero) f16 is its
+    /// 10-bit mantissa times 2⁻²⁴: an integer conversion and a multiply by a power of two, exact.
     #[inline(always)]
-    fn f16_at(b: &[u8], at: usize) -> f32 {
-        super::super::fast::f16_bits_to_f32(u16::from_le_bytes([b[at], b[at + 1]]))
+    pub(in super::super) fn f16_at(b: &[u8], at: usize) -> f32 {
+        let h = u16::from_le_bytes([b[at], b[at + 1]]);
+        if h & 0x7C00 == 0 {
+            let v = (h & 0x3FF) as f32 * f32::from_bits(0x3380_0000);
+            if h & 0x8000 != 0 {
+                -v
+            } else {
+                v
+            }
+        } else {
+            super::super::fast::f16_bits_to_f32(h)
+        }
+    }
+
+    /// The f16 at `p` widened by `vcvtph2ps` (exact, the bits of `fast::f16_bits_to_f32`; no
+    /// assist for a subnormal f16, see [`f16_at`]).
+    #[inline(always)]
+    unsafe fn f16c_at(p: *const u8) -> f32 {
+        let h = (p as *const u16).read_unaligned();
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
+    }
+
+    /// [`f16c_at`] and [`f16c_pair`] for the tests, compiled with F16C.
+    ///
+    /// # Safety
+    /// The CPU must have F16C; `p` must be readable for 2 (4) bytes.
+    #[cfg(test)]
+    #[target_feature(enable = "f16c")]
+    pub(super) unsafe fn f16c_at_checked(p: *const u8) -> f32 {
+        f16c_at(p)
+    }
+
+    #[cfg(test)]
+    #[target_feature(enable = "f16c")]
+    pub(super) unsafe fn f16c_pair_checked(p: *const u8) -> (f32, f32) {
+        f16c_pair(p)
+    }
+
+    /// The two consecutive f16 at `p` (Q4_K/Q5_K's `d` and `dmin`) widened by one `vcvtph2ps`.
+    #[inline(always)]
+    unsafe fn f16c_pair(p: *const u8) -> (f32, f32) {
+        let w = (p as *const u32).read_unaligned();
+        let v = _mm_cvtph_ps(_mm_cvtsi32_si128(w as i32));
+        (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v)))
     }
 
     /// Σ of the eight i32 lanes (exact: the caller's sums stay far inside i32).
@@ -426,10 +474,10 @@ pub(super) mod x86 {
         // Loops, not closures: a closure would not inherit this function's AVX2.
         if ty == GgmlType::Q6K {
             for b in 0..nb {
-                let blk = &src[b * bb..(b + 1) * bb];
                 let isum =
                     unsafe { isum_q6(ps.add(b * bb), pa.add(b * QK_K), bsums[16 * b..].as_ptr()) };
-                acc[b % BLOCK_LANES] += f16_at(blk, 208) * ad[b] * isum as f32;
+                acc[b % BLOCK_LANES] +=
+                    unsafe { f16c_at(ps.add(b * bb + 208)) } * ad[b] * isum as f32;
             }
         } else {
             let q5 = ty == GgmlType::Q5K;
@@ -448,8 +496,8 @@ pub(super) mod x86 {
                 )));
                 let isum = hsum_i32(unsafe { isum_q45(qs, qh, pa.add(b * QK_K), scv) });
                 let msum = unsafe { msum_q45(u64::from_le_bytes(mins), bsums[16 * b..].as_ptr()) };
-                acc[b % BLOCK_LANES] +=
-                    ad[b] * (f16_at(blk, 0) * isum as f32 - f16_at(blk, 2) * msum as f32);
+                let (d, dmin) = unsafe { f16c_pair(p) };
+                acc[b % BLOCK_LANES] += ad[b] * (d * isum as f32 - dmin * msum as f32);
             }
         }
         Some(reduce_lanes(&acc))
@@ -1045,13 +1093,23 @@ mod tests {
                 let k = nb * QK_K;
                 let bb = ty.block_bytes();
                 let mut src: Vec<u8> = (0..nb * bb).map(|_| next() as u8).collect();
-                for b in src.chunks_exact_mut(bb) {
-                    let d = f16::from_f32(0.001 + (next() % 1000) as f32 * 1e-5).to_le_bytes();
+                for (i, b) in src.chunks_exact_mut(bb).enumerate() {
+                    // Every other super-block's d (and dmin) a subnormal f16, as Q6_K's
+                    // super-block scales are in real files (d ≈ max|w| / 4064).
+                    let sub = i % 2 == 1;
+                    let scale = |x: u64, normal: f32| {
+                        if sub {
+                            f16::from_bits(1 + (x % 0x3FF) as u16)
+                        } else {
+                            f16::from_f32(normal)
+                        }
+                    };
+                    let d = scale(next(), 0.001 + (next() % 1000) as f32 * 1e-5).to_le_bytes();
                     if ty == GgmlType::Q6K {
                         b[208..210].copy_from_slice(&d);
                     } else {
                         b[..2].copy_from_slice(&d);
-                        let m = f16::from_f32((next() % 1000) as f32 * 1e-5).to_le_bytes();
+                        let m = scale(next(), (next() % 1000) as f32 * 1e-5).to_le_bytes();
                         b[2..4].copy_from_slice(&m);
                     }
                 }
@@ -1075,6 +1133,39 @@ mod tests {
                             Some(want.to_bits()),
                             "{ty} K={k} row {row} ({path}): {got:?} vs {want}"
                         );
+                    }
+                }
+            }
+        }
+    }
+
+    /// The K-quant kernels' f16 widenings (`x86::f16_at` in software without subnormal f32
+    /// arithmetic, `vcvtph2ps` in the decode loop) against `fast::f16_bits_to_f32`, for all
+    /// 65,536 patterns: the same bits, but that `vcvtph2ps` quiets a signalling NaN (still a NaN).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn f16_widenings_equal_f16_bits_to_f32() {
+        use super::super::fast::f16_bits_to_f32;
+        let f16c = std::arch::is_x86_feature_detected!("f16c");
+        for h in 0..=u16::MAX {
+            let want = f16_bits_to_f32(h);
+            let b = h.to_le_bytes();
+            let soft = super::x86::f16_at(&b, 0);
+            assert_eq!(soft.to_bits(), want.to_bits(), "{h:#06x}: {soft} vs {want}");
+            if f16c {
+                let pair = [b[0], b[1], b[0], b[1]];
+                // SAFETY: F16C was detected; both reads are inside `b` and `pair`.
+                let (one, (lo, hi)) = unsafe {
+                    (
+                        super::x86::f16c_at_checked(b.as_ptr()),
+                        super::x86::f16c_pair_checked(pair.as_ptr()),
+                    )
+                };
+                for got in [one, lo, hi] {
+                    if want.is_nan() {
+                        assert!(got.is_nan(), "{h:#06x}: {got} vs NaN");
+                    } else {
+                        assert_eq!(got.to_bits(), want.to_bits(), "{h:#06x}: {got} vs {want}");
                     }
                 }
             }
@@ -1116,13 +1207,23 @@ mod tests {
                 if ty == GgmlType::Q6K {
                     src[192..208].fill(0x80);
                 }
-                for b in src.chunks_exact_mut(bb) {
-                    let d = f16::from_f32(0.001 + (next() % 1000) as f32 * 1e-5).to_le_bytes();
+                for (i, b) in src.chunks_exact_mut(bb).enumerate() {
+                    // Every other super-block's d (and dmin) a subnormal f16, as Q6_K's
+                    // super-block scales are in real files (d ≈ max|w| / 4064).
+                    let sub = i % 2 == 1;
+                    let scale = |x: u64, normal: f32| {
+                        if sub {
+                            f16::from_bits(1 + (x % 0x3FF) as u16)
+                        } else {
+                            f16::from_f32(normal)
+                        }
+                    };
+                    let d = scale(next(), 0.001 + (next() % 1000) as f32 * 1e-5).to_le_bytes();
                     if ty == GgmlType::Q6K {
                         b[208..210].copy_from_slice(&d);
                     } else {
                         b[..2].copy_from_slice(&d);
-                        let m = f16::from_f32((next() % 1000) as f32 * 1e-5).to_le_bytes();
+                        let m = scale(next(), (next() % 1000) as f32 * 1e-5).to_le_bytes();
                         b[2..4].copy_from_slice(&m);
                     }
                 }
