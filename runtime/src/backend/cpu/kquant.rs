@@ -63,6 +63,7 @@ pub(super) fn available(kernel: Kernel, ty: GgmlType) -> bool {
 
 #[cfg(target_arch = "x86_64")]
 pub(super) mod x86 {
+    use super::super::fused::x86::{add_tail, hsum4, prefetch_ahead, reduce8, tail_mask};
     use super::{reduce_lanes, scales_mins, Activations, GgmlType, BLOCK_LANES, QK_K};
     use std::arch::x86_64::*;
 
@@ -85,38 +86,6 @@ pub(super) mod x86 {
         } else {
             super::super::fast::f16_bits_to_f32(h)
         }
-    }
-
-    /// The f16 at `p` widened by `vcvtph2ps` (exact, the bits of `fast::f16_bits_to_f32`; no
-    /// assist for a subnormal f16, see [`f16_at`]).
-    #[inline(always)]
-    unsafe fn f16c_at(p: *const u8) -> f32 {
-        let h = (p as *const u16).read_unaligned();
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
-    }
-
-    /// [`f16c_at`] and [`f16c_pair`] for the tests, compiled with F16C.
-    ///
-    /// # Safety
-    /// The CPU must have F16C; `p` must be readable for 2 (4) bytes.
-    #[cfg(test)]
-    #[target_feature(enable = "f16c")]
-    pub(super) unsafe fn f16c_at_checked(p: *const u8) -> f32 {
-        f16c_at(p)
-    }
-
-    #[cfg(test)]
-    #[target_feature(enable = "f16c")]
-    pub(super) unsafe fn f16c_pair_checked(p: *const u8) -> (f32, f32) {
-        f16c_pair(p)
-    }
-
-    /// The two consecutive f16 at `p` (Q4_K/Q5_K's `d` and `dmin`) widened by one `vcvtph2ps`.
-    #[inline(always)]
-    unsafe fn f16c_pair(p: *const u8) -> (f32, f32) {
-        let w = (p as *const u32).read_unaligned();
-        let v = _mm_cvtph_ps(_mm_cvtsi32_si128(w as i32));
-        (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v)))
     }
 
     /// Σ of the eight i32 lanes (exact: the caller's sums stay far inside i32).
@@ -188,26 +157,25 @@ pub(super) mod x86 {
     /// Σ_j min_j · (bsum_2j + bsum_2j+1) of a Q4_K/Q5_K super-block: `mins` the eight mins,
     /// `bsums` the activation block's sixteen sums of 16 quants. A pair of sums is at most
     /// 2·16·127 and a min at most 63: exact in `vpmaddwd`.
+    /// (Four i32 lanes whose sum is the msum: the caller reduces eight super-blocks' at once.)
     #[inline(always)]
-    unsafe fn msum_q45(mins: u64, bsums: *const i16) -> i32 {
+    unsafe fn msum_q45(mins: u64, bsums: *const i16) -> __m128i {
         let m = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(mins as i64));
         let pairs = _mm_hadd_epi16(
             _mm_loadu_si128(bsums as *const __m128i),
             _mm_loadu_si128(bsums.add(8) as *const __m128i),
         );
-        let v = _mm_madd_epi16(m, pairs);
-        let v = _mm_add_epi32(v, _mm_shuffle_epi32::<0b01_00_11_10>(v));
-        let v = _mm_add_epi32(v, _mm_shuffle_epi32::<0b10_11_00_01>(v));
-        _mm_cvtsi128_si32(v)
+        _mm_madd_epi16(m, pairs)
     }
 
     /// Σ_j sc_j · (q·a over the 16-element group j) of a Q6_K super-block (`b` its 210 bytes),
     /// quants q in −32..=31 as (unsigned 6-bit) − 32: `vpmaddubsw(q6, a)` (pairs at most
     /// 2·63·127 < 2¹⁵) weighted by the signed scales in `vpmaddwd`, and the −32 of every quant
     /// taken once per super-block as `32·Σ sc_j·bsum_j` from the activation block's sums
-    /// (`bsums`, sixteen sums of 16 quants, each at most 16·127). Exact.
+    /// (`bsums`, sixteen sums of 16 quants, each at most 16·127). Exact. (Eight i32 lanes whose
+    /// sum is the isum: the caller reduces eight super-blocks' at once.)
     #[inline(always)]
-    unsafe fn isum_q6(b: *const u8, a: *const i8, bsums: *const i16) -> i32 {
+    unsafe fn isum_q6(b: *const u8, a: *const i8, bsums: *const i16) -> __m256i {
         let m4 = _mm256_set1_epi8(0x0F);
         let m2 = _mm256_set1_epi8(0x03);
         let sc8 = _mm_loadu_si128(b.add(192) as *const __m128i);
@@ -242,7 +210,102 @@ pub(super) mod x86 {
             _mm256_cvtepi8_epi16(sc8),
             _mm256_loadu_si256(bsums as *const __m256i),
         );
-        hsum_i32(_mm256_sub_epi32(acc, _mm256_slli_epi32::<5>(corr)))
+        _mm256_sub_epi32(acc, _mm256_slli_epi32::<5>(corr))
+    }
+
+    /// [Σv[x], Σv[x + 1], Σv[x + 2], Σv[x + 3]] of vectors of four i32.
+    #[inline(always)]
+    unsafe fn hsum4x4(v: &[__m128i; BLOCK_LANES], x: usize) -> __m128i {
+        _mm_hadd_epi32(
+            _mm_hadd_epi32(v[x], v[x + 1]),
+            _mm_hadd_epi32(v[x + 2], v[x + 3]),
+        )
+    }
+
+    /// The i32 sums of eight vectors of eight lanes (`v[j]`'s into lane j), converted to f32 as
+    /// `isum as f32` converts (`vcvtdq2ps`, round to nearest even).
+    #[inline(always)]
+    unsafe fn sums8(v: &[__m256i; BLOCK_LANES]) -> __m256 {
+        let lo = hsum4([v[0], v[1], v[2], v[3]]);
+        let hi = hsum4([v[4], v[5], v[6], v[7]]);
+        _mm256_cvtepi32_ps(_mm256_set_m128i(hi, lo))
+    }
+
+    /// The f32 terms of the `n` (1..=8) Q4_K/Q5_K super-blocks from `p` (activation quants `a`,
+    /// sums `bs`, scales `ad` of the same blocks), super-block j's in lane j: the scalar
+    /// formula `ad·(d·isum − dmin·msum)` lane by lane (each op rounded as it, no FMA). Lanes from
+    /// `n` on are garbage and read nothing; the caller blends them away.
+    #[inline(always)]
+    unsafe fn terms_q45<const Q5: bool>(
+        p: *const u8,
+        a: *const i8,
+        bs: *const i16,
+        ad: *const f32,
+        n: usize,
+        mask: __m256i,
+    ) -> __m256 {
+        let bb = if Q5 { 176 } else { 144 };
+        let mut isums = [_mm256_setzero_si256(); BLOCK_LANES];
+        let mut msums = [_mm_setzero_si128(); BLOCK_LANES];
+        // d and dmin of each super-block as one u32 (f16 d in the low half).
+        let mut dd = [0u32; BLOCK_LANES];
+        for j in 0..n {
+            let blk = p.add(j * bb);
+            prefetch_ahead(blk, bb);
+            let (sc, mins) = scales_mins(&*(blk.add(4) as *const [u8; 12]));
+            let (qs, qh) = if Q5 {
+                (blk.add(48), Some(blk.add(16)))
+            } else {
+                (blk.add(16), None)
+            };
+            let scv = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(
+                u64::from_le_bytes(sc) as i64,
+            )));
+            isums[j] = isum_q45(qs, qh, a.add(j * QK_K), scv);
+            msums[j] = msum_q45(u64::from_le_bytes(mins), bs.add(16 * j));
+            dd[j] = (blk as *const u32).read_unaligned();
+        }
+        let isum = sums8(&isums);
+        let msum = _mm256_cvtepi32_ps(_mm256_set_m128i(hsum4x4(&msums, 4), hsum4x4(&msums, 0)));
+        // [d0..d7 | dmin0..dmin7] as u16: packus gives [d0..3, dmin0..3 | d4..7, dmin4..7].
+        let g = _mm256_loadu_si256(dd.as_ptr() as *const __m256i);
+        let pk = _mm256_packus_epi32(
+            _mm256_and_si256(g, _mm256_set1_epi32(0xFFFF)),
+            _mm256_srli_epi32::<16>(g),
+        );
+        let pk = _mm256_permute4x64_epi64::<0b11_01_10_00>(pk);
+        let d = _mm256_cvtph_ps(_mm256_castsi256_si128(pk));
+        let dmin = _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(pk));
+        let adv = _mm256_maskload_ps(ad, mask);
+        _mm256_mul_ps(
+            adv,
+            _mm256_sub_ps(_mm256_mul_ps(d, isum), _mm256_mul_ps(dmin, msum)),
+        )
+    }
+
+    /// [`terms_q45`] for Q6_K: `d·ad·isum` lane by lane.
+    #[inline(always)]
+    unsafe fn terms_q6(
+        p: *const u8,
+        a: *const i8,
+        bs: *const i16,
+        ad: *const f32,
+        n: usize,
+        mask: __m256i,
+    ) -> __m256 {
+        const BB: usize = 210;
+        let mut isums = [_mm256_setzero_si256(); BLOCK_LANES];
+        let mut dh = [0u16; BLOCK_LANES];
+        for j in 0..n {
+            let blk = p.add(j * BB);
+            prefetch_ahead(blk, BB);
+            isums[j] = isum_q6(blk, a.add(j * QK_K), bs.add(16 * j));
+            dh[j] = (blk.add(208) as *const u16).read_unaligned();
+        }
+        let isum = sums8(&isums);
+        let d = _mm256_cvtph_ps(_mm_loadu_si128(dh.as_ptr() as *const __m128i));
+        let adv = _mm256_maskload_ps(ad, mask);
+        _mm256_mul_ps(_mm256_mul_ps(d, adv), isum)
     }
 
     /// One K-quant weight row unpacked once for M > 1, so the per-activation-row loop
@@ -467,40 +530,33 @@ pub(super) mod x86 {
         let aq = act.qs.get(row * k..row * k + k)?;
         let ad = act.d.get(row * nb..row * nb + nb)?;
         let bsums = act.bsums.get(row * nb * 16..(row + 1) * nb * 16)?;
-        let (ps, pa) = (src.as_ptr(), aq.as_ptr());
-        // SAFETY (every block below): b < nb, so the block's bb bytes and its 256 activation
-        // quants lie inside `src` and `aq` (lengths checked above); AVX2 is the caller's promise.
-        let mut acc = [0.0f32; BLOCK_LANES];
-        // Loops, not closures: a closure would not inherit this function's AVX2.
-        if ty == GgmlType::Q6K {
-            for b in 0..nb {
-                let isum =
-                    unsafe { isum_q6(ps.add(b * bb), pa.add(b * QK_K), bsums[16 * b..].as_ptr()) };
-                acc[b % BLOCK_LANES] +=
-                    unsafe { f16c_at(ps.add(b * bb + 208)) } * ad[b] * isum as f32;
-            }
-        } else {
-            let q5 = ty == GgmlType::Q5K;
-            for b in 0..nb {
-                let blk = &src[b * bb..(b + 1) * bb];
-                let packed = <&[u8; 12]>::try_from(&blk[4..16]).ok()?;
-                let (sc, mins) = scales_mins(packed);
-                let p = ps.add(b * bb);
-                let (qs, qh) = if q5 {
-                    (p.add(48), Some(p.add(16)))
-                } else {
-                    (p.add(16), None)
-                };
-                let scv = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(
-                    u64::from_le_bytes(sc) as i64,
-                )));
-                let isum = hsum_i32(unsafe { isum_q45(qs, qh, pa.add(b * QK_K), scv) });
-                let msum = unsafe { msum_q45(u64::from_le_bytes(mins), bsums[16 * b..].as_ptr()) };
-                let (d, dmin) = unsafe { f16c_pair(p) };
-                acc[b % BLOCK_LANES] += ad[b] * (d * isum as f32 - dmin * msum as f32);
-            }
+        let (ps, pa, pb, pd) = (src.as_ptr(), aq.as_ptr(), bsums.as_ptr(), ad.as_ptr());
+        // Eight super-blocks per step, super-block i + j's term into lane j (accumulator j of
+        // the canonical order), the tail's into lanes 0.. blended ([`add_tail`]): `sum_blocks`'
+        // order, with one reduction of eight integer sums instead of eight.
+        // SAFETY (every step): i + n <= nb, so the n blocks' bytes and their activation quants,
+        // sums and scales lie inside `src`, `aq`, `bsums` and `ad` (lengths checked above); AVX2
+        // and F16C are the caller's promise. Loops, not closures: a closure would not inherit
+        // this function's AVX2.
+        let mut acc = _mm256_setzero_ps();
+        let mut i = 0;
+        while i < nb {
+            let n = (nb - i).min(BLOCK_LANES);
+            let mask = tail_mask(n);
+            let (p, a, s, d) = (ps.add(i * bb), pa.add(i * QK_K), pb.add(16 * i), pd.add(i));
+            let t = match ty {
+                GgmlType::Q6K => terms_q6(p, a, s, d, n, mask),
+                GgmlType::Q5K => terms_q45::<true>(p, a, s, d, n, mask),
+                _ => terms_q45::<false>(p, a, s, d, n, mask),
+            };
+            acc = if n == BLOCK_LANES {
+                _mm256_add_ps(acc, t)
+            } else {
+                add_tail(acc, t, mask)
+            };
+            i += n;
         }
-        Some(reduce_lanes(&acc))
+        Some(reduce8(acc))
     }
 }
 
@@ -1139,36 +1195,18 @@ mod tests {
         }
     }
 
-    /// The K-quant kernels' f16 widenings (`x86::f16_at` in software without subnormal f32
-    /// arithmetic, `vcvtph2ps` in the decode loop) against `fast::f16_bits_to_f32`, for all
-    /// 65,536 patterns: the same bits, but that `vcvtph2ps` quiets a signalling NaN (still a NaN).
+    /// The K-quant unpack's f16 widening (`x86::f16_at`, in software without subnormal f32
+    /// arithmetic) against `fast::f16_bits_to_f32`, for all 65,536 patterns, to the bit. (Decode
+    /// widens with `vcvtph2ps`, exact by definition; the super-block test above draws subnormal
+    /// scales for it.)
     #[cfg(target_arch = "x86_64")]
     #[test]
-    fn f16_widenings_equal_f16_bits_to_f32() {
+    fn f16_widening_equals_f16_bits_to_f32() {
         use super::super::fast::f16_bits_to_f32;
-        let f16c = std::arch::is_x86_feature_detected!("f16c");
         for h in 0..=u16::MAX {
             let want = f16_bits_to_f32(h);
-            let b = h.to_le_bytes();
-            let soft = super::x86::f16_at(&b, 0);
-            assert_eq!(soft.to_bits(), want.to_bits(), "{h:#06x}: {soft} vs {want}");
-            if f16c {
-                let pair = [b[0], b[1], b[0], b[1]];
-                // SAFETY: F16C was detected; both reads are inside `b` and `pair`.
-                let (one, (lo, hi)) = unsafe {
-                    (
-                        super::x86::f16c_at_checked(b.as_ptr()),
-                        super::x86::f16c_pair_checked(pair.as_ptr()),
-                    )
-                };
-                for got in [one, lo, hi] {
-                    if want.is_nan() {
-                        assert!(got.is_nan(), "{h:#06x}: {got} vs NaN");
-                    } else {
-                        assert_eq!(got.to_bits(), want.to_bits(), "{h:#06x}: {got} vs {want}");
-                    }
-                }
-            }
+            let got = super::x86::f16_at(&h.to_le_bytes(), 0);
+            assert_eq!(got.to_bits(), want.to_bits(), "{h:#06x}: {got} vs {want}");
         }
     }
 
