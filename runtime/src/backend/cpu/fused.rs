@@ -221,7 +221,7 @@ unsafe fn row_dot_avx2(ty: GgmlType, src: &[u8], act: &Activations<'_>, row: usi
 /// the eight accumulators of the canonical order, one per lane. This is ggml's AVX2 `vec_dot`
 /// shape, with its reassociation fixed once (`BLOCK_LANES`) for every kernel.
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(super) mod x86 {
     use super::{f16_le, Activations, GgmlType, BLOCK_LANES};
     use std::arch::x86_64::*;
 
@@ -247,7 +247,7 @@ mod x86 {
 
     /// [Σv0, Σv1, Σv2, Σv3] of four vectors of eight i32.
     #[inline(always)]
-    unsafe fn hsum4(v: [__m256i; 4]) -> __m128i {
+    pub(in super::super) unsafe fn hsum4(v: [__m256i; 4]) -> __m128i {
         let h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
         _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h))
     }
@@ -333,6 +333,7 @@ mod x86 {
         let all = _mm256_set1_epi32(-1);
         while i + BLOCK_LANES <= nb {
             let b = ps.add(i * bb);
+            prefetch_ahead(b, BLOCK_LANES * bb);
             // Loops, not `array::from_fn`: a closure does not inherit this function's AVX2, and
             // its intrinsics can end up as calls.
             let mut dots = [_mm256_setzero_si256(); BLOCK_LANES];
@@ -407,22 +408,38 @@ mod x86 {
         }
     }
 
+    /// How far ahead of the bytes being dotted decode asks for the weight bytes
+    /// ([`prefetch_ahead`]).
+    pub(in super::super) const PREFETCH: usize = 1536;
+
+    /// A prefetch into L1 of every cache line of the `len` bytes [`PREFETCH`] bytes past `p`
+    /// (the rows of a weight lie one after another, so past a row's end is the next row's
+    /// start). A hint: it reads nothing and cannot fault, past the end of the weight included.
+    #[inline(always)]
+    pub(in super::super) unsafe fn prefetch_ahead(p: *const u8, len: usize) {
+        let mut o = 0;
+        while o < len {
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH + o) as *const i8);
+            o += 64;
+        }
+    }
+
     /// The mask of a tail of `rem` (1..8) blocks: lanes 0..rem.
     #[inline(always)]
-    unsafe fn tail_mask(rem: usize) -> __m256i {
+    pub(in super::super) unsafe fn tail_mask(rem: usize) -> __m256i {
         _mm256_loadu_si256(TAIL_MASK.as_ptr().add(BLOCK_LANES - rem) as *const __m256i)
     }
 
     /// `acc + t` in the lanes of `mask`, the others left as they are (blended, not added +0.0,
     /// which would turn a −0.0 into +0.0).
     #[inline(always)]
-    unsafe fn add_tail(acc: __m256, t: __m256, mask: __m256i) -> __m256 {
+    pub(in super::super) unsafe fn add_tail(acc: __m256, t: __m256, mask: __m256i) -> __m256 {
         _mm256_blendv_ps(acc, _mm256_add_ps(acc, t), _mm256_castsi256_ps(mask))
     }
 
     /// `reduce_lanes` in the register: s_j = acc_j + acc_{j+4}, then (s0 + s2) + (s1 + s3).
     #[inline(always)]
-    unsafe fn reduce8(acc: __m256) -> f32 {
+    pub(in super::super) unsafe fn reduce8(acc: __m256) -> f32 {
         let s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc));
         let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
         _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)))

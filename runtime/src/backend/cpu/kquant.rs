@@ -63,12 +63,29 @@ pub(super) fn available(kernel: Kernel, ty: GgmlType) -> bool {
 
 #[cfg(target_arch = "x86_64")]
 pub(super) mod x86 {
+    use super::super::fused::x86::{add_tail, hsum4, prefetch_ahead, reduce8, tail_mask};
     use super::{reduce_lanes, scales_mins, Activations, GgmlType, BLOCK_LANES, QK_K};
     use std::arch::x86_64::*;
 
+    /// The f16 at byte `at` of `b`, widened (exact, the bits of `fast::f16_bits_to_f32`),
+    /// without arithmetic on a subnormal f32: `f16_bits_to_f32` forms a subnormal f16 as a
+    /// subnormal f32 times 2¹¹², and on Intel cores that multiply takes a microcode assist
+    /// (~150 cycles). Q6_K's super-block scales are mostly subnormal f16 (d ≈ max|w| / 4064), so
+    /// the unpack of a Q6_K row paid one per super-block. Here a subnormal (or zero) f16 is its
+    /// 10-bit mantissa times 2⁻²⁴: an integer conversion and a multiply by a power of two, exact.
     #[inline(always)]
-    fn f16_at(b: &[u8], at: usize) -> f32 {
-        super::super::fast::f16_bits_to_f32(u16::from_le_bytes([b[at], b[at + 1]]))
+    pub(in super::super) fn f16_at(b: &[u8], at: usize) -> f32 {
+        let h = u16::from_le_bytes([b[at], b[at + 1]]);
+        if h & 0x7C00 == 0 {
+            let v = (h & 0x3FF) as f32 * f32::from_bits(0x3380_0000);
+            if h & 0x8000 != 0 {
+                -v
+            } else {
+                v
+            }
+        } else {
+            super::super::fast::f16_bits_to_f32(h)
+        }
     }
 
     /// Σ of the eight i32 lanes (exact: the caller's sums stay far inside i32).
@@ -140,26 +157,25 @@ pub(super) mod x86 {
     /// Σ_j min_j · (bsum_2j + bsum_2j+1) of a Q4_K/Q5_K super-block: `mins` the eight mins,
     /// `bsums` the activation block's sixteen sums of 16 quants. A pair of sums is at most
     /// 2·16·127 and a min at most 63: exact in `vpmaddwd`.
+    /// (Four i32 lanes whose sum is the msum: the caller reduces eight super-blocks' at once.)
     #[inline(always)]
-    unsafe fn msum_q45(mins: u64, bsums: *const i16) -> i32 {
+    unsafe fn msum_q45(mins: u64, bsums: *const i16) -> __m128i {
         let m = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(mins as i64));
         let pairs = _mm_hadd_epi16(
             _mm_loadu_si128(bsums as *const __m128i),
             _mm_loadu_si128(bsums.add(8) as *const __m128i),
         );
-        let v = _mm_madd_epi16(m, pairs);
-        let v = _mm_add_epi32(v, _mm_shuffle_epi32::<0b01_00_11_10>(v));
-        let v = _mm_add_epi32(v, _mm_shuffle_epi32::<0b10_11_00_01>(v));
-        _mm_cvtsi128_si32(v)
+        _mm_madd_epi16(m, pairs)
     }
 
     /// Σ_j sc_j · (q·a over the 16-element group j) of a Q6_K super-block (`b` its 210 bytes),
     /// quants q in −32..=31 as (unsigned 6-bit) − 32: `vpmaddubsw(q6, a)` (pairs at most
     /// 2·63·127 < 2¹⁵) weighted by the signed scales in `vpmaddwd`, and the −32 of every quant
     /// taken once per super-block as `32·Σ sc_j·bsum_j` from the activation block's sums
-    /// (`bsums`, sixteen sums of 16 quants, each at most 16·127). Exact.
+    /// (`bsums`, sixteen sums of 16 quants, each at most 16·127). Exact. (Eight i32 lanes whose
+    /// sum is the isum: the caller reduces eight super-blocks' at once.)
     #[inline(always)]
-    unsafe fn isum_q6(b: *const u8, a: *const i8, bsums: *const i16) -> i32 {
+    unsafe fn isum_q6(b: *const u8, a: *const i8, bsums: *const i16) -> __m256i {
         let m4 = _mm256_set1_epi8(0x0F);
         let m2 = _mm256_set1_epi8(0x03);
         let sc8 = _mm_loadu_si128(b.add(192) as *const __m128i);
@@ -194,7 +210,102 @@ pub(super) mod x86 {
             _mm256_cvtepi8_epi16(sc8),
             _mm256_loadu_si256(bsums as *const __m256i),
         );
-        hsum_i32(_mm256_sub_epi32(acc, _mm256_slli_epi32::<5>(corr)))
+        _mm256_sub_epi32(acc, _mm256_slli_epi32::<5>(corr))
+    }
+
+    /// [Σv[x], Σv[x + 1], Σv[x + 2], Σv[x + 3]] of vectors of four i32.
+    #[inline(always)]
+    unsafe fn hsum4x4(v: &[__m128i; BLOCK_LANES], x: usize) -> __m128i {
+        _mm_hadd_epi32(
+            _mm_hadd_epi32(v[x], v[x + 1]),
+            _mm_hadd_epi32(v[x + 2], v[x + 3]),
+        )
+    }
+
+    /// The i32 sums of eight vectors of eight lanes (`v[j]`'s into lane j), converted to f32 as
+    /// `isum as f32` converts (`vcvtdq2ps`, round to nearest even).
+    #[inline(always)]
+    unsafe fn sums8(v: &[__m256i; BLOCK_LANES]) -> __m256 {
+        let lo = hsum4([v[0], v[1], v[2], v[3]]);
+        let hi = hsum4([v[4], v[5], v[6], v[7]]);
+        _mm256_cvtepi32_ps(_mm256_set_m128i(hi, lo))
+    }
+
+    /// The f32 terms of the `n` (1..=8) Q4_K/Q5_K super-blocks from `p` (activation quants `a`,
+    /// sums `bs`, scales `ad` of the same blocks), super-block j's in lane j: the scalar
+    /// formula `ad·(d·isum − dmin·msum)` lane by lane (each op rounded as it, no FMA). Lanes from
+    /// `n` on are garbage and read nothing; the caller blends them away.
+    #[inline(always)]
+    unsafe fn terms_q45<const Q5: bool>(
+        p: *const u8,
+        a: *const i8,
+        bs: *const i16,
+        ad: *const f32,
+        n: usize,
+        mask: __m256i,
+    ) -> __m256 {
+        let bb = if Q5 { 176 } else { 144 };
+        let mut isums = [_mm256_setzero_si256(); BLOCK_LANES];
+        let mut msums = [_mm_setzero_si128(); BLOCK_LANES];
+        // d and dmin of each super-block as one u32 (f16 d in the low half).
+        let mut dd = [0u32; BLOCK_LANES];
+        for j in 0..n {
+            let blk = p.add(j * bb);
+            prefetch_ahead(blk, bb);
+            let (sc, mins) = scales_mins(&*(blk.add(4) as *const [u8; 12]));
+            let (qs, qh) = if Q5 {
+                (blk.add(48), Some(blk.add(16)))
+            } else {
+                (blk.add(16), None)
+            };
+            let scv = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(
+                u64::from_le_bytes(sc) as i64,
+            )));
+            isums[j] = isum_q45(qs, qh, a.add(j * QK_K), scv);
+            msums[j] = msum_q45(u64::from_le_bytes(mins), bs.add(16 * j));
+            dd[j] = (blk as *const u32).read_unaligned();
+        }
+        let isum = sums8(&isums);
+        let msum = _mm256_cvtepi32_ps(_mm256_set_m128i(hsum4x4(&msums, 4), hsum4x4(&msums, 0)));
+        // [d0..d7 | dmin0..dmin7] as u16: packus gives [d0..3, dmin0..3 | d4..7, dmin4..7].
+        let g = _mm256_loadu_si256(dd.as_ptr() as *const __m256i);
+        let pk = _mm256_packus_epi32(
+            _mm256_and_si256(g, _mm256_set1_epi32(0xFFFF)),
+            _mm256_srli_epi32::<16>(g),
+        );
+        let pk = _mm256_permute4x64_epi64::<0b11_01_10_00>(pk);
+        let d = _mm256_cvtph_ps(_mm256_castsi256_si128(pk));
+        let dmin = _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(pk));
+        let adv = _mm256_maskload_ps(ad, mask);
+        _mm256_mul_ps(
+            adv,
+            _mm256_sub_ps(_mm256_mul_ps(d, isum), _mm256_mul_ps(dmin, msum)),
+        )
+    }
+
+    /// [`terms_q45`] for Q6_K: `d·ad·isum` lane by lane.
+    #[inline(always)]
+    unsafe fn terms_q6(
+        p: *const u8,
+        a: *const i8,
+        bs: *const i16,
+        ad: *const f32,
+        n: usize,
+        mask: __m256i,
+    ) -> __m256 {
+        const BB: usize = 210;
+        let mut isums = [_mm256_setzero_si256(); BLOCK_LANES];
+        let mut dh = [0u16; BLOCK_LANES];
+        for j in 0..n {
+            let blk = p.add(j * BB);
+            prefetch_ahead(blk, BB);
+            isums[j] = isum_q6(blk, a.add(j * QK_K), bs.add(16 * j));
+            dh[j] = (blk.add(208) as *const u16).read_unaligned();
+        }
+        let isum = sums8(&isums);
+        let d = _mm256_cvtph_ps(_mm_loadu_si128(dh.as_ptr() as *const __m128i));
+        let adv = _mm256_maskload_ps(ad, mask);
+        _mm256_mul_ps(_mm256_mul_ps(d, adv), isum)
     }
 
     /// One K-quant weight row unpacked once for M > 1, so the per-activation-row loop
@@ -419,40 +530,33 @@ pub(super) mod x86 {
         let aq = act.qs.get(row * k..row * k + k)?;
         let ad = act.d.get(row * nb..row * nb + nb)?;
         let bsums = act.bsums.get(row * nb * 16..(row + 1) * nb * 16)?;
-        let (ps, pa) = (src.as_ptr(), aq.as_ptr());
-        // SAFETY (every block below): b < nb, so the block's bb bytes and its 256 activation
-        // quants lie inside `src` and `aq` (lengths checked above); AVX2 is the caller's promise.
-        let mut acc = [0.0f32; BLOCK_LANES];
-        // Loops, not closures: a closure would not inherit this function's AVX2.
-        if ty == GgmlType::Q6K {
-            for b in 0..nb {
-                let blk = &src[b * bb..(b + 1) * bb];
-                let isum =
-                    unsafe { isum_q6(ps.add(b * bb), pa.add(b * QK_K), bsums[16 * b..].as_ptr()) };
-                acc[b % BLOCK_LANES] += f16_at(blk, 208) * ad[b] * isum as f32;
-            }
-        } else {
-            let q5 = ty == GgmlType::Q5K;
-            for b in 0..nb {
-                let blk = &src[b * bb..(b + 1) * bb];
-                let packed = <&[u8; 12]>::try_from(&blk[4..16]).ok()?;
-                let (sc, mins) = scales_mins(packed);
-                let p = ps.add(b * bb);
-                let (qs, qh) = if q5 {
-                    (p.add(48), Some(p.add(16)))
-                } else {
-                    (p.add(16), None)
-                };
-                let scv = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(
-                    u64::from_le_bytes(sc) as i64,
-                )));
-                let isum = hsum_i32(unsafe { isum_q45(qs, qh, pa.add(b * QK_K), scv) });
-                let msum = unsafe { msum_q45(u64::from_le_bytes(mins), bsums[16 * b..].as_ptr()) };
-                acc[b % BLOCK_LANES] +=
-                    ad[b] * (f16_at(blk, 0) * isum as f32 - f16_at(blk, 2) * msum as f32);
-            }
+        let (ps, pa, pb, pd) = (src.as_ptr(), aq.as_ptr(), bsums.as_ptr(), ad.as_ptr());
+        // Eight super-blocks per step, super-block i + j's term into lane j (accumulator j of
+        // the canonical order), the tail's into lanes 0.. blended ([`add_tail`]): `sum_blocks`'
+        // order, with one reduction of eight integer sums instead of eight.
+        // SAFETY (every step): i + n <= nb, so the n blocks' bytes and their activation quants,
+        // sums and scales lie inside `src`, `aq`, `bsums` and `ad` (lengths checked above); AVX2
+        // and F16C are the caller's promise. Loops, not closures: a closure would not inherit
+        // this function's AVX2.
+        let mut acc = _mm256_setzero_ps();
+        let mut i = 0;
+        while i < nb {
+            let n = (nb - i).min(BLOCK_LANES);
+            let mask = tail_mask(n);
+            let (p, a, s, d) = (ps.add(i * bb), pa.add(i * QK_K), pb.add(16 * i), pd.add(i));
+            let t = match ty {
+                GgmlType::Q6K => terms_q6(p, a, s, d, n, mask),
+                GgmlType::Q5K => terms_q45::<true>(p, a, s, d, n, mask),
+                _ => terms_q45::<false>(p, a, s, d, n, mask),
+            };
+            acc = if n == BLOCK_LANES {
+                _mm256_add_ps(acc, t)
+            } else {
+                add_tail(acc, t, mask)
+            };
+            i += n;
         }
-        Some(reduce_lanes(&acc))
+        Some(reduce8(acc))
     }
 }
 
@@ -1045,13 +1149,23 @@ mod tests {
                 let k = nb * QK_K;
                 let bb = ty.block_bytes();
                 let mut src: Vec<u8> = (0..nb * bb).map(|_| next() as u8).collect();
-                for b in src.chunks_exact_mut(bb) {
-                    let d = f16::from_f32(0.001 + (next() % 1000) as f32 * 1e-5).to_le_bytes();
+                for (i, b) in src.chunks_exact_mut(bb).enumerate() {
+                    // Every other super-block's d (and dmin) a subnormal f16, as Q6_K's
+                    // super-block scales are in real files (d ≈ max|w| / 4064).
+                    let sub = i % 2 == 1;
+                    let scale = |x: u64, normal: f32| {
+                        if sub {
+                            f16::from_bits(1 + (x % 0x3FF) as u16)
+                        } else {
+                            f16::from_f32(normal)
+                        }
+                    };
+                    let d = scale(next(), 0.001 + (next() % 1000) as f32 * 1e-5).to_le_bytes();
                     if ty == GgmlType::Q6K {
                         b[208..210].copy_from_slice(&d);
                     } else {
                         b[..2].copy_from_slice(&d);
-                        let m = f16::from_f32((next() % 1000) as f32 * 1e-5).to_le_bytes();
+                        let m = scale(next(), (next() % 1000) as f32 * 1e-5).to_le_bytes();
                         b[2..4].copy_from_slice(&m);
                     }
                 }
@@ -1078,6 +1192,21 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// The K-quant unpack's f16 widening (`x86::f16_at`, in software without subnormal f32
+    /// arithmetic) against `fast::f16_bits_to_f32`, for all 65,536 patterns, to the bit. (Decode
+    /// widens with `vcvtph2ps`, exact by definition; the super-block test above draws subnormal
+    /// scales for it.)
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn f16_widening_equals_f16_bits_to_f32() {
+        use super::super::fast::f16_bits_to_f32;
+        for h in 0..=u16::MAX {
+            let want = f16_bits_to_f32(h);
+            let got = super::x86::f16_at(&h.to_le_bytes(), 0);
+            assert_eq!(got.to_bits(), want.to_bits(), "{h:#06x}: {got} vs {want}");
         }
     }
 
@@ -1116,13 +1245,23 @@ mod tests {
                 if ty == GgmlType::Q6K {
                     src[192..208].fill(0x80);
                 }
-                for b in src.chunks_exact_mut(bb) {
-                    let d = f16::from_f32(0.001 + (next() % 1000) as f32 * 1e-5).to_le_bytes();
+                for (i, b) in src.chunks_exact_mut(bb).enumerate() {
+                    // Every other super-block's d (and dmin) a subnormal f16, as Q6_K's
+                    // super-block scales are in real files (d ≈ max|w| / 4064).
+                    let sub = i % 2 == 1;
+                    let scale = |x: u64, normal: f32| {
+                        if sub {
+                            f16::from_bits(1 + (x % 0x3FF) as u16)
+                        } else {
+                            f16::from_f32(normal)
+                        }
+                    };
+                    let d = scale(next(), 0.001 + (next() % 1000) as f32 * 1e-5).to_le_bytes();
                     if ty == GgmlType::Q6K {
                         b[208..210].copy_from_slice(&d);
                     } else {
                         b[..2].copy_from_slice(&d);
-                        let m = f16::from_f32((next() % 1000) as f32 * 1e-5).to_le_bytes();
+                        let m = scale(next(), (next() % 1000) as f32 * 1e-5).to_le_bytes();
                         b[2..4].copy_from_slice(&m);
                     }
                 }
