@@ -541,21 +541,13 @@ fn update_disk(dir: &Path) -> Result<PathBuf> {
     let bundles = dir.join("bundles");
     std::fs::create_dir_all(&bundles)?;
     let make = |name: &str, key: Option<(&str, &str)>, compatible: Option<&str>, needs: &[&str]| {
+        let pair = key.map(|(k, c)| (keys.join(k), keys.join(c)));
         crate::bundle::make(&crate::bundle::Args {
-            image: crate::image::Args {
-                board: "qemu-virt".into(),
-                models: vec![],
-                offline: false,
-                dev_keys: false,
-            },
-            key: key.map(|(k, _)| keys.join(k)),
-            cert: key.map(|(_, c)| keys.join(c)),
-            out: Some(bundles.join(name)),
             compatible: compatible.map(str::to_string),
             needs_model: needs.iter().map(|n| n.to_string()).collect(),
             // A bundle signed by another key is made to be refused by the board: it is checked
             // against its own certificate here, not the board's keyring.
-            keyring: key.map(|(_, c)| keys.join(c)),
+            ..crate::bundle::Args::qemu_virt(pair.clone(), bundles.join(name), pair.map(|(_, c)| c))
         })
     };
     let good = make("v2.raucb", None, None, &[])?;

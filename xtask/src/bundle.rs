@@ -44,6 +44,33 @@ pub struct Args {
     pub keyring: Option<PathBuf>,
 }
 
+impl Args {
+    /// A bundle of the qemu-virt image without a model (the one `boot-qemu-ab` boots), signed
+    /// with `key`/`cert` (none: the development pair), written to `out`, checked against
+    /// `keyring` (none: the board's): what the update tests make.
+    pub fn qemu_virt(
+        key_cert: Option<(PathBuf, PathBuf)>,
+        out: PathBuf,
+        keyring: Option<PathBuf>,
+    ) -> Args {
+        let (key, cert) = key_cert.unzip();
+        Args {
+            image: crate::image::Args {
+                board: "qemu-virt".into(),
+                models: vec![],
+                offline: false,
+                dev_keys: false,
+            },
+            key,
+            cert,
+            out: Some(out),
+            compatible: None,
+            needs_model: vec![],
+            keyring,
+        }
+    }
+}
+
 /// What a bundle run made.
 pub struct Bundle {
     pub path: PathBuf,

@@ -292,20 +292,11 @@ pub fn stage() -> Result<()> {
     let out = crate::paths::target_dir().join("kiln/keys-test");
     std::fs::create_dir_all(&out)?;
     let bundle = |signer: Option<&Path>, keyring: Option<PathBuf>, name: &str| {
-        crate::bundle::make(&crate::bundle::Args {
-            image: crate::image::Args {
-                board: "qemu-virt".into(),
-                models: vec![],
-                offline: false,
-                dev_keys: false,
-            },
-            key: signer.map(|d| d.join(SIGNING_KEY)),
-            cert: signer.map(|d| d.join(SIGNING_CERT)),
-            out: Some(out.join(name)),
-            compatible: None,
-            needs_model: vec![],
+        crate::bundle::make(&crate::bundle::Args::qemu_virt(
+            signer.map(|d| (d.join(SIGNING_KEY), d.join(SIGNING_CERT))),
+            out.join(name),
             keyring,
-        })
+        ))
     };
     let ca = Some(fleet.join(CA_CERT));
     bundle(Some(&fleet), ca.clone(), "fleet.raucb")

@@ -1438,13 +1438,7 @@ fn boot_qemu_faults(_: &Args) -> Result<()> {
             .with_context(|| format!("{} has no partition {name}", image.display()))
     };
     let (boot, models) = (part("boot_a")?, part("models")?);
-    let manifest_bytes = fat::read_file(
-        &image,
-        boot.start_bytes(),
-        boot.size_bytes(),
-        crate::report::MANIFEST_PATH,
-    )?;
-    let manifest: serde_json::Value = serde_json::from_slice(&manifest_bytes)?;
+    let (_, manifest) = card_manifest(&image, &boot)?;
     let boot_copy = |name: &str, edit: &dyn Fn(&std::path::Path) -> Result<()>| -> Result<_> {
         let copy = dir.join(format!("{name}.img"));
         std::fs::copy(&image, &copy)
@@ -1630,13 +1624,7 @@ fn boot_qemu_faults(_: &Args) -> Result<()> {
         .cloned()
         .with_context(|| format!("{} has no partition boot_a", image.display()))?;
     let mtools_img = |img: &std::path::Path| format!("{}@@{}", img.display(), boot.start_bytes());
-    let manifest_bytes = fat::read_file(
-        &image,
-        boot.start_bytes(),
-        boot.size_bytes(),
-        crate::report::MANIFEST_PATH,
-    )?;
-    let manifest: serde_json::Value = serde_json::from_slice(&manifest_bytes)?;
+    let (manifest_bytes, manifest) = card_manifest(&image, &boot)?;
     ensure!(
         manifest["models"]
             .as_array()
@@ -1778,6 +1766,22 @@ fn boot_qemu_faults(_: &Args) -> Result<()> {
     )?;
     println!("boot-qemu-faults: each injected fault FAILed its check");
     Ok(())
+}
+
+/// `kiln/manifest.json` of an image's boot slot `boot`: its bytes and its JSON.
+fn card_manifest(
+    image: &std::path::Path,
+    boot: &crate::disk::gpt::PartitionEntryInfo,
+) -> Result<(Vec<u8>, serde_json::Value)> {
+    let bytes = crate::disk::fat::read_file(
+        image,
+        boot.start_bytes(),
+        boot.size_bytes(),
+        crate::report::MANIFEST_PATH,
+    )?;
+    let json = serde_json::from_slice(&bytes)
+        .with_context(|| format!("{}: kiln/manifest.json", image.display()))?;
+    Ok((bytes, json))
 }
 
 fn find_bytes(hay: &[u8], needle: &[u8]) -> Option<usize> {

@@ -1118,6 +1118,32 @@ pub(super) mod neon {
 
 #[cfg(test)]
 mod tests {
+
+    /// Every super-block's `d` (and `dmin`) in `src`, every other one a subnormal f16, as Q6_K's
+    /// super-block scales are in real files (d ≈ max|w| / 4064).
+    #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+    fn set_scales(ty: crate::quant::GgmlType, src: &mut [u8], next: &mut impl FnMut() -> u64) {
+        use crate::quant::GgmlType;
+        use half::f16;
+        for (i, b) in src.chunks_exact_mut(ty.block_bytes()).enumerate() {
+            let sub = i % 2 == 1;
+            let scale = |x: u64, normal: f32| {
+                if sub {
+                    f16::from_bits(1 + (x % 0x3FF) as u16)
+                } else {
+                    f16::from_f32(normal)
+                }
+            };
+            let d = scale(next(), 0.001 + (next() % 1000) as f32 * 1e-5).to_le_bytes();
+            if ty == GgmlType::Q6K {
+                b[208..210].copy_from_slice(&d);
+            } else {
+                b[..2].copy_from_slice(&d);
+                let m = scale(next(), (next() % 1000) as f32 * 1e-5).to_le_bytes();
+                b[2..4].copy_from_slice(&m);
+            }
+        }
+    }
     use super::scales_mins;
     use crate::quant::get_scale_min_k4;
 
@@ -1132,7 +1158,6 @@ mod tests {
         use super::super::fast::{act_format, Activations, RowScratch};
         use super::super::kernels::Kernel;
         use crate::quant::{GgmlType, QK_K};
-        use half::f16;
         if !super::available(Kernel::Portable, GgmlType::Q4K) {
             eprintln!("no AVX2/F16C here: nothing to compare");
             return;
@@ -1149,26 +1174,7 @@ mod tests {
                 let k = nb * QK_K;
                 let bb = ty.block_bytes();
                 let mut src: Vec<u8> = (0..nb * bb).map(|_| next() as u8).collect();
-                for (i, b) in src.chunks_exact_mut(bb).enumerate() {
-                    // Every other super-block's d (and dmin) a subnormal f16, as Q6_K's
-                    // super-block scales are in real files (d ≈ max|w| / 4064).
-                    let sub = i % 2 == 1;
-                    let scale = |x: u64, normal: f32| {
-                        if sub {
-                            f16::from_bits(1 + (x % 0x3FF) as u16)
-                        } else {
-                            f16::from_f32(normal)
-                        }
-                    };
-                    let d = scale(next(), 0.001 + (next() % 1000) as f32 * 1e-5).to_le_bytes();
-                    if ty == GgmlType::Q6K {
-                        b[208..210].copy_from_slice(&d);
-                    } else {
-                        b[..2].copy_from_slice(&d);
-                        let m = scale(next(), (next() % 1000) as f32 * 1e-5).to_le_bytes();
-                        b[2..4].copy_from_slice(&m);
-                    }
-                }
+                set_scales(ty, &mut src, &mut next);
                 let a: Vec<f32> = (0..3 * k)
                     .map(|_| (next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0)
                     .collect();
@@ -1224,7 +1230,6 @@ mod tests {
         use super::super::fast::{act_format, Activations, RowScratch};
         use super::super::kernels::Kernel;
         use crate::quant::{GgmlType, QK_K};
-        use half::f16;
         let sdot = std::arch::is_aarch64_feature_detected!("dotprod");
         if !sdot {
             eprintln!("no dotprod here: the sdot dots are not compared");
@@ -1245,26 +1250,7 @@ mod tests {
                 if ty == GgmlType::Q6K {
                     src[192..208].fill(0x80);
                 }
-                for (i, b) in src.chunks_exact_mut(bb).enumerate() {
-                    // Every other super-block's d (and dmin) a subnormal f16, as Q6_K's
-                    // super-block scales are in real files (d ≈ max|w| / 4064).
-                    let sub = i % 2 == 1;
-                    let scale = |x: u64, normal: f32| {
-                        if sub {
-                            f16::from_bits(1 + (x % 0x3FF) as u16)
-                        } else {
-                            f16::from_f32(normal)
-                        }
-                    };
-                    let d = scale(next(), 0.001 + (next() % 1000) as f32 * 1e-5).to_le_bytes();
-                    if ty == GgmlType::Q6K {
-                        b[208..210].copy_from_slice(&d);
-                    } else {
-                        b[..2].copy_from_slice(&d);
-                        let m = scale(next(), (next() % 1000) as f32 * 1e-5).to_le_bytes();
-                        b[2..4].copy_from_slice(&m);
-                    }
-                }
+                set_scales(ty, &mut src, &mut next);
                 let mut a: Vec<f32> = (0..2 * k)
                     .map(|_| (next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0)
                     .collect();
