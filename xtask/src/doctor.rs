@@ -367,14 +367,57 @@ pub fn apt_install(pkgs: &[&str], for_what: &str) -> Result<()> {
             .run()
             .context("apt-get update")?;
     }
-    println!("doctor: installing {for_what}: running `{line}`");
+    // apt removes a package that conflicts with what it installs without asking under -y (seen:
+    // Debian 12's qemu-system-arm 7.2 took away an installed backports qemu-utils 10.0.2). The
+    // doctor never takes anything away: it asks apt what the install would remove first, and
+    // installs with --no-remove.
+    let sim = cmd!(sh, "apt-get install -s --no-install-recommends {pkgs...}")
+        .ignore_status()
+        .output()
+        .context("apt-get install -s (what the install would change)")?;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&sim.stdout),
+        String::from_utf8_lossy(&sim.stderr)
+    );
+    let gone = removals(&text);
+    if !gone.is_empty() || !sim.status.success() {
+        bail!(
+            "missing {for_what}, but installing {} would remove {}: kiln's doctor never takes \
+             anything away. Decide yourself: `sudo apt-get install --no-install-recommends {}` \
+             shows what apt would remove and asks; or provide the tools in another way (on PATH). \
+             apt said: {}",
+            pkgs.join(" "),
+            if gone.is_empty() {
+                "something (the simulation failed)".to_string()
+            } else {
+                gone.join(", ")
+            },
+            pkgs.join(" "),
+            text.lines()
+                .filter(|l| l.starts_with("E:") || l.starts_with("Remv "))
+                .collect::<Vec<_>>()
+                .join("; ")
+        );
+    }
+    println!("doctor: installing {for_what}: running `{line} --no-remove`");
     cmd!(
         sh,
-        "apt-get install -y -qq --no-install-recommends {pkgs...}"
+        "apt-get install -y -qq --no-install-recommends --no-remove {pkgs...}"
     )
     .run()
-    .with_context(|| format!("`{line}` failed"))?;
+    .with_context(|| format!("`{line} --no-remove` failed"))?;
     Ok(())
+}
+
+/// What `apt-get install -s` says it would remove: its `Remv NAME [VERSION]` lines, as
+/// `NAME VERSION`.
+fn removals(simulation: &str) -> Vec<String> {
+    simulation
+        .lines()
+        .filter_map(|l| l.strip_prefix("Remv "))
+        .map(|r| r.replace(['[', ']'], "").trim().to_string())
+        .collect()
 }
 
 /// Make sure every tool in `tools` is present, installing what is missing (once, together).
@@ -666,4 +709,45 @@ pub fn pinned_venv(name: &str, pins: &str) -> Result<std::path::PathBuf> {
     .with_context(|| format!("pip install {pins}"))?;
     std::fs::write(&stamp, pins).with_context(|| format!("writing {}", stamp.display()))?;
     Ok(python)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::removals;
+
+    #[test]
+    fn removals_are_read_from_apt_simulation() {
+        // apt-get -s install qemu-system-arm on a host with backports' qemu-utils (the case seen).
+        let sim =
+            "Reading package lists...\nThe following packages will be REMOVED:\n  qemu-utils\n\
+                   Remv qemu-utils [1:10.0.2+ds-2+deb13u1~bpo12+1]\n\
+                   Inst qemu-system-arm (1:7.2+dfsg-7+deb12u18 Debian:12.13/oldstable [amd64])\n\
+                   Conf qemu-system-arm (1:7.2+dfsg-7+deb12u18 Debian:12.13/oldstable [amd64])\n";
+        assert_eq!(removals(sim), ["qemu-utils 1:10.0.2+ds-2+deb13u1~bpo12+1"]);
+        assert!(removals("Inst a (1 x)\nConf a (1 x)\n").is_empty());
+    }
+
+    /// The real apt on this host: asking it to take an installed package away (`NAME-`) must
+    /// show up as a removal (root and apt-get only; skipped, by name, elsewhere).
+    #[test]
+    fn a_real_apt_simulation_names_what_it_would_remove() {
+        let installed = std::process::Command::new("dpkg-query")
+            .args(["-W", "-f=${Package}", "kmod"])
+            .output()
+            .is_ok_and(|o| o.status.success() && o.stdout == b"kmod");
+        if !installed {
+            eprintln!("skipped: no dpkg or no kmod package here");
+            return;
+        }
+        let sim = std::process::Command::new("apt-get")
+            .args(["install", "-s", "--no-install-recommends", "kmod-"])
+            .output()
+            .expect("apt-get");
+        let text = String::from_utf8_lossy(&sim.stdout);
+        let gone = removals(&text);
+        assert!(
+            gone.iter().any(|g| g.starts_with("kmod ")),
+            "apt's simulation removes kmod, but removals() read {gone:?} from:\n{text}"
+        );
+    }
 }
