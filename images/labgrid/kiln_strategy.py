@@ -172,8 +172,9 @@ class KilnStrategy(Strategy):
         self.target.deactivate(self.shell)
         self.target.activate(self.power)
         self.power.off()
+        # The host port forwarded to the board (QEMU) stays: QEMUDriver re-adds its forwards at
+        # every power-on, so the next boot is reached on the same port.
         self.base_url = None
-        self._forwarded = None
 
     def _write(self):
         image = self.image_path()
@@ -228,10 +229,11 @@ class KilnStrategy(Strategy):
             if self.service is not None:
                 self.base_url = f"http://{self.service.address}:{self.http_port}"
             elif hasattr(self.power, "add_port_forward"):
-                port = _free_port()
-                self.power.add_port_forward("tcp", "127.0.0.1", port, "", self.http_port)
-                self._forwarded = port
-                self.base_url = f"http://127.0.0.1:{port}"
+                if self._forwarded is None:
+                    port = _free_port()
+                    self.power.add_port_forward("tcp", "127.0.0.1", port, "", self.http_port)
+                    self._forwarded = port
+                self.base_url = f"http://127.0.0.1:{self._forwarded}"
             else:
                 raise StrategyError(
                     "no way to reach the board's HTTP port: give the place a NetworkService"

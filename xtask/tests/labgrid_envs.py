@@ -28,6 +28,21 @@ def load(path):
     return ({type(r).__name__ for r in t.resources}, {type(d).__name__ for d in t.drivers}, t)
 
 
+def strategy_helpers(path):
+    """The strategy's parsers, which the suite's verdicts rest on: a line a kernel message broke
+    is not a check line; durations round half away from zero, as the board's Rust does."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    from kiln_strategy import check_lines, report_lines
+
+    got = check_lines("KILN-CHECK a PASS 1\r\nKILN-CHECK b PA[    1.234] SS 3\nxKILN-CHECK c FAIL 2\n"
+                      "KILN-CHECK d SKIP 0\nKILN-CHECK e PASS 5[    2.5] virtio_net\n")
+    assert got == [("a", "PASS", 1), ("d", "SKIP", 0)], got
+    rep = {"checks": [{"id": "x y", "status": "fail", "duration_ms": 2.5},
+                      {"id": "z", "status": "pass", "duration_ms": 1.4999}]}
+    assert report_lines(rep) == [("x_y", "FAIL", 3), ("z", "PASS", 1)], report_lines(rep)
+    print("labgrid_envs: kiln_strategy's check-line and report parsers hold")
+
+
 def main(path):
     text = open(path).read()
     for var in sorted(set(re.findall(r"\$(LG_[A-Z0-9_]+)", text))):
@@ -57,5 +72,9 @@ def main(path):
 if __name__ == "__main__":
     if sys.argv[1] == "--load":
         load(sys.argv[2])
+    elif sys.argv[1] == "--helpers":
+        strategy_helpers(sys.argv[2])
     else:
         main(sys.argv[1])
+        # In another interpreter: importing the strategy registers it with labgrid, once per process.
+        subprocess.run([sys.executable, __file__, "--helpers", sys.argv[1]], check=True)
