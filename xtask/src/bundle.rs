@@ -263,14 +263,9 @@ pub fn make(args: &Args) -> Result<Bundle> {
         Some(k) => (pem(k, "--keyring", "CERTIFICATE")?, k.display().to_string()),
         None => {
             let b = crate::image::board::Board::load(&args.image.board)?;
-            let (k, dev) = updates::keyring_of(&b)?;
-            let what = match (&b.update.keyring, dev) {
-                (_, true) => "kiln's development certificate".to_string(),
-                (Some(p), false) => p.clone(),
-                (None, false) => "the recipe's keyring".to_string(),
-            };
+            let what = (b.update.keyring.as_deref()).unwrap_or("kiln's development certificate");
             (
-                k,
+                updates::keyring_of(&b)?.0,
                 format!("images/{}.toml's keyring ({what})", args.image.board),
             )
         }
