@@ -3,6 +3,7 @@
 pub mod backend;
 pub mod civil;
 pub mod cpus;
+pub mod fleet;
 pub mod gguf;
 pub mod ledger;
 pub mod membw;

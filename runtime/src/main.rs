@@ -45,6 +45,9 @@ enum Cli {
     /// The A/B boot slots' counters (kiln/abstate.env on bootctl, RAUC's U-Boot contract):
     /// `status` (--json), `mark-good|mark-bad|mark-active [A|B|booted|other]` as rauc does them.
     Slot(cli::slot::Args),
+    /// The board's hawkBit client (DDI): poll, download, `rauc install`, and report the new
+    /// slot's self-check verdict to the fleet (started by /init after the verdict).
+    Fleet(cli::fleet::Args),
 }
 
 fn main() {
@@ -69,6 +72,7 @@ fn main() {
         Cli::Tokenize(a) => cli::tokenize::run(a),
         Cli::Serve(a) => serve::run(a),
         Cli::Slot(a) => cli::slot::run(a),
+        Cli::Fleet(a) => cli::fleet::run(a),
     };
     if let Err(e) = result {
         // One line: the file, the byte offset and what was wrong travel in the chain.

@@ -462,12 +462,14 @@ pub struct CrossToolchain {
 /// The aarch64 linker of cross builds when it is not the host's `aarch64-linux-gnu-gcc`: the image
 /// links `kiln` with the tools root's ([`link_with`]), since the linker and the crt objects it adds
 /// are bytes of the image.
-static CROSS_LINKER: std::sync::Mutex<Option<PathBuf>> = std::sync::Mutex::new(None);
+/// The same root's `ar` goes with it: crates with C (ring, under `kiln fleet`'s TLS) compile it
+/// with the root's gcc (`CC_aarch64_unknown_linux_gnu`) and archive it with its `ar`.
+static CROSS_LINKER: std::sync::Mutex<Option<(PathBuf, PathBuf)>> = std::sync::Mutex::new(None);
 
-/// Link every later cross build of this process with `linker`.
-pub fn link_with(linker: PathBuf) {
+/// Link (and compile the C of) every later cross build of this process with `linker` and `ar`.
+pub fn link_with(linker: PathBuf, ar: PathBuf) {
     if let Ok(mut g) = CROSS_LINKER.lock() {
-        *g = Some(linker);
+        *g = Some((linker, ar));
     }
 }
 
@@ -483,14 +485,27 @@ impl CrossToolchain {
             crate::paths::project_root().display(),
             cargo_home().display()
         );
-        let linker = CROSS_LINKER
-            .lock()
-            .ok()
-            .and_then(|g| g.clone())
+        let root = CROSS_LINKER.lock().ok().and_then(|g| g.clone());
+        let linker = root
+            .as_ref()
+            .map(|r| r.0.clone())
             .unwrap_or_else(|| PathBuf::from("aarch64-linux-gnu-gcc"));
         let mut c = cmd!(sh, "{cargo}")
-            .env("CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER", linker)
+            .env("CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER", &linker)
             .env("CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUSTFLAGS", remap);
+        // C compiled for the board (ring): the same compiler as the link, and its paths mapped as
+        // rustc's are, so the objects do not depend on where the checkout or cargo's home is.
+        c = c.env("CC_aarch64_unknown_linux_gnu", &linker).env(
+            "CFLAGS_aarch64_unknown_linux_gnu",
+            format!(
+                "-ffile-prefix-map={}=/kiln -ffile-prefix-map={}=/cargo",
+                crate::paths::project_root().display(),
+                cargo_home().display()
+            ),
+        );
+        if let Some((_, ar)) = &root {
+            c = c.env("AR_aarch64_unknown_linux_gnu", ar);
+        }
         if let Some(rustc) = &self.rustc {
             c = c.env("RUSTC", rustc);
         }

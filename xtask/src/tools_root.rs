@@ -304,6 +304,12 @@ impl ToolsRoot {
     /// home and `/tmp` (rustc's link temporaries) bound at their own paths, the caller's folder
     /// kept. Written as `target/kiln/tools-root/<key>-aarch64-linux-gnu-gcc`.
     pub fn linker(&self, rust_sysroot: &Path, cargo_home: &Path) -> Result<PathBuf> {
+        self.tool(rust_sysroot, cargo_home, "aarch64-linux-gnu-gcc")
+    }
+
+    /// [`ToolsRoot::linker`] for any of the root's tools (`aarch64-linux-gnu-ar` for the C of
+    /// crates such as ring, which the image's `kiln` links: its objects are image bytes too).
+    pub fn tool(&self, rust_sysroot: &Path, cargo_home: &Path, tool: &str) -> Result<PathBuf> {
         let r = self.dir.display().to_string();
         let mut binds = vec![
             crate::paths::project_root(),
@@ -322,17 +328,17 @@ impl ToolsRoot {
         }
         inner.push_str(&format!(
             "mount -t proc proc {}/proc\nd=\"$1\"; shift\nexec chroot {} /usr/bin/env -i -C \"$d\" \
-             PATH=/usr/bin:/bin LC_ALL=C TZ=UTC aarch64-linux-gnu-gcc \"$@\"\n",
+             PATH=/usr/bin:/bin LC_ALL=C TZ=UTC {tool} \"$@\"\n",
             quote(&r),
             quote(&r)
         ));
         let base = checkout_dir();
-        let inner_path = base.join(format!("{}-link.sh", self.key.short()));
+        let inner_path = base.join(format!("{}-{tool}.sh", self.key.short()));
         // Named `…-gcc`: rustc infers the linker flavor from the name.
-        let outer_path = base.join(format!("{}-aarch64-linux-gnu-gcc", self.key.short()));
+        let outer_path = base.join(format!("{}-{tool}", self.key.short()));
         crate::atomic::write_atomic(&inner_path, inner.as_bytes())?;
         let outer = format!(
-            "#!/bin/sh\n# aarch64-linux-gnu-gcc of the kiln tools root {}\nexec unshare --mount \
+            "#!/bin/sh\n# {tool} of the kiln tools root {}\nexec unshare --mount \
              --fork -- sh {} \"$PWD\" \"$@\"\n",
             self.key,
             quote(&inner_path.display().to_string())
@@ -348,7 +354,11 @@ impl ToolsRoot {
     /// then builds exactly it, and the image build reuses that build.
     pub fn link_cross_builds(&self) -> Result<()> {
         let sysroot = crate::doctor::rust_sysroot()?;
-        crate::doctor::link_with(self.linker(&sysroot, &crate::doctor::cargo_home())?);
+        let home = crate::doctor::cargo_home();
+        crate::doctor::link_with(
+            self.linker(&sysroot, &home)?,
+            self.tool(&sysroot, &home, "aarch64-linux-gnu-ar")?,
+        );
         Ok(())
     }
 

@@ -8,6 +8,7 @@ use std::path::Path;
 pub mod bench;
 pub mod chat;
 pub mod dequant;
+pub mod fleet;
 pub mod inspect;
 pub mod matmul;
 pub mod plan;

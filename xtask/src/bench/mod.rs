@@ -169,6 +169,7 @@ fn flash() -> Result<()> {
         force_large: false,
         expect_serial: None,
         api_key: None,
+        fleet_token: None,
         test_corrupt_at: None,
         test_stop_after: None,
     };

@@ -1,5 +1,6 @@
-//! `cargo xtask flash --api-key FILE`: the board's own API key, written after the image onto the
-//! card's `data` partition (`/data/kiln/api-key` on the board, mode 0600, owner root), where no
+//! `cargo xtask flash --api-key FILE` and `--fleet-token FILE`: the board's own secrets (its API
+//! key, its hawkBit target token), written after the image onto the card's `data` partition
+//! (`/data/kiln/api-key`, `/data/kiln/fleet-token` on the board, mode 0600, owner root), where no
 //! image, bundle or update writes: the image stays the same bytes for every board of a fleet.
 //!
 //! The partition is ext4; the key goes in with e2fsprogs' `debugfs -w` (the card's partition at
@@ -17,17 +18,29 @@ use std::process::{Command, Stdio};
 /// The key's path inside the data partition (`/data/kiln/api-key` on the board: the recipes'
 /// default `[serve] api_key_file`).
 pub const KEY_PATH: &str = "kiln/api-key";
+/// The fleet token's path inside the data partition (`[fleet] token_file`'s default,
+/// `/data/kiln/fleet-token`).
+pub const FLEET_TOKEN_PATH: &str = "kiln/fleet-token";
+
+/// `--fleet-token FILE`: one line of 8 to 4096 visible ASCII characters (hawkBit's generated
+/// target tokens are 32), checked before anything is written.
+pub fn read_token(file: &Path) -> Result<Vec<u8>> {
+    read_secret(file, "--fleet-token", 8, "TargetToken TOKEN")
+}
 
 /// The key in FILE: one line of 16 to 4096 visible ASCII characters (a bearer token), checked
 /// before anything is written.
 pub fn read_key(file: &Path) -> Result<Vec<u8>> {
-    let raw =
-        std::fs::read(file).with_context(|| format!("reading --api-key {}", file.display()))?;
+    read_secret(file, "--api-key", 16, "Bearer KEY")
+}
+
+fn read_secret(file: &Path, flag: &str, min: usize, sent_as: &str) -> Result<Vec<u8>> {
+    let raw = std::fs::read(file).with_context(|| format!("reading {flag} {}", file.display()))?;
     let key = raw.strip_suffix(b"\n").unwrap_or(&raw);
     let key = key.strip_suffix(b"\r").unwrap_or(key);
     ensure!(
-        (16..=4096).contains(&key.len()),
-        "--api-key {}: the key is {} bytes; a bearer key of 16 to 4096 characters is needed \
+        (min..=4096).contains(&key.len()),
+        "{flag} {}: it is {} bytes; one line of {min} to 4096 characters is needed \
          (e.g. `openssl rand -hex 32 > {}`)",
         file.display(),
         key.len(),
@@ -35,8 +48,8 @@ pub fn read_key(file: &Path) -> Result<Vec<u8>> {
     );
     if let Some(b) = key.iter().find(|b| !b.is_ascii_graphic()) {
         bail!(
-            "--api-key {}: byte 0x{b:02x} is not a visible ASCII character (one line, no \
-             spaces: it is sent as `Authorization: Bearer KEY`)",
+            "{flag} {}: byte 0x{b:02x} is not a visible ASCII character (one line, no \
+             spaces: it is sent as `Authorization: {sent_as}`)",
             file.display()
         );
     }
@@ -101,6 +114,11 @@ pub fn check_image(image: &Path) -> Result<()> {
 /// Write `key` to the `data` partition of `target` (a block device or an image file holding
 /// kiln's GPT), replacing the one there; then read it back and check the file system.
 pub fn provision(target: &Path, key: &[u8]) -> Result<()> {
+    provision_file(target, KEY_PATH, key)
+}
+
+/// Write `key` as `path` (inside the data partition) of `target`, as [`provision`] does.
+pub fn provision_file(target: &Path, path: &str, key: &[u8]) -> Result<()> {
     doctor::ensure(&[&doctor::E2FSCK])?;
     let data = data_partition(target)?;
     let spec = format!("{}?offset={}", target.display(), data.start_bytes());
@@ -129,12 +147,12 @@ pub fn provision(target: &Path, key: &[u8]) -> Result<()> {
     }
     // mkdir and rm fail harmlessly when the directory exists or no key was there before.
     let script = format!(
-        "mkdir kiln\nrm {KEY_PATH}\nwrite {} {KEY_PATH}\nsif {KEY_PATH} mode 0100600\n\
-         sif {KEY_PATH} uid 0\nsif {KEY_PATH} gid 0\n",
+        "mkdir kiln\nrm {path}\nwrite {} {path}\nsif {path} mode 0100600\n\
+         sif {path} uid 0\nsif {path} gid 0\n",
         tmp.display()
     );
     let (_, err) = debugfs(&spec, true, &script)?;
-    let (back, _) = debugfs(&spec, false, &format!("cat {KEY_PATH}\n"))?;
+    let (back, _) = debugfs(&spec, false, &format!("cat {path}\n"))?;
     let mut want = key.to_vec();
     want.push(b'\n');
     // debugfs echoes each command it reads from -f as "debugfs: cmd" on stdout.
@@ -145,15 +163,15 @@ pub fn provision(target: &Path, key: &[u8]) -> Result<()> {
         .collect();
     if got.as_bytes() != want.as_slice() {
         bail!(
-            "the API key on {}'s data partition does not read back as written (debugfs said: {})",
+            "{path} on {}'s data partition does not read back as written (debugfs said: {})",
             target.display(),
             err.trim()
         );
     }
-    let (stat, _) = debugfs(&spec, false, &format!("stat {KEY_PATH}\n"))?;
+    let (stat, _) = debugfs(&spec, false, &format!("stat {path}\n"))?;
     ensure!(
         stat.contains("Mode:  0600") && stat.contains("User:     0   Group:     0"),
-        "{KEY_PATH} on {}'s data partition is not mode 0600, owner root: {}",
+        "{path} on {}'s data partition is not mode 0600, owner root: {}",
         target.display(),
         stat.lines().take(4).collect::<Vec<_>>().join(" / ")
     );

@@ -54,6 +54,11 @@ pub struct Args {
     /// stays the same for every board; to rotate a key, flash again or write the file by hand.
     #[arg(long, value_name = "FILE")]
     pub api_key: Option<PathBuf>,
+    /// The board's hawkBit target token (one line): written after the image, and verified, to
+    /// the data partition as `/data/kiln/fleet-token` (mode 0600), where `kiln fleet` looks for it
+    /// (the recipe's `[fleet] token_file` default). Never in the image.
+    #[arg(long, value_name = "FILE")]
+    pub fleet_token: Option<PathBuf>,
     /// Test hook: flip the byte at this offset on the target between write and verify.
     #[arg(long, hide = true)]
     pub test_corrupt_at: Option<u64>,
@@ -236,6 +241,7 @@ impl Args {
             force_large: false,
             expect_serial: None,
             api_key: None,
+            fleet_token: None,
             test_corrupt_at: None,
             test_stop_after: None,
         }
@@ -251,6 +257,10 @@ pub fn flash(args: Args) -> Result<Summary> {
     // Checked before a byte is written.
     let api_key = match &args.api_key {
         Some(f) => Some(key::read_key(f)?),
+        None => None,
+    };
+    let fleet_token = match &args.fleet_token {
+        Some(f) => Some(key::read_token(f)?),
         None => None,
     };
     let image = std::fs::canonicalize(&args.image)
@@ -270,7 +280,9 @@ pub fn flash(args: Args) -> Result<Summary> {
             image_size
         );
     }
-    if api_key.is_some() && write::compression_of(&image) == write::Compression::None {
+    if (api_key.is_some() || fleet_token.is_some())
+        && write::compression_of(&image) == write::Compression::None
+    {
         key::check_image(&image)?;
     }
     let raw_len = std::fs::metadata(&image)?.len();
@@ -421,6 +433,14 @@ pub fn flash(args: Args) -> Result<Summary> {
             "flash: the API key is on the data partition as /data/{} (mode 0600, read back \
              equal, e2fsck clean)",
             key::KEY_PATH
+        );
+    }
+    if let Some(t) = &fleet_token {
+        key::provision_file(&target_path, key::FLEET_TOKEN_PATH, t)?;
+        println!(
+            "flash: the fleet token is on the data partition as /data/{} (mode 0600, read back \
+             equal, e2fsck clean)",
+            key::FLEET_TOKEN_PATH
         );
     }
     println!("flash: done: {}", target_path.display());

@@ -21,6 +21,8 @@ struct RawBoard {
     network: Option<Network>,
     #[serde(default)]
     update: Update,
+    /// `[fleet]`: the hawkBit client (`kiln fleet`), checked here as the board parses it.
+    fleet: Option<toml::Table>,
     #[serde(default)]
     modules: Modules,
     /// Supplied inputs (read by `pins`).
@@ -227,10 +229,49 @@ pub struct Board {
     pub serve: Option<Serve>,
     pub network: Option<Network>,
     pub update: Update,
+    /// `[fleet]` as `/etc/kiln/fleet.toml`, and the CA it names (copied to
+    /// [`FLEET_CA_ON_BOARD`]).
+    pub fleet: Option<Fleet>,
     /// `[modules] load`: empty for a kernel with everything built in.
     pub modules: Vec<String>,
     /// `[modules] firmware_input` and `firmware`: files below `/lib/firmware` for the modules.
     pub firmware: Option<(String, Vec<String>)>,
+}
+
+/// `[fleet]` as the board gets it.
+#[derive(Clone, Debug)]
+pub struct Fleet {
+    pub toml: String,
+    pub ca: Option<Vec<u8>>,
+}
+
+/// Where the recipe's `[fleet] ca` (a PEM file beside the recipe) goes in the image.
+pub const FLEET_CA_ON_BOARD: &str = "/etc/kiln/fleet-ca.pem";
+
+/// The recipe's `[fleet]` table: its `ca` (a file relative to `images/`) read, the table as the
+/// board's `kiln fleet` parses it (refused here, by name, if it would refuse it there).
+fn fleet_of(recipe: &std::path::Path, t: toml::Table) -> Result<Fleet> {
+    let mut t = t;
+    let ca = match t.get("ca") {
+        None => None,
+        Some(toml::Value::String(rel)) => {
+            let p = recipe
+                .parent()
+                .unwrap_or(std::path::Path::new("."))
+                .join(rel);
+            let pem = std::fs::read(&p)
+                .with_context(|| format!("[fleet] ca: reading {}", p.display()))?;
+            if !pem.windows(27).any(|w| w == b"-----BEGIN CERTIFICATE-----") {
+                bail!("[fleet] ca {}: no PEM certificate in it", p.display());
+            }
+            t.insert("ca".into(), toml::Value::String(FLEET_CA_ON_BOARD.into()));
+            Some(pem)
+        }
+        Some(v) => bail!("[fleet] ca = {v}: a file name beside the recipe expected"),
+    };
+    let text = toml::to_string(&t).context("[fleet]")?;
+    kiln_runtime::fleet::config::Config::parse(&text, "[fleet]")?;
+    Ok(Fleet { toml: text, ca })
 }
 
 /// The LBA where the first partition starts (16 MiB): room for RK3588's blobs below it.
@@ -325,6 +366,12 @@ impl Board {
                 path.display()
             );
         }
+        let fleet = match raw.fleet {
+            Some(t) => {
+                Some(fleet_of(&path, t).with_context(|| format!("{}: [fleet]", path.display()))?)
+            }
+            None => None,
+        };
         Ok(Board {
             firmware: raw
                 .modules
@@ -346,6 +393,7 @@ impl Board {
             serve: raw.serve,
             network: raw.network,
             update: raw.update,
+            fleet,
         })
         .and_then(|b| {
             b.serve_env()

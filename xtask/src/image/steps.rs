@@ -274,6 +274,17 @@ pub fn initramfs<'a>(
         &overlay_key.to_string(),
         board_toml,
         serve_env,
+        &ctx.board
+            .fleet
+            .as_ref()
+            .map(|f| f.toml.clone())
+            .unwrap_or_default(),
+        &ctx.board
+            .fleet
+            .as_ref()
+            .and_then(|f| f.ca.as_ref())
+            .map(|c| Sha256::of_bytes(c).to_string())
+            .unwrap_or_default(),
         &Sha256::of_bytes(&keyring).to_string(),
         &updates_sha.to_string(),
         &modules.map(|m| m.key.to_string()).unwrap_or_default(),
@@ -287,6 +298,22 @@ pub fn initramfs<'a>(
         ],
         make: Box::new(move |tmp: &[PathBuf]| {
             let mut tree = initramfs_tree(&ctx.inputs, &rt.kiln, &rt.npu, board_toml, serve_env)?;
+            if let Some(f) = &ctx.board.fleet {
+                tree.add(
+                    "etc/kiln/fleet.toml",
+                    0o644,
+                    NodeKind::File(f.toml.as_bytes().to_vec()),
+                    "images/<board>.toml [fleet]",
+                )?;
+                if let Some(ca) = &f.ca {
+                    tree.add(
+                        super::board::FLEET_CA_ON_BOARD.trim_start_matches('/'),
+                        0o644,
+                        NodeKind::File(ca.clone()),
+                        "images/<board>.toml [fleet] ca",
+                    )?;
+                }
+            }
             super::updates::add_to_initramfs(&mut tree, &ctx.board.name, &keyring, updates_sha)?;
             if let Some(m) = modules {
                 for (path, bytes) in crate::sbom::texts::read_tar(m.path())? {

@@ -1,0 +1,396 @@
+//! `kiln fleet`: the board's hawkBit client (DDI). `/init` starts it after the self-check's
+//! verdict. It polls the server, sends the board's facts (`configData`), downloads a deployment's
+//! RAUC bundle to `data` (resumed, size and sha256 checked), installs it with `rauc install`,
+//! reboots into it, and reports success only after the new slot's self-check said PASS; a FAIL,
+//! or a slot that never reached a verdict (U-Boot fell back), is reported as a failure by the slot
+//! that runs, naming the failed checks. The action's state is on `data` ([`action`]): exactly one
+//! final feedback per action, whatever reboots and power cuts come between.
+//!
+//! [`ddi`] is the protocol, [`config`] the recipe's `[fleet]` table and the token, [`board`] what
+//! the client does to the board (RAUC, the slots' reports, reboot).
+
+pub mod action;
+pub mod board;
+pub mod config;
+pub mod ddi;
+
+use action::{Action, Next, Phase};
+use anyhow::{Context, Result};
+use board::Board;
+use ddi::{Ddi, DownloadError, Execution, Finished};
+use std::path::PathBuf;
+use std::time::Duration;
+
+pub fn log(msg: &str) {
+    eprintln!("kiln-fleet: {msg}");
+}
+
+pub struct Client<B: Board> {
+    pub cfg: config::Config,
+    pub ddi: Ddi,
+    pub board: B,
+    dir: PathBuf,
+}
+
+impl<B: Board> Client<B> {
+    pub fn new(cfg: config::Config, ddi: Ddi, board: B) -> Result<Client<B>> {
+        let dir = cfg.state_dir.clone();
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        Ok(Client {
+            cfg,
+            ddi,
+            board,
+            dir,
+        })
+    }
+
+    fn bundle_path(&self, a: &Action) -> PathBuf {
+        self.dir.join(format!("{}.raucb", a.sha256))
+    }
+
+    fn save(&self, a: &Action) -> Result<()> {
+        action::save(&self.dir, a)
+    }
+
+    /// One poll and what it asks for. Returns the server's sleep.
+    pub fn step(&mut self) -> Result<Option<Duration>> {
+        let poll = self.ddi.poll()?;
+        if let Some(url) = &poll.config_data {
+            match self.ddi.put_config_data(url, &self.board.facts()) {
+                Ok(()) => log("configData sent"),
+                Err(e) => log(&format!("configData not sent: {e:#}")),
+            }
+        }
+        if poll.confirmation.is_some() {
+            log("the server asks for a confirmation (user consent) first: kiln does not confirm on its own; confirm the action on the server or turn user consent off for this target");
+        }
+        if let Some(url) = &poll.cancel {
+            self.cancel(url)?;
+        } else if let Some(url) = &poll.deployment {
+            self.deploy(url)?;
+        } else if let Some(a) = action::load(&self.dir)? {
+            if matches!(a.phase, Phase::Installing { .. } | Phase::Installed { .. }) {
+                log(&format!("action {} is no longer offered by the server, but slot {} was written for it: the next action's install overwrites it", a.id, self.board.running().other().name()));
+            }
+        }
+        Ok(poll.sleep)
+    }
+
+    fn cancel(&mut self, url: &str) -> Result<()> {
+        let (id, stop) = self.ddi.cancel_action(url)?;
+        let mut a = action::load(&self.dir)?;
+        let (exec, fin, detail) = match &mut a {
+            Some(a) if a.id == stop => match a.phase {
+                Phase::Downloading => {
+                    let _ = std::fs::remove_file(self.bundle_path(a).with_extension("part"));
+                    let _ = std::fs::remove_file(self.bundle_path(a));
+                    a.phase = Phase::Done { success: false };
+                    self.save(a)?;
+                    (
+                        Execution::Closed,
+                        Finished::Success,
+                        format!("action {stop} canceled before its install"),
+                    )
+                }
+                _ => (
+                    Execution::Rejected,
+                    Finished::Failure,
+                    format!("action {stop} is already installed (or decided): too late to cancel"),
+                ),
+            },
+            _ => (
+                Execution::Closed,
+                Finished::Success,
+                format!("action {stop} was not running here"),
+            ),
+        };
+        log(&format!("cancelAction {id}: {detail}"));
+        self.ddi.cancel_feedback(&id, exec, fin, &[detail])
+    }
+
+    fn deploy(&mut self, url: &str) -> Result<()> {
+        let d = self.ddi.deployment(url)?;
+        let mut a = match action::load(&self.dir)? {
+            Some(a) if a.id == d.id => a,
+            old => {
+                if let Some(o) = old {
+                    log(&format!(
+                        "action {} ends here: the server now offers action {}",
+                        o.id, d.id
+                    ));
+                }
+                if d.artifacts.len() != 1 {
+                    let msg = format!(
+                        "deployment {} has {} artifacts: kiln installs exactly one RAUC bundle per action",
+                        d.id,
+                        d.artifacts.len()
+                    );
+                    log(&msg);
+                    return self
+                        .ddi
+                        .feedback(&d.id, Execution::Closed, Finished::Failure, &[msg]);
+                }
+                let a = Action::new(&d.id, &d.artifacts[0]);
+                self.save(&a)?;
+                log(&format!(
+                    "action {}: {} ({} bytes, sha256 {})",
+                    a.id, a.filename, a.size, a.sha256
+                ));
+                a
+            }
+        };
+        loop {
+            match a.phase.clone() {
+                Phase::Downloading => {
+                    if d.download == "skip" {
+                        log(&format!(
+                            "action {}: download skip (maintenance window?): waiting",
+                            a.id
+                        ));
+                        return Ok(());
+                    }
+                    let art = &d.artifacts[0];
+                    if art.sha256 != a.sha256 || art.size != a.size {
+                        a.decide(
+                            false,
+                            vec![format!(
+                                "action {}: its artifact changed on the server (size or sha256)",
+                                a.id
+                            )],
+                        );
+                        continue;
+                    }
+                    let dest = self.bundle_path(&a);
+                    self.proceeding(&a, format!("downloading {} ({} bytes)", a.filename, a.size));
+                    let mut last = 0u64;
+                    let step = (a.size / 10).max(1 << 20);
+                    match self.ddi.download(art, &dest, |n| {
+                        if n >= last + step {
+                            last = n;
+                            log(&format!("downloaded {n} of {} bytes", art.size));
+                        }
+                    }) {
+                        Ok(()) => {
+                            log(&format!(
+                                "action {}: {} downloaded, sha256 verified",
+                                a.id, a.filename
+                            ));
+                            if d.update == "skip" {
+                                let _ = self.ddi.feedback(
+                                    &a.id,
+                                    Execution::Downloaded,
+                                    Finished::None,
+                                    &[format!(
+                                        "{} downloaded; update skip: not installed",
+                                        a.filename
+                                    )],
+                                );
+                                return Ok(());
+                            }
+                            self.install(&mut a)?;
+                        }
+                        Err(DownloadError::Retry(m)) => {
+                            self.save(&a)?;
+                            anyhow::bail!("action {}: {m} (resumed at the next poll)", a.id);
+                        }
+                        Err(DownloadError::Bad(m)) => a.decide(false, vec![m]),
+                    }
+                }
+                Phase::Installing { .. } | Phase::Installed { .. } => {
+                    let running = self.board.running();
+                    let boot_id = self.board.boot_id();
+                    match action::next(&a, running, &boot_id) {
+                        Some(Next::Install) => self.install(&mut a)?,
+                        Some(Next::Reboot) => {
+                            log(&format!("action {}: installed; rebooting into it", a.id));
+                            return self.board.reboot();
+                        }
+                        Some(Next::Judge { slot, on_new }) => {
+                            let expected = match &a.phase {
+                                Phase::Installed { manifest, .. } => manifest.clone(),
+                                _ => None,
+                            };
+                            let v = match self.board.verdict(slot) {
+                                Ok(v) => v,
+                                Err(e) => {
+                                    log(&format!(
+                                        "slot {}'s report unreadable: {e:#}",
+                                        slot.name()
+                                    ));
+                                    None
+                                }
+                            };
+                            let (ok, details) = action::judge(
+                                expected.as_deref(),
+                                slot,
+                                running,
+                                on_new,
+                                v.as_ref(),
+                            );
+                            a.decide(ok, details);
+                        }
+                        Some(Next::Fail(m)) => a.decide(false, vec![m]),
+                        None => a.decide(
+                            false,
+                            vec!["the action's state names a slot that is not A or B".into()],
+                        ),
+                    }
+                }
+                Phase::Final { success, details } => {
+                    self.save(&a)?;
+                    let fin = if success {
+                        Finished::Success
+                    } else {
+                        Finished::Failure
+                    };
+                    log(&format!(
+                        "action {}: {} ({})",
+                        a.id,
+                        fin_word(success),
+                        details.join("; ")
+                    ));
+                    self.ddi.feedback(&a.id, Execution::Closed, fin, &details)?;
+                    let _ = std::fs::remove_file(self.bundle_path(&a));
+                    let _ = std::fs::remove_file(self.bundle_path(&a).with_extension("part"));
+                    a.phase = Phase::Done { success };
+                    self.save(&a)?;
+                    log(&format!(
+                        "action {}: final feedback acknowledged by the server",
+                        a.id
+                    ));
+                    return Ok(());
+                }
+                Phase::Done { success } => {
+                    // The server still offers an action we reported: our feedback was lost on the
+                    // way. Say it again (the same words are kept nowhere: the verdict is).
+                    log(&format!("action {} was reported ({}) but the server still offers it: reporting again", a.id, fin_word(success)));
+                    let fin = if success {
+                        Finished::Success
+                    } else {
+                        Finished::Failure
+                    };
+                    return self.ddi.feedback(
+                        &a.id,
+                        Execution::Closed,
+                        fin,
+                        &[format!("reported before: {}", fin_word(success))],
+                    );
+                }
+            }
+        }
+    }
+
+    fn proceeding(&self, a: &Action, detail: String) {
+        if let Err(e) = self.ddi.feedback(
+            &a.id,
+            Execution::Proceeding,
+            Finished::None,
+            std::slice::from_ref(&detail),
+        ) {
+            log(&format!("proceeding feedback not sent ({detail}): {e:#}"));
+        }
+    }
+
+    fn install(&mut self, a: &mut Action) -> Result<()> {
+        let from = self.board.running();
+        let target = from.other();
+        a.installs += 1;
+        a.phase = Phase::Installing {
+            from: from.name().into(),
+            boot_id: self.board.boot_id(),
+        };
+        self.save(a)?;
+        self.proceeding(
+            a,
+            format!("installing {} into slot {}", a.filename, target.name()),
+        );
+        let bundle = self.bundle_path(a);
+        match self.board.install(&bundle) {
+            Err(reason) => {
+                let _ = std::fs::remove_file(&bundle);
+                a.decide(
+                    false,
+                    vec![
+                        format!("RAUC refused {}: {reason}", a.filename),
+                        format!("slot {} runs", from.name()),
+                    ],
+                );
+                Ok(())
+            }
+            Ok(()) => {
+                let manifest = self.board.manifest_of(target).unwrap_or_else(|e| {
+                    log(&format!(
+                        "slot {}'s manifest unreadable after the install: {e:#}",
+                        target.name()
+                    ));
+                    None
+                });
+                a.phase = Phase::Installed {
+                    from: from.name().into(),
+                    target: target.name().into(),
+                    manifest,
+                    boot_id: self.board.boot_id(),
+                };
+                self.save(a)?;
+                self.proceeding(
+                    a,
+                    format!(
+                        "installed into slot {}; rebooting into it: its self-check decides",
+                        target.name()
+                    ),
+                );
+                Ok(())
+            }
+        }
+    }
+
+    /// Poll for ever: the server's sleep (bounded by `poll_max_s`) with ±10 % jitter; errors
+    /// back off from 10 s, doubling, up to the sleep.
+    pub fn run(&mut self) -> Result<()> {
+        let mut sleep = Duration::from_secs(self.cfg.poll_default_s);
+        let mut backoff = Duration::from_secs(10);
+        loop {
+            let wait = match self.step() {
+                Ok(s) => {
+                    if let Some(s) = s {
+                        sleep = s.max(Duration::from_secs(1));
+                    }
+                    backoff = Duration::from_secs(10);
+                    sleep
+                }
+                Err(e) => {
+                    log(&format!("{e:#}"));
+                    let b = backoff.min(sleep);
+                    backoff = (backoff * 2).min(Duration::from_secs(3600));
+                    b
+                }
+            };
+            let wait = match self.cfg.poll_max_s {
+                Some(m) => wait.min(Duration::from_secs(m)),
+                None => wait,
+            };
+            std::thread::sleep(jitter(wait));
+        }
+    }
+}
+
+fn fin_word(success: bool) -> &'static str {
+    if success {
+        "success"
+    } else {
+        "failure"
+    }
+}
+
+/// ±10 %: a fleet that booted together does not poll together.
+fn jitter(d: Duration) -> Duration {
+    let mut b = [0u8; 2];
+    let r = std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b));
+    let x = if r.is_ok() {
+        u16::from_le_bytes(b) as f64 / 65535.0
+    } else {
+        0.5
+    };
+    d.mul_f64(0.9 + 0.2 * x)
+}

@@ -1,0 +1,606 @@
+//! `kiln fleet`'s DDI client against `hawkbit_mock` (the hawkbit-rs project's DDI server for
+//! tests, on httpmock): every DDI call the client makes, the whole action across a reboot, and
+//! the bad servers. The board side here is a record of what the client asked (RAUC and the
+//! reboot run for real in the boot stage); the HTTP side is the mock's.
+
+use hawkbit::ddi::{Execution as HbExec, Finished as HbFin, Type};
+use hawkbit_mock::ddi::{ChunkProtocol, DeploymentBuilder, Server, ServerBuilder, Target};
+use kiln_runtime::fleet::action::{self, Phase, Verdict};
+use kiln_runtime::fleet::board::Board;
+use kiln_runtime::fleet::config::Config;
+use kiln_runtime::fleet::ddi::{Artifact, Ddi, DownloadError};
+use kiln_runtime::fleet::Client;
+use kiln_runtime::slot::Slot;
+use serde_json::{json, Map, Value};
+use sha2::{Digest, Sha256};
+use std::cell::RefCell;
+use std::path::{Path, PathBuf};
+use std::rc::Rc;
+
+#[derive(Default)]
+struct Seen {
+    installs: Vec<PathBuf>,
+    reboots: u32,
+}
+
+/// The board: which slot runs, its boot id, the slots' reports; what RAUC answers.
+struct FakeBoard {
+    running: Slot,
+    boot: u32,
+    reports: [Option<Verdict>; 2],
+    manifest_after_install: Option<String>,
+    rauc_refuses: Option<String>,
+    seen: Rc<RefCell<Seen>>,
+}
+
+impl Board for FakeBoard {
+    fn running(&self) -> Slot {
+        self.running
+    }
+    fn boot_id(&self) -> String {
+        format!("boot-{}", self.boot)
+    }
+    fn verdict(&self, slot: Slot) -> anyhow::Result<Option<Verdict>> {
+        Ok(self.reports[slot as usize].clone())
+    }
+    fn install(&mut self, bundle: &Path) -> Result<(), String> {
+        assert!(bundle.exists(), "installing a bundle that is not there");
+        self.seen.borrow_mut().installs.push(bundle.to_path_buf());
+        match &self.rauc_refuses {
+            Some(r) => Err(r.clone()),
+            None => Ok(()),
+        }
+    }
+    fn manifest_of(&self, _: Slot) -> anyhow::Result<Option<String>> {
+        Ok(self.manifest_after_install.clone())
+    }
+    fn reboot(&mut self) -> anyhow::Result<()> {
+        self.seen.borrow_mut().reboots += 1;
+        Ok(())
+    }
+    fn facts(&self) -> Map<String, Value> {
+        let mut m = Map::new();
+        m.insert("slot".into(), self.running.name().into());
+        m.insert("verdict".into(), "PASS".into());
+        m
+    }
+}
+
+struct Lab {
+    server: Server,
+    dir: tempfile::TempDir,
+}
+
+const NAME: &str = "kiln-test-1";
+
+fn lab() -> Lab {
+    Lab {
+        server: ServerBuilder::default().build(),
+        dir: tempfile::tempdir().unwrap(),
+    }
+}
+
+fn config(server: &str, state: &Path) -> Config {
+    Config::parse(
+        &format!(
+            "server = {server:?}\ncontroller_id = \"fixed:{NAME}\"\nstall_timeout_s = 2\nstate_dir = {:?}\n",
+            state.display().to_string()
+        ),
+        "test",
+    )
+    .unwrap()
+}
+
+fn client(l: &Lab, board: FakeBoard) -> Client<FakeBoard> {
+    let cfg = config(&l.server.base_url(), &l.dir.path().join("state"));
+    let ddi = Ddi::new(&cfg, NAME, &format!("Key{NAME}")).unwrap();
+    Client::new(cfg, ddi, board).unwrap()
+}
+
+fn board(seen: &Rc<RefCell<Seen>>) -> FakeBoard {
+    FakeBoard {
+        running: Slot::A,
+        boot: 1,
+        reports: [None, None],
+        manifest_after_install: Some("m2".into()),
+        rauc_refuses: None,
+        seen: seen.clone(),
+    }
+}
+
+/// A bundle file and its deployment (one chunk, one artifact, http links).
+fn bundle(
+    l: &Lab,
+    id: &str,
+    bytes: &[u8],
+    sha256: Option<&str>,
+) -> (hawkbit_mock::ddi::Deployment, String) {
+    let p = l.dir.path().join("v2.raucb");
+    std::fs::write(&p, bytes).unwrap();
+    let sum = sha256
+        .map(str::to_string)
+        .unwrap_or_else(|| hex::encode(Sha256::digest(bytes)));
+    let d = DeploymentBuilder::new(id, Type::Forced, Type::Forced)
+        .chunk(
+            ChunkProtocol::HTTP,
+            "os",
+            "2",
+            "kiln",
+            vec![(p, "md5", "sha1", &sum)],
+        )
+        .build();
+    (d, sum)
+}
+
+fn expect<'a>(
+    t: &'a Target,
+    id: &str,
+    e: HbExec,
+    f: HbFin,
+    details: Vec<&str>,
+) -> httpmock::Mock<'a> {
+    t.expect_deployment_feedback(id, e, f, None, details)
+}
+
+fn state(l: &Lab) -> action::Action {
+    action::load(&l.dir.path().join("state")).unwrap().unwrap()
+}
+
+#[test]
+fn success_is_reported_only_after_the_new_slot_passed() {
+    let l = lab();
+    let t = l.server.add_target(NAME);
+    t.request_config(json!({"mode": "merge", "data": {"slot": "A", "verdict": "PASS"}}));
+    let body = vec![7u8; 300_000];
+    let (d, _) = bundle(&l, "10", &body, None);
+    t.push_deployment(d);
+    let downloading = expect(
+        &t,
+        "10",
+        HbExec::Proceeding,
+        HbFin::None,
+        vec!["downloading v2.raucb (300000 bytes)"],
+    );
+    let installing = expect(
+        &t,
+        "10",
+        HbExec::Proceeding,
+        HbFin::None,
+        vec!["installing v2.raucb into slot B"],
+    );
+    let installed = expect(
+        &t,
+        "10",
+        HbExec::Proceeding,
+        HbFin::None,
+        vec!["installed into slot B; rebooting into it: its self-check decides"],
+    );
+    let success = expect(
+        &t,
+        "10",
+        HbExec::Closed,
+        HbFin::Success,
+        vec!["self-check PASS on slot B", "manifest sha256 m2"],
+    );
+    let seen = Rc::new(RefCell::new(Seen::default()));
+    let mut c = client(&l, board(&seen));
+    c.step().unwrap();
+    assert_eq!(t.poll_hits(), 1);
+    assert_eq!(
+        t.config_data_hits(),
+        1,
+        "configData not sent as the mock expects"
+    );
+    assert_eq!(t.deployment_hits(), 1);
+    assert_eq!(
+        (downloading.calls(), installing.calls(), installed.calls()),
+        (1, 1, 1)
+    );
+    assert_eq!(seen.borrow().installs.len(), 1);
+    assert_eq!(seen.borrow().reboots, 1);
+    // Installed and rebooting: nothing final yet.
+    assert_eq!(success.calls(), 0);
+    assert!(matches!(state(&l).phase, Phase::Installed { .. }));
+
+    // The reboot: slot B runs, its self-check passed on the new system.
+    c.board.running = Slot::B;
+    c.board.boot = 2;
+    c.board.reports[Slot::B as usize] = Some(Verdict {
+        pass: true,
+        manifest: Some("m2".into()),
+        failed: vec![],
+    });
+    c.step().unwrap();
+    assert_eq!(success.calls(), 1);
+    assert_eq!(state(&l).phase, Phase::Done { success: true });
+    assert_eq!(
+        seen.borrow().installs.len(),
+        1,
+        "installed again after the verdict"
+    );
+    assert!(
+        !c.cfg
+            .state_dir
+            .join(format!("{}.raucb", state(&l).sha256))
+            .exists(),
+        "the bundle stays on data"
+    );
+}
+
+#[test]
+fn a_failed_self_check_is_reported_by_the_slot_that_fell_back() {
+    let l = lab();
+    let t = l.server.add_target(NAME);
+    let (d, _) = bundle(&l, "11", b"bundle v3", None);
+    t.push_deployment(d);
+    let failure = expect(
+        &t,
+        "11",
+        HbExec::Closed,
+        HbFin::Failure,
+        vec![
+            "self-check FAIL on slot B: model.nll.cpu, report.required",
+            "slot A runs",
+        ],
+    );
+    let seen = Rc::new(RefCell::new(Seen::default()));
+    let mut c = client(&l, board(&seen));
+    c.step().unwrap();
+    assert_eq!(failure.calls(), 0);
+    // B booted, failed, was marked bad; U-Boot / init went back to A (a new boot).
+    c.board.boot = 3;
+    c.board.reports[Slot::B as usize] = Some(Verdict {
+        pass: false,
+        manifest: Some("m2".into()),
+        failed: vec!["model.nll.cpu".into(), "report.required".into()],
+    });
+    c.step().unwrap();
+    assert_eq!(failure.calls(), 1);
+    assert_eq!(state(&l).phase, Phase::Done { success: false });
+    // The server keeps offering the action (its feedback was lost): said again, never installed again.
+    let again = expect(
+        &t,
+        "11",
+        HbExec::Closed,
+        HbFin::Failure,
+        vec!["reported before: failure"],
+    );
+    c.step().unwrap();
+    assert_eq!(again.calls(), 1);
+    assert_eq!(seen.borrow().installs.len(), 1);
+}
+
+#[test]
+fn a_slot_that_never_reached_a_verdict_is_a_failure() {
+    let l = lab();
+    let t = l.server.add_target(NAME);
+    let (d, _) = bundle(&l, "12", b"bundle", None);
+    t.push_deployment(d);
+    let failure = expect(
+        &t,
+        "12",
+        HbExec::Closed,
+        HbFin::Failure,
+        vec![
+            "slot B never reached a self-check verdict of the new system: U-Boot fell back",
+            "slot A runs",
+        ],
+    );
+    let seen = Rc::new(RefCell::new(Seen::default()));
+    let mut c = client(&l, board(&seen));
+    c.step().unwrap();
+    c.board.boot = 2;
+    // B's partition still holds the old system's report (another manifest).
+    c.board.reports[Slot::B as usize] = Some(Verdict {
+        pass: true,
+        manifest: Some("m1".into()),
+        failed: vec![],
+    });
+    c.step().unwrap();
+    assert_eq!(failure.calls(), 1);
+}
+
+#[test]
+fn a_bundle_rauc_refuses_is_a_failure_with_rauc_s_reason() {
+    let l = lab();
+    let t = l.server.add_target(NAME);
+    let (d, _) = bundle(&l, "13", b"signed by someone else", None);
+    t.push_deployment(d);
+    let failure = expect(
+        &t,
+        "13",
+        HbExec::Closed,
+        HbFin::Failure,
+        vec![
+            "RAUC refused v2.raucb: signature verification failed (rauc install exited 1)",
+            "slot A runs",
+        ],
+    );
+    let seen = Rc::new(RefCell::new(Seen::default()));
+    let mut b = board(&seen);
+    b.rauc_refuses = Some("signature verification failed (rauc install exited 1)".into());
+    let mut c = client(&l, b);
+    c.step().unwrap();
+    assert_eq!(failure.calls(), 1);
+    assert_eq!(seen.borrow().reboots, 0);
+}
+
+#[test]
+fn an_artifact_whose_hash_differs_is_deleted_never_installed() {
+    let l = lab();
+    let t = l.server.add_target(NAME);
+    let wrong = "0".repeat(64);
+    let (d, _) = bundle(&l, "14", b"tampered", Some(&wrong));
+    t.push_deployment(d);
+    let sum = hex::encode(Sha256::digest(b"tampered"));
+    let detail = format!("v2.raucb: sha256 {sum}, the deployment announced {wrong}: deleted");
+    let failure = expect(&t, "14", HbExec::Closed, HbFin::Failure, vec![&detail]);
+    let seen = Rc::new(RefCell::new(Seen::default()));
+    let mut c = client(&l, board(&seen));
+    c.step().unwrap();
+    assert_eq!(failure.calls(), 1);
+    assert!(seen.borrow().installs.is_empty());
+}
+
+#[test]
+fn cancel_before_the_install() {
+    let l = lab();
+    let t = l.server.add_target(NAME);
+    let seen = Rc::new(RefCell::new(Seen::default()));
+    let mut c = client(&l, board(&seen));
+    // An action started (its state says downloading), then the server cancels it.
+    let a = action::Action::new(
+        "15",
+        &Artifact {
+            filename: "x.raucb".into(),
+            size: 5,
+            sha256: "a".repeat(64),
+            url: String::new(),
+        },
+    );
+    action::save(&c.cfg.state_dir, &a).unwrap();
+    t.cancel_action("15");
+    let fb = t.expect_cancel_feedback(
+        "15",
+        HbExec::Closed,
+        HbFin::Success,
+        vec!["action 15 canceled before its install"],
+    );
+    c.step().unwrap();
+    assert_eq!(t.cancel_action_hits(), 1);
+    assert_eq!(fb.calls(), 1);
+    assert_eq!(state(&l).phase, Phase::Done { success: false });
+}
+
+#[test]
+fn a_wrong_token_is_an_error_that_names_it() {
+    let l = lab();
+    let _t = l.server.add_target(NAME);
+    let cfg = config(&l.server.base_url(), &l.dir.path().join("state"));
+    let ddi = Ddi::new(&cfg, NAME, "KeyOfSomeoneElse").unwrap();
+    let e = format!("{:#}", ddi.poll().unwrap_err());
+    // The mock answers an unmatched request 404 (hawkBit: 401).
+    assert!(e.contains("HTTP 404") && e.contains("controller id"), "{e}");
+}
+
+// Bad servers beyond the mock's DDI: httpmock, the mock's own engine, answering as they would.
+
+fn raw_client(srv: &httpmock::MockServer, dir: &Path) -> Ddi {
+    let cfg = config(&srv.base_url(), dir);
+    Ddi::new(&cfg, NAME, "tok").unwrap()
+}
+
+const POLL: &str = "/DEFAULT/controller/v1/kiln-test-1";
+
+#[test]
+fn malformed_and_failing_answers_are_errors_with_their_cause() {
+    let srv = httpmock::MockServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let ddi = raw_client(&srv, dir.path());
+    let mut m = srv.mock(|w, t| {
+        w.path(POLL);
+        t.status(200).body("{\"config\": ");
+    });
+    assert!(format!("{:#}", ddi.poll().unwrap_err()).contains("not JSON"));
+    m.delete();
+    let mut m = srv.mock(|w, t| {
+        w.path(POLL);
+        t.status(503);
+    });
+    let e = format!("{:#}", ddi.poll().unwrap_err());
+    assert!(e.contains("HTTP 503") && e.contains("retried"), "{e}");
+    m.delete();
+    // An answer larger than any DDI answer.
+    let mut m = srv.mock(|w, t| {
+        w.path(POLL);
+        t.status(200).body(format!("[{}0]", "0,".repeat(1 << 20)));
+    });
+    assert!(format!("{:#}", ddi.poll().unwrap_err()).contains("at most"));
+    m.delete();
+    // A deploymentBase on another host: never fetched with the token.
+    let other = httpmock::MockServer::start();
+    let theirs = other.mock(|w, t| {
+        w.any_request();
+        t.status(200).json_body(json!({}));
+    });
+    srv.mock(|w, t| {
+        w.path(POLL);
+        t.status(200)
+            .json_body(json!({"_links": {"deploymentBase": {"href": other.url("/steal")}}}));
+    });
+    let p = ddi.poll().unwrap();
+    let e = format!(
+        "{:#}",
+        ddi.deployment(p.deployment.as_deref().unwrap())
+            .unwrap_err()
+    );
+    assert!(e.contains("not followed"), "{e}");
+    assert_eq!(theirs.calls(), 0);
+}
+
+fn art(url: String, bytes: &[u8]) -> Artifact {
+    Artifact {
+        filename: "b.raucb".into(),
+        size: bytes.len() as u64,
+        sha256: hex::encode(Sha256::digest(bytes)),
+        url,
+    }
+}
+
+#[test]
+fn downloads_resume_after_a_cut_with_a_range_request() {
+    let srv = httpmock::MockServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let ddi = raw_client(&srv, dir.path());
+    let body: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
+    let a = art(srv.url("/download/b.raucb"), &body);
+    let dest = dir.path().join("b.raucb");
+    // First: the body ends after 70 000 bytes (a truncated answer).
+    let mut cut = srv.mock(|w, t| {
+        w.path("/download/b.raucb")
+            .header("Authorization", "TargetToken tok");
+        t.status(200).body(&body[..70_000]);
+    });
+    match ddi.download(&a, &dest, |_| {}) {
+        Err(DownloadError::Retry(m)) => assert!(m.contains("70000"), "{m}"),
+        r => panic!("{r:?}"),
+    }
+    cut.delete();
+    let resumed = srv.mock(|w, t| {
+        w.path("/download/b.raucb").header("Range", "bytes=70000-");
+        t.status(206)
+            .header("Content-Range", "bytes 70000-199999/200000")
+            .body(&body[70_000..]);
+    });
+    ddi.download(&a, &dest, |_| {}).unwrap();
+    assert_eq!(resumed.calls(), 1);
+    assert_eq!(std::fs::read(&dest).unwrap(), body);
+}
+
+#[test]
+fn a_stalled_download_times_out_and_keeps_its_bytes() {
+    let srv = httpmock::MockServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let ddi = raw_client(&srv, dir.path());
+    let a = art(srv.url("/download/b.raucb"), b"0123456789");
+    srv.mock(|w, t| {
+        w.path("/download/b.raucb");
+        t.status(200)
+            .delay(std::time::Duration::from_secs(5))
+            .body("0123456789");
+    });
+    let t0 = std::time::Instant::now();
+    let r = ddi.download(&a, &dir.path().join("b.raucb"), |_| {});
+    assert!(matches!(r, Err(DownloadError::Retry(_))), "{r:?}");
+    assert!(
+        t0.elapsed().as_secs() < 5,
+        "the stall was not cut at the 2 s stall timeout"
+    );
+}
+
+#[test]
+fn more_bytes_than_announced_and_compressed_bodies_are_refused_undecompressed() {
+    let srv = httpmock::MockServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let ddi = raw_client(&srv, dir.path());
+    let mut a = art(srv.url("/download/b.raucb"), b"0123456789");
+    srv.mock(|w, t| {
+        w.path("/download/b.raucb");
+        t.status(200).body(vec![b'x'; 100_000]);
+    });
+    match ddi.download(&a, &dir.path().join("b.raucb"), |_| {}) {
+        Err(DownloadError::Bad(m)) => assert!(m.contains("more than the 10 bytes"), "{m}"),
+        r => panic!("{r:?}"),
+    }
+    // A gzip bomb: 64 MiB of zeros in ~64 KiB, announced as the 64 MiB it inflates to.
+    let zeros = vec![0u8; 64 << 20];
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+    std::io::Write::write_all(&mut gz, &zeros).unwrap();
+    let gz = gz.finish().unwrap();
+    a = art(srv.url("/bomb"), &zeros);
+    let bomb = srv.mock(|w, t| {
+        w.path("/bomb").header_missing("Accept-Encoding");
+        t.status(200).header("Content-Encoding", "gzip").body(&gz);
+    });
+    let dest = dir.path().join("bomb.raucb");
+    let r = ddi.download(&a, &dest, |_| {});
+    assert_eq!(bomb.calls(), 1, "Accept-Encoding was sent");
+    assert!(
+        matches!(&r, Err(DownloadError::Retry(m)) if m.contains(&format!("after {} of", gz.len()))),
+        "{r:?}"
+    );
+    assert_eq!(
+        std::fs::metadata(dest.with_extension("part"))
+            .unwrap()
+            .len(),
+        gz.len() as u64,
+        "the body was inflated"
+    );
+}
+
+#[test]
+fn credentials_go_only_to_the_configured_host() {
+    let srv = httpmock::MockServer::start();
+    let cdn = httpmock::MockServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let ddi = raw_client(&srv, dir.path());
+    let body = b"bundle bytes";
+    // A redirect from the server to another host: followed without the token.
+    srv.mock(|w, t| {
+        w.path("/download/b.raucb")
+            .header("Authorization", "TargetToken tok");
+        t.status(302).header("Location", cdn.url("/b.raucb"));
+    });
+    let clean = cdn.mock(|w, t| {
+        w.path("/b.raucb").header_missing("Authorization");
+        t.status(200).body(body);
+    });
+    ddi.download(
+        &art(srv.url("/download/b.raucb"), body),
+        &dir.path().join("1.raucb"),
+        |_| {},
+    )
+    .unwrap();
+    assert_eq!(clean.calls(), 1);
+    // An artifact link straight to another host: fetched without the token.
+    ddi.download(
+        &art(cdn.url("/b.raucb"), body),
+        &dir.path().join("2.raucb"),
+        |_| {},
+    )
+    .unwrap();
+    assert_eq!(clean.calls(), 2);
+}
+
+#[test]
+fn a_server_that_vanishes_mid_action_loses_nothing() {
+    let l = lab();
+    let t = l.server.add_target(NAME);
+    let body = vec![1u8; 1000];
+    let (d, _) = bundle(&l, "16", &body, None);
+    t.push_deployment(d);
+    let seen = Rc::new(RefCell::new(Seen::default()));
+    let mut c = client(&l, board(&seen));
+    // The artifact's mock answers, but the action's state is written first: replace the
+    // server by a dead port and the state stays, resumable.
+    let a = action::Action::new(
+        "16",
+        &Artifact {
+            filename: "v2.raucb".into(),
+            size: 1000,
+            sha256: hex::encode(Sha256::digest(&body)),
+            url: String::new(),
+        },
+    );
+    action::save(&c.cfg.state_dir, &a).unwrap();
+    let dead = {
+        let s = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        s.local_addr().unwrap().port()
+    };
+    let cfg = config(&format!("http://127.0.0.1:{dead}"), &c.cfg.state_dir);
+    c.ddi = Ddi::new(&cfg, NAME, &format!("Key{NAME}")).unwrap();
+    let e = format!("{:#}", c.step().unwrap_err());
+    assert!(e.contains(&format!("127.0.0.1:{dead}")), "{e}");
+    assert_eq!(state(&l).phase, Phase::Downloading);
+    assert!(seen.borrow().installs.is_empty());
+}
