@@ -417,13 +417,14 @@ fn malformed_and_failing_answers_are_errors_with_their_cause() {
     });
     assert!(format!("{:#}", ddi.poll().unwrap_err()).contains("at most"));
     m.delete();
-    // A deploymentBase on another host: never fetched with the token.
+    // Links are followed as paths on the configured server, never at the host they name: the
+    // token goes nowhere else. A path outside this controller's is not followed at all.
     let other = httpmock::MockServer::start();
     let theirs = other.mock(|w, t| {
         w.any_request();
         t.status(200).json_body(json!({}));
     });
-    srv.mock(|w, t| {
+    let mut m = srv.mock(|w, t| {
         w.path(POLL);
         t.status(200)
             .json_body(json!({"_links": {"deploymentBase": {"href": other.url("/steal")}}}));
@@ -434,8 +435,21 @@ fn malformed_and_failing_answers_are_errors_with_their_cause() {
         ddi.deployment(p.deployment.as_deref().unwrap())
             .unwrap_err()
     );
-    assert!(e.contains("not followed"), "{e}");
-    assert_eq!(theirs.calls(), 0);
+    assert!(e.contains("not under this controller"), "{e}");
+    m.delete();
+    srv.mock(|w, t| {
+        w.path(POLL);
+        t.status(200).json_body(json!({"_links": {"deploymentBase": {"href": other.url(&format!("{POLL}/deploymentBase/3"))}}}));
+    });
+    let ours = srv.mock(|w, t| {
+        w.path(format!("{POLL}/deploymentBase/3"))
+            .header("Authorization", "TargetToken tok");
+        t.status(200)
+            .json_body(json!({"id": "3", "deployment": {"chunks": []}}));
+    });
+    let p = ddi.poll().unwrap();
+    ddi.deployment(p.deployment.as_deref().unwrap()).unwrap();
+    assert_eq!((ours.calls(), theirs.calls()), (1, 0));
 }
 
 fn art(url: String, bytes: &[u8]) -> Artifact {
@@ -603,4 +617,81 @@ fn a_server_that_vanishes_mid_action_loses_nothing() {
     assert!(e.contains(&format!("127.0.0.1:{dead}")), "{e}");
     assert_eq!(state(&l).phase, Phase::Downloading);
     assert!(seen.borrow().installs.is_empty());
+}
+
+/// The DDI server of the boot stage (`cargo xtask ab-test`): `hawkbit_mock` for the controller
+/// named by `KILN_DDI_TARGET`, driven line by line on stdin by the harness, answering on stdout
+/// (lines starting `DDI `). Not a test of its own: `--ignored --exact ddi_stand_in`.
+///
+/// - `deploy ID FILE SHA256 LOCATION`: a deployment of FILE whose download link (on this server,
+///   with the token) redirects to LOCATION (nginx, without it).
+/// - `expect ID EXECUTION FINISHED DETAILS-JSON`: a feedback the board must send, exactly; `DDI
+///   expect K` names it.
+/// - `calls K`, `polls`: how often it came, how often the board polled.
+#[test]
+#[ignore]
+fn ddi_stand_in() {
+    use std::io::BufRead;
+    let Ok(name) = std::env::var("KILN_DDI_TARGET") else {
+        panic!("KILN_DDI_TARGET: the controller id to serve");
+    };
+    let server = ServerBuilder::default().build();
+    let t = server.add_target(&name);
+    println!("DDI url {}", server.base_url());
+    let mut mocks = Vec::new();
+    let exec = |s: &str| match s {
+        "closed" => HbExec::Closed,
+        "proceeding" => HbExec::Proceeding,
+        "canceled" => HbExec::Canceled,
+        "rejected" => HbExec::Rejected,
+        "downloaded" => HbExec::Downloaded,
+        _ => panic!("execution {s:?}"),
+    };
+    let fin = |s: &str| match s {
+        "success" => HbFin::Success,
+        "failure" => HbFin::Failure,
+        "none" => HbFin::None,
+        _ => panic!("finished {s:?}"),
+    };
+    for line in std::io::stdin().lock().lines() {
+        let line = line.unwrap();
+        let w: Vec<&str> = line.splitn(5, ' ').collect();
+        match w[..] {
+            ["deploy", id, file, sha, loc] => {
+                let path = PathBuf::from(file);
+                let base = path.file_name().unwrap().to_str().unwrap().to_string();
+                let (loc, token) = (loc.to_string(), format!("TargetToken Key{name}"));
+                let d = DeploymentBuilder::new(id, Type::Forced, Type::Forced)
+                    .chunk_with_mock(
+                        ChunkProtocol::HTTP,
+                        "os",
+                        id,
+                        "kiln",
+                        vec![(path, "md5", "sha1", sha)],
+                        Box::new(move |w, t| {
+                            w.method(httpmock::Method::GET)
+                                .path(format!("/download/{base}"))
+                                .header("Authorization", token.clone());
+                            t.status(302).header("Location", loc.clone());
+                        }),
+                    )
+                    .build();
+                t.push_deployment(d);
+                println!("DDI ok");
+            }
+            ["expect", id, e, f, details] => {
+                let d: Vec<String> = serde_json::from_str(details).unwrap();
+                let d: Vec<&str> = d.iter().map(String::as_str).collect();
+                mocks.push(t.expect_deployment_feedback(id, exec(e), fin(f), None, d));
+                println!("DDI expect {}", mocks.len() - 1);
+            }
+            ["calls", k] => {
+                let k: usize = k.parse().unwrap();
+                println!("DDI calls {k} {}", mocks[k].calls());
+            }
+            ["polls"] => println!("DDI polls {}", t.poll_hits()),
+            ["quit"] => return,
+            _ => println!("DDI error {line:?}"),
+        }
+    }
 }

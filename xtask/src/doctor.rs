@@ -132,6 +132,14 @@ pub const FSCK_EROFS: Tool = Tool {
     apt: &["erofs-utils"],
 };
 
+pub const NGINX: Tool = Tool {
+    name: "nginx",
+    why: "serves update bundles to the QEMU board in the fleet test (Range requests, as RAUC's own tests use)",
+    // /usr/sbin is not on every user's PATH.
+    probe: || version_of("nginx", &["-v"]).or_else(|| version_of("/usr/sbin/nginx", &["-v"])),
+    apt: &["nginx-light"],
+};
+
 pub const E2FSCK: Tool = Tool {
     name: "e2fsck",
     why: "judges our ext4 in tests (e2fsck -fn)",
@@ -314,6 +322,7 @@ pub fn all_tools() -> Vec<&'static Tool> {
         &FSCK_VFAT,
         &FSCK_EROFS,
         &E2FSCK,
+        &NGINX,
         &MTOOLS,
         &CPIO,
         &LOSETUP,

@@ -50,6 +50,7 @@ const STAGES: &[(&str, StageFn)] = &[
             seeds: 4,
             first_seed: 1,
             cuts_only: false,
+            fleet_only: false,
             image: None,
         })?;
         // labgrid's suite on the same image, updating with the stage's own `v2.raucb`.

@@ -113,10 +113,15 @@ impl Board for SystemBoard {
         if out.status.success() {
             return Ok(());
         }
+        // RAUC's own reason (`LastError: signature verification failed: …`), else its last line.
         let reason = text
             .lines()
-            .rev()
-            .find(|l| !l.trim().is_empty() && !l.contains("rauc-Message"))
+            .find_map(|l| l.trim().strip_prefix("LastError:"))
+            .or_else(|| {
+                text.lines()
+                    .rev()
+                    .find(|l| !l.trim().is_empty() && !l.contains("rauc-Message"))
+            })
             .unwrap_or("no message")
             .trim()
             .to_string();

@@ -27,7 +27,14 @@ pub struct Ddi {
     agent: ureq::Agent,
     /// `{server}/{tenant}/controller/v1/{controller}`
     pub base: String,
+    /// `scheme://host[:port]` of the configured server, and its [`Origin`].
+    root: String,
     origin: Origin,
+    /// The path of `base`: every API link must lie under it.
+    base_path: String,
+    /// The origin the server names itself by in its links (behind a proxy, or a test server on
+    /// another address than the board reaches it by): links there are links to the server.
+    named: std::cell::RefCell<Option<Origin>>,
     auth: String,
 }
 
@@ -194,25 +201,55 @@ impl Ddi {
             TokenKind::Target => "TargetToken",
             TokenKind::Gateway => "GatewayToken",
         };
+        let u: Uri = base
+            .parse()
+            .with_context(|| format!("{base:?}: not a URL"))?;
+        let root = format!(
+            "{}://{}",
+            u.scheme_str().unwrap_or("https"),
+            u.authority().map(|a| a.as_str()).unwrap_or_default()
+        );
         Ok(Ddi {
             agent,
             origin: origin(&base)?,
+            base_path: u.path().to_string(),
+            root,
             base,
+            named: Default::default(),
             auth: format!("{kind} {token}"),
         })
     }
 
-    /// A link the server gave for an API call must be on the server itself: the token goes only
-    /// there.
-    fn api_url(&self, href: &str) -> Result<()> {
-        if origin(href)? != self.origin {
-            bail!("the server links {href:?}, not on {}: not followed (the token goes only to the configured server)", self.base);
+    /// The URL an API link is followed at: its path (under this controller's) on the configured
+    /// server, whatever host the link names. A server behind a proxy that names itself otherwise
+    /// still works, and the token goes nowhere but the configured server. The host a link names
+    /// is remembered as the server's own name for its artifact links ([`Ddi::download`]).
+    fn api_url(&self, href: &str) -> Result<String> {
+        let u: Uri = href
+            .parse()
+            .with_context(|| format!("the server's link {href:?}: not a URL"))?;
+        let path = u.path();
+        if path != self.base_path && !path.starts_with(&format!("{}/", self.base_path)) {
+            bail!(
+                "the server's link {href:?} is not under this controller's {}: not followed",
+                self.base_path
+            );
         }
-        Ok(())
+        if u.scheme().is_some() {
+            let o = origin(href)?;
+            if o != self.origin {
+                self.named.borrow_mut().get_or_insert(o);
+            }
+        }
+        Ok(format!(
+            "{}{}",
+            self.root,
+            u.path_and_query().map(|p| p.as_str()).unwrap_or(path)
+        ))
     }
 
-    fn get_json(&self, url: &str) -> Result<Value> {
-        self.api_url(url)?;
+    fn get_json(&self, href: &str) -> Result<Value> {
+        let url = &self.api_url(href)?;
         let mut r = self
             .agent
             .get(url)
@@ -235,8 +272,8 @@ impl Ddi {
         serde_json::from_slice(&bytes).with_context(|| format!("GET {url}: the answer is not JSON"))
     }
 
-    fn send_json(&self, method: &str, url: &str, body: &Value) -> Result<()> {
-        self.api_url(url)?;
+    fn send_json(&self, method: &str, href: &str, body: &Value) -> Result<()> {
+        let url = &self.api_url(href)?;
         let bytes = serde_json::to_vec(body)?;
         let req = match method {
             "PUT" => self.agent.put(url),
@@ -325,19 +362,31 @@ impl Ddi {
             have = 0;
         }
         if have < a.size {
-            let same = origin(&a.url)
-                .map(|o| o == self.origin)
-                .map_err(|e| DownloadError::Bad(format!("{e:#}")))?;
-            let mut req = self.agent.get(&a.url);
+            // A link to the server (as configured, or as it names itself) is fetched from the
+            // configured server with the token; any other host gets no token.
+            let o = origin(&a.url).map_err(|e| DownloadError::Bad(format!("{e:#}")))?;
+            let same = o == self.origin || self.named.borrow().as_ref() == Some(&o);
+            let url = if same {
+                let u: Uri = a
+                    .url
+                    .parse()
+                    .map_err(|e| DownloadError::Bad(format!("{:?}: {e}", a.url)))?;
+                format!(
+                    "{}{}",
+                    self.root,
+                    u.path_and_query().map(|p| p.as_str()).unwrap_or("/")
+                )
+            } else {
+                a.url.clone()
+            };
+            let mut req = self.agent.get(&url);
             if same {
                 req = req.header("Authorization", &self.auth);
             }
             if have > 0 {
                 req = req.header("Range", &format!("bytes={have}-"));
             }
-            let mut r = req
-                .call()
-                .map_err(|e| retry(format!("GET {}: {e}", a.url)))?;
+            let mut r = req.call().map_err(|e| retry(format!("GET {}: {e}", url)))?;
             let status = r.status().as_u16();
             let append = match status {
                 206 => {
@@ -350,19 +399,13 @@ impl Ddi {
                         .and_then(|v| v.parse::<u64>().ok());
                     if start != Some(have) {
                         let _ = std::fs::remove_file(&part);
-                        return Err(retry(format!("GET {}: asked from byte {have}, the server answered a range from {start:?}: starting over", a.url)));
+                        return Err(retry(format!("GET {}: asked from byte {have}, the server answered a range from {start:?}: starting over", url)));
                     }
                     true
                 }
                 200 => false,
                 416 if have == a.size => true,
-                _ => {
-                    return Err(retry(format!(
-                        "GET {}: HTTP {status}{}",
-                        a.url,
-                        hint(status)
-                    )))
-                }
+                _ => return Err(retry(format!("GET {}: HTTP {status}{}", url, hint(status)))),
             };
             if !append {
                 have = 0;
@@ -384,7 +427,7 @@ impl Ddi {
                         let _ = f.sync_all();
                         return Err(retry(format!(
                             "GET {}: {e} after {have} of {} bytes",
-                            a.url, a.size
+                            url, a.size
                         )));
                     }
                 };
@@ -406,7 +449,7 @@ impl Ddi {
             if have < a.size {
                 return Err(retry(format!(
                     "GET {}: the body ended after {have} of {} bytes",
-                    a.url, a.size
+                    url, a.size
                 )));
             }
         }

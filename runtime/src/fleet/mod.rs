@@ -243,11 +243,12 @@ impl<B: Board> Client<B> {
                     } else {
                         Finished::Failure
                     };
+                    // The details as JSON: what the server gets, word for word.
                     log(&format!(
-                        "action {}: {} ({})",
+                        "action {}: {} {}",
                         a.id,
                         fin_word(success),
-                        details.join("; ")
+                        serde_json::to_string(&details).unwrap_or_default()
                     ));
                     self.ddi.feedback(&a.id, Execution::Closed, fin, &details)?;
                     let _ = std::fs::remove_file(self.bundle_path(&a));

@@ -30,6 +30,8 @@
 //! `BOOT_ORDER`, until the next install) and no slot marked good (the last marked good) whose
 //! report is not a PASS.
 
+mod fleet;
+
 use crate::boot_test::{
     console_reader, copy_image, edit_ab_state, ensure_image, pflash_with, qemu_command,
 };
@@ -54,6 +56,9 @@ pub struct Args {
     /// Only the power cuts, not the scenarios.
     #[arg(long)]
     pub cuts_only: bool,
+    /// Only the fleet scenario (hawkBit DDI on the host, nginx serving the bundles).
+    #[arg(long, conflicts_with = "cuts_only")]
+    pub fleet_only: bool,
     /// The image (default: target/images/kiln-qemu-virt.img, built first when missing).
     #[arg(long)]
     pub image: Option<PathBuf>,
@@ -520,8 +525,14 @@ pub fn run(args: Args) -> Result<()> {
     let m = Machine::new(&work.join("scenarios"), &image)?;
     let v2 = m.read_part("boot_a")?;
     let ub = update_disk(&work)?;
+    if args.fleet_only {
+        fleet::scenario(&work, &image, &work.join("bundles"))?;
+        println!("ab-test: done in {:.0} s", t.elapsed().as_secs_f64());
+        return Ok(());
+    }
     if !args.cuts_only {
         scenarios(&m, &v2, &ub)?;
+        fleet::scenario(&work, &image, &work.join("bundles"))?;
     }
     cuts(&args, &work, &image, &ub)?;
     println!("ab-test: done in {:.0} s", t.elapsed().as_secs_f64());

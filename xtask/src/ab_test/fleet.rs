@@ -1,0 +1,470 @@
+//! The fleet scenario of `cargo xtask ab-test`: the qemu-virt board's `kiln fleet` (hawkBit's DDI)
+//! against `hawkbit_mock` on the host (`runtime/tests/fleet_ddi.rs`'s `ddi_stand_in`, driven on
+//! its stdin), with the bundles served by Debian's `nginx` (the DDI download link redirects there,
+//! so the token stays on the DDI server). User networking: the host is 10.0.2.2 for the board.
+//!
+//! 1. v2 (`v2.raucb`): A boots and passes, the client downloads, `rauc install`s into B and
+//!    reboots; B boots and passes; only then `closed`/`success` with B's manifest sha256. The
+//!    DDI server is asked at the reboot whether a success came already (it must not have).
+//! 2. A bundle signed by another key, to the board now on B: RAUC refuses it; `closed`/`failure`
+//!    with RAUC's reason; both slots' bytes unchanged.
+
+use super::{boots_of, part_of, show, Machine};
+use crate::boot_test::{console_reader, pflash_with, qemu_command};
+use anyhow::{bail, ensure, Context, Result};
+use kiln_runtime::slot::Slot;
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// QEMU's default virtio-net MAC 52:54:00:12:34:56 under qemu-virt's `controller_id = "mac:eth0"`
+/// and `controller_prefix = "kiln-"`.
+const CONTROLLER: &str = "kiln-525400123456";
+
+/// `hawkbit_mock` on the host.
+struct StandIn {
+    child: Child,
+    stdin: ChildStdin,
+    lines: std::sync::mpsc::Receiver<String>,
+    url: String,
+}
+
+impl StandIn {
+    fn start() -> Result<StandIn> {
+        let mut child = Command::new(env!("CARGO"))
+            .args([
+                "test",
+                "-q",
+                "--workspace",
+                "--test",
+                "fleet_ddi",
+                "--",
+                "--ignored",
+                "--exact",
+                "ddi_stand_in",
+                "--nocapture",
+            ])
+            .current_dir(crate::paths::project_root())
+            .env("KILN_DDI_TARGET", CONTROLLER)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("starting the DDI stand-in (cargo test … ddi_stand_in)")?;
+        let stdin = child.stdin.take().context("the stand-in's stdin")?;
+        let out = child.stdout.take().context("the stand-in's stdout")?;
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for l in BufReader::new(out).lines().map_while(|l| l.ok()) {
+                if let Some(r) = l.strip_prefix("DDI ") {
+                    if tx.send(r.to_string()).is_err() {
+                        break;
+                    }
+                }
+            }
+        });
+        let first = lines
+            .recv_timeout(Duration::from_secs(900))
+            .context("the DDI stand-in did not start (its build or start took over 15 min)")?;
+        let url = first
+            .strip_prefix("url ")
+            .with_context(|| format!("the DDI stand-in said {first:?}"))?
+            .to_string();
+        Ok(StandIn {
+            child,
+            stdin,
+            lines,
+            url,
+        })
+    }
+
+    fn ask(&mut self, cmd: &str) -> Result<String> {
+        writeln!(self.stdin, "{cmd}").context("writing to the DDI stand-in")?;
+        let r = self
+            .lines
+            .recv_timeout(Duration::from_secs(30))
+            .with_context(|| format!("the DDI stand-in did not answer {cmd:?}"))?;
+        ensure!(!r.starts_with("error"), "the DDI stand-in: {r}");
+        Ok(r)
+    }
+
+    /// Register a feedback the board must send, word for word; its handle.
+    fn expect(&mut self, id: &str, exec: &str, fin: &str, details: &[String]) -> Result<usize> {
+        let r = self.ask(&format!(
+            "expect {id} {exec} {fin} {}",
+            serde_json::to_string(details)?
+        ))?;
+        r.strip_prefix("expect ")
+            .and_then(|k| k.parse().ok())
+            .with_context(|| format!("the DDI stand-in said {r:?}"))
+    }
+
+    fn calls(&mut self, k: usize) -> Result<usize> {
+        let r = self.ask(&format!("calls {k}"))?;
+        r.rsplit(' ')
+            .next()
+            .and_then(|n| n.parse().ok())
+            .with_context(|| format!("the DDI stand-in said {r:?}"))
+    }
+
+    fn port(&self) -> Result<u16> {
+        self.url
+            .rsplit(':')
+            .next()
+            .and_then(|p| p.parse().ok())
+            .with_context(|| format!("no port in {}", self.url))
+    }
+}
+
+impl Drop for StandIn {
+    fn drop(&mut self) {
+        let _ = writeln!(self.stdin, "quit");
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// nginx serving `root` on 127.0.0.1 (the board's 10.0.2.2).
+struct Nginx {
+    child: Child,
+    port: u16,
+    dir: PathBuf,
+}
+
+impl Nginx {
+    fn start(dir: &Path, root: &Path) -> Result<Nginx> {
+        crate::doctor::ensure(&[&crate::doctor::NGINX])?;
+        std::fs::create_dir_all(dir.join("tmp"))?;
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let d = dir.display();
+        let conf = format!(
+            "worker_processes 1;\ndaemon off;\npid {d}/nginx.pid;\nerror_log {d}/error.log;\n\
+             events {{ worker_connections 64; }}\nhttp {{\n  access_log {d}/access.log;\n  \
+             client_body_temp_path {d}/tmp;\n  proxy_temp_path {d}/tmp;\n  fastcgi_temp_path {d}/tmp;\n  \
+             uwsgi_temp_path {d}/tmp;\n  scgi_temp_path {d}/tmp;\n  \
+             server {{ listen 127.0.0.1:{port}; root {}; }}\n}}\n",
+            root.display()
+        );
+        let cf = dir.join("nginx.conf");
+        std::fs::write(&cf, conf)?;
+        let bin = if Path::new("/usr/sbin/nginx").exists() {
+            "/usr/sbin/nginx"
+        } else {
+            "nginx"
+        };
+        let child = Command::new(bin)
+            .args(["-e", &format!("{d}/error.log"), "-p"])
+            .arg(dir)
+            .arg("-c")
+            .arg(&cf)
+            .spawn()
+            .context("starting nginx")?;
+        let t = Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            ensure!(
+                t.elapsed() < Duration::from_secs(10),
+                "nginx did not listen on 127.0.0.1:{port} in 10 s: {}",
+                std::fs::read_to_string(dir.join("error.log")).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Ok(Nginx {
+            child,
+            port,
+            dir: dir.to_path_buf(),
+        })
+    }
+
+    /// The access log's lines for `file`.
+    fn fetches(&self, file: &str) -> Vec<String> {
+        std::fs::read_to_string(self.dir.join("access.log"))
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.contains(file))
+            .map(str::to_string)
+            .collect()
+    }
+}
+
+impl Drop for Nginx {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Boot `m` with `pflash` and user networking; `watch` sees the console after each new line and
+/// says when to cut the power (`Ok(true)`). The console, and the boots seen.
+fn boot(
+    m: &Machine,
+    pflash: &Path,
+    what: &str,
+    limit: Duration,
+    mut watch: impl FnMut(&str) -> Result<bool>,
+) -> Result<String> {
+    let argv = qemu_command(pflash, &m.disk, "user", &[]);
+    let mut child = Command::new(&argv[0])
+        .args(&argv[1..])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .context("starting qemu-system-aarch64")?;
+    let out = child.stdout.take().context("qemu's stdout")?;
+    let (seen, reader) = console_reader(out, None);
+    let text =
+        || String::from_utf8_lossy(&seen.lock().unwrap_or_else(|e| e.into_inner())).into_owned();
+    let t = Instant::now();
+    let mut len = 0;
+    let r = loop {
+        if child.try_wait()?.is_some() {
+            break Err(anyhow::anyhow!(
+                "{what}: QEMU exited (a power-off?) before the scenario ended"
+            ));
+        }
+        if t.elapsed() > limit {
+            break Err(anyhow::anyhow!(
+                "{what}: not done within {} s",
+                limit.as_secs()
+            ));
+        }
+        let c = text();
+        if c.len() != len {
+            len = c.len();
+            match watch(&c) {
+                Ok(true) => break Ok(()),
+                Ok(false) => {}
+                Err(e) => break Err(e),
+            }
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let _ = child.kill();
+    let _ = child.wait();
+    let _ = reader.join();
+    let console = text();
+    let log = m.dir.join(format!("{what}.serial.log"));
+    std::fs::write(&log, &console).with_context(|| format!("writing {}", log.display()))?;
+    r.with_context(|| format!("serial log {}", log.display()))?;
+    Ok(console)
+}
+
+/// The details of the board's final feedback for `id`, as its log line gives them.
+fn final_of(console: &str, id: &str) -> Option<(String, Vec<String>)> {
+    let p = format!("kiln-fleet: action {id}: ");
+    console.lines().find_map(|l| {
+        let rest = l.trim_end_matches('\r').split(&p).nth(1)?;
+        let (word, json) = rest.split_once(' ')?;
+        if word != "success" && word != "failure" {
+            return None;
+        }
+        Some((word.to_string(), serde_json::from_str(json).ok()?))
+    })
+}
+
+pub fn scenario(work: &Path, image: &Path, bundles: &Path) -> Result<()> {
+    let t0 = Instant::now();
+    let dir = work.join("fleet");
+    let m = Machine::new(&dir, image)?;
+    // The board's token, written as `flash --fleet-token` does (hawkbit_mock's: Key<name>).
+    crate::flash::key::provision_file(
+        &m.disk,
+        crate::flash::key::FLEET_TOKEN_PATH,
+        format!("Key{CONTROLLER}").as_bytes(),
+    )?;
+    let nginx = Nginx::start(&dir.join("nginx"), bundles)?;
+    let mut ddi = StandIn::start()?;
+    std::fs::create_dir_all(dir.join("flash"))?;
+    let pflash = pflash_with(
+        &dir.join("flash"),
+        &format!(
+            "kiln.fleet.server=http://10.0.2.2:{} kiln.fleet.poll_max=2",
+            ddi.port()?
+        ),
+    )?;
+    let file = |n: &str| -> Result<(PathBuf, String, u64)> {
+        let p = bundles.join(n);
+        let b = std::fs::read(&p).with_context(|| format!("reading {}", p.display()))?;
+        Ok((
+            p,
+            crate::pins::Sha256::of_bytes(&b).to_string(),
+            b.len() as u64,
+        ))
+    };
+
+    // 1. v2: success only after B's verdict.
+    let (v2, sha, size) = file("v2.raucb")?;
+    let manifest = {
+        let p = m.part(part_of(Slot::A))?;
+        let b = crate::disk::fat::read_file(
+            &m.disk,
+            p.start_bytes(),
+            p.size_bytes(),
+            "kiln/manifest.json",
+        )?;
+        crate::pins::Sha256::of_bytes(&b).to_string()
+    };
+    ddi.ask(&format!(
+        "deploy 1 {} {sha} http://10.0.2.2:{}/v2.raucb",
+        v2.display(),
+        nginx.port
+    ))?;
+    let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+    let steps = [
+        ddi.expect(
+            "1",
+            "proceeding",
+            "none",
+            &s(&[&format!("downloading v2.raucb ({size} bytes)")]),
+        )?,
+        ddi.expect(
+            "1",
+            "proceeding",
+            "none",
+            &s(&["installing v2.raucb into slot B"]),
+        )?,
+        ddi.expect(
+            "1",
+            "proceeding",
+            "none",
+            &s(&["installed into slot B; rebooting into it: its self-check decides"]),
+        )?,
+    ];
+    let success = ddi.expect(
+        "1",
+        "closed",
+        "success",
+        &s(&[
+            "self-check PASS on slot B",
+            &format!("manifest sha256 {manifest}"),
+        ]),
+    )?;
+    let mut at_reboot = None;
+    let c = boot(&m, &pflash, "1-v2", Duration::from_secs(420), |c| {
+        if at_reboot.is_none() && c.contains("kiln-fleet: action 1: installed; rebooting into it") {
+            at_reboot = Some(ddi.calls(success)?);
+        }
+        if c.contains("kiln-fleet: action 1: failure") {
+            bail!("the board reported action 1 as a failure");
+        }
+        Ok(c.contains("kiln-fleet: action 1: final feedback acknowledged by the server"))
+    })?;
+    let boots = boots_of(&c);
+    let path: Vec<(&str, Option<&str>)> = boots
+        .iter()
+        .map(|b| (b.slot.as_str(), b.verdict.as_deref()))
+        .collect();
+    ensure!(
+        path == [("A", Some("PASS")), ("B", Some("PASS"))],
+        "v2 through the fleet: boots {}, not A PASS then B PASS",
+        show(&boots)
+    );
+    ensure!(
+        at_reboot == Some(0),
+        "a success feedback reached the server before B's verdict ({at_reboot:?} at the reboot)"
+    );
+    for k in steps {
+        ensure!(
+            ddi.calls(k)? == 1,
+            "proceeding feedback {k} of action 1 did not come once"
+        );
+    }
+    ensure!(
+        ddi.calls(success)? == 1,
+        "action 1's success did not reach the server once"
+    );
+    // The order on the console too: B's verdict, then the success.
+    let verdict_at = c
+        .rfind(kiln_runtime::selftest::report::VERDICT_PREFIX)
+        .unwrap_or(0);
+    let success_at = c.find("kiln-fleet: action 1: success").unwrap_or(0);
+    ensure!(
+        verdict_at < success_at,
+        "the success line precedes B's verdict on the console"
+    );
+    let fetched = nginx.fetches("/v2.raucb");
+    println!(
+        "ab-test: fleet: v2 by hawkBit DDI: {}; success after B's PASS (0 at the reboot, 1 after), \
+         manifest sha256 {}; nginx served it {} time(s) ({:.0} s)",
+        show(&boots),
+        &manifest[..16],
+        fetched.len(),
+        t0.elapsed().as_secs_f64()
+    );
+
+    // 2. Signed by another key, to the board on B: refused by RAUC, A (where it would go)
+    // untouched.
+    let before = m.part_sha("boot_a")?;
+    let (ok, sha, size) = file("other-key.raucb")?;
+    ddi.ask(&format!(
+        "deploy 2 {} {sha} http://10.0.2.2:{}/other-key.raucb",
+        ok.display(),
+        nginx.port
+    ))?;
+    let steps = [
+        ddi.expect(
+            "2",
+            "proceeding",
+            "none",
+            &s(&[&format!("downloading other-key.raucb ({size} bytes)")]),
+        )?,
+        ddi.expect(
+            "2",
+            "proceeding",
+            "none",
+            &s(&["installing other-key.raucb into slot A"]),
+        )?,
+    ];
+    let mut failure = None;
+    let t1 = Instant::now();
+    let c = boot(&m, &pflash, "2-other-key", Duration::from_secs(300), |c| {
+        if failure.is_none() {
+            if let Some((word, details)) = final_of(c, "2") {
+                ensure!(
+                    word == "failure",
+                    "action 2 (another key) reported as {word}: {details:?}"
+                );
+                ensure!(
+                    details.first().is_some_and(|d| d.starts_with(
+                        "RAUC refused other-key.raucb: signature verification failed"
+                    )) && details.get(1).map(String::as_str) == Some("slot B runs"),
+                    "action 2's failure does not say RAUC refused it on slot B: {details:?}"
+                );
+                // The board retries an unacknowledged final feedback at each poll: now it is
+                // expected, word for word.
+                failure = Some((ddi.expect("2", "closed", "failure", &details)?, details));
+            }
+        }
+        Ok(c.contains("kiln-fleet: action 2: final feedback acknowledged by the server"))
+    })?;
+    let (k, details) = failure.context("no final feedback for action 2 on the console")?;
+    ensure!(
+        ddi.calls(k)? == 1,
+        "action 2's failure did not reach the server once"
+    );
+    let boots = boots_of(&c);
+    ensure!(
+        boots.len() == 1 && boots[0].slot == "B" && c.contains("rauc: "),
+        "action 2: boots {}",
+        show(&boots)
+    );
+    for k in steps {
+        ensure!(
+            ddi.calls(k)? == 1,
+            "proceeding feedback {k} of action 2 did not come once"
+        );
+    }
+    let after = m.part_sha("boot_a")?;
+    ensure!(
+        before == after,
+        "a refused bundle changed slot A: {before} -> {after}"
+    );
+    println!(
+        "ab-test: fleet: a bundle signed by another key: failure {:?}; boot_a unchanged ({:.0} s)",
+        details[0],
+        t1.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
