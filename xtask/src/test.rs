@@ -193,6 +193,11 @@ fn stage_tools(stage: &str) -> (Vec<&'static doctor::Tool>, bool) {
         "gguf-reference" | "npu-plan-smollm2" | "serve" => (vec![&PYTHON_VENV], false),
         "sbom" => ([FOR_IMAGE, &[&PYTHON_VENV]].concat(), true),
         s if s.starts_with("aarch64-tests") => (vec![&QEMU_USER, &AARCH64_SYSROOT], true),
+        // boot-qemu-ab's fleet scenario serves the bundles with nginx.
+        "boot-qemu-ab" => (
+            [FOR_IMAGE, FOR_BOOT, &[&PYTHON_VENV, &NGINX]].concat(),
+            true,
+        ),
         s if s.starts_with("boot-qemu") => ([FOR_IMAGE, FOR_BOOT, &[&PYTHON_VENV]].concat(), true),
         "flash" => (vec![&BMAPTOOL, &LSBLK, &LOSETUP, &MKE2FS, &SFDISK], false),
         "image-checks" => ([FOR_IMAGE, judges].concat(), true),

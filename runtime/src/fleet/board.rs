@@ -97,20 +97,37 @@ impl Board for SystemBoard {
     }
 
     fn install(&mut self, bundle: &Path) -> std::result::Result<(), String> {
-        let out = Command::new("rauc")
+        // RAUC's progress is logged as it comes (a console shows how far an install got when
+        // the power went); stderr is kept for the reason of a refusal.
+        let mut child = Command::new("rauc")
             .arg("install")
             .arg(bundle)
-            .output()
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
             .map_err(|e| format!("cannot run rauc: {e}"))?;
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        for l in text.lines() {
+        let err = child.stderr.take().map(|mut e| {
+            std::thread::spawn(move || {
+                let mut s = String::new();
+                let _ = std::io::Read::read_to_string(&mut e, &mut s);
+                s
+            })
+        });
+        let mut text = String::new();
+        if let Some(o) = child.stdout.take() {
+            for l in std::io::BufRead::lines(std::io::BufReader::new(o)).map_while(|l| l.ok()) {
+                super::log(&format!("rauc: {l}"));
+                text.push_str(&l);
+                text.push('\n');
+            }
+        }
+        let status = child.wait().map_err(|e| format!("waiting for rauc: {e}"))?;
+        let err = err.and_then(|h| h.join().ok()).unwrap_or_default();
+        for l in err.lines() {
             super::log(&format!("rauc: {l}"));
         }
-        if out.status.success() {
+        text.push_str(&err);
+        if status.success() {
             return Ok(());
         }
         // RAUC's own reason (`LastError: signature verification failed: …`), else its last line.
@@ -127,7 +144,7 @@ impl Board for SystemBoard {
             .to_string();
         Err(format!(
             "{reason} (rauc install exited {})",
-            out.status.code().unwrap_or(-1)
+            status.code().unwrap_or(-1)
         ))
     }
 

@@ -22,6 +22,9 @@
 //! initramfs, U-Boot spends B's three tries and boots A; with no good slot left U-Boot boots
 //! the slot last marked good and the report says so.
 //!
+//! The fleet ([`fleet`]): the board's `kiln fleet` polls `hawkbit_mock` on the host, fetches
+//! bundles from nginx, and reports an update's result only after the new slot's verdict.
+//!
 //! Power cuts: QEMU killed with SIGKILL at a seeded moment of the whole update chain (A's boot
 //! and mark-good write, the verification and `rauc install` writing B, the reboot, B's boot and
 //! mark-good write, the power-off), the phase printed; then the board is booted again until a
