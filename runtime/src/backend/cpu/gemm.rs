@@ -36,7 +36,7 @@ pub(crate) enum Tier {
     /// `vpdpbusd` with the VEX encoding (AVX-VNNI: Alder Lake, Sapphire Rapids, Zen 5).
     AvxVnni,
     /// `vpdpbusd` with the EVEX encoding on 256-bit vectors (AVX512-VNNI and VL: Ice Lake,
-    /// Sapphire Rapids, Zen 4), which also gives 32 vector registers, so a larger tile.
+    /// Sapphire Rapids, Zen 4).
     Avx512Vnni,
 }
 
@@ -50,10 +50,17 @@ impl Tier {
             if !(has!("avx2") && has!("f16c")) {
                 return v;
             }
-            if has!("avx512f") && has!("avx512vl") && has!("avx512bw") && has!("avx512vnni") {
+            if has!("avx512f") && has!("avx512vl") && has!("avx512vnni") {
                 v.push(Tier::Avx512Vnni);
             }
-            if has!("avxvnni") {
+            // AVX-VNNI: CPUID leaf 7, sub-leaf 1, EAX bit 4, read here because its name in
+            // `is_x86_feature_detected!` is newer than the workspace's `rust-version`; the OS's
+            // YMM state is what the AVX2 check above already required. (`unsafe` for Rust
+            // 1.85, where `__cpuid_count` still was.)
+            #[allow(unused_unsafe)]
+            // SAFETY: CPUID exists on every x86_64 CPU; leaf 7 is there when AVX2 is.
+            let leaf7_1 = unsafe { std::arch::x86_64::__cpuid_count(7, 1) };
+            if leaf7_1.eax & (1 << 4) != 0 {
                 v.push(Tier::AvxVnni);
             }
             v.push(Tier::Avx2);
@@ -197,6 +204,7 @@ impl ActTiles {
 
 /// Columns `n0..` of Cᵀ (`ct`, one row of M per column) through the tiles, for every column but
 /// `skip`; false (nothing written) if the weight does not match the tiles.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn rows(
     at: &ActTiles,
     data: &[u8],
@@ -266,20 +274,58 @@ mod x86 {
         }
     }
 
+    // `vpdpbusd` through `asm!`, not its intrinsics: those (and the `avxvnni`/`avx512vnni`
+    // target features) are stable only from Rust 1.89, past the workspace's `rust-version`.
+    // Without those target features the 16 extra registers of AVX-512 are out of reach too, so
+    // the tile is 2 × 4 (8 accumulators) on every tier; with them (intrinsics, 32 registers)
+    // a 4 × 4 tile measured ~10 % faster on this model's prefill (docs/speed.md).
+
+    /// AVX-VNNI's VEX encoding.
     pub(super) struct Vex;
     impl Dp for Vex {
         #[inline(always)]
         unsafe fn dp(acc: __m256i, u: __m256i, a: __m256i) -> __m256i {
-            _mm256_dpbusd_avx_epi32(acc, u, a)
+            dpbusd_vex(acc, u, a)
         }
     }
 
+    /// AVX512-VNNI's EVEX encoding, on 256-bit registers (AVX512VL).
     pub(super) struct Evex;
     impl Dp for Evex {
         #[inline(always)]
         unsafe fn dp(acc: __m256i, u: __m256i, a: __m256i) -> __m256i {
-            _mm256_dpbusd_epi32(acc, u, a)
+            dpbusd_evex(acc, u, a)
         }
+    }
+
+    /// # Safety
+    /// AVX-VNNI. (`asm!` operands of class `ymm_reg` need AVX enabled, hence the attribute.)
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn dpbusd_vex(mut acc: __m256i, u: __m256i, a: __m256i) -> __m256i {
+        std::arch::asm!(
+            "{{vex}} vpdpbusd {acc}, {u}, {a}",
+            acc = inout(ymm_reg) acc,
+            u = in(ymm_reg) u,
+            a = in(ymm_reg) a,
+            options(pure, nomem, nostack, preserves_flags)
+        );
+        acc
+    }
+
+    /// # Safety
+    /// AVX512VL and AVX512-VNNI.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn dpbusd_evex(mut acc: __m256i, u: __m256i, a: __m256i) -> __m256i {
+        std::arch::asm!(
+            "vpdpbusd {acc}, {u}, {a}",
+            acc = inout(ymm_reg) acc,
+            u = in(ymm_reg) u,
+            a = in(ymm_reg) a,
+            options(pure, nomem, nostack, preserves_flags)
+        );
+        acc
     }
 
     const Q8_0: u8 = 0;
@@ -737,7 +783,7 @@ mod x86 {
 
     /// # Safety
     /// AVX2, F16C and AVX-VNNI; the lengths checked by `super::rows`.
-    #[target_feature(enable = "avx2,f16c,avxvnni")]
+    #[target_feature(enable = "avx2,f16c")]
     pub(super) unsafe fn rows_vex(
         at: &ActTiles,
         src: &[u8],
@@ -750,8 +796,8 @@ mod x86 {
     }
 
     /// # Safety
-    /// AVX2, F16C, AVX512F/VL/BW and AVX512-VNNI; the lengths checked by `super::rows`.
-    #[target_feature(enable = "avx2,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
+    /// AVX2, F16C, AVX512VL and AVX512-VNNI; the lengths checked by `super::rows`.
+    #[target_feature(enable = "avx2,f16c")]
     pub(super) unsafe fn rows_evex(
         at: &ActTiles,
         src: &[u8],
@@ -760,6 +806,6 @@ mod x86 {
         ct: &mut [f32],
         skip: Option<usize>,
     ) {
-        by_type::<Evex, 4, 4>(at, src, row_bytes, bsums, ct, skip)
+        by_type::<Evex, 2, 4>(at, src, row_bytes, bsums, ct, skip)
     }
 }
