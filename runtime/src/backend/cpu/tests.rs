@@ -821,3 +821,57 @@ fn register_tiles_take_their_types_on_every_tier() {
         assert_eq!(tier.takes(GgmlType::Q8_0), tier != Tier::Avx2);
     }
 }
+
+/// A row of zero activations against weights whose block scales are all negative: every block
+/// term is −0.0, so the canonical sum is −0.0, and a kernel that adds a short last group's
+/// padding (+0.0) to the lanes it does not own, instead of leaving them, turns it into +0.0.
+/// Held at M = 1, 3 and 8, on every backend, to the oracle's bits.
+#[test]
+fn a_zero_row_keeps_the_sign_of_its_terms_on_every_backend() {
+    let mut rng = Rng(31);
+    let n = 5;
+    for ty in quant_types() {
+        let k = order_k(ty);
+        let mut data = make_weight(ty, k, n, &mut rng);
+        let bb = ty.block_bytes();
+        for b in data.chunks_exact_mut(bb) {
+            // The sign bit of d (and of m for Q4_1/Q5_1; Q6_K keeps d at its end).
+            match ty {
+                GgmlType::Q6K => b[209] |= 0x80,
+                GgmlType::Q4_1 | GgmlType::Q5_1 => {
+                    b[1] |= 0x80;
+                    b[3] |= 0x80;
+                }
+                _ => b[1] |= 0x80,
+            }
+        }
+        let w = weight(ty, k, n, &data);
+        let row_bytes = bb * (k / ty.block_elems());
+        for m in [1, 3, 8] {
+            let mut a: Vec<f32> = (0..m * k).map(|_| rng.f32()).collect();
+            let z = m / 2;
+            a[z * k..(z + 1) * k].fill(0.0);
+            let fmt = super::fast::act_format(ty).expect("a quant type");
+            let act = super::fast::Activations::quantize(fmt, &a, k);
+            for cpu in [1, 2].into_iter().flat_map(every_backend) {
+                let got = run(&cpu, &w, &a, m);
+                for j in 0..n {
+                    let rowb = &data[j * row_bytes..][..row_bytes];
+                    let terms = if ty.block_elems() == QK {
+                        oracle_terms_k(ty, rowb, &act, z)
+                    } else {
+                        oracle_terms(ty, rowb, &act, z)
+                    };
+                    let want = oracle_sum(&terms, 8);
+                    assert_eq!(
+                        got[z * n + j].to_bits(),
+                        want.to_bits(),
+                        "{ty} {} M={m} col {j}: {:e} ≠ oracle {want:e}",
+                        label(&cpu),
+                        got[z * n + j]
+                    );
+                }
+            }
+        }
+    }
+}
