@@ -79,6 +79,9 @@ pub(crate) struct Activations<'a> {
     pub s: Vec<f32>,
     /// Q8_K: Σ of each 16 quants.
     pub bsums: Vec<i16>,
+    /// M > 1 on x86: the same quants interleaved for the register tiles (`gemm.rs`), when the
+    /// weight's type has them; set by the caller once per matmul.
+    pub tiles: Option<super::gemm::ActTiles>,
 }
 
 impl<'a> Activations<'a> {
@@ -101,6 +104,7 @@ impl<'a> Activations<'a> {
             d: Vec::new(),
             s: Vec::new(),
             bsums: Vec::new(),
+            tiles: None,
         };
         let per_block = match fmt {
             ActFormat::F32 => return act,

@@ -227,7 +227,7 @@ pub(super) mod x86 {
 
     /// The 32 nibbles of a 4-bit block as bytes 0..=15: low nibbles are elements 0..16.
     #[inline(always)]
-    unsafe fn nibbles(p: *const u8) -> __m256i {
+    pub(in super::super) unsafe fn nibbles(p: *const u8) -> __m256i {
         let q = _mm_loadu_si128(p as *const __m128i);
         let v = _mm256_set_m128i(_mm_srli_epi16::<4>(q), q);
         _mm256_and_si256(v, _mm256_set1_epi8(0x0F))
@@ -448,7 +448,7 @@ pub(super) mod x86 {
     /// `q` (a block's 32 nibbles, [`nibbles`]' order: byte j is quant j) with bit j of the
     /// little-endian u32 at `qh` as bit 4 of byte j: the Q5 quants (ggml's `bytes_from_bits_32`).
     #[inline(always)]
-    unsafe fn fifth(q: __m256i, qh: *const u8) -> __m256i {
+    pub(in super::super) unsafe fn fifth(q: __m256i, qh: *const u8) -> __m256i {
         let bits = u32::from_le_bytes([*qh, *qh.add(1), *qh.add(2), *qh.add(3)]);
         let spread = _mm256_shuffle_epi8(
             _mm256_set1_epi32(bits as i32),

@@ -225,7 +225,7 @@ pub(super) mod x86 {
     /// The i32 sums of eight vectors of eight lanes (`v[j]`'s into lane j), converted to f32 as
     /// `isum as f32` converts (`vcvtdq2ps`, round to nearest even).
     #[inline(always)]
-    unsafe fn sums8(v: &[__m256i; BLOCK_LANES]) -> __m256 {
+    pub(in super::super) unsafe fn sums8(v: &[__m256i; BLOCK_LANES]) -> __m256 {
         let lo = hsum4([v[0], v[1], v[2], v[3]]);
         let hi = hsum4([v[4], v[5], v[6], v[7]]);
         _mm256_cvtepi32_ps(_mm256_set_m128i(hi, lo))

@@ -5,6 +5,7 @@
 
 mod fast;
 mod fused;
+mod gemm;
 mod kernels;
 mod kquant;
 #[cfg(test)]
@@ -208,6 +209,10 @@ pub struct CpuBackend {
     /// kept the old order would.
     #[cfg(test)]
     serial_order: bool,
+    /// Tests: which register-tile tier M > 1 uses (`Some(None)`: none, the unpacked path),
+    /// instead of the best one this CPU has, so every tier is held to the same bits.
+    #[cfg(test)]
+    tier: Option<Option<gemm::Tier>>,
 }
 
 impl Default for CpuBackend {
@@ -226,6 +231,8 @@ impl CpuBackend {
             skip_column: None,
             #[cfg(test)]
             serial_order: false,
+            #[cfg(test)]
+            tier: None,
         }
     }
 
@@ -327,6 +334,16 @@ impl CpuBackend {
         n0: usize,
         ct: &mut [f32],
     ) {
+        // Prefill on x86: register tiles of weight rows × activation rows (`gemm.rs`).
+        if let Some(tiles) = act.tiles.as_ref().filter(|_| m > 1) {
+            #[cfg(test)]
+            let skip = self.skip_column;
+            #[cfg(not(test))]
+            let skip = None;
+            if gemm::rows(tiles, w.data, w.ty, row_bytes, act, n0, ct, skip) {
+                return;
+            }
+        }
         // Decode (and prefill where `takes_m`): fused dots straight off the packed bytes, one
         // pass over each weight row.
         #[cfg(test)]
@@ -500,7 +517,21 @@ impl Backend for CpuBackend {
             return Ok(());
         }
         let fmt = act_format(w.ty).with_context(|| format!("cpu: no fast path for {}", w.ty))?;
-        let act = Activations::quantize_on(fmt, a, w.k, self.threads);
+        #[allow(unused_mut)]
+        let mut act = Activations::quantize_on(fmt, a, w.k, self.threads);
+        if m > 1 {
+            #[cfg(test)]
+            let tier = self.tier.unwrap_or_else(gemm::Tier::detect);
+            #[cfg(not(test))]
+            let tier = gemm::Tier::detect();
+            // The kernels a test forces by hand keep their own paths (`serial_order` is the tile
+            // path's fault; a kernel other than x86's one has no register tiles).
+            #[cfg(test)]
+            let tier = tier.filter(|_| !self.serial_order);
+            act.tiles = tier
+                .filter(|_| self.kernel == Kernel::Portable)
+                .and_then(|t| gemm::ActTiles::new(t, w.ty, &act));
+        }
         // Threads own contiguous ranges of N. C is row-major M×N, so for M > 1 each thread works
         // on a block of Cᵀ (its columns, len×M) in a buffer of its own, copied from C first, so a
         // column the kernel does not write keeps C's poison and `run_checked` sees it; then

@@ -127,10 +127,45 @@ const SHAPES: [(usize, usize, usize, usize); 8] = [
     (64, 4096, 3, 2),
 ];
 
+/// Every configuration of the CPU backend this host runs, with `threads` threads: each kernel,
+/// and on x86 the portable kernel once per register-tile tier (`gemm.rs`: AVX512-VNNI,
+/// AVX-VNNI, AVX2, those the CPU has) and once with no tiles (the unpacked path they replace
+/// for M > 1), so each of them is held to the same bits.
+fn every_backend(threads: usize) -> Vec<CpuBackend> {
+    let mut all = Vec::new();
+    for kernel in Kernel::available() {
+        let cpu = CpuBackend::new()
+            .with_threads(threads)
+            .with_kernel(kernel)
+            .expect("available kernel");
+        if kernel == Kernel::Portable {
+            for t in super::gemm::Tier::available() {
+                let mut c = cpu.clone();
+                c.tier = Some(Some(t));
+                all.push(c);
+            }
+            let mut c = cpu.clone();
+            c.tier = Some(None);
+            all.push(c);
+        } else {
+            all.push(cpu);
+        }
+    }
+    all
+}
+
+/// A backend's kernel and register-tile tier, for messages.
+fn label(cpu: &CpuBackend) -> String {
+    match cpu.tier {
+        Some(Some(t)) => format!("{} tiles {t:?}", cpu.kernel()),
+        Some(None) => format!("{} no tiles", cpu.kernel()),
+        None => format!("{}", cpu.kernel()),
+    }
+}
+
 #[test]
 fn every_fast_kernel_matches_the_reference_on_every_type() {
     let mut rng = Rng(7);
-    let kernels = Kernel::available();
     for ty in CPU_TYPES {
         for (m, k, n, threads) in SHAPES {
             let k = if ty.block_elems() == QK {
@@ -142,12 +177,9 @@ fn every_fast_kernel_matches_the_reference_on_every_type() {
             let w = weight(ty, k, n, &data);
             let a: Vec<f32> = (0..m * k).map(|_| rng.f32()).collect();
             let want = run(&CpuRefBackend, &w, &a, m);
-            let mut first: Option<(Kernel, Vec<f32>)> = None;
-            for &kernel in &kernels {
-                let cpu = CpuBackend::new()
-                    .with_threads(threads)
-                    .with_kernel(kernel)
-                    .expect("available kernel");
+            let mut first: Option<(String, Vec<f32>)> = None;
+            for cpu in every_backend(threads) {
+                let kernel = label(&cpu);
                 let got = run(&cpu, &w, &a, m);
                 let e = nmse(&got, &want);
                 assert!(
@@ -626,7 +658,7 @@ fn check_oracle_order(cpu: &CpuBackend, lanes: usize) -> Result<(), String> {
                     if g.to_bits() != want.to_bits() {
                         return Err(format!(
                             "{ty} {} M={m} row {i} col {j}: {g:e} ≠ oracle {want:e}",
-                            cpu.kernel()
+                            label(cpu)
                         ));
                     }
                 }
@@ -639,12 +671,8 @@ fn check_oracle_order(cpu: &CpuBackend, lanes: usize) -> Result<(), String> {
 /// Every kernel, at every M, gives exactly the sum the canonical order defines.
 #[test]
 fn every_kernel_at_every_m_sums_in_the_canonical_order() {
-    for kernel in Kernel::available() {
-        for threads in [1, 2] {
-            let cpu = CpuBackend::new()
-                .with_threads(threads)
-                .with_kernel(kernel)
-                .expect("available kernel");
+    for threads in [1, 2] {
+        for cpu in every_backend(threads) {
             check_oracle_order(&cpu, 8).unwrap_or_else(|e| panic!("{threads} threads: {e}"));
         }
     }
@@ -683,10 +711,7 @@ fn check_batch_invariance(backends: &[CpuBackend]) -> Result<(), String> {
         for cpu in backends {
             let one = run(cpu, &w, &x, 1);
             if bits(&one) != bits(&alone) {
-                return Err(format!(
-                    "{ty} {}: M=1 differs from one thread",
-                    cpu.kernel()
-                ));
+                return Err(format!("{ty} {}: M=1 differs from one thread", label(cpu)));
             }
             for m in [3, 8, 64] {
                 for p in [0, m / 2, m - 1] {
@@ -696,7 +721,7 @@ fn check_batch_invariance(backends: &[CpuBackend]) -> Result<(), String> {
                     if bits(&got[p * n..(p + 1) * n]) != bits(&alone) {
                         return Err(format!(
                             "{ty} {} {} threads: row at {p} of a batch of {m} differs from it alone",
-                            cpu.kernel(),
+                            label(cpu),
                             cpu.threads()
                         ));
                     }
@@ -711,17 +736,7 @@ fn check_batch_invariance(backends: &[CpuBackend]) -> Result<(), String> {
 /// every kernel and thread count.
 #[test]
 fn a_rows_output_does_not_depend_on_its_batch() {
-    let backends: Vec<CpuBackend> = Kernel::available()
-        .into_iter()
-        .flat_map(|k| {
-            [1, 2].map(|t| {
-                CpuBackend::new()
-                    .with_threads(t)
-                    .with_kernel(k)
-                    .expect("available kernel")
-            })
-        })
-        .collect();
+    let backends: Vec<CpuBackend> = [1, 2].into_iter().flat_map(every_backend).collect();
     check_batch_invariance(&backends).unwrap_or_else(|e| panic!("{e}"));
 }
 
@@ -755,5 +770,54 @@ fn neon_kernels_take_m_for_the_unpacked_types() {
     for kernel in [Kernel::Neon, Kernel::NeonSdot] {
         assert!(!takes_m(kernel, GgmlType::Q2K), "{kernel}");
         assert!(!supports(kernel, GgmlType::Q2K), "{kernel}");
+    }
+}
+
+/// On x86 the register tiles take M > 1 for the types they are written for, on every tier this
+/// CPU has (so the order and batch checks above run them, not a silent fallback), and decline
+/// the others and M = 1.
+#[test]
+fn register_tiles_take_their_types_on_every_tier() {
+    use super::gemm::{rows, ActTiles, Tier};
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c") {
+        assert!(Tier::available().contains(&Tier::Avx2));
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    assert!(Tier::available().is_empty());
+    let mut rng = Rng(29);
+    for tier in Tier::available() {
+        for ty in quant_types() {
+            let k = order_k(ty);
+            let n = 3;
+            let data = make_weight(ty, k, n, &mut rng);
+            let row_bytes = ty.block_bytes() * (k / ty.block_elems());
+            for m in [1, 3] {
+                let a: Vec<f32> = (0..m * k).map(|_| rng.f32()).collect();
+                let fmt = super::fast::act_format(ty).expect("a quant type");
+                let act = super::fast::Activations::quantize(fmt, &a, k);
+                let tiles = ActTiles::new(tier, ty, &act);
+                assert_eq!(tiles.is_some(), tier.takes(ty), "{ty} {tier:?}");
+                let Some(tiles) = tiles else { continue };
+                let mut ct = vec![f32::NAN; m * n];
+                let done = rows(&tiles, &data, ty, row_bytes, &act, 0, &mut ct, None);
+                assert_eq!(done, m > 1, "{ty} {tier:?} M={m}");
+                if done {
+                    assert!(ct.iter().all(|v| v.is_finite()), "{ty} {tier:?} M={m}");
+                }
+            }
+        }
+        for ty in [
+            GgmlType::Q4_0,
+            GgmlType::Q4_1,
+            GgmlType::Q5_0,
+            GgmlType::Q5_1,
+        ] {
+            assert!(tier.takes(ty), "{ty} {tier:?}");
+        }
+        for ty in [GgmlType::Q4K, GgmlType::Q6K] {
+            assert!(tier.takes(ty), "{ty} {tier:?}");
+        }
+        assert_eq!(tier.takes(GgmlType::Q8_0), tier != Tier::Avx2);
     }
 }
