@@ -439,7 +439,7 @@ fn malformed_and_failing_answers_are_errors_with_their_cause() {
     m.delete();
     srv.mock(|w, t| {
         w.path(POLL);
-        t.status(200).json_body(json!({"_links": {"deploymentBase": {"href": other.url(&format!("{POLL}/deploymentBase/3"))}}}));
+        t.status(200).json_body(json!({"_links": {"deploymentBase": {"href": other.url(format!("{POLL}/deploymentBase/3"))}}}));
     });
     let ours = srv.mock(|w, t| {
         w.path(format!("{POLL}/deploymentBase/3"))
