@@ -3,6 +3,9 @@
 //! the bad servers. The board side here is a record of what the client asked (RAUC and the
 //! reboot run for real in the boot stage); the HTTP side is the mock's.
 
+// The DDI server is a host program (its crates are x86-64 dev-dependencies only).
+#![cfg(target_arch = "x86_64")]
+
 use hawkbit::ddi::{Execution as HbExec, Finished as HbFin, Type};
 use hawkbit_mock::ddi::{ChunkProtocol, DeploymentBuilder, Server, ServerBuilder, Target};
 use kiln_runtime::fleet::action::{self, Phase, Verdict};

@@ -22,6 +22,9 @@
 //! ledger's zero-copy line stays true), the activations interleaved once per matmul
 //! ([`ActTiles`], built before the threads split N).
 
+// The tiles are x86 code: on aarch64 no tier is ever detected, so their types go unused there.
+#![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+
 use super::fast::{ActFormat, Activations};
 use crate::quant::{GgmlType, QK_K};
 
