@@ -313,7 +313,19 @@ impl Ddi {
         finished: Finished,
         details: &[String],
     ) -> Result<()> {
-        let url = format!("{}/deploymentBase/{id}/feedback", self.base);
+        self.post_feedback("deploymentBase", id, execution, finished, details)
+    }
+
+    /// `POST {base}/{resource}/{id}/feedback`: a deployment's or a cancel's.
+    fn post_feedback(
+        &self,
+        resource: &str,
+        id: &str,
+        execution: Execution,
+        finished: Finished,
+        details: &[String],
+    ) -> Result<()> {
+        let url = format!("{}/{resource}/{id}/feedback", self.base);
         self.send_json(
             "POST",
             &url,
@@ -337,12 +349,7 @@ impl Ddi {
         finished: Finished,
         details: &[String],
     ) -> Result<()> {
-        let url = format!("{}/cancelAction/{id}/feedback", self.base);
-        self.send_json(
-            "POST",
-            &url,
-            &feedback_body(id, execution, finished, details),
-        )
+        self.post_feedback("cancelAction", id, execution, finished, details)
     }
 
     /// Download `a` to `dest`: resumed from `dest`'s `.part` file with a Range request, read
