@@ -346,6 +346,51 @@ fn an_artifact_whose_hash_differs_is_deleted_never_installed() {
 }
 
 #[test]
+fn a_closed_maintenance_window_downloads_once_and_installs_when_it_opens() {
+    use hawkbit::ddi::MaintenanceWindow;
+    let l = lab();
+    let t = l.server.add_target(NAME);
+    let p = l.dir.path().join("v2.raucb");
+    std::fs::write(&p, b"bundle").unwrap();
+    let sum = hex::encode(Sha256::digest(b"bundle"));
+    let window = |w| {
+        DeploymentBuilder::new("17", Type::Forced, Type::Forced)
+            .maintenance_window(w)
+            .chunk(
+                ChunkProtocol::HTTP,
+                "os",
+                "2",
+                "kiln",
+                vec![(p.clone(), "md5", "sha1", &sum)],
+            )
+            .build()
+    };
+    t.push_deployment(window(MaintenanceWindow::Unavailable));
+    let seen = Rc::new(RefCell::new(Seen::default()));
+    let mut c = client(&l, board(&seen));
+    use std::os::unix::fs::MetadataExt;
+    let bundle = c.cfg.state_dir.join(format!("{sum}.raucb"));
+    c.step().unwrap();
+    let first = std::fs::metadata(&bundle)
+        .expect("not downloaded ahead of the window")
+        .ino();
+    c.step().unwrap();
+    assert!(
+        seen.borrow().installs.is_empty(),
+        "installed outside the maintenance window"
+    );
+    // Fetched once: a second download would have put a new file in its place.
+    assert_eq!(
+        std::fs::metadata(&bundle).unwrap().ino(),
+        first,
+        "downloaded again at the next poll"
+    );
+    t.push_deployment(window(MaintenanceWindow::Available));
+    c.step().unwrap();
+    assert_eq!(seen.borrow().installs.len(), 1);
+}
+
+#[test]
 fn cancel_before_the_install() {
     let l = lab();
     let t = l.server.add_target(NAME);

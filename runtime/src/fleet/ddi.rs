@@ -74,6 +74,8 @@ pub struct Deployment {
     /// `skip`, `attempt` or `forced`.
     pub download: String,
     pub update: String,
+    /// `maintenanceWindow`: `available`, `unavailable`, or none (no window set).
+    pub maintenance: Option<String>,
     pub artifacts: Vec<Artifact>,
 }
 
@@ -364,6 +366,16 @@ impl Ddi {
     ) -> std::result::Result<(), DownloadError> {
         let part = dest.with_extension("part");
         let retry = |m: String| DownloadError::Retry(m);
+        // Downloaded and verified at an earlier poll (an install waiting for its maintenance
+        // window): checked again, not fetched again.
+        if std::fs::metadata(dest).is_ok_and(|m| m.len() == a.size) {
+            match sha256_file(dest) {
+                Ok(sum) if sum == a.sha256 => return Ok(()),
+                _ => {
+                    let _ = std::fs::remove_file(dest);
+                }
+            }
+        }
         let mut have = std::fs::metadata(&part).map(|m| m.len()).unwrap_or(0);
         if have > a.size {
             have = 0;
@@ -655,10 +667,16 @@ pub fn parse_deployment(v: &Value, https: bool) -> Result<Deployment> {
             });
         }
     }
+    let maintenance = match d.get("maintenanceWindow") {
+        None => None,
+        Some(Value::String(w)) if w == "available" || w == "unavailable" => Some(w.clone()),
+        Some(w) => bail!("deployment.maintenanceWindow {w}: available or unavailable expected"),
+    };
     Ok(Deployment {
         id,
         download,
         update,
+        maintenance,
         artifacts,
     })
 }

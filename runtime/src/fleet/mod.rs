@@ -175,6 +175,13 @@ impl<B: Board> Client<B> {
                                 "action {}: {} downloaded, sha256 verified",
                                 a.id, a.filename
                             ));
+                            if d.maintenance.as_deref() == Some("unavailable") {
+                                log(&format!(
+                                    "action {}: maintenanceWindow unavailable: downloaded, not installed until the server opens the window",
+                                    a.id
+                                ));
+                                return Ok(());
+                            }
                             if d.update == "skip" {
                                 let _ = self.ddi.feedback(
                                     &a.id,
