@@ -14,6 +14,7 @@ pub mod sched;
 pub mod selftest;
 pub mod slot;
 pub mod tokenizer;
+pub mod verity;
 
 #[cfg(test)]
 mod arch_tests {

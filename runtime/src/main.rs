@@ -48,6 +48,8 @@ enum Cli {
     /// The board's hawkBit client (DDI): poll, download, `rauc install`, and report the new
     /// slot's self-check verdict to the fleet (started by /init after the verdict).
     Fleet(cli::fleet::Args),
+    /// The models partition through dm-verity: `map` (by /init), `status`, `root`.
+    Verity(cli::verity::Args),
 }
 
 fn main() {
@@ -73,6 +75,7 @@ fn main() {
         Cli::Serve(a) => serve::run(a),
         Cli::Slot(a) => cli::slot::run(a),
         Cli::Fleet(a) => cli::fleet::run(a),
+        Cli::Verity(a) => cli::verity::run(a),
     };
     if let Err(e) = result {
         // One line: the file, the byte offset and what was wrong travel in the chain.

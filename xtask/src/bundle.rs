@@ -134,6 +134,16 @@ if [ -n "$missing" ]; then
     echo "this system needs on /models what the card does not hold:$missing (bundles do not update the models partition: reflash the card with them)" >&2
     exit 10
 fi
+# The new system maps the models partition through dm-verity with its manifest's root hash: the
+# card's live mapping (read from the kernel by the running kiln) must have that root.
+want=$(cat "$(dirname "$0")/kiln-models-verity.txt" 2>/dev/null)
+if [ -n "$want" ]; then
+    got=$(kiln verity root 2>/dev/null)
+    if [ "$got" != "$want" ]; then
+        echo "this system needs the models partition with dm-verity root $want; the card's is ${got:-not mapped through dm-verity (an image from before dm-verity)} (bundles do not update the models partition: reflash the card)" >&2
+        exit 10
+    fi
+fi
 exit 0
 "#;
 
@@ -142,6 +152,21 @@ fn write_hook(path: &Path) -> Result<()> {
     std::fs::write(path, HOOK)?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755))?;
     Ok(())
+}
+
+/// The root hash of the models partition the bundle's system maps (its manifest's
+/// `models_verity.root_hash`), for the hook.
+const VERITY_FILE: &str = "kiln-models-verity.txt";
+
+fn models_verity_root(manifest: &Path) -> Result<String> {
+    let m: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(manifest).with_context(|| format!("reading {}", manifest.display()))?,
+    )
+    .with_context(|| format!("parsing {}", manifest.display()))?;
+    m["models_verity"]["root_hash"]
+        .as_str()
+        .map(str::to_string)
+        .with_context(|| format!("{}: no models_verity.root_hash", manifest.display()))
 }
 
 /// `sha256  name` of every file the image's manifest puts on /models (models and fixtures),
@@ -243,6 +268,10 @@ pub fn make(args: &Args) -> Result<Bundle> {
     std::fs::write(content.join("manifest.raucm"), &manifest)?;
     let models = models_needed(&built.manifest, &args.needs_model)?;
     std::fs::write(content.join(MODELS_FILE), &models)?;
+    std::fs::write(
+        content.join(VERITY_FILE),
+        models_verity_root(&built.manifest)?,
+    )?;
     write_hook(&content.join("hook.sh"))?;
     let keyfile = tmp.path().join("key.pem");
     {

@@ -147,6 +147,17 @@ pub const E2FSCK: Tool = Tool {
     apt: &["e2fsprogs"],
 };
 
+pub const VERITYSETUP: Tool = Tool {
+    name: "veritysetup",
+    why: "judges the models partition's dm-verity tree in tests (veritysetup verify/format)",
+    // /usr/sbin is not on every user's PATH.
+    probe: || {
+        version_of("veritysetup", &["--version"])
+            .or_else(|| version_of("/usr/sbin/veritysetup", &["--version"]))
+    },
+    apt: &["cryptsetup-bin"],
+};
+
 pub const MTOOLS: Tool = Tool {
     name: "mtools (mdir, mcopy)",
     why: "list and read our FAT independently in tests",
@@ -322,6 +333,7 @@ pub fn all_tools() -> Vec<&'static Tool> {
         &FSCK_VFAT,
         &FSCK_EROFS,
         &E2FSCK,
+        &VERITYSETUP,
         &NGINX,
         &MTOOLS,
         &CPIO,

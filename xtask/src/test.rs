@@ -1407,8 +1407,9 @@ fn pins_archive(_: &Args) -> Result<()> {
 
 /// The booted fault matrix: the image with SmolLM2 is built once, and edited copies of it are
 /// booted with `boot-test --image`, each of which must FAIL on the check that names the fault.
-/// - a byte flipped inside a tensor of SmolLM2 on the models partition (erofs, found through
-///   the GPT): `model.matmul.cpu` FAILs naming the tensor (and `image.manifest` the model hash);
+/// - a byte flipped inside a tensor of SmolLM2 on the models partition (erofs under dm-verity,
+///   found through the GPT): the block is an I/O error on read, so `model.matmul.cpu` FAILs
+///   naming SmolLM2 and `image.manifest` the mapping's corruption status;
 /// - `kiln/manifest.json` on the card edited (mtools) to another kiln hash: `image.manifest`
 ///   FAILs naming /usr/bin/kiln;
 /// - no `kiln/manifest.json` (mtools `mdel`): `image.manifest` and `model.matmul.*` FAIL.
@@ -1602,16 +1603,29 @@ fn boot_qemu_faults(_: &Args) -> Result<()> {
         );
         Ok(())
     };
+    // Through dm-verity the flipped block is an I/O error on read: the checks that read it
+    // FAIL naming the model (the self-check recovers from the SIGBUS), and image.manifest finds
+    // the mapping's status C.
     let r = boot_copy("model-byte", &flip)?;
     let why = reason_of(&r, "model.matmul.cpu").context("model.matmul.cpu did not FAIL")?;
     ensure!(
-        why.contains(&format!("{SMOLLM2_FILE} {}", target.tensor)),
-        "model.matmul.cpu FAILed without naming {}: {why}",
-        target.tensor
+        why.contains(&format!("I/O error reading /models/{SMOLLM2_FILE}")),
+        "model.matmul.cpu FAILed without naming the unreadable {SMOLLM2_FILE}: {why}"
+    );
+    let why = reason_of(&r, "image.manifest").context("image.manifest did not FAIL")?;
+    ensure!(
+        why.contains("corrupted block (status C)"),
+        "image.manifest FAILed without the mapping's corruption: {why}"
     );
     only(
         &r,
-        &["model.matmul.cpu", "model.matmul.npu", "image.manifest"],
+        &[
+            "model.matmul.cpu",
+            "model.matmul.npu",
+            "model.nll.cpu",
+            "model.nll.npu",
+            "image.manifest",
+        ],
     )?;
 
     // 2.–4. need no model: they boot edited copies of the image without SmolLM2 (the image

@@ -17,6 +17,7 @@ pub mod run;
 pub mod selftest;
 pub mod slot;
 pub mod tokenize;
+pub mod verity;
 
 /// Which backend a command runs on, for tests and diagnosis (default: the board order).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]

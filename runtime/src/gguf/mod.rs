@@ -6,6 +6,7 @@
 //! borrowed.
 
 mod error;
+pub mod fault;
 mod parse;
 mod value;
 pub mod writer;
@@ -183,6 +184,9 @@ impl<'a> TensorView<'a> {
 /// A GGUF file mapped read-only; tensor views borrow the mapping.
 pub struct GgufFile {
     path: PathBuf,
+    /// Read errors inside the mapping (SIGBUS), caught and named ([`fault`]). Before `map`: it
+    /// stops watching before the mapping goes.
+    fault: fault::FaultGuard,
     map: memmap2::Mmap,
     gguf: Gguf,
     /// Keeps the mapping's address range known to the ownership ledger while it lives.
@@ -214,21 +218,40 @@ impl GgufFile {
         // is loaded (they live on a read-only erofs partition on the board). A file truncated
         // under us would fault on access, as it would for llama.cpp.
         let map = unsafe { memmap2::MmapOptions::new().map(&file) }.map_err(io)?;
-        let gguf = Gguf::parse(&map).map_err(|error| OpenError::Parse {
-            path: path.clone(),
-            error,
-        })?;
+        // Before the header is read: its pages can fault too.
+        let fault = fault::watch(&map, &path);
+        let gguf = match Gguf::parse(&map) {
+            Ok(g) => g,
+            // A header page that could not be read parses as zeros: say so, not "bad magic".
+            Err(_) if fault.faults().is_some() => {
+                let e = fault.error(&path).unwrap_or_default();
+                return Err(io(std::io::Error::other(e)));
+            }
+            Err(error) => {
+                return Err(OpenError::Parse {
+                    path: path.clone(),
+                    error,
+                })
+            }
+        };
         let _registered = crate::ledger::register_mapping(&map, &path);
         Ok(GgufFile {
             path,
             map,
             gguf,
             _registered,
+            fault,
         })
     }
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Pages of the file that could not be read since it was opened (the self-check recovers
+    /// from them, [`fault::set_recover`]), as an error naming the file and the first offset.
+    pub fn io_error(&self) -> Option<String> {
+        self.fault.error(&self.path)
     }
 
     pub fn gguf(&self) -> &Gguf {

@@ -297,10 +297,18 @@ pub fn manifest(ctx: &Ctx) -> Outcome {
         .first()
         .cloned()
         .unwrap_or_else(|| ctx.paths.root.join("models"));
+    // Through dm-verity the models are proved by the mapping's root hash, block by block as
+    // they are read: checked once here instead of hashing every byte.
+    let verity = m.get("models_verity").is_some();
     let all: Vec<PathBuf> = std::iter::once(exe.clone())
         .chain(npu.iter().map(|(_, p, _)| p.clone()))
         .chain(boot_paths.iter().cloned())
-        .chain(listed.iter().map(|(name, _)| models_dir.join(name)))
+        .chain(
+            listed
+                .iter()
+                .filter(|_| !verity)
+                .map(|(name, _)| models_dir.join(name)),
+        )
         .collect();
     c.hashes = all.iter().cloned().zip(sha256_all(&all)).collect();
 
@@ -345,12 +353,32 @@ pub fn manifest(ctx: &Ctx) -> Outcome {
     }
 
     // Models: every listed one present and equal, nothing unlisted.
-    for (name, sha) in &listed {
-        c.file(
-            &format!("/models/{name}"),
-            &models_dir.join(name),
-            sha.as_deref(),
-        );
+    if verity {
+        match verity_mapping(ctx, &path, &models_dir) {
+            Ok(lines) => c.ok.extend(lines),
+            Err(why) => c.bad.push(why),
+        }
+        let (here, gone): (Vec<_>, Vec<_>) = listed
+            .iter()
+            .partition(|(name, _)| models_dir.join(name).is_file());
+        for (name, _) in gone {
+            c.bad.push(format!(
+                "/models/{name}: listed in the manifest, not on /models"
+            ));
+        }
+        c.ok.push(format!(
+            "/models: the {} listed file(s) present ({}), their bytes proved by that root hash              as they are read, not hashed here",
+            here.len(),
+            here.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(", ")
+        ));
+    } else {
+        for (name, sha) in &listed {
+            c.file(
+                &format!("/models/{name}"),
+                &models_dir.join(name),
+                sha.as_deref(),
+            );
+        }
     }
     let on_disk = std::fs::read_dir(&models_dir)
         .into_iter()
@@ -360,10 +388,16 @@ pub fn manifest(ctx: &Ctx) -> Outcome {
         .filter_map(|e| e.file_name().to_str().map(str::to_string));
     for f in on_disk {
         if !listed.iter().any(|(n, _)| *n == f) {
-            c.bad.push(format!(
-                "/models/{f} is not in the manifest (sha256 {})",
-                sha256_of(&models_dir.join(&f)).unwrap_or_else(|e| e.to_string())
-            ));
+            let sha = if verity {
+                "under the mapping's root hash".to_string()
+            } else {
+                format!(
+                    "sha256 {}",
+                    sha256_of(&models_dir.join(&f)).unwrap_or_else(|e| e.to_string())
+                )
+            };
+            c.bad
+                .push(format!("/models/{f} is not in the manifest ({sha})"));
         }
     }
 
@@ -388,6 +422,58 @@ pub fn manifest(ctx: &Ctx) -> Outcome {
         c.bad.extend(c.ok);
         Outcome::fail(reason, c.bad)
     }
+}
+
+/// `/models` is mounted from the dm-verity mapping [`crate::verity::NAME`], whose live table
+/// (read from the kernel) is the manifest's `models_verity` over the partition named `models`,
+/// and whose status says no corrupted block was read.
+fn verity_mapping(ctx: &Ctx, manifest: &Path, models_dir: &Path) -> Result<Vec<String>, String> {
+    use crate::verity;
+    let want = verity::Params::from_manifest(manifest)?;
+    let mountinfo = ctx.paths.proc.join("self/mountinfo");
+    let mnt = models_dir.display().to_string();
+    let dev = verity::mounted_from(&mountinfo, &mnt)
+        .ok_or_else(|| format!("{mnt} is not mounted (models partition not mapped?)"))?;
+    let sys = |rel: String| std::fs::read_to_string(ctx.paths.sys.join(rel));
+    let name = sys(format!("dev/block/{dev}/dm/name")).unwrap_or_default();
+    if name.trim() != verity::NAME {
+        return Err(format!(
+            "{mnt} is mounted from {dev}, not from the dm-verity mapping {} (the models are \
+             not proved)",
+            verity::NAME
+        ));
+    }
+    // The one device beneath the mapping must be the GPT partition named `models`.
+    let slaves: Vec<String> =
+        std::fs::read_dir(ctx.paths.sys.join(format!("dev/block/{dev}/slaves")))
+            .map_err(|e| format!("{} beneath {dev}: {e}", verity::NAME))?
+            .flatten()
+            .filter_map(|e| e.file_name().to_str().map(str::to_string))
+            .collect();
+    let [part] = slaves.as_slice() else {
+        return Err(format!(
+            "{} maps {} devices ({slaves:?}), 1 expected",
+            verity::NAME,
+            slaves.len()
+        ));
+    };
+    let uevent = sys(format!("class/block/{part}/uevent")).unwrap_or_default();
+    if !uevent.lines().any(|l| l == "PARTNAME=models") {
+        return Err(format!(
+            "{} maps /dev/{part}, which is not the partition named models",
+            verity::NAME
+        ));
+    }
+    let part_dev = sys(format!("class/block/{part}/dev"))
+        .map_err(|e| format!("/dev/{part}: {e}"))?
+        .trim()
+        .to_string();
+    let mut lines = verity::check(&ctx.paths.dev.join("mapper/control"), &want, &part_dev)?;
+    lines.push(format!(
+        "{mnt} mounted from {dev} ({}) over /dev/{part} (PARTNAME=models)",
+        verity::NAME
+    ));
+    Ok(lines)
 }
 
 #[cfg(test)]

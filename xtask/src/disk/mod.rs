@@ -15,6 +15,7 @@ pub mod erofs;
 pub mod ext4;
 pub mod fat;
 pub mod gpt;
+pub mod verity;
 
 pub use crate::atomic::AtomicOut;
 #[allow(unused_imports)] // the image pipeline calls `disk::assemble`

@@ -45,6 +45,7 @@ pub fn stage() -> Result<()> {
         &doctor::FSCK_VFAT,
         &doctor::FSCK_EROFS,
         &doctor::E2FSCK,
+        &doctor::VERITYSETUP,
         &doctor::MTOOLS,
         &doctor::CPIO,
         &doctor::BMAPTOOL,
@@ -151,6 +152,29 @@ pub fn stage() -> Result<()> {
     cmd!(sh, "fsck.erofs {models}")
         .run()
         .context("fsck.erofs on the models partition")?;
+    // The dm-verity tree after the erofs, judged by veritysetup with the manifest's parameters
+    // (the board's kernel judges it again at every read).
+    let v = &manifest["models_verity"];
+    let (Some(blocks), Some(start), Some(salt), Some(root)) = (
+        v["data_blocks"].as_u64(),
+        v["hash_start_block"].as_u64(),
+        v["salt"].as_str(),
+        v["root_hash"].as_str(),
+    ) else {
+        bail!("the manifest's models_verity is missing or incomplete: {v}");
+    };
+    let (off, salt_arg) = (
+        format!("--hash-offset={}", start * 4096),
+        format!("--salt={salt}"),
+    );
+    let blocks_arg = format!("--data-blocks={blocks}");
+    cmd!(
+        sh,
+        "veritysetup verify --no-superblock {off} {blocks_arg} {salt_arg} {models} {models} {root}"
+    )
+    .run()
+    .context("veritysetup verify on the models partition with the manifest's root hash")?;
+    println!("image-checks: veritysetup verifies the models partition's dm-verity tree against root {root}");
     cmd!(sh, "e2fsck -fn {data}")
         .run()
         .context("e2fsck -fn on the data partition")?;

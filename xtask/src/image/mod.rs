@@ -223,27 +223,15 @@ pub fn build(args: &Args) -> Result<Built> {
         work,
     };
 
-    let kernel = steps::kernel(&mut run, &ctx)?;
-    let uboot = steps::bootloader(&mut run, &ctx)?;
-    let runtime = steps::runtime(&mut run, &ctx)?;
-    let board_toml = ctx.board.board_toml(steps::kernel_config(&ctx.board)?)?;
-    let serve_env = ctx.board.serve_env()?;
-    // The updates tree first: the initramfs holds its sha256, which init checks before it
-    // mounts the tree (after the verdict), so the self-check need not read it.
-    let updates_tree = run.run(updates::step(&ctx))?;
-    let updates_sha = Sha256::of_file(updates_tree.path())?;
-    let modules = match steps::kernel_modules(&ctx)? {
-        Some(step) => Some(run.run(step)?),
-        None => None,
-    };
-    let initramfs = run.run(steps::initramfs(
-        &ctx,
-        &runtime,
-        &board_toml,
-        &serve_env,
-        &updates_sha,
-        modules.as_ref(),
-    )?)?;
+    let System {
+        kernel,
+        uboot,
+        runtime,
+        board_toml,
+        updates_tree,
+        modules,
+        initramfs,
+    } = system(&mut run, &ctx)?;
     let fixture = fixture::gguf().context("writing the self-check fixture")?;
     let llama = kiln_runtime::model::fixture::gguf().context("writing the llama fixture")?;
     let models_part = run.run(steps::models_partition(&ctx, &models, &fixture, &llama))?;
@@ -282,6 +270,7 @@ pub fn build(args: &Args) -> Result<Built> {
     let known_matmul = run.run(known::matmul_step(&ctx, &models, &fixtures))?;
     known::add_matmul(&mut manifest, &known_matmul)?;
     steps::manifest_known_answers_nll(&mut manifest, &nll, &llama)?;
+    steps::manifest_models_verity(&mut manifest, &models_part)?;
     // Last: the SBOMs on the card are made from the manifest as it is complete, then listed in it.
     boot_files.extend(steps::card_sboms(&mut manifest)?);
     let boot_part = run.run(steps::boot_partition(&ctx, boot_files, &manifest)?)?;
@@ -298,28 +287,7 @@ pub fn build(args: &Args) -> Result<Built> {
     std::fs::create_dir_all(&out_dir)?;
     let disk = run.run(steps::disk_image(&ctx, &out_dir, &layout, parts, &blobs)?)?;
     if let Some(b) = &uboot {
-        // The loader as written: RKNS at LBA 64, the FIT's U-Boot and BL31, before the GPT's first
-        // partition (the `u-boot` stage shows each of these failing on a broken image).
-        let first = layout.parts.iter().map(|p| p.first_lba).min().unwrap_or(0);
-        let bl31 = std::fs::read(b.bl31())?;
-        let found = loader::check_region(disk.path(), first, &bl31)
-            .context("the image's boot loader region")?;
-        run.say(&format!("boot loader in the image: {found}"));
-        // For the board's SPI NOR (README: "Writing U-Boot to the SPI flash"); not in the image.
-        let spi = out_dir.join(format!(
-            "kiln-{}.{}",
-            ctx.board.name,
-            crate::bootloader::PRODUCTS[1]
-        ));
-        crate::atomic::write_atomic(
-            &spi,
-            &std::fs::read(b.product(crate::bootloader::PRODUCTS[1]))?,
-        )?;
-        run.say(&format!(
-            "{} (sha256 {}): U-Boot for the SPI flash, beside the image",
-            spi.display(),
-            b.products[1].1.short()
-        ));
+        loader_outputs(&mut run, &ctx, b, &layout, disk.path(), &out_dir)?;
     }
     let bmap = run.run(steps::bmap(&disk))?;
     let manifest = run.run(steps::manifest_file(
@@ -346,6 +314,84 @@ pub fn build(args: &Args) -> Result<Built> {
         boot_fs: boot_part.path().to_path_buf(),
         commit: ctx.commit.clone(),
     })
+}
+
+/// What the boot partition's system is made of.
+struct System {
+    kernel: crate::kernel::KernelOut,
+    uboot: Option<crate::bootloader::BootloaderOut>,
+    runtime: steps::Runtime,
+    board_toml: String,
+    updates_tree: runner::Product,
+    modules: Option<runner::Product>,
+    initramfs: runner::Product,
+}
+
+/// The kernel, the boot loader, the runtime, the updates tree and the initramfs.
+fn system(run: &mut Runner, ctx: &steps::Ctx) -> Result<System> {
+    let kernel = steps::kernel(run, ctx)?;
+    let uboot = steps::bootloader(run, ctx)?;
+    let runtime = steps::runtime(run, ctx)?;
+    let board_toml = ctx.board.board_toml(steps::kernel_config(&ctx.board)?)?;
+    let serve_env = ctx.board.serve_env()?;
+    // The updates tree first: the initramfs holds its sha256, which init checks before it
+    // mounts the tree (after the verdict), so the self-check need not read it.
+    let updates_tree = run.run(updates::step(ctx))?;
+    let updates_sha = Sha256::of_file(updates_tree.path())?;
+    let modules = match steps::kernel_modules(ctx)? {
+        Some(step) => Some(run.run(step)?),
+        None => None,
+    };
+    let initramfs = run.run(steps::initramfs(
+        ctx,
+        &runtime,
+        &board_toml,
+        &serve_env,
+        &updates_sha,
+        modules.as_ref(),
+    )?)?;
+    Ok(System {
+        kernel,
+        uboot,
+        runtime,
+        board_toml,
+        updates_tree,
+        modules,
+        initramfs,
+    })
+}
+
+/// The loader as written: RKNS at LBA 64, the FIT's U-Boot and BL31, before the GPT's first
+/// partition (the `u-boot` stage shows each of these failing on a broken image); and U-Boot for
+/// the board's SPI NOR beside the image (README: "Writing U-Boot to the SPI flash").
+fn loader_outputs(
+    run: &mut Runner,
+    ctx: &steps::Ctx,
+    b: &crate::bootloader::BootloaderOut,
+    layout: &layout::Layout,
+    disk: &std::path::Path,
+    out_dir: &std::path::Path,
+) -> Result<()> {
+    let first = layout.parts.iter().map(|p| p.first_lba).min().unwrap_or(0);
+    let bl31 = std::fs::read(b.bl31())?;
+    let found =
+        loader::check_region(disk, first, &bl31).context("the image's boot loader region")?;
+    run.say(&format!("boot loader in the image: {found}"));
+    let spi = out_dir.join(format!(
+        "kiln-{}.{}",
+        ctx.board.name,
+        crate::bootloader::PRODUCTS[1]
+    ));
+    crate::atomic::write_atomic(
+        &spi,
+        &std::fs::read(b.product(crate::bootloader::PRODUCTS[1]))?,
+    )?;
+    run.say(&format!(
+        "{} (sha256 {}): U-Boot for the SPI flash, beside the image",
+        spi.display(),
+        b.products[1].1.short()
+    ));
+    Ok(())
 }
 
 #[cfg(test)]

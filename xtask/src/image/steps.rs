@@ -475,41 +475,70 @@ pub fn kernel_modules(ctx: &Ctx) -> Result<Option<Step<'_>>> {
     }))
 }
 
-/// The models partition (erofs): the self-check's fixtures (the matmul fixture and the seeded
-/// llama model of `model.nll`) and the given models.
+/// The models partition: an erofs of the self-check's fixtures (the matmul fixture and the
+/// seeded llama model of `model.nll`) and the given models, then its dm-verity tree
+/// ([`disk::verity`]); `models-verity.json` holds the tree's parameters for the manifest.
+///
+/// Its bytes depend on the files it holds and the tools root only — not on the commit or the
+/// board — so a system bundle from another commit with the same models needs the same root
+/// hash as the card's partition.
 pub fn models_partition<'a>(
     ctx: &'a Ctx,
     models: &'a [Model],
     fixture: &'a [u8],
     llama: &'a [u8],
 ) -> Step<'a> {
-    let uuid = disk::guid_from_seed(&ctx.seed, "models-fs");
-    let key = key_of(&[
-        "models-v2",
-        &ctx.tools.key.to_string(),
-        &ctx.epoch.to_string(),
-        &uuid.to_string(),
+    let content = key_of(&[
         &Sha256::of_bytes(fixture).to_string(),
         &Sha256::of_bytes(llama).to_string(),
         &models_key(models),
     ]);
+    let uuid = disk::guid_from_seed(&content.to_string(), "models-fs");
+    let salt: [u8; 32] =
+        <sha2::Sha256 as sha2::Digest>::digest(format!("{content}:models-verity-salt")).into();
+    let key = key_of(&[
+        "models-v3",
+        &ctx.tools.key.to_string(),
+        &content.to_string(),
+    ]);
     Step {
         name: "models partition",
         key,
-        outputs: vec![ctx.work.join("models.erofs")],
+        outputs: vec![
+            ctx.work.join("models.erofs"),
+            ctx.work.join("models-verity.json"),
+        ],
         make: Box::new(move |tmp: &[PathBuf]| {
             let stage = ctx.work.join("models-staging");
             stage_models(&stage, models, fixture)?;
             stage_file(&stage.join(llama_fixture::FILE_NAME), llama)?;
-            disk::erofs::build(&tmp[0], &stage, uuid, ctx.epoch, Some(&ctx.tools))?;
+            // A fixed time: the files' content, not the commit, makes the bytes.
+            disk::erofs::build(&tmp[0], &stage, uuid, 0, Some(&ctx.tools))?;
             std::fs::remove_dir_all(&stage)?;
+            let v = disk::verity::append(&tmp[0], &salt)?;
+            std::fs::write(&tmp[1], serde_json::to_vec_pretty(&v)?)?;
             Ok(format!(
-                "erofs, {} model(s) and the fixtures ({} KiB llama)",
+                "erofs, {} model(s) and the fixtures ({} KiB llama); dm-verity root {}",
                 models.len(),
-                llama.len() >> 10
+                llama.len() >> 10,
+                &v.root_hash[..12]
             ))
         }),
     }
+}
+
+/// Add the models partition's dm-verity parameters to the manifest (`models_verity`).
+pub fn manifest_models_verity(manifest: &mut Value, models_part: &Product) -> Result<()> {
+    let p = models_part
+        .paths
+        .get(1)
+        .context("the models partition step made no models-verity.json")?;
+    let v: disk::verity::Verity = serde_json::from_slice(
+        &std::fs::read(p).with_context(|| format!("reading {}", p.display()))?,
+    )
+    .with_context(|| format!("parsing {}", p.display()))?;
+    manifest["models_verity"] = serde_json::to_value(v)?;
+    Ok(())
 }
 
 /// The models as a step key part: `name=sha256` of each, in order.
