@@ -367,7 +367,8 @@ pub fn manifest(ctx: &Ctx) -> Outcome {
             ));
         }
         c.ok.push(format!(
-            "/models: the {} listed file(s) present ({}), their bytes proved by that root hash              as they are read, not hashed here",
+            "/models: the {} listed file(s) present ({}), their bytes proved by that root hash as \
+             they are read, not hashed here",
             here.len(),
             here.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(", ")
         ));
