@@ -42,6 +42,10 @@ pub struct Args {
     /// trusts), for tests of other keys.
     #[arg(long, hide = true)]
     pub keyring: Option<PathBuf>,
+    /// A system that must FAIL its self-check: the bundle's `kiln/manifest.json` records another
+    /// sha256 for `/Image` (for tests of the failure a fleet must hear).
+    #[arg(long, hide = true)]
+    pub failing_system: bool,
 }
 
 impl Args {
@@ -67,6 +71,7 @@ impl Args {
             compatible: None,
             needs_model: vec![],
             keyring,
+            failing_system: false,
         }
     }
 }
@@ -201,6 +206,36 @@ fn models_needed(manifest: &Path, extra: &[String]) -> Result<String> {
     Ok(out)
 }
 
+/// Replace `path` (e.g. `kiln/manifest.json`) in the FAT image `fs` with `bytes` (mtools).
+pub fn replace_in_fat(fs: &Path, path: &str, bytes: &[u8]) -> Result<()> {
+    crate::doctor::ensure(&[&crate::doctor::MTOOLS])?;
+    let dir = tempfile::tempdir()?;
+    let file = dir.path().join("file");
+    std::fs::write(&file, bytes)?;
+    let sh = crate::paths::shell()?;
+    let target = format!("::{path}");
+    xshell::cmd!(sh, "mcopy -o -i {fs} {file} {target}")
+        .env("MTOOLS_SKIP_CHECK", "1")
+        .quiet()
+        .run()
+        .with_context(|| format!("replacing {path} in {}", fs.display()))
+}
+
+/// The manifest of the slot image `fs` with `/Image`'s sha256 reversed: `image.manifest` FAILs.
+fn break_image_hash(fs: &Path) -> Result<()> {
+    let p = crate::disk::fat::read_file(fs, 0, std::fs::metadata(fs)?.len(), "kiln/manifest.json")?;
+    let mut m: serde_json::Value = serde_json::from_slice(&p)?;
+    let img = m["boot"]["files"]["/Image"]["sha256"]
+        .as_str()
+        .context("the slot's manifest records no /Image sha256")?
+        .chars()
+        .rev()
+        .collect::<String>();
+    m["boot"]["files"]["/Image"]["sha256"] = img.clone().into();
+    println!("bundle: a failing system (for tests): its manifest records /Image sha256 {img}");
+    replace_in_fat(fs, "kiln/manifest.json", &serde_json::to_vec_pretty(&m)?)
+}
+
 /// Make the bundle of `args.image.board`'s image at this commit.
 pub fn make(args: &Args) -> Result<Bundle> {
     let (key, cert) = match (&args.key, &args.cert) {
@@ -242,9 +277,12 @@ pub fn make(args: &Args) -> Result<Bundle> {
     let tmp = tempfile::tempdir_in(&work)?;
     let content = tmp.path().join("content");
     std::fs::create_dir(&content)?;
-    let payload = Sha256::of_file(&built.boot_fs)?;
     std::fs::copy(&built.boot_fs, content.join("boot.vfat"))
         .with_context(|| format!("copying {}", built.boot_fs.display()))?;
+    if args.failing_system {
+        break_image_hash(&content.join("boot.vfat"))?;
+    }
+    let payload = Sha256::of_file(&content.join("boot.vfat"))?;
     let manifest = format!(
         "[update]\n\
          compatible={compatible}\n\

@@ -1620,6 +1620,8 @@ fn boot_qemu_faults(_: &Args) -> Result<()> {
     only(
         &r,
         &[
+            "model.mmap",
+            "coverage",
             "model.matmul.cpu",
             "model.matmul.npu",
             "model.nll.cpu",

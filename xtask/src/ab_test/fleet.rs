@@ -10,6 +10,8 @@
 //!    asked at the reboot whether a success came already (it must not have).
 //! 2. A bundle signed by another key, to the board now on B: RAUC refuses it; `closed`/`failure`
 //!    with RAUC's reason; both slots' bytes unchanged.
+//! 3. v3 (`v3-fails.raucb`, signed, installable, its manifest records another `/Image` hash): A
+//!    boots and FAILs, falls back to B, and B sends `closed`/`failure` naming A's failed check.
 
 use super::{boots_of, part_of, show, Machine};
 use crate::boot_test::{console_reader, pflash_with, qemu_command};
@@ -514,6 +516,63 @@ pub fn scenario(work: &Path, image: &Path, bundles: &Path) -> Result<()> {
         "ab-test: fleet: a bundle signed by another key: failure {:?}; boot_a unchanged ({:.0} s)",
         details[0],
         t1.elapsed().as_secs_f64()
+    );
+
+    // 3. v3: signed and installable, but its system FAILs its self-check. RAUC writes A, A
+    // boots and FAILs, is marked bad and falls back to B; B (the good slot) reports `failure`
+    // naming the check from A's report — never a success.
+    let (v3, sha, _) = file("v3-fails.raucb")?;
+    ddi.ask(&format!(
+        "deploy 3 {} {sha} http://10.0.2.2:{}/v3-fails.raucb",
+        v3.display(),
+        nginx.port
+    ))?;
+    let mut failure = None;
+    let t2 = Instant::now();
+    let c = boot(&m, &pflash, "3-v3-fails", Duration::from_secs(600), |c| {
+        ensure!(
+            !c.contains("kiln-fleet: action 3: success"),
+            "action 3 (a failing system) was reported as a success"
+        );
+        if failure.is_none() {
+            if let Some((word, details)) = final_of(c, "3") {
+                ensure!(
+                    word == "failure",
+                    "action 3 (a failing system) reported as {word}: {details:?}"
+                );
+                ensure!(
+                    details.first().is_some_and(|d| d
+                        .starts_with("self-check FAIL on slot A: ")
+                        && d.contains("image.manifest"))
+                        && details.get(1).map(String::as_str) == Some("slot B runs"),
+                    "action 3's failure does not name A's failed image.manifest, from B: \
+                     {details:?}"
+                );
+                failure = Some((ddi.expect("3", "closed", "failure", &details)?, details));
+            }
+        }
+        Ok(c.contains("kiln-fleet: action 3: final feedback acknowledged by the server"))
+    })?;
+    let (k, details) = failure.context("no final feedback for action 3 on the console")?;
+    ensure!(
+        ddi.calls(k)? == 1,
+        "action 3's failure did not reach the server once"
+    );
+    let boots = boots_of(&c);
+    let path: Vec<(&str, Option<&str>)> = boots
+        .iter()
+        .map(|b| (b.slot.as_str(), b.verdict.as_deref()))
+        .collect();
+    ensure!(
+        path == [("B", Some("PASS")), ("A", Some("FAIL")), ("B", Some("PASS"))],
+        "action 3: boots {}, want B:PASS -> A:FAIL -> B:PASS",
+        show(&boots)
+    );
+    println!(
+        "ab-test: fleet: v3 whose system FAILs: {}; failure {:?} sent from B, once ({:.0} s)",
+        show(&boots),
+        details[0],
+        t2.elapsed().as_secs_f64()
     );
     Ok(())
 }
