@@ -46,6 +46,10 @@ pub struct Args {
     /// sha256 for `/Image` (for tests of the failure a fleet must hear).
     #[arg(long, hide = true)]
     pub failing_system: bool,
+    /// Another dm-verity root hash the bundle's system says its models partition must have
+    /// (for tests of the refusal of a bundle whose models partition the card does not hold).
+    #[arg(long, hide = true)]
+    pub needs_verity_root: Option<String>,
 }
 
 impl Args {
@@ -72,6 +76,7 @@ impl Args {
             needs_model: vec![],
             keyring,
             failing_system: false,
+            needs_verity_root: None,
         }
     }
 }
@@ -306,10 +311,11 @@ pub fn make(args: &Args) -> Result<Bundle> {
     std::fs::write(content.join("manifest.raucm"), &manifest)?;
     let models = models_needed(&built.manifest, &args.needs_model)?;
     std::fs::write(content.join(MODELS_FILE), &models)?;
-    std::fs::write(
-        content.join(VERITY_FILE),
-        models_verity_root(&built.manifest)?,
-    )?;
+    let root = match &args.needs_verity_root {
+        Some(r) => r.clone(),
+        None => models_verity_root(&built.manifest)?,
+    };
+    std::fs::write(content.join(VERITY_FILE), root)?;
     write_hook(&content.join("hook.sh"))?;
     let keyfile = tmp.path().join("key.pem");
     {

@@ -283,6 +283,55 @@ mod tests {
         assert!(take().is_empty());
     }
 
+    /// Outside the self-check (no recovery) a fault in a watched mapping stops the process
+    /// with exit status 74 and one line naming the file and the offset. Run in a child: this
+    /// test binary again, told by the environment to provoke the fault.
+    // The child is this test binary run again: on the host only (the aarch64 stages run tests
+    // under qemu-user, which cannot exec an aarch64 binary without binfmt_misc).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn without_recovery_the_process_stops_naming_the_file() {
+        if let Ok(p) = std::env::var("KILN_FAULT_CHILD") {
+            let p = std::path::PathBuf::from(p);
+            let f = std::fs::File::open(&p).unwrap();
+            // SAFETY: the parent truncated the file on purpose to provoke the fault.
+            let map = unsafe { memmap2::Mmap::map(&f) }.unwrap();
+            let _g = watch(&map, &p);
+            set_recover(false);
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(&p)
+                .unwrap()
+                .set_len(4096)
+                .unwrap();
+            // SAFETY: inside the mapping; the read faults and the handler exits.
+            let v = unsafe { std::ptr::read_volatile(map.as_ptr().add(70_000)) };
+            panic!("the read past the end returned {v} instead of stopping the process");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("stop.gguf");
+        std::fs::write(&p, vec![1u8; 3 * 65536]).unwrap();
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "gguf::fault::tests::without_recovery_the_process_stops_naming_the_file",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("KILN_FAULT_CHILD", &p)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(74), "stderr: {err}");
+        assert!(
+            err.contains(&format!(
+                "kiln: I/O error reading {} at byte offset 70000",
+                p.display()
+            )),
+            "{err}"
+        );
+    }
+
     #[test]
     fn decimal_digits() {
         let mut b = [0u8; 24];

@@ -370,7 +370,10 @@ pub fn manifest(ctx: &Ctx) -> Outcome {
             "/models: the {} listed file(s) present ({}), their bytes proved by that root hash as \
              they are read, not hashed here",
             here.len(),
-            here.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>().join(", ")
+            here.iter()
+                .map(|(n, _)| n.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
         ));
     } else {
         for (name, sha) in &listed {

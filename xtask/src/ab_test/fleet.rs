@@ -541,9 +541,10 @@ pub fn scenario(work: &Path, image: &Path, bundles: &Path) -> Result<()> {
                     "action 3 (a failing system) reported as {word}: {details:?}"
                 );
                 ensure!(
-                    details.first().is_some_and(|d| d
-                        .starts_with("self-check FAIL on slot A: ")
-                        && d.contains("image.manifest"))
+                    details
+                        .first()
+                        .is_some_and(|d| d.starts_with("self-check FAIL on slot A: ")
+                            && d.contains("image.manifest"))
                         && details.get(1).map(String::as_str) == Some("slot B runs"),
                     "action 3's failure does not name A's failed image.manifest, from B: \
                      {details:?}"
@@ -564,7 +565,11 @@ pub fn scenario(work: &Path, image: &Path, bundles: &Path) -> Result<()> {
         .map(|b| (b.slot.as_str(), b.verdict.as_deref()))
         .collect();
     ensure!(
-        path == [("B", Some("PASS")), ("A", Some("FAIL")), ("B", Some("PASS"))],
+        path == [
+            ("B", Some("PASS")),
+            ("A", Some("FAIL")),
+            ("B", Some("PASS"))
+        ],
         "action 3: boots {}, want B:PASS -> A:FAIL -> B:PASS",
         show(&boots)
     );

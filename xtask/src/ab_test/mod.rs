@@ -565,6 +565,10 @@ fn update_disk(dir: &Path) -> Result<PathBuf> {
         &[],
     )?;
     make("other-board.raucb", None, Some("kiln-rock-5b"), &[])?;
+    crate::bundle::make(&crate::bundle::Args {
+        needs_verity_root: Some("0".repeat(64)),
+        ..crate::bundle::Args::qemu_virt(None, bundles.join("other-models-root.raucb"), None)
+    })?;
     // For the fleet: signed and installable, but its system FAILs its self-check.
     crate::bundle::make(&crate::bundle::Args {
         failing_system: true,
@@ -597,6 +601,7 @@ fn update_disk(dir: &Path) -> Result<PathBuf> {
         "other-key.raucb",
         "other-board.raucb",
         "other-models.raucb",
+        "other-models-root.raucb",
         "flipped-head.raucb",
         "flipped-payload.raucb",
         "flipped-sig.raucb",
@@ -711,6 +716,11 @@ fn scenarios(m: &Machine, v2: &[u8], ub: &Path) -> Result<()> {
             "other-models.raucb",
             "whose system needs models the card does not hold (other bytes, or absent)",
             "does not hold: kiln-selftest.gguf SmolLM2-360M-Instruct-Q4_1.gguf",
+        ),
+        (
+            "other-models-root.raucb",
+            "whose system needs another models partition (dm-verity root)",
+            "needs the models partition with dm-verity root 0000000000000000",
         ),
         (
             "flipped-head.raucb",
