@@ -620,6 +620,73 @@ mod tests {
             .contains("/boot/kiln/licenses/deb/libc6/copyright"));
     }
 
+    /// With `models_verity` the models are not hashed: /models must be mounted from the
+    /// mapping `kiln-models` over the partition named models, whose live table the kernel
+    /// gives; each way that falls short FAILs by name, and a listed model must be there.
+    #[test]
+    fn under_verity_the_mapping_is_checked_not_the_files() {
+        let root = FakeRoot::new();
+        let mut m = system(&root);
+        m["models_verity"] = serde_json::json!({
+            "version": 1, "algorithm": "sha256", "data_block_size": 4096,
+            "hash_block_size": 4096, "data_blocks": 100, "hash_start_block": 100,
+            "salt": "ab".repeat(32), "root_hash": "cd".repeat(32)});
+        write_manifest(&root, &m);
+        // Other bytes than the manifest's sha256: not read, so not a failure by itself.
+        root.file("models/model.gguf", b"other weights");
+        let reason = |root: &FakeRoot| {
+            let o = manifest(&ctx(root));
+            assert_eq!(o.status, Status::Fail, "{o:?}");
+            o.reason.unwrap()
+        };
+        let models = root.join("models").display().to_string();
+        let r = reason(&root);
+        assert!(r.contains(&format!("{models} is not mounted")), "{r}");
+        assert!(!r.contains("sha256"), "{r}");
+        root.file(
+            "proc/self/mountinfo",
+            format!("30 22 254:4 / {models} ro - erofs /dev/vda4 ro\n"),
+        );
+        let r = reason(&root);
+        assert!(
+            r.contains("not from the dm-verity mapping kiln-models"),
+            "{r}"
+        );
+        root.file(
+            "proc/self/mountinfo",
+            format!("30 22 253:0 / {models} ro - erofs /dev/dm-0 ro\n"),
+        );
+        root.file("sys/dev/block/253:0/dm/name", "kiln-models\n");
+        root.file("sys/dev/block/253:0/slaves/vda5/dev", "254:5\n");
+        root.file(
+            "sys/class/block/vda5/uevent",
+            "MAJOR=254\nMINOR=5\nPARTNAME=data\n",
+        );
+        let r = reason(&root);
+        assert!(
+            r.contains("maps /dev/vda5, which is not the partition named models"),
+            "{r}"
+        );
+        // The right partition: what is left is the kernel's table, which a file cannot give.
+        root.remove("sys/dev/block/253:0/slaves/vda5");
+        root.file("sys/dev/block/253:0/slaves/vda4/dev", "254:4\n");
+        root.file(
+            "sys/class/block/vda4/uevent",
+            "MAJOR=254\nMINOR=4\nPARTNAME=models\n",
+        );
+        root.file("sys/class/block/vda4/dev", "254:4\n");
+        root.file("dev/mapper/control", "");
+        let r = reason(&root);
+        assert!(r.contains("device-mapper table read of kiln-models"), "{r}");
+        // A listed model missing is named.
+        root.remove("models/model.gguf");
+        let r = reason(&root);
+        assert!(
+            r.contains("/models/model.gguf: listed in the manifest, not on /models"),
+            "{r}"
+        );
+    }
+
     #[test]
     fn the_updates_tree_is_left_to_init_but_its_two_hashes_must_agree() {
         let tree = hex_of(b"the updates tree");
