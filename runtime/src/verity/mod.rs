@@ -11,7 +11,7 @@
 
 pub mod dm;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
 /// The device-mapper name of the models mapping.
@@ -20,17 +20,21 @@ pub const NAME: &str = "kiln-models";
 pub const UUID: &str = "KILN-VERITY-models";
 pub const CONTROL: &str = "/dev/mapper/control";
 
-/// The manifest's `models_verity`, as `cargo xtask image` wrote it (xtask `disk::verity`).
-#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+/// The manifest's `models_verity`, as `cargo xtask image` writes it (xtask `disk::verity`).
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct Params {
+    /// Always 1 (salt first).
     pub version: u32,
     pub algorithm: String,
     pub data_block_size: u64,
     pub hash_block_size: u64,
     pub data_blocks: u64,
+    /// In hash blocks from the start of the device (the same device as the data).
     pub hash_start_block: u64,
+    /// Hex.
     pub salt: String,
+    /// Hex.
     pub root_hash: String,
 }
 

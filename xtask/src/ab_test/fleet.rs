@@ -201,6 +201,47 @@ impl Drop for Nginx {
     }
 }
 
+/// Boot until the board's final feedback for action `id` is acknowledged: it must be a
+/// `failure` (never a success) whose details `check` accepts, which the DDI server then expects
+/// word for word (the board retries an unacknowledged final feedback at each poll) and receives
+/// exactly once. The console and the details.
+fn failure_of(
+    m: &Machine,
+    pflash: &Path,
+    ddi: &mut StandIn,
+    id: &str,
+    what: &str,
+    check: impl Fn(&[String]) -> Result<()>,
+) -> Result<(String, Vec<String>)> {
+    let mut failure = None;
+    let c = boot(m, pflash, what, Duration::from_secs(600), |c| {
+        ensure!(
+            !c.contains(&format!("kiln-fleet: action {id}: success")),
+            "action {id} was reported as a success"
+        );
+        if failure.is_none() {
+            if let Some((word, details)) = final_of(c, id) {
+                ensure!(
+                    word == "failure",
+                    "action {id} reported as {word}: {details:?}"
+                );
+                check(&details)?;
+                failure = Some((ddi.expect(id, "closed", "failure", &details)?, details));
+            }
+        }
+        Ok(c.contains(&format!(
+            "kiln-fleet: action {id}: final feedback acknowledged by the server"
+        )))
+    })?;
+    let (k, details) =
+        failure.with_context(|| format!("no final feedback for action {id} on the console"))?;
+    ensure!(
+        ddi.calls(k)? == 1,
+        "action {id}'s failure did not reach the server once"
+    );
+    Ok((c, details))
+}
+
 /// Boot `m` with `pflash` and user networking; `watch` sees the console after each new line and
 /// says when to cut the power (`Ok(true)`). The console, and the boots seen.
 fn boot(
@@ -290,18 +331,22 @@ pub fn scenario(work: &Path, image: &Path, bundles: &Path) -> Result<()> {
             ddi.port()?
         ),
     )?;
-    let file = |n: &str| -> Result<(PathBuf, String, u64)> {
-        let p = bundles.join(n);
+    // Deploy a bundle as action `id`: the DDI server offers it (its sha256 and size), nginx
+    // serves it. Its size.
+    let deploy = |ddi: &mut StandIn, id: &str, name: &str| -> Result<u64> {
+        let p = bundles.join(name);
         let b = std::fs::read(&p).with_context(|| format!("reading {}", p.display()))?;
-        Ok((
-            p,
-            crate::pins::Sha256::of_bytes(&b).to_string(),
-            b.len() as u64,
-        ))
+        let sha = crate::pins::Sha256::of_bytes(&b);
+        ddi.ask(&format!(
+            "deploy {id} {} {sha} http://10.0.2.2:{}/{name}",
+            p.display(),
+            nginx.port
+        ))?;
+        Ok(b.len() as u64)
     };
 
     // 1. v2: success only after B's verdict.
-    let (v2, sha, size) = file("v2.raucb")?;
+
     let manifest = {
         let p = m.part(part_of(Slot::A))?;
         let b = crate::disk::fat::read_file(
@@ -312,11 +357,7 @@ pub fn scenario(work: &Path, image: &Path, bundles: &Path) -> Result<()> {
         )?;
         crate::pins::Sha256::of_bytes(&b).to_string()
     };
-    ddi.ask(&format!(
-        "deploy 1 {} {sha} http://10.0.2.2:{}/v2.raucb",
-        v2.display(),
-        nginx.port
-    ))?;
+    let size = deploy(&mut ddi, "1", "v2.raucb")?;
     let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
     let steps = [
         ddi.expect(
@@ -448,12 +489,7 @@ pub fn scenario(work: &Path, image: &Path, bundles: &Path) -> Result<()> {
     // 2. Signed by another key, to the board on B: refused by RAUC, A (where it would go)
     // untouched.
     let before = m.part_sha("boot_a")?;
-    let (ok, sha, size) = file("other-key.raucb")?;
-    ddi.ask(&format!(
-        "deploy 2 {} {sha} http://10.0.2.2:{}/other-key.raucb",
-        ok.display(),
-        nginx.port
-    ))?;
+    let size = deploy(&mut ddi, "2", "other-key.raucb")?;
     let steps = [
         ddi.expect(
             "2",
@@ -468,33 +504,17 @@ pub fn scenario(work: &Path, image: &Path, bundles: &Path) -> Result<()> {
             &s(&["installing other-key.raucb into slot A"]),
         )?,
     ];
-    let mut failure = None;
     let t1 = Instant::now();
-    let c = boot(&m, &pflash, "2-other-key", Duration::from_secs(300), |c| {
-        if failure.is_none() {
-            if let Some((word, details)) = final_of(c, "2") {
-                ensure!(
-                    word == "failure",
-                    "action 2 (another key) reported as {word}: {details:?}"
-                );
-                ensure!(
-                    details.first().is_some_and(|d| d.starts_with(
-                        "RAUC refused other-key.raucb: signature verification failed"
-                    )) && details.get(1).map(String::as_str) == Some("slot B runs"),
-                    "action 2's failure does not say RAUC refused it on slot B: {details:?}"
-                );
-                // The board retries an unacknowledged final feedback at each poll: now it is
-                // expected, word for word.
-                failure = Some((ddi.expect("2", "closed", "failure", &details)?, details));
-            }
-        }
-        Ok(c.contains("kiln-fleet: action 2: final feedback acknowledged by the server"))
-    })?;
-    let (k, details) = failure.context("no final feedback for action 2 on the console")?;
-    ensure!(
-        ddi.calls(k)? == 1,
-        "action 2's failure did not reach the server once"
-    );
+    let (c, details) =
+        failure_of(&m, &pflash, &mut ddi, "2", "2-other-key", |details| {
+            ensure!(
+                details.first().is_some_and(|d| d
+                    .starts_with("RAUC refused other-key.raucb: signature verification failed"))
+                    && details.get(1).map(String::as_str) == Some("slot B runs"),
+                "action 2's failure does not say RAUC refused it on slot B: {details:?}"
+            );
+            Ok(())
+        })?;
     let boots = boots_of(&c);
     ensure!(
         boots.len() == 1 && boots[0].slot == "B" && c.contains("rauc: "),
@@ -521,44 +541,19 @@ pub fn scenario(work: &Path, image: &Path, bundles: &Path) -> Result<()> {
     // 3. v3: signed and installable, but its system FAILs its self-check. RAUC writes A, A
     // boots and FAILs, is marked bad and falls back to B; B (the good slot) reports `failure`
     // naming the check from A's report — never a success.
-    let (v3, sha, _) = file("v3-fails.raucb")?;
-    ddi.ask(&format!(
-        "deploy 3 {} {sha} http://10.0.2.2:{}/v3-fails.raucb",
-        v3.display(),
-        nginx.port
-    ))?;
-    let mut failure = None;
+    deploy(&mut ddi, "3", "v3-fails.raucb")?;
     let t2 = Instant::now();
-    let c = boot(&m, &pflash, "3-v3-fails", Duration::from_secs(600), |c| {
+    let (c, details) = failure_of(&m, &pflash, &mut ddi, "3", "3-v3-fails", |details| {
         ensure!(
-            !c.contains("kiln-fleet: action 3: success"),
-            "action 3 (a failing system) was reported as a success"
+            details
+                .first()
+                .is_some_and(|d| d.starts_with("self-check FAIL on slot A: ")
+                    && d.contains("image.manifest"))
+                && details.get(1).map(String::as_str) == Some("slot B runs"),
+            "action 3's failure does not name A's failed image.manifest, from B: {details:?}"
         );
-        if failure.is_none() {
-            if let Some((word, details)) = final_of(c, "3") {
-                ensure!(
-                    word == "failure",
-                    "action 3 (a failing system) reported as {word}: {details:?}"
-                );
-                ensure!(
-                    details
-                        .first()
-                        .is_some_and(|d| d.starts_with("self-check FAIL on slot A: ")
-                            && d.contains("image.manifest"))
-                        && details.get(1).map(String::as_str) == Some("slot B runs"),
-                    "action 3's failure does not name A's failed image.manifest, from B: \
-                     {details:?}"
-                );
-                failure = Some((ddi.expect("3", "closed", "failure", &details)?, details));
-            }
-        }
-        Ok(c.contains("kiln-fleet: action 3: final feedback acknowledged by the server"))
+        Ok(())
     })?;
-    let (k, details) = failure.context("no final feedback for action 3 on the console")?;
-    ensure!(
-        ddi.calls(k)? == 1,
-        "action 3's failure did not reach the server once"
-    );
     let boots = boots_of(&c);
     let path: Vec<(&str, Option<&str>)> = boots
         .iter()

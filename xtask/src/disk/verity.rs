@@ -15,7 +15,6 @@
 //! (the tests and every boot).
 
 use anyhow::{ensure, Context, Result};
-use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::Path;
@@ -25,29 +24,9 @@ pub const BLOCK: u64 = 4096;
 const HASH: usize = 32;
 const PER_BLOCK: u64 = BLOCK / HASH as u64;
 
-/// What the board needs to map the partition: the manifest's `models_verity`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Verity {
-    /// Always 1 (salt first).
-    pub version: u32,
-    pub algorithm: String,
-    pub data_block_size: u64,
-    pub hash_block_size: u64,
-    pub data_blocks: u64,
-    /// In hash blocks from the start of the device (the same device as the data).
-    pub hash_start_block: u64,
-    /// Hex.
-    pub salt: String,
-    /// Hex.
-    pub root_hash: String,
-}
-
-impl Verity {
-    /// Bytes the partition needs: data, then the tree.
-    pub fn total_bytes(&self, tree_blocks: u64) -> u64 {
-        (self.hash_start_block + tree_blocks) * BLOCK
-    }
-}
+/// What the board needs to map the partition: the manifest's `models_verity`, as the board's
+/// `kiln verity map` reads it.
+pub use kiln_runtime::verity::Params as Verity;
 
 fn hash(salt: &[u8], block: &[u8]) -> [u8; HASH] {
     let mut h = Sha256::new();
