@@ -346,7 +346,6 @@ pub fn scenario(work: &Path, image: &Path, bundles: &Path) -> Result<()> {
     };
 
     // 1. v2: success only after B's verdict.
-
     let manifest = {
         let p = m.part(part_of(Slot::A))?;
         let b = crate::disk::fat::read_file(
