@@ -43,6 +43,11 @@ pub fn render(
     env.set_fuel(Some(FUEL_BASE.saturating_add(
         FUEL_PER_MESSAGE.saturating_mul(messages.len() as u64),
     )));
+    // As Hugging Face's `apply_chat_template` (and llama.cpp's template engine) set up Jinja:
+    // a newline after a block tag is dropped, and whitespace before one on its line. Templates
+    // written for it rely on this (Phi-4-mini's would start its prompt with a newline).
+    env.set_trim_blocks(true);
+    env.set_lstrip_blocks(true);
     env.add_template("chat", template)
         .context("tokenizer.chat_template does not parse")?;
     // Hugging Face templates call raise_exception(msg) for conversations they refuse.
@@ -143,6 +148,17 @@ mod tests {
             render(t, &chat(), "", "").expect("renders"),
             "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
         );
+    }
+
+    /// Block tags on lines of their own leave no whitespace, as Hugging Face's Jinja setup
+    /// (`trim_blocks`, `lstrip_blocks`) renders them: jinja2 3.1 with those options gives
+    /// `"[Hi]\n"` for this template, and `"\n  \n[Hi]\n  \n\n  \n"` without them.
+    #[test]
+    fn block_tags_are_trimmed_as_hugging_face_renders() {
+        let t = "{% for m in messages %}\n  {% if m.role == \"user\" %}\n[{{ m.content }}]\n  \
+                 {% endif %}\n{% endfor %}\n";
+        let msgs = vec![("user".into(), "Hi".into()), ("system".into(), "x".into())];
+        assert_eq!(render(t, &msgs, "", "").expect("renders"), "[Hi]\n");
     }
 
     /// Templates a hostile GGUF could carry: each fails with an error, quickly, instead of
