@@ -349,8 +349,11 @@ fn synthetic(arch: &str, faults: &[Fault]) {
 }
 
 /// [`synthetic`] with or without the [`GREEDY_STEPS`] greedy comparison, on the weight types
-/// `wtypes`. Each fault must break the logits comparison, and the greedy one where it runs.
+/// `wtypes`. Each fault must break the logits comparison on every weight type, and the greedy
+/// one (where it runs) on at least one: a random synthetic model's greedy continuation may be
+/// one token repeated (qwen2 Q8_0: 359 sixteen times), which a fault can leave in place.
 fn synthetic_on(arch: &str, faults: &[Fault], greedy: bool, wtypes: &[&str]) {
+    let mut greedy_broken = vec![false; faults.len()];
     for (wi, wtype) in wtypes.iter().enumerate() {
         let dir = scratch(&format!("llama_cpp_{arch}_{wtype}"));
         let model = dir.join("m.gguf");
@@ -387,7 +390,7 @@ fn synthetic_on(arch: &str, faults: &[Fault], greedy: bool, wtypes: &[&str]) {
             check_greedy(&format!("{arch} {wtype}"), &f, &seq, &r, GREEDY_TIE);
         }
         // The comparison is not blind: each fault breaks it, even at the looser f16 tolerance.
-        for &fault in faults {
+        for (fi, &fault) in faults.iter().enumerate() {
             let d = compare(&kiln_logits(&f, &seq, Some(fault), KvType::F16), &r, &seq);
             eprintln!("{arch} {wtype} with {fault:?}: {d:?}");
             assert!(
@@ -397,11 +400,16 @@ fn synthetic_on(arch: &str, faults: &[Fault], greedy: bool, wtypes: &[&str]) {
             if greedy {
                 let g = kiln_forced_greedy(&f, &seq, Some(fault), &r, GREEDY_TIE);
                 eprintln!("{arch} {wtype} with {fault:?}: greedy {g:?}");
-                assert!(
-                    g.is_err(),
-                    "{arch} {wtype}: {fault:?} kept all {GREEDY_STEPS} greedy tokens"
-                );
+                greedy_broken[fi] |= g.is_err();
             }
+        }
+    }
+    if greedy {
+        for (fault, broken) in faults.iter().zip(greedy_broken) {
+            assert!(
+                broken,
+                "{arch}: {fault:?} kept all {GREEDY_STEPS} greedy tokens on every weight type"
+            );
         }
     }
 }
