@@ -1403,22 +1403,68 @@ fn llama_cpp_phi3_self_check_and_plan() {
     }
 }
 
-/// Phi's chat templates as llama.cpp's repository carries them (`models/templates/`, copied from
-/// the models' `tokenizer_config.json`): Phi-3.5-mini-instruct's
-/// (`phi3_5_mini_chat_template.jinja`; Phi-3-mini-4k's differs only in not skipping an empty
-/// system message) and Phi-4-mini-instruct's (`phi4_mini_chat_template.jinja`, also a `phi3`
-/// GGUF; block tags on lines of their own, a `tools` branch). kiln's minijinja render equals
-/// jinja2's, set up and called as Hugging Face's `apply_chat_template` does, with the generation
-/// prompt, on conversations with and without a system message (and an empty one); for
-/// Phi-3.5's template also llama-cpp-python's Jinja2ChatFormatter and llama.cpp's own
-/// `llama_chat_apply_template` (its built-in phi3 format; not for the empty system message,
-/// which that format writes and the template skips).
-#[test]
-#[ignore = "needs llama-cpp-python (KILN_LLAMA_PY); run by the llama-cpp stage"]
-fn llama_cpp_phi3_chat_template() {
-    let dir = scratch("llama_cpp_phi3_chat");
+/// `conv`s rendered by kiln's minijinja ([`kiln_runtime::tokenizer::chat::render`], what `kiln
+/// chat` and `kiln serve` use) and by the python side (`chat`): kiln's must equal jinja2's, set up
+/// and called as Hugging Face's `apply_chat_template` does (`hf_jinja2`), with the generation
+/// prompt; with `native`, also llama-cpp-python's Jinja2ChatFormatter and llama.cpp's own
+/// `llama_chat_apply_template` (its built-in format for the template), except for a conversation
+/// with an empty system message (which those built-in formats write and Phi's template skips).
+fn chat_against_jinja2(
+    file: &str,
+    template: &str,
+    (bos, eos): (&str, &str),
+    convs: &[Vec<(String, String)>],
+    native: bool,
+) {
+    let dir = scratch(&format!("llama_cpp_chat_{file}"));
+    let tf = dir.join(file);
+    std::fs::write(&tf, template).unwrap();
+    for conv in convs {
+        let mf = dir.join("messages.json");
+        let msgs: Vec<J> = conv
+            .iter()
+            .map(|(r, c)| serde_json::json!({"role": r, "content": c}))
+            .collect();
+        std::fs::write(&mf, serde_json::to_vec(&msgs).unwrap()).unwrap();
+        let theirs: J = serde_json::from_str(&py(&[
+            "chat",
+            "--template-file",
+            tf.to_str().unwrap(),
+            "--messages-json",
+            mf.to_str().unwrap(),
+            "--bos",
+            bos,
+            "--eos",
+            eos,
+        ]))
+        .unwrap();
+        let ours = kiln_runtime::tokenizer::chat::render(template, conv, bos, eos).unwrap();
+        eprintln!("{file}: kiln {ours:?}\n{file}: python {theirs}");
+        assert_eq!(
+            Some(ours.as_str()),
+            theirs["hf_jinja2"].as_str(),
+            "{file}: jinja2 (as Hugging Face sets it up) renders otherwise"
+        );
+        if native && !conv.iter().any(|(r, c)| r == "system" && c.is_empty()) {
+            assert_eq!(
+                Some(ours.as_str()),
+                theirs["jinja2"].as_str(),
+                "{file}: llama-cpp-python's Jinja2ChatFormatter renders otherwise"
+            );
+            assert_eq!(
+                Some(ours.as_str()),
+                theirs["llama_cpp"].as_str(),
+                "{file}: llama.cpp's llama_chat_apply_template renders otherwise"
+            );
+        }
+    }
+}
+
+/// Conversations for the template tests: with a system message, several turns with none, a
+/// system message and several turns, an empty system message.
+fn conversations() -> Vec<Vec<(String, String)>> {
     let m = |r: &str, c: &str| (r.to_string(), c.to_string());
-    let convs = [
+    vec![
         vec![
             m("system", "Answer in one word."),
             m("user", "Capital of France?"),
@@ -1435,66 +1481,48 @@ fn llama_cpp_phi3_chat_template() {
             m("user", "And 3+3?"),
         ],
         vec![m("system", ""), m("user", "Hi")],
-    ];
-    for (file, template, native) in [
-        (
-            "phi3_5_mini_chat_template.jinja",
-            include_str!("phi3_5_mini_chat_template.jinja"),
-            true,
-        ),
-        (
-            "phi4_mini_chat_template.jinja",
-            include_str!("phi4_mini_chat_template.jinja"),
-            false,
-        ),
-    ] {
-        let tf = dir.join(file);
-        std::fs::write(&tf, template).unwrap();
-        for conv in &convs {
-            let mf = dir.join("messages.json");
-            let msgs: Vec<J> = conv
-                .iter()
-                .map(|(r, c)| serde_json::json!({"role": r, "content": c}))
-                .collect();
-            std::fs::write(&mf, serde_json::to_vec(&msgs).unwrap()).unwrap();
-            let theirs: J = serde_json::from_str(&py(&[
-                "chat",
-                "--template-file",
-                tf.to_str().unwrap(),
-                "--messages-json",
-                mf.to_str().unwrap(),
-                "--bos",
-                "<s>",
-                "--eos",
-                "<|endoftext|>",
-            ]))
-            .unwrap();
-            let ours =
-                kiln_runtime::tokenizer::chat::render(template, conv, "<s>", "<|endoftext|>")
-                    .unwrap();
-            eprintln!("{file}: kiln {ours:?}\n{file}: python {theirs}");
-            assert!(
-                ours.ends_with("<|assistant|>\n") || ours.ends_with("<|assistant|>"),
-                "{file}: no generation prompt: {ours:?}"
-            );
-            assert_eq!(
-                Some(ours.as_str()),
-                theirs["hf_jinja2"].as_str(),
-                "{file}: jinja2 (as Hugging Face sets it up) renders otherwise"
-            );
-            // llama.cpp's built-in format writes an empty system turn, the template skips it.
-            if native && !conv.iter().any(|(r, c)| r == "system" && c.is_empty()) {
-                assert_eq!(
-                    Some(ours.as_str()),
-                    theirs["jinja2"].as_str(),
-                    "{file}: llama-cpp-python's Jinja2ChatFormatter renders otherwise"
-                );
-                assert_eq!(
-                    Some(ours.as_str()),
-                    theirs["llama_cpp"].as_str(),
-                    "{file}: llama.cpp's llama_chat_apply_template renders otherwise"
-                );
-            }
-        }
-    }
+    ]
+}
+
+/// Phi's chat templates as llama.cpp's repository carries them (`models/templates/`, copied from
+/// the models' `tokenizer_config.json`): Phi-3.5-mini-instruct's
+/// (`phi3_5_mini_chat_template.jinja`; Phi-3-mini-4k's differs only in not skipping an empty
+/// system message), also against llama.cpp's built-in phi3 format, and Phi-4-mini-instruct's
+/// (`phi4_mini_chat_template.jinja`, also a `phi3` GGUF; block tags on lines of their own, a
+/// `tools` branch: llama-cpp-python's formatter passes `tools=None` and fails on it, and
+/// llama.cpp's built-in phi3 format puts newlines the template does not).
+#[test]
+#[ignore = "needs llama-cpp-python (KILN_LLAMA_PY); run by the llama-cpp stage"]
+fn llama_cpp_phi3_chat_template() {
+    let convs = conversations();
+    let tokens = ("<s>", "<|endoftext|>");
+    chat_against_jinja2(
+        "phi3_5_mini_chat_template.jinja",
+        include_str!("phi3_5_mini_chat_template.jinja"),
+        tokens,
+        &convs,
+        true,
+    );
+    chat_against_jinja2(
+        "phi4_mini_chat_template.jinja",
+        include_str!("phi4_mini_chat_template.jinja"),
+        tokens,
+        &convs,
+        false,
+    );
+}
+
+/// Llama 3.2 Instruct's chat template (`llama3_2_chat_template.jinja`, from llama.cpp's
+/// `models/templates/meta-llama-Llama-3.2-3B-Instruct.jinja`): `strftime_now("%d %b %Y")` for
+/// its "Today Date" line (UTC on both sides), `messages[1:]`, `|trim`, `is defined` / `none`.
+#[test]
+#[ignore = "needs llama-cpp-python (KILN_LLAMA_PY); run by the llama-cpp stage"]
+fn llama_cpp_llama3_2_chat_template() {
+    chat_against_jinja2(
+        "llama3_2_chat_template.jinja",
+        include_str!("llama3_2_chat_template.jinja"),
+        ("<|begin_of_text|>", "<|eot_id|>"),
+        &conversations(),
+        false,
+    );
 }

@@ -363,16 +363,23 @@ def nll(args):
 
 def hf_render(template, messages, bos, eos):
     """jinja2 itself, set up as Hugging Face's apply_chat_template sets it up (sandboxed,
-    trim_blocks and lstrip_blocks, raise_exception) and called as it calls it for a chat without
+    trim_blocks and lstrip_blocks, raise_exception, strftime_now) and called as it calls it for a chat without
     tools (no `tools` variable at all), with the generation prompt."""
+    import datetime
+
     from jinja2.exceptions import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message):
         raise TemplateError(message)
 
+    def strftime_now(fmt):
+        # Hugging Face formats the local time; kiln (and the board, TZ=UTC) the UTC time.
+        return datetime.datetime.now(datetime.timezone.utc).strftime(fmt)
+
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
     return env.from_string(template).render(
         messages=messages, bos_token=bos, eos_token=eos, add_generation_prompt=True
     )
