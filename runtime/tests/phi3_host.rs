@@ -136,3 +136,56 @@ fn phi3_fused_weights_load_and_llama_cpp_s_ignored_keys_are_handled() {
     .unwrap_err();
     assert!(e.contains("phi3.rope.scaling.type = \"longrope\""), "{e}");
 }
+
+/// The self-check's matmul known answers of a phi3 file, recorded as the image records them:
+/// one row range per part of each fused weight of the first layer (`attn_qkv` = [q 64 | k 32 |
+/// v 32] rows here, `ffn_up` = [gate 96 | up 96]), every range checked by `model.matmul.cpu` on
+/// the mapped copy; a weight overwritten in the v part (row 112; the one range of a plain weight
+/// would be rows 0..64) fails the check naming the model, the tensor and the rows.
+#[test]
+fn phi3_known_answers_cover_each_part_of_the_fused_weights() {
+    use kiln_runtime::selftest::{model_matmul, Ctx, Paths, Status};
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("models/phi3.gguf");
+    std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+    let bytes = gguf(|_| {}, None);
+    std::fs::write(&p, &bytes).unwrap();
+    let known = model_matmul::record(&p, "phi3.gguf", model_matmul::DEFAULT_SEED).unwrap();
+    let ranges = |t: &str| -> Vec<[usize; 2]> {
+        known
+            .iter()
+            .filter(|k| k.tensor == t && k.m == 1)
+            .map(|k| k.rows)
+            .collect()
+    };
+    assert_eq!(ranges("blk.0.attn_qkv.weight"), [[0, 64], [64, 64]]);
+    assert_eq!(ranges("blk.0.ffn_up.weight"), [[0, 64], [64, 64]]);
+    let manifest = dir.path().join("boot/kiln/manifest.json");
+    std::fs::create_dir_all(manifest.parent().unwrap()).unwrap();
+    let m = serde_json::json!({"known_answers": {"matmul": known}});
+    std::fs::write(&manifest, serde_json::to_vec(&m).unwrap()).unwrap();
+    let ctx = Ctx {
+        paths: Paths::under(dir.path()),
+        board: Some(
+            kiln_runtime::selftest::board::Board::parse("[board]\nname = \"qemu-virt\"\n").unwrap(),
+        ),
+        ..Ctx::default()
+    };
+    let cpu = kiln_runtime::backend::cpu::CpuBackend::new();
+    let o = model_matmul::check(&ctx, &cpu);
+    assert_eq!(o.status, Status::Pass, "{o:?}");
+    // The F32 weight's row 112 (v part): its first value overwritten with 1000.
+    let g = kiln_runtime::gguf::Gguf::parse(&bytes).unwrap();
+    let info = g.tensor_info("blk.0.attn_qkv.weight").unwrap();
+    let at = (g.data_offset + info.offset) as usize + 112 * E * 4;
+    let mut bad = bytes.clone();
+    bad[at..at + 4].copy_from_slice(&1000f32.to_le_bytes());
+    std::fs::write(&p, &bad).unwrap();
+    let o = model_matmul::check(&ctx, &cpu);
+    assert_eq!(o.status, Status::Fail, "{o:?}");
+    let why = o.reason.unwrap();
+    assert!(
+        why.contains("mismatch: phi3.gguf blk.0.attn_qkv.weight (F32 64x128, rows 64..128, M=1)"),
+        "{why}"
+    );
+}

@@ -1149,6 +1149,18 @@ impl<'m> Model<'m> {
         crate::pool::run_parts(chunks, |t, c| work(t * per, c));
     }
 
+    /// Names of the weights the forward pass multiplies by, in the order the load planned them
+    /// (each layer's, then the LM head): what `kiln plan` and the self-check's coverage must
+    /// cover.
+    pub fn matmul_weight_names(&self) -> Vec<&'m str> {
+        let mut out: Vec<&'m str> = Vec::new();
+        for l in &self.layers {
+            out.extend(l.mats().into_iter().map(|m| m.w.name));
+        }
+        out.push(self.output.w.name);
+        out
+    }
+
     /// Names of the backends in board order.
     pub fn backend_names(&self) -> Vec<&'static str> {
         self.backends.iter().map(|b| b.name()).collect()

@@ -93,7 +93,9 @@ pub fn digest(values: &[f32]) -> String {
 }
 
 /// The weights whose answers are recorded: the model's matmul weights (every 2-D weight when it
-/// has none by name, as the self-check fixture), the first of each type and the largest one.
+/// has none by name, as the self-check fixture), the first of each type and the largest one; and
+/// the first layer's fused projections (phi3's `attn_qkv` = [q | k | v], its `ffn_up` =
+/// [gate | up]), whichever type they are.
 fn chosen<'f>(f: &'f GgufFile) -> Vec<Weight<'f>> {
     let mut all = crate::sched::matmul_weights(f);
     if all.is_empty() {
@@ -109,6 +111,56 @@ fn chosen<'f>(f: &'f GgufFile) -> Vec<Weight<'f>> {
         if !out.iter().any(|o| o.name == big.name) {
             out.push(*big);
         }
+    }
+    for w in &all {
+        if !fused_parts(f, w).is_empty() && !out.iter().any(|o| o.name == w.name) {
+            out.push(*w);
+        }
+    }
+    out
+}
+
+/// The output-row parts of a fused weight of the first layer, from the file's hyper-parameters:
+/// `attn_qkv` = [q_dim, kv_dim, kv_dim], a fused `ffn_up` (N = 2 × feed_forward_length) =
+/// [n_ff, n_ff]; empty for any other weight (or a file without a model's metadata).
+fn fused_parts(f: &GgufFile, w: &Weight<'_>) -> Vec<usize> {
+    if !w.name.starts_with("blk.0.") {
+        return Vec::new();
+    }
+    let Ok(hp) = crate::model::HParams::from_gguf(f.gguf()) else {
+        return Vec::new();
+    };
+    let parts = match w.name {
+        "blk.0.attn_qkv.weight" => vec![hp.q_dim(), hp.kv_dim(), hp.kv_dim()],
+        "blk.0.ffn_up.weight" if w.n == 2 * hp.n_ff => vec![hp.n_ff, hp.n_ff],
+        _ => return Vec::new(),
+    };
+    if parts.iter().sum::<usize>() == w.n {
+        parts
+    } else {
+        Vec::new()
+    }
+}
+
+/// The recorded row ranges of `w`: one ([`row_range`]) for a plain weight; for a fused one, one
+/// per part: [`ROWS`] rows (fewer only where the weight ends) from a multiple of 64 at or below
+/// the part's middle rows, so that every projection sharing the weight is checked and not only
+/// the part that holds the weight's middle rows (parts narrower than that share a range).
+fn row_ranges(f: &GgufFile, w: &Weight<'_>) -> Vec<[usize; 2]> {
+    let parts = fused_parts(f, w);
+    if parts.is_empty() {
+        return vec![row_range(w.n)];
+    }
+    let mut out = Vec::new();
+    let mut at = 0;
+    for len in parts {
+        let first = (at + len.saturating_sub(ROWS) / 2) & !63;
+        let first = first.min(w.n.saturating_sub(ROWS) & !63);
+        let range = [first, ROWS.min(w.n - first)];
+        if !out.contains(&range) {
+            out.push(range);
+        }
+        at += len;
     }
     out
 }
@@ -158,8 +210,10 @@ pub fn record(path: &Path, model: &str, seed: u64) -> Result<Vec<KnownMatmul>> {
     let f = GgufFile::open(path).with_context(|| format!("model {}", path.display()))?;
     let reference = CpuRefBackend;
     let mut out = Vec::new();
-    for w in chosen(&f) {
-        let rows = row_range(w.n);
+    for (w, rows) in chosen(&f)
+        .into_iter()
+        .flat_map(|w| row_ranges(&f, &w).into_iter().map(move |r| (w, r)))
+    {
         let sub = rows_of(&w, rows)?;
         reference
             .supports(&MatmulOp::for_weight(&sub, 1))

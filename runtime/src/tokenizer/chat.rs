@@ -43,6 +43,11 @@ pub fn render(
     env.set_fuel(Some(FUEL_BASE.saturating_add(
         FUEL_PER_MESSAGE.saturating_mul(messages.len() as u64),
     )));
+    // As Hugging Face's `apply_chat_template` (and llama.cpp's template engine) set up Jinja:
+    // a newline after a block tag is dropped, and whitespace before one on its line. Templates
+    // written for it rely on this (Phi-4-mini's would start its prompt with a newline).
+    env.set_trim_blocks(true);
+    env.set_lstrip_blocks(true);
     env.add_template("chat", template)
         .context("tokenizer.chat_template does not parse")?;
     // Hugging Face templates call raise_exception(msg) for conversations they refuse.
@@ -53,6 +58,17 @@ pub fn render(
                 minijinja::ErrorKind::InvalidOperation,
                 msg,
             ))
+        },
+    );
+    // Hugging Face's (and llama.cpp's) template environments give templates the date: Llama
+    // 3.x's writes "Today Date: " from `strftime_now("%d %b %Y")`.
+    env.add_function(
+        "strftime_now",
+        |fmt: String| -> Result<String, minijinja::Error> {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs());
+            strftime(&fmt, now)
         },
     );
     let msgs: Vec<_> = messages
@@ -75,6 +91,87 @@ pub fn render(
         })
         .context("rendering tokenizer.chat_template")?;
     String::from_utf8(out.0).context("tokenizer.chat_template rendered invalid UTF-8")
+}
+
+/// `secs` after the Unix epoch (UTC) formatted as C's `strftime` formats it, for the directives
+/// chat templates use (`%d %e %m %y %Y %b %B %a %A %j %H %M %S %%`); any other is an error
+/// naming it rather than a date silently left unformatted.
+pub fn strftime(fmt: &str, secs: u64) -> Result<String, minijinja::Error> {
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    const DAYS: [&str; 7] = [
+        "Sunday",
+        "Monday",
+        "Tuesday",
+        "Wednesday",
+        "Thursday",
+        "Friday",
+        "Saturday",
+    ];
+    let days = secs / 86_400;
+    let sod = secs % 86_400;
+    // Howard Hinnant's civil_from_days, for days since 1970-01-01 (no negative times here).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy_mar = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy_mar + 2) / 153;
+    let day = doy_mar - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let leap = (year % 4 == 0 && year % 100 != 0) || year % 400 == 0;
+    const BEFORE: [i64; 12] = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334];
+    let yday = BEFORE[(month - 1) as usize] + day + i64::from(leap && month > 2);
+    let wday = ((days + 4) % 7) as usize; // 1970-01-01 was a Thursday
+    let mut out = String::new();
+    let mut chars = fmt.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        let d = chars.next();
+        let piece = match d {
+            Some('d') => format!("{day:02}"),
+            Some('e') => format!("{day:2}"),
+            Some('m') => format!("{month:02}"),
+            Some('y') => format!("{:02}", year % 100),
+            Some('Y') => year.to_string(),
+            Some('b') => MONTHS[(month - 1) as usize][..3].to_string(),
+            Some('B') => MONTHS[(month - 1) as usize].to_string(),
+            Some('a') => DAYS[wday][..3].to_string(),
+            Some('A') => DAYS[wday].to_string(),
+            Some('j') => format!("{yday:03}"),
+            Some('H') => format!("{:02}", sod / 3600),
+            Some('M') => format!("{:02}", sod / 60 % 60),
+            Some('S') => format!("{:02}", sod % 60),
+            Some('%') => "%".to_string(),
+            other => {
+                return Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    format!(
+                        "strftime_now: the directive %{} is not implemented by kiln",
+                        other.map(String::from).unwrap_or_default()
+                    ),
+                ))
+            }
+        };
+        out.push_str(&piece);
+    }
+    Ok(out)
 }
 
 /// A tokenizer's chat template with its BOS/EOS pieces.
@@ -143,6 +240,48 @@ mod tests {
             render(t, &chat(), "", "").expect("renders"),
             "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
         );
+    }
+
+    /// Block tags on lines of their own leave no whitespace, as Hugging Face's Jinja setup
+    /// (`trim_blocks`, `lstrip_blocks`) renders them: jinja2 3.1 with those options gives
+    /// `"[Hi]\n"` for this template, and `"\n  \n[Hi]\n  \n\n  \n"` without them.
+    #[test]
+    fn block_tags_are_trimmed_as_hugging_face_renders() {
+        let t = "{% for m in messages %}\n  {% if m.role == \"user\" %}\n[{{ m.content }}]\n  \
+                 {% endif %}\n{% endfor %}\n";
+        let msgs = vec![("user".into(), "Hi".into()), ("system".into(), "x".into())];
+        assert_eq!(render(t, &msgs, "", "").expect("renders"), "[Hi]\n");
+    }
+
+    /// `strftime` against Python's `datetime.strftime` (UTC) at four instants, and an
+    /// unimplemented directive refused by name.
+    #[test]
+    fn strftime_formats_as_python_does() {
+        let f = "%d %b %Y|%A %a %B %e %j %H:%M:%S %y %m %%";
+        for (secs, want) in [
+            (
+                1_721_952_000,
+                "26 Jul 2024|Friday Fri July 26 208 00:00:00 24 07 %",
+            ),
+            (
+                951_868_799,
+                "29 Feb 2000|Tuesday Tue February 29 060 23:59:59 00 02 %",
+            ),
+            (
+                0,
+                "01 Jan 1970|Thursday Thu January  1 001 00:00:00 70 01 %",
+            ),
+            (
+                4_102_444_799,
+                "31 Dec 2099|Thursday Thu December 31 365 23:59:59 99 12 %",
+            ),
+        ] {
+            assert_eq!(strftime(f, secs).unwrap(), want, "{secs}");
+        }
+        let e = strftime("%Q", 0).unwrap_err().to_string();
+        assert!(e.contains("the directive %Q is not implemented"), "{e}");
+        let t = "{{ strftime_now('%Y') | length }}";
+        assert_eq!(render(t, &chat(), "", "").unwrap(), "4");
     }
 
     /// Templates a hostile GGUF could carry: each fails with an error, quickly, instead of

@@ -12,8 +12,9 @@
       the last N of them, and greedy tokens after them, as JSON (no logits file: for a large
       vocabulary the logits of a long text are a gigabyte)
   chat --template-file T --messages-json M [--bos S] [--eos S]
-      a conversation rendered by llama-cpp-python's Jinja2ChatFormatter (jinja2, as Hugging
-      Face renders) and by llama.cpp's own llama_chat_apply_template, as JSON
+      a conversation rendered by llama-cpp-python's Jinja2ChatFormatter (jinja2), by jinja2 set
+      up as Hugging Face's apply_chat_template sets it up, and by llama.cpp's own
+      llama_chat_apply_template, as JSON
   add-rope-freqs --model F --out G [--orig-ctx N]    F plus Llama 3's rope_freqs.weight
 """
 
@@ -256,6 +257,14 @@ def add_rope_freqs(args):
     w.close()
 
 
+def top2(row):
+    """The argmax of a logit row (the first on equal values, as np.argmax) and the runner-up."""
+    t = int(np.argmax(row))
+    rest = row.copy()
+    rest[t] = -np.inf
+    return t, int(np.argmax(rest))
+
+
 def logits(args):
     import llama_cpp
 
@@ -280,15 +289,15 @@ def logits(args):
     n_vocab = llm.n_vocab()
     out = np.array(llm.scores[: len(ids), :n_vocab], dtype="<f4")
     out.tofile(args.out)
-    greedy, gaps = [], []
+    greedy, gaps, seconds = [], [], []
     for _ in range(args.greedy):
         row = np.array(llm.scores[llm.n_tokens - 1, :n_vocab], dtype=np.float64)
-        t = int(np.argmax(row))
-        top2 = np.sort(row)[-2:]
+        t, second = top2(row)
         greedy.append(t)
-        gaps.append(float(top2[1] - top2[0]))
+        seconds.append(second)
+        gaps.append(float(row[t] - row[second]))
         llm.eval([t])
-    json.dump({"n_vocab": n_vocab, "greedy": greedy, "gaps": gaps}, sys.stdout)
+    json.dump({"n_vocab": n_vocab, "greedy": greedy, "gaps": gaps, "seconds": seconds}, sys.stdout)
     print()
 
 
@@ -329,13 +338,13 @@ def nll(args):
         row = np.asarray(llm.scores[i, :n_vocab], dtype=np.float64)
         m = row.max()
         per.append(float(np.log(np.exp(row - m).sum()) + m - row[ids[i + 1]]))
-    greedy, gaps = [], []
+    greedy, gaps, seconds = [], [], []
     for _ in range(args.greedy):
         row = np.array(llm.scores[llm.n_tokens - 1, :n_vocab], dtype=np.float64)
-        t = int(np.argmax(row))
-        top2 = np.sort(row)[-2:]
+        t, second = top2(row)
         greedy.append(t)
-        gaps.append(float(top2[1] - top2[0]))
+        seconds.append(second)
+        gaps.append(float(row[t] - row[second]))
         llm.eval([t])
     tail = per[-args.tail:] if args.tail else per
     json.dump(
@@ -345,10 +354,35 @@ def nll(args):
             "nll_tail": sum(tail) / len(tail),
             "greedy": greedy,
             "gaps": gaps,
+            "seconds": seconds,
         },
         sys.stdout,
     )
     print()
+
+
+def hf_render(template, messages, bos, eos):
+    """jinja2 itself, set up as Hugging Face's apply_chat_template sets it up (sandboxed,
+    trim_blocks and lstrip_blocks, raise_exception, strftime_now) and called as it calls it for a chat without
+    tools (no `tools` variable at all), with the generation prompt."""
+    import datetime
+
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    def strftime_now(fmt):
+        # Hugging Face formats the local time; kiln (and the board, TZ=UTC) the UTC time.
+        return datetime.datetime.now(datetime.timezone.utc).strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(template).render(
+        messages=messages, bos_token=bos, eos_token=eos, add_generation_prompt=True
+    )
 
 
 def chat(args):
@@ -362,7 +396,12 @@ def chat(args):
     template = open(args.template_file, encoding="utf-8").read()
     messages = json.load(open(args.messages_json, encoding="utf-8"))
     fmt = Jinja2ChatFormatter(template=template, eos_token=args.eos, bos_token=args.bos)
-    jinja = fmt(messages=messages).prompt
+    try:
+        jinja = fmt(messages=messages).prompt
+    except Exception as e:  # e.g. `tools is defined` for the None the formatter passes
+        jinja = None
+        print("Jinja2ChatFormatter: %s: %s" % (type(e).__name__, e), file=sys.stderr)
+    hf = hf_render(template, messages, args.bos, args.eos)
     arr = (llama_cpp.llama_chat_message * len(messages))()
     keep = []
     for i, m in enumerate(messages):
@@ -373,7 +412,7 @@ def chat(args):
     buf = ctypes.create_string_buffer(1 << 16)
     n = llama_cpp.llama_chat_apply_template(template.encode(), arr, len(messages), True, buf, len(buf))
     native = buf.raw[:n].decode("utf-8") if n >= 0 else None
-    json.dump({"jinja2": jinja, "llama_cpp": native}, sys.stdout)
+    json.dump({"jinja2": jinja, "hf_jinja2": hf, "llama_cpp": native}, sys.stdout)
     print()
 
 

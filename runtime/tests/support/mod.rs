@@ -46,3 +46,6 @@ pub fn with_model<T>(
     };
     r
 }
+
+#[allow(dead_code)] // Used by the tests that check a model as the self-check does.
+pub mod board_root;

@@ -14,7 +14,8 @@ use serde_json::Value;
 use std::path::PathBuf;
 
 /// The step: `known-matmul.json` in the work folder, keyed by the models and the recipe of the
-/// answers (seed, row count, tolerance, M values).
+/// answers (seed, row count, tolerance, M values). v2: a fused weight (phi3's `attn_qkv`,
+/// `ffn_up`) is recorded with one row range per part.
 pub fn matmul_step<'a>(
     ctx: &'a Ctx,
     models: &'a [Model],
@@ -28,7 +29,7 @@ pub fn matmul_step<'a>(
         model_matmul::TOLERANCE
     );
     let key = key_of(&[
-        "known-matmul-v1",
+        "known-matmul-v2",
         &recipe,
         &fixtures
             .iter()
