@@ -122,19 +122,8 @@ pub fn strftime(fmt: &str, secs: u64) -> Result<String, minijinja::Error> {
     ];
     let days = secs / 86_400;
     let sod = secs % 86_400;
-    // Howard Hinnant's civil_from_days, for days since 1970-01-01 (no negative times here).
-    let z = days as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy_mar = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy_mar + 2) / 153;
-    let day = doy_mar - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    let leap = (year % 4 == 0 && year % 100 != 0) || year % 400 == 0;
-    const BEFORE: [i64; 12] = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334];
-    let yday = BEFORE[(month - 1) as usize] + day + i64::from(leap && month > 2);
+    let (year, month, day) = crate::civil::civil_from_days(days as i64);
+    let yday = days as i64 - crate::civil::days_from_civil(year, 1, 1) + 1;
     let wday = ((days + 4) % 7) as usize; // 1970-01-01 was a Thursday
     let mut out = String::new();
     let mut chars = fmt.chars();
