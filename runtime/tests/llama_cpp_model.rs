@@ -1224,7 +1224,7 @@ fn self_check_on(model: &Path, name: &str, flip: (&str, usize)) -> support::boar
     let root = support::board_root::BoardRoot::new(model, name);
     let (ids, nll) = llama_cpp_tokens_nll(model, support::board_root::known_text(), &dir);
     eprintln!(
-        "{name}: known text: {} tokens; recorded mean NLL (cpu-ref) {:.6}, llama.cpp {nll:.6}, Δ          {:+.2e}; tolerance of the check {:.4}",
+        "{name}: known text: {} tokens; recorded mean NLL (cpu-ref) {:.6}, llama.cpp {nll:.6}, Δ {:+.2e}; tolerance of the check {:.4}",
         ids.len(),
         root.nll.mean_nll,
         root.nll.mean_nll - nll,
