@@ -86,22 +86,31 @@ impl FaultGuard {
     /// Pages of this mapping that could not be read (replaced by zeros), and the first
     /// faulting offset in the file.
     pub fn faults(&self) -> Option<(usize, usize)> {
-        let i = self.slot?;
-        let n = FAULTS[i].load(Ordering::Acquire);
-        (n > 0).then(|| (n, FIRST[i].load(Ordering::Acquire).saturating_sub(1)))
+        slot_faults(self.slot?)
     }
 
     /// An error naming `path` when any page of it could not be read.
     pub fn error(&self, path: &Path) -> Option<String> {
-        self.faults().map(|(n, off)| {
-            format!(
-                "I/O error reading {}: {n} page(s) could not be read, the first at byte offset \
-                 {off} (the storage or dm-verity refused the block: its bytes do not match the \
-                 image's root hash, or the medium failed)",
-                path.display()
-            )
-        })
+        self.slot.and_then(|i| slot_error(i, path))
     }
+}
+
+/// Slot `i`'s faults: how many pages, and the first faulting offset.
+fn slot_faults(i: usize) -> Option<(usize, usize)> {
+    let n = FAULTS[i].load(Ordering::Acquire);
+    (n > 0).then(|| (n, FIRST[i].load(Ordering::Acquire).saturating_sub(1)))
+}
+
+/// Slot `i`'s faults as an error naming `path`.
+fn slot_error(i: usize, path: &Path) -> Option<String> {
+    slot_faults(i).map(|(n, off)| {
+        format!(
+            "I/O error reading {}: {n} page(s) could not be read, the first at byte offset \
+             {off} (the storage or dm-verity refused the block: its bytes do not match the \
+             image's root hash, or the medium failed)",
+            path.display()
+        )
+    })
 }
 
 /// The read errors recovered since the last call, each naming its file: of mappings closed
@@ -116,9 +125,7 @@ pub fn take() -> Vec<String> {
         }
         let n = FAULTS[i].load(Ordering::Acquire);
         if n > REPORTED[i].swap(n, Ordering::AcqRel) {
-            let g = FaultGuard { slot: Some(i) };
-            out.extend(g.error(&slot_path(i)));
-            std::mem::forget(g);
+            out.extend(slot_error(i, &slot_path(i)));
         }
     }
     out
