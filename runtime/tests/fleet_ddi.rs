@@ -667,9 +667,10 @@ fn a_server_that_vanishes_mid_action_loses_nothing() {
     assert!(seen.borrow().installs.is_empty());
 }
 
-/// The DDI server of the boot stage (`cargo xtask ab-test`): `hawkbit_mock` for the controller
-/// named by `KILN_DDI_TARGET`, driven line by line on stdin by the harness, answering on stdout
-/// (lines starting `DDI `). Not a test of its own: `--ignored --exact ddi_stand_in`.
+/// The DDI server of the boot stage (`cargo xtask ab-test`): `hawkbit_mock` for the controllers
+/// named by `KILN_DDI_TARGET` (a comma list: one target each), driven line by line on stdin by the
+/// harness, answering on stdout (lines starting `DDI `). Not a test of its own: `--ignored
+/// --exact ddi_stand_in`. A line `@NAME COMMAND` is for target NAME, a bare command for the first.
 ///
 /// - `deploy ID FILE SHA256 LOCATION`: a deployment of FILE whose download link (on this server,
 ///   with the token) redirects to LOCATION (nginx, without it).
@@ -680,11 +681,12 @@ fn a_server_that_vanishes_mid_action_loses_nothing() {
 #[ignore]
 fn ddi_stand_in() {
     use std::io::BufRead;
-    let Ok(name) = std::env::var("KILN_DDI_TARGET") else {
-        panic!("KILN_DDI_TARGET: the controller id to serve");
+    let Ok(names) = std::env::var("KILN_DDI_TARGET") else {
+        panic!("KILN_DDI_TARGET: the controller ids to serve");
     };
+    let names: Vec<&str> = names.split(',').collect();
     let server = ServerBuilder::default().build();
-    let t = server.add_target(&name);
+    let targets: Vec<_> = names.iter().map(|n| server.add_target(n)).collect();
     println!("DDI url {}", server.base_url());
     let mut mocks = Vec::new();
     let exec = |s: &str| match s {
@@ -703,7 +705,18 @@ fn ddi_stand_in() {
     };
     for line in std::io::stdin().lock().lines() {
         let line = line.unwrap();
-        let w: Vec<&str> = line.splitn(5, ' ').collect();
+        let (i, cmd) = match line.strip_prefix('@').and_then(|l| l.split_once(' ')) {
+            Some((n, cmd)) => match names.iter().position(|x| *x == n) {
+                Some(i) => (i, cmd),
+                None => {
+                    println!("DDI error no target {n:?}");
+                    continue;
+                }
+            },
+            None => (0, line.as_str()),
+        };
+        let (name, t) = (names[i], &targets[i]);
+        let w: Vec<&str> = cmd.splitn(5, ' ').collect();
         match w[..] {
             ["deploy", id, file, sha, loc] => {
                 let path = PathBuf::from(file);

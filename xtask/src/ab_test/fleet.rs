@@ -36,6 +36,11 @@ struct StandIn {
 
 impl StandIn {
     fn start() -> Result<StandIn> {
+        StandIn::start_for(&[CONTROLLER.to_string()])
+    }
+
+    /// The stand-in serving one target per controller id in `targets`.
+    fn start_for(targets: &[String]) -> Result<StandIn> {
         let mut child = Command::new(env!("CARGO"))
             .args([
                 "test",
@@ -51,7 +56,7 @@ impl StandIn {
                 "--nocapture",
             ])
             .current_dir(crate::paths::project_root())
-            .env("KILN_DDI_TARGET", CONTROLLER)
+            .env("KILN_DDI_TARGET", targets.join(","))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -95,8 +100,21 @@ impl StandIn {
 
     /// Register a feedback the board must send, word for word; its handle.
     fn expect(&mut self, id: &str, exec: &str, fin: &str, details: &[String]) -> Result<usize> {
+        self.expect_on("", id, exec, fin, details)
+    }
+
+    /// [`StandIn::expect`] for `target` (`""`: the first).
+    fn expect_on(
+        &mut self,
+        target: &str,
+        id: &str,
+        exec: &str,
+        fin: &str,
+        details: &[String],
+    ) -> Result<usize> {
         let r = self.ask(&format!(
-            "expect {id} {exec} {fin} {}",
+            "{}expect {id} {exec} {fin} {}",
+            at(target),
             serde_json::to_string(details)?
         ))?;
         r.strip_prefix("expect ")
@@ -126,6 +144,15 @@ impl Drop for StandIn {
         let _ = writeln!(self.stdin, "quit");
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// The stand-in's prefix of a command for `target` (`""`: none, the first target).
+fn at(target: &str) -> String {
+    if target.is_empty() {
+        String::new()
+    } else {
+        format!("@{target} ")
     }
 }
 
@@ -249,9 +276,21 @@ fn boot(
     pflash: &Path,
     what: &str,
     limit: Duration,
+    watch: impl FnMut(&str) -> Result<bool>,
+) -> Result<String> {
+    boot_nic(m, pflash, "user", what, limit, watch)
+}
+
+/// [`boot`] with the network `nic` (`-nic`).
+fn boot_nic(
+    m: &Machine,
+    pflash: &Path,
+    nic: &str,
+    what: &str,
+    limit: Duration,
     mut watch: impl FnMut(&str) -> Result<bool>,
 ) -> Result<String> {
-    let argv = qemu_command(pflash, &m.disk, "user", &[]);
+    let argv = qemu_command(pflash, &m.disk, nic, &[]);
     let mut child = Command::new(&argv[0])
         .args(&argv[1..])
         .stdin(Stdio::null())
@@ -564,6 +603,186 @@ pub fn scenario(work: &Path, image: &Path, bundles: &Path) -> Result<()> {
         show(&boots),
         details[0],
         t2.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// One board of [`boards`]: its number, controller id and MAC, and the bundle it is given.
+struct Board {
+    n: usize,
+    controller: String,
+    mac: String,
+    bundle: &'static str,
+}
+
+/// What the server saw of one board's action.
+struct Outcome {
+    word: String,
+    details: Vec<String>,
+    boots: String,
+    finals: usize,
+    polls: String,
+}
+
+/// `cargo xtask ab-test --boards N` (outside CI): N qemu-virt boards, each with its own MAC (so
+/// its own controller id under `mac:eth0`, and its own token), polling one DDI server at once,
+/// the bundles from one nginx. Every board but the last is given v2, the last v3 whose system
+/// FAILs. Each board runs (its own thread, its own QEMU) until its action's final feedback is
+/// acknowledged; v2's must be `success` from B after B's PASS, v3's `failure` from A naming B's
+/// failed check, each exactly once. Then the per-board results as the server saw them.
+pub fn boards(work: &Path, image: &Path, bundles: &Path, n: usize) -> Result<()> {
+    ensure!(
+        (1..=64).contains(&n),
+        "--boards {n}: 1 to 64 boards (each a QEMU with 2 GiB)"
+    );
+    let t0 = Instant::now();
+    let dir = work.join("boards");
+    let list: Vec<Board> = (0..n)
+        .map(|i| Board {
+            n: i + 1,
+            controller: format!("kiln-5254001235{i:02x}"),
+            mac: format!("52:54:00:12:35:{i:02x}"),
+            bundle: if i + 1 == n && n > 1 {
+                "v3-fails.raucb"
+            } else {
+                "v2.raucb"
+            },
+        })
+        .collect();
+    let nginx = Nginx::start(&dir.join("nginx"), bundles)?;
+    let ids: Vec<String> = list.iter().map(|b| b.controller.clone()).collect();
+    let ddi = std::sync::Mutex::new(StandIn::start_for(&ids)?);
+    let port = ddi
+        .lock()
+        .map_err(|_| anyhow::anyhow!("the DDI stand-in's lock"))?
+        .port()?;
+    let run = |b: &Board| -> Result<Outcome> {
+        let m = Machine::new(&dir.join(format!("board-{}", b.n)), image)?;
+        crate::flash::key::provision_file(
+            &m.disk,
+            crate::flash::key::FLEET_TOKEN_PATH,
+            format!("Key{}", b.controller).as_bytes(),
+        )?;
+        std::fs::create_dir_all(m.dir.join("flash"))?;
+        let pflash = pflash_with(
+            &m.dir.join("flash"),
+            &format!("kiln.fleet.server=http://10.0.2.2:{port} kiln.fleet.poll_max=2"),
+        )?;
+        let ask = |line: String| -> Result<String> {
+            ddi.lock()
+                .map_err(|_| anyhow::anyhow!("the DDI stand-in's lock"))?
+                .ask(&line)
+        };
+        let p = bundles.join(b.bundle);
+        let bytes = std::fs::read(&p).with_context(|| format!("reading {}", p.display()))?;
+        let sha = crate::pins::Sha256::of_bytes(&bytes);
+        ask(format!(
+            "{}deploy 1 {} {sha} http://10.0.2.2:{}/{}",
+            at(&b.controller),
+            p.display(),
+            nginx.port,
+            b.bundle
+        ))?;
+        // The final feedback, once the console shows it: the server is then told to expect it
+        // word for word (the board retries it until acknowledged), and counts it.
+        let mut fin: Option<(String, Vec<String>, usize)> = None;
+        let c = boot_nic(
+            &m,
+            &pflash,
+            &format!("user,mac={}", b.mac),
+            "boards",
+            Duration::from_secs(900 + 300 * n as u64),
+            |c| {
+                if fin.is_none() {
+                    if let Some((word, details)) = final_of(c, "1") {
+                        let k = ddi
+                            .lock()
+                            .map_err(|_| anyhow::anyhow!("the DDI stand-in's lock"))?
+                            .expect_on(&b.controller, "1", "closed", &word, &details)?;
+                        fin = Some((word, details, k));
+                    }
+                }
+                Ok(c.contains("kiln-fleet: action 1: final feedback acknowledged by the server"))
+            },
+        )?;
+        let (word, details, k) = fin.context("no final feedback on the console")?;
+        let finals = ask(format!("calls {k}"))?
+            .rsplit(' ')
+            .next()
+            .and_then(|x| x.parse().ok())
+            .unwrap_or(0);
+        let polls = ask(format!("{}polls", at(&b.controller)))?;
+        Ok(Outcome {
+            word,
+            details,
+            boots: show(&boots_of(&c)),
+            finals,
+            polls: polls.rsplit(' ').next().unwrap_or("?").to_string(),
+        })
+    };
+    let results: Vec<Result<Outcome>> = std::thread::scope(|s| {
+        let hs: Vec<_> = list.iter().map(|b| s.spawn(|| run(b))).collect();
+        hs.into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("the board's thread panicked")))
+            })
+            .collect()
+    });
+    let mut bad = Vec::new();
+    println!("ab-test: boards: {n} boards, one DDI server, as the server saw them:");
+    for (b, r) in list.iter().zip(results) {
+        let (want_word, want_boots, want_detail) = if b.bundle == "v2.raucb" {
+            ("success", "A:PASS -> B:PASS", "self-check PASS on slot B")
+        } else {
+            (
+                "failure",
+                "A:PASS -> B:FAIL -> A:PASS",
+                "self-check FAIL on slot B: ",
+            )
+        };
+        match r {
+            Ok(seen) => {
+                let ok = seen.word == want_word
+                    && seen.boots == want_boots
+                    && seen.finals == 1
+                    && seen
+                        .details
+                        .first()
+                        .is_some_and(|d| d.starts_with(want_detail));
+                println!(
+                    "  board {} {} ({}): {} {:?}, {} final feedback(s) received, {} polls; boots {}{}",
+                    b.n,
+                    b.controller,
+                    b.bundle,
+                    seen.word,
+                    seen.details,
+                    seen.finals,
+                    seen.polls,
+                    seen.boots,
+                    if ok { "" } else { "  <- WRONG" }
+                );
+                if !ok {
+                    bad.push(format!(
+                        "board {}: {} with boots {} ({} received), want {want_word} \
+                         ({want_detail}…) with boots {want_boots}, once",
+                        b.n, seen.word, seen.boots, seen.finals
+                    ));
+                }
+            }
+            Err(e) => {
+                println!(
+                    "  board {} {} ({}): FAILED: {e:#}",
+                    b.n, b.controller, b.bundle
+                );
+                bad.push(format!("board {}: {e:#}", b.n));
+            }
+        }
+    }
+    ensure!(bad.is_empty(), "boards: {}", bad.join("; "));
+    println!(
+        "ab-test: boards: all {n} boards ended their action as the server expected ({:.0} s)",
+        t0.elapsed().as_secs_f64()
     );
     Ok(())
 }

@@ -50,7 +50,7 @@ use xshell::cmd;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// How many seeded power cuts (CI runs 4; a soak: `--seeds 200`).
+    /// How many seeded power cuts (CI runs 2; a soak: `--seeds 200`).
     #[arg(long, default_value_t = 12)]
     pub seeds: u64,
     /// The first seed: `--first-seed 7 --seeds 1` runs seed 7 again.
@@ -65,6 +65,10 @@ pub struct Args {
     /// The image (default: target/images/kiln-qemu-virt.img, built first when missing).
     #[arg(long)]
     pub image: Option<PathBuf>,
+    /// Only a fleet of N boards (N >= 3 makes sense; outside CI): N QEMU boards polling one
+    /// hawkBit DDI server at once, the last given an update that FAILs; the results per board.
+    #[arg(long, conflicts_with_all = ["cuts_only", "fleet_only"])]
+    pub boards: Option<usize>,
 }
 
 /// The boots a machine may take, in one chain, before it counts as a loop.
@@ -521,16 +525,22 @@ pub fn run(args: Args) -> Result<()> {
     let m = Machine::new(&work.join("scenarios"), &image)?;
     let v2 = m.read_part("boot_a")?;
     let ub = update_disk(&work)?;
+    if let Some(n) = args.boards {
+        fleet::boards(&work, &image, &work.join("bundles"), n)?;
+        println!("ab-test: done in {:.0} s", t.elapsed().as_secs_f64());
+        return Ok(());
+    }
     if args.fleet_only {
         fleet::scenario(&work, &image, &work.join("bundles"))?;
         println!("ab-test: done in {:.0} s", t.elapsed().as_secs_f64());
         return Ok(());
     }
+    let mut span = None;
     if !args.cuts_only {
-        scenarios(&m, &v2, &ub)?;
+        span = Some(scenarios(&m, &v2, &ub)?);
         fleet::scenario(&work, &image, &work.join("bundles"))?;
     }
-    cuts(&args, &work, &image, &ub)?;
+    cuts(&args, &work, &image, &ub, span)?;
     println!("ab-test: done in {:.0} s", t.elapsed().as_secs_f64());
     Ok(())
 }
@@ -660,7 +670,9 @@ fn rauc_agrees(c: &Chain, m: &Machine) -> Result<()> {
     Ok(())
 }
 
-fn scenarios(m: &Machine, v2: &[u8], ub: &Path) -> Result<()> {
+/// The scenarios; returns the seconds of the uncut v2 update chain (A PASS, install, B PASS), the
+/// span the seeded power cuts are drawn from.
+fn scenarios(m: &Machine, v2: &[u8], ub: &Path) -> Result<f64> {
     // A new image: A boots, passes, is marked good; B is untouched.
     let c = m.chain("1-new", None)?;
     expect(&c, "a new image", &[("A", Some("PASS"))])?;
@@ -698,10 +710,13 @@ fn scenarios(m: &Machine, v2: &[u8], ub: &Path) -> Result<()> {
     );
     m.write_part("bootctl", &ctl)?;
     println!("ab-test: RAUC installed the bundle into the blanked slot B; rauc status reads the counters as kiln does");
+    let v2_secs = c.secs;
 
-    // Bundles RAUC must refuse: nothing written to the slot it would install into (A), the
-    // counters as they were. (B, booted, only gets its new report.)
-    for (file, why, reason) in [
+    // Bundles RAUC must refuse, all named in one boot's `kiln.update=` (init tries each in turn
+    // and installs the first RAUC accepts): each refused with its own reason, nothing written to
+    // the slot it would install into (A), the counters as they were. (B, booted, only gets its
+    // new report.)
+    let refused: &[(&str, &str, &str)] = &[
         (
             "other-key.raucb",
             "signed by a key the board does not trust",
@@ -738,25 +753,36 @@ fn scenarios(m: &Machine, v2: &[u8], ub: &Path) -> Result<()> {
             // Where the flipped byte lands in the CMS decides which of the two RAUC says.
             "no valid CMS|signature verification failed",
         ),
-    ] {
-        let a = m.part_sha("boot_a")?;
-        let c = m.chain_with(&format!("2-refuse-{file}"), None, Some((ub, file)))?;
-        expect(&c, &format!("a bundle {why}"), &[("B", Some("PASS"))])?;
+    ];
+    let a = m.part_sha("boot_a")?;
+    let files: Vec<&str> = refused.iter().map(|r| r.0).collect();
+    let c = m.chain_with("2-refuse", None, Some((ub, &files.join(","))))?;
+    expect(&c, "bundles RAUC must refuse", &[("B", Some("PASS"))])?;
+    ensure!(
+        m.part_sha("boot_a")? == a,
+        "boot_a changed although RAUC refused every bundle"
+    );
+    expect_state(m, "after the bundles RAUC refused", "B A", 3, 3)?;
+    let n = refused.len();
+    for (i, (file, why, reason)) in refused.iter().enumerate() {
+        // This bundle's part of the console: from init's line naming it to the next one's.
+        let start = format!("update: bundle {} of {n}: /mnt/update/{file}", i + 1);
+        let part = c
+            .console
+            .split(&start)
+            .nth(1)
+            .with_context(|| format!("a bundle {why}: init never tried it (`{start}`)"))?;
+        let part = part
+            .split(&format!("update: bundle {} of {n}: ", i + 2))
+            .next()
+            .unwrap_or(part);
         ensure!(
-            c.console.contains("update: RAUC refused"),
+            part.contains("update: RAUC refused"),
             "a bundle {why}: the console does not say RAUC refused it"
         );
-        ensure!(
-            m.part_sha("boot_a")? == a,
-            "a bundle {why}: boot_a changed although RAUC refused the bundle"
-        );
-        expect_state(m, &format!("after the bundle {why}"), "B A", 3, 3)?;
-        let said = c
-            .console
+        let said = part
             .lines()
             .map(|l| l.split("kiln-rauc: ").nth(1).unwrap_or(l))
-            // init's lines about the models' own dm-verity mapping are not RAUC's word.
-            .filter(|l| !l.contains("kiln-models"))
             .find(|l| reason.split('|').any(|r| l.contains(r)))
             .with_context(|| {
                 format!("a bundle {why}: refused, but RAUC's output does not name `{reason}`")
@@ -766,6 +792,12 @@ fn scenarios(m: &Machine, v2: &[u8], ub: &Path) -> Result<()> {
             said.trim()
         );
     }
+    ensure!(
+        c.console.contains(&format!(
+            "update: none of the {n} bundle(s) installed; booting on"
+        )),
+        "init did not say that none of the {n} bundles was installed"
+    );
 
     // The updates tree on the booted slot with a flipped byte: the self-check does not read it
     // (nothing runs it before the verdict), so B still passes; init hashes it before mounting
@@ -893,7 +925,7 @@ fn scenarios(m: &Machine, v2: &[u8], ub: &Path) -> Result<()> {
     );
     m.fsck()?;
     println!("ab-test: fsck.vfat -n finds bootctl, boot_a and boot_b clean after the scenarios");
-    Ok(())
+    Ok(v2_secs)
 }
 
 /// Cut the power of `m`'s update chain at `kill`, then boot it again until a PASS; what it saw.
@@ -949,21 +981,32 @@ fn cut_and_recover(m: &Machine, ub: &Path, kill: Cut) -> Result<String> {
     ))
 }
 
-fn cuts(args: &Args, work: &Path, image: &Path, ub: &Path) -> Result<()> {
+/// The power cuts; `span`: the seconds of an uncut update chain the scenarios measured (else one
+/// is run here).
+fn cuts(args: &Args, work: &Path, image: &Path, ub: &Path, span: Option<f64>) -> Result<()> {
     if args.seeds == 0 {
         return Ok(());
     }
     // The uncut chain gives the span the moments are drawn from: A boots and passes, RAUC
     // installs the bundle into B (marks B bad, writes it, marks it active), the board reboots,
-    // B boots, passes and is marked good.
-    let reference = Machine::new(&work.join("cut-reference"), image)?;
-    let c = reference.chain_with("reference", None, Some((ub, "v2.raucb")))?;
-    expect(
-        &c,
-        "uncut reference (rauc install of v2 from A)",
-        &[("A", Some("PASS")), ("B", Some("PASS"))],
-    )?;
-    let span_ms = (c.secs * 1000.0) as u64;
+    // B boots, passes and is marked good. The scenarios' v2 chain is that chain.
+    let secs = match span {
+        Some(s) => {
+            println!("ab-test: the cuts' span: the scenarios' v2 chain, {s:.1} s");
+            s
+        }
+        None => {
+            let reference = Machine::new(&work.join("cut-reference"), image)?;
+            let c = reference.chain_with("reference", None, Some((ub, "v2.raucb")))?;
+            expect(
+                &c,
+                "uncut reference (rauc install of v2 from A)",
+                &[("A", Some("PASS")), ("B", Some("PASS"))],
+            )?;
+            c.secs
+        }
+    };
+    let span_ms = (secs * 1000.0) as u64;
     let mut failures = Vec::new();
     for seed in args.first_seed..args.first_seed + args.seeds {
         let at = Duration::from_millis(splitmix(seed) % span_ms.max(1));
@@ -974,7 +1017,7 @@ fn cuts(args: &Args, work: &Path, image: &Path, ub: &Path) -> Result<()> {
                 println!(
                     "ab-test: seed {seed}: cut at {:.2} s of {:.1}: {s}",
                     at.as_secs_f64(),
-                    c.secs
+                    secs
                 );
                 let _ = std::fs::remove_file(&m.disk);
             }
