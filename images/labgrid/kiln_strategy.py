@@ -5,6 +5,10 @@ One strategy for both environments in this folder:
 - ``qemu-virt.yaml``: ``QEMUDriver`` is power and console; "written" copies the image to the
   file the driver's ``disk`` names (a copy: the board's writes stay there, the built image is
   untouched); the board's HTTP port is forwarded to a free port on 127.0.0.1.
+- ``qemu-virt-remote.yaml``: the QEMU board as a remote place (``cargo xtask labgrid
+  --remote``): the console is the place's serial port (ser2net), power an external command that
+  starts and kills QEMU, "written" a copy to the file the strategy's ``disk`` names, HTTP the
+  place's ``NetworkService`` at ``http_port``.
 - ``rock-5b.yaml``: a serial console, a power switch, an SD mux; "written" switches the card
   to the host, writes the image with ``bmaptool`` (the ``.bmap`` beside it), and gives the card
   back to the board; HTTP goes to the board's address (a ``NetworkService``).
@@ -94,6 +98,9 @@ class KilnStrategy(Strategy):
     # Where the board reaches the test host (a bundle served from there): QEMU's user network
     # gateway unless the environment says otherwise.
     host_address = attr.ib(default="10.0.2.2", validator=attr.validators.instance_of(str))
+    # The images key of the file a QEMU board boots when its power driver does not name it
+    # (a remote place: QEMU started by an external power command, ``qemu-virt-remote.yaml``).
+    disk = attr.ib(default=None, validator=attr.validators.optional(attr.validators.instance_of(str)))
 
     status = attr.ib(default=Status.unknown)
 
@@ -181,12 +188,13 @@ class KilnStrategy(Strategy):
         if not os.path.isfile(image):
             raise StrategyError(f"the kiln image {image} does not exist (cargo xtask image)")
         if self.storage is None:
-            # QEMU: the driver boots the file its `disk` names; write a copy of the image there.
-            disk_key = getattr(self.power, "disk", None)
+            # QEMU: the board boots the file QEMUDriver's `disk` (or the strategy's) names;
+            # write a copy of the image there.
+            disk_key = getattr(self.power, "disk", None) or self.disk
             if disk_key is None:
                 raise StrategyError(
-                    "no USBStorageDriver to write the card with, and the power driver has no "
-                    "`disk` (only QEMUDriver boots a file)"
+                    "no USBStorageDriver to write the card with, and no `disk` (QEMUDriver's or "
+                    "the strategy's) to write a QEMU board's file"
                 )
             disk = self.target.env.config.get_image_path(disk_key)
             if os.path.realpath(disk) == os.path.realpath(image):

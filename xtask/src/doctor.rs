@@ -140,6 +140,14 @@ pub const NGINX: Tool = Tool {
     apt: &["nginx-light"],
 };
 
+pub const SER2NET: Tool = Tool {
+    name: "ser2net",
+    why: "exports the QEMU board's serial console for distributed labgrid (labgrid-exporter starts it; `labgrid --remote`, stage boot-qemu-ab)",
+    // /usr/sbin is not on every user's PATH; labgrid's exporter looks there too.
+    probe: || version_of("ser2net", &["-v"]).or_else(|| version_of("/usr/sbin/ser2net", &["-v"])),
+    apt: &["ser2net"],
+};
+
 pub const E2FSCK: Tool = Tool {
     name: "e2fsck",
     why: "judges our ext4 in tests (e2fsck -fn)",
@@ -335,6 +343,7 @@ pub fn all_tools() -> Vec<&'static Tool> {
         &E2FSCK,
         &VERITYSETUP,
         &NGINX,
+        &SER2NET,
         &MTOOLS,
         &CPIO,
         &LOSETUP,

@@ -70,8 +70,9 @@ enum Cli {
     Sbom(sbom::Args),
     /// A signed RAUC bundle (verity) of the board's boot slot, for `rauc install` on the board.
     Bundle(bundle::Args),
-    /// kiln's labgrid suite (images/labgrid/) on the QEMU board, or with `--env` on a rack:
-    /// write, boot, check lines against the report, an A/B update, a power cut.
+    /// kiln's labgrid suite (images/labgrid/) on the QEMU board, or with `--env` on a rack, or
+    /// with `--remote` on the QEMU board as a remote place (coordinator, exporter, ser2net on
+    /// loopback): write, boot, check lines against the report, an A/B update, a power cut.
     Labgrid(farm::labgrid::Args),
     /// A fleet's own update keys, outside the checkout: `keys new --out DIR` (a CA and a signing
     /// certificate), `keys sign --ca DIR --out DIR2` (a new signing certificate: rotation).

@@ -194,9 +194,10 @@ fn stage_tools(stage: &str) -> (Vec<&'static doctor::Tool>, bool) {
         "gguf-reference" | "npu-plan-smollm2" | "serve" => (vec![&PYTHON_VENV], false),
         "sbom" => ([FOR_IMAGE, &[&PYTHON_VENV]].concat(), true),
         s if s.starts_with("aarch64-tests") => (vec![&QEMU_USER, &AARCH64_SYSROOT], true),
-        // boot-qemu-ab's fleet scenario serves the bundles with nginx.
+        // boot-qemu-ab's fleet scenario serves the bundles with nginx; labgrid --remote exports
+        // the board's console through ser2net.
         "boot-qemu-ab" => (
-            [FOR_IMAGE, FOR_BOOT, &[&PYTHON_VENV, &NGINX]].concat(),
+            [FOR_IMAGE, FOR_BOOT, &[&PYTHON_VENV, &NGINX, &SER2NET]].concat(),
             true,
         ),
         s if s.starts_with("boot-qemu") => ([FOR_IMAGE, FOR_BOOT, &[&PYTHON_VENV]].concat(), true),

@@ -7,11 +7,17 @@
 //! the disk copy the strategy writes. For a rack (`--env images/labgrid/rock-5b.yaml`) the LG_*
 //! variables of that file come from the caller.
 //!
+//! With `--remote` the QEMU board is a remote place on loopback ([`super::remote`]): a
+//! coordinator, an exporter exporting its console through ser2net, the place acquired with
+//! `labgrid-client`, and the suite run through it (`qemu-virt-remote.yaml`).
+//!
 //! CI runs the suite in `boot-qemu-ab`, on that stage's image and its `v2.raucb`, and requires
-//! all four tests to pass (none skipped); and loads `rock-5b.yaml` with labgrid's own config
+//! all four tests to pass (none skipped); then the boot and report tests once more through the
+//! remote place ([`REMOTE_TESTS`], one boot); and loads `rock-5b.yaml` with labgrid's own config
 //! loader (`xtask/tests/labgrid_envs.py`): every resource and driver of a rack place is named.
 
 use anyhow::{ensure, Context, Result};
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use xshell::cmd;
 
@@ -32,6 +38,13 @@ pub const TESTS: &[&str] = &[
     "test_power_cut_at_the_verdict",
 ];
 
+/// The tests CI runs once more through the remote place: the first boot's (every check line
+/// against the report, the verdict) and the report on the shell and over HTTP, in one boot.
+pub const REMOTE_TESTS: &[&str] = &[
+    "test_boot_verdict_and_check_lines",
+    "test_report_over_shell_and_http",
+];
+
 #[derive(clap::Args)]
 pub struct Args {
     /// The labgrid environment (default: images/labgrid/qemu-virt.yaml, the QEMU board).
@@ -45,6 +58,13 @@ pub struct Args {
     /// skipped, by name.
     #[arg(long)]
     pub bundle: Option<PathBuf>,
+    /// The QEMU board as a remote place, on loopback: labgrid-coordinator, labgrid-exporter
+    /// exporting the board's serial console (ser2net, RFC 2217) and its HTTP address, the place
+    /// created and acquired with labgrid-client, and the suite run through it
+    /// (images/labgrid/qemu-virt-remote.yaml; power: an external command that starts and kills
+    /// QEMU, the stand-in for a PDU). Logs of every piece in target/labgrid-remote/remote/.
+    #[arg(long, conflicts_with = "env")]
+    pub remote: bool,
     /// Arguments for pytest, after `--` (e.g. `-- -k power_cut`).
     #[arg(last = true)]
     pub pytest: Vec<String>,
@@ -60,6 +80,9 @@ pub struct Outcome {
     pub passed: Vec<String>,
     pub failed: Vec<String>,
     pub skipped: Vec<String>,
+    /// What else a failure should name: with `--remote`, the farm's pieces that died during
+    /// the run and where every piece logs.
+    pub farm: Option<String>,
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -77,8 +100,9 @@ pub fn run(args: Args) -> Result<()> {
     );
     ensure!(
         o.failed.is_empty(),
-        "labgrid: failed: {}",
-        o.failed.join(", ")
+        "labgrid: failed: {}{}",
+        o.failed.join(", "),
+        o.farm.map(|f| format!(" ({f})")).unwrap_or_default()
     );
     Ok(())
 }
@@ -87,13 +111,20 @@ pub fn run(args: Args) -> Result<()> {
 /// failure is read from the JUnit XML, with the rest).
 pub fn suite(args: &Args) -> Result<Outcome> {
     let python = crate::doctor::pinned_venv("labgrid-venv", PINS)?;
-    let env = args
-        .env
-        .clone()
-        .unwrap_or_else(|| dir().join("qemu-virt.yaml"));
+    let env = args.env.clone().unwrap_or_else(|| {
+        dir().join(if args.remote {
+            "qemu-virt-remote.yaml"
+        } else {
+            "qemu-virt.yaml"
+        })
+    });
     let env = std::fs::canonicalize(&env)
         .with_context(|| format!("the labgrid environment {}", env.display()))?;
-    let work = crate::paths::target_dir().join("labgrid");
+    let work = crate::paths::target_dir().join(if args.remote {
+        "labgrid-remote"
+    } else {
+        "labgrid"
+    });
     if work.exists() {
         std::fs::remove_dir_all(&work).with_context(|| format!("removing {}", work.display()))?;
     }
@@ -108,19 +139,38 @@ pub fn suite(args: &Args) -> Result<Outcome> {
             image.display()
         )
     })?;
-    let mut vars: Vec<(&str, PathBuf)> = vec![("LG_KILN_IMAGE", image)];
+    let mut vars: Vec<(&str, OsString)> = vec![("LG_KILN_IMAGE", image.into())];
     if let Some(b) = &args.bundle {
         let b = std::fs::canonicalize(b)
             .with_context(|| format!("the bundle {} (cargo xtask bundle)", b.display()))?;
-        vars.push(("LG_KILN_BUNDLE", b));
+        vars.push(("LG_KILN_BUNDLE", b.into()));
     }
-    if env.file_name().is_some_and(|n| n == "qemu-virt.yaml") {
+    let mut farm = None;
+    if args.remote {
+        crate::doctor::ensure(crate::doctor::FOR_BOOT)?;
+        crate::doctor::ensure(&[&crate::doctor::SER2NET])?;
+        let pflash = crate::boot_test::pflash_with(&work, "")?;
+        let disk = work.join("disk.img");
+        let f = super::remote::Farm::start(&super::remote::Board {
+            python: &python,
+            work: &work,
+            disk: &disk,
+            pflash: &pflash,
+        })
+        .context("labgrid --remote: bringing up the loopback farm")?;
+        vars.push(("LG_KILN_DISK", disk.into()));
+        vars.extend(f.vars().into_iter().map(|(k, v)| (k, v.into())));
+        farm = Some(f);
+    } else if env.file_name().is_some_and(|n| n == "qemu-virt.yaml") {
         crate::doctor::ensure(crate::doctor::FOR_BOOT)?;
         // No kiln.mode: init runs the self-check, then serves and gives the console shell.
-        vars.push(("LG_KILN_PFLASH", crate::boot_test::pflash_with(&work, "")?));
-        vars.push(("LG_KILN_DISK", work.join("disk.img")));
+        vars.push((
+            "LG_KILN_PFLASH",
+            crate::boot_test::pflash_with(&work, "")?.into(),
+        ));
+        vars.push(("LG_KILN_DISK", work.join("disk.img").into()));
         vars.push(("LG_UBOOT", crate::boot_test::UBOOT_BIN.into()));
-        vars.push(("LG_QEMU_BIN", which("qemu-system-aarch64")?));
+        vars.push(("LG_QEMU_BIN", which("qemu-system-aarch64")?.into()));
     }
     let junit = work.join("junit.xml");
     let log = work.join("log");
@@ -131,7 +181,7 @@ pub fn suite(args: &Args) -> Result<Outcome> {
         suite.display(),
         env.display(),
         vars.iter()
-            .map(|(k, v)| format!("{k}={}", v.display()))
+            .map(|(k, v)| format!("{k}={}", v.to_string_lossy()))
             .collect::<Vec<_>>()
             .join(" "),
         log.display()
@@ -146,15 +196,30 @@ pub fn suite(args: &Args) -> Result<Outcome> {
         c = c.env(k, v);
     }
     let out = c.run();
-    let outcome = read_junit(&junit).with_context(|| {
+    // The farm's state before it is stopped: a piece that died during the run is named.
+    let farm_note = farm.as_mut().map(|f| {
+        let dead = f.dead();
+        if dead.is_empty() {
+            format!("farm: {}", f.logs())
+        } else {
+            format!("farm pieces died: {}; {}", dead.join("; "), f.logs())
+        }
+    });
+    drop(farm);
+    let mut outcome = read_junit(&junit).with_context(|| {
         format!(
-            "labgrid's pytest left no readable results ({})",
+            "labgrid's pytest left no readable results ({}){}",
             match &out {
                 Ok(()) => "it exited".to_string(),
                 Err(e) => format!("{e:#}"),
-            }
+            },
+            farm_note
+                .as_ref()
+                .map(|n| format!("; {n}"))
+                .unwrap_or_default()
         )
     })?;
+    outcome.farm = farm_note;
     Ok(outcome)
 }
 
@@ -202,6 +267,7 @@ pub fn stage(image: &Path, bundle: &Path) -> Result<()> {
         env: None,
         image: Some(image.to_path_buf()),
         bundle: Some(bundle.to_path_buf()),
+        remote: false,
         pytest: vec![],
     })?;
     ensure!(
@@ -223,7 +289,42 @@ pub fn stage(image: &Path, bundle: &Path) -> Result<()> {
         "labgrid: the suite passed on the QEMU board: {}",
         o.passed.join(", ")
     );
+    remote_stage(image)?;
     check_rack_env()
+}
+
+/// The boot and report tests once more, through the QEMU board as a remote place (one boot).
+fn remote_stage(image: &Path) -> Result<()> {
+    let t = std::time::Instant::now();
+    let o = suite(&Args {
+        env: None,
+        image: Some(image.to_path_buf()),
+        bundle: None,
+        remote: true,
+        pytest: vec!["-k".into(), REMOTE_TESTS.join(" or ")],
+    })?;
+    let farm = o.farm.clone().unwrap_or_default();
+    ensure!(
+        o.failed.is_empty() && o.skipped.is_empty(),
+        "labgrid --remote: failed {:?}, skipped {:?} (console log target/labgrid-remote/log; {farm})",
+        o.failed,
+        o.skipped
+    );
+    let mut ran = o.passed.clone();
+    ran.sort();
+    let mut want: Vec<String> = REMOTE_TESTS.iter().map(|t| t.to_string()).collect();
+    want.sort();
+    ensure!(
+        ran == want,
+        "labgrid --remote: passed {:?}, want exactly {REMOTE_TESTS:?}",
+        o.passed
+    );
+    println!(
+        "labgrid --remote: {} passed through the remote place in {:.0} s",
+        o.passed.join(", "),
+        t.elapsed().as_secs_f64()
+    );
+    Ok(())
 }
 
 /// `rock-5b.yaml` through labgrid's own loader: every resource and driver a rack place needs.

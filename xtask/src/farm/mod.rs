@@ -1,5 +1,6 @@
 //! Farms: the LAVA jobs in `images/lava/` held to LAVA's own job schema and to a real console;
-//! labgrid's environments and kiln's board suite in [`labgrid`].
+//! labgrid's environments and kiln's board suite in [`labgrid`], the QEMU board as a remote place
+//! (coordinator, exporter, ser2net on loopback) in [`remote`].
 //!
 //! The schema is lava-common's (`lava_common.schemas.validate`, voluptuous), taken from Debian
 //! bookworm's `lava-common` package (pinned by version and sha256, fetched through kiln's private
@@ -11,6 +12,7 @@
 //! checks as test cases, `pass`/`fail`/`skip` through its `fixupdict`.
 
 pub mod labgrid;
+pub mod remote;
 
 use crate::apt::{Apt, Download};
 use crate::pins::{Cache, Sha256};
