@@ -540,6 +540,36 @@ fn downloads_resume_after_a_cut_with_a_range_request() {
 }
 
 #[test]
+fn an_artifact_larger_than_the_free_space_is_refused_before_a_byte() {
+    let srv = httpmock::MockServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let ddi = raw_client(&srv, dir.path());
+    let fetch = srv.mock(|w, t| {
+        w.path("/download/b.raucb");
+        t.status(200).body("x");
+    });
+    // 1 EiB: no file system here holds it.
+    let a = Artifact {
+        size: 1 << 60,
+        ..art(srv.url("/download/b.raucb"), b"x")
+    };
+    let dest = dir.path().join("b.raucb");
+    match ddi.download(&a, &dest, |_| {}) {
+        Err(DownloadError::Bad(m)) => assert!(
+            m.contains("does not fit on") && m.contains("free; not downloaded"),
+            "{m}"
+        ),
+        r => panic!("{r:?}"),
+    }
+    assert_eq!(fetch.calls(), 0, "a byte was requested");
+    assert!(!dest.with_extension("part").exists() && !dest.exists());
+    // What fits is fetched.
+    ddi.download(&art(srv.url("/download/b.raucb"), b"x"), &dest, |_| {})
+        .unwrap();
+    assert_eq!(fetch.calls(), 1);
+}
+
+#[test]
 fn a_stalled_download_times_out_and_keeps_its_bytes() {
     let srv = httpmock::MockServer::start();
     let dir = tempfile::tempdir().unwrap();

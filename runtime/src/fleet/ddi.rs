@@ -357,7 +357,8 @@ impl Ddi {
     /// Download `a` to `dest`: resumed from `dest`'s `.part` file with a Range request, read
     /// with the stall timeout, never more than the announced size, then its sha256 checked.
     /// The token is sent only when the link is on the configured server. `progress` gets the
-    /// bytes held after each read.
+    /// bytes held after each read. Refused before any byte is fetched when the announced size
+    /// does not fit the free space of `dest`'s file system.
     pub fn download(
         &self,
         a: &Artifact,
@@ -382,6 +383,23 @@ impl Ddi {
         }
         let resumed = have > 0;
         if have < a.size {
+            // A size the data partition cannot hold is refused before a byte is fetched: the
+            // server's word would otherwise fill `data` (logs, state, the keys) at every poll.
+            let dir = part.parent().unwrap_or(Path::new("."));
+            let free = free_bytes(dir).map_err(|e| {
+                DownloadError::Retry(format!("free space on {}: {e}", dir.display()))
+            })?;
+            let need = a.size - have;
+            if need > free {
+                let _ = std::fs::remove_file(&part);
+                return Err(DownloadError::Bad(format!(
+                    "{} ({} bytes) does not fit on {}: {need} more bytes needed, {free} free; \
+                     not downloaded",
+                    a.filename,
+                    a.size,
+                    dir.display()
+                )));
+            }
             // A link to the server (as configured, or as it names itself) is fetched from the
             // configured server with the token; any other host gets no token.
             let o = origin(&a.url).map_err(|e| DownloadError::Bad(format!("{e:#}")))?;
@@ -679,6 +697,13 @@ pub fn parse_deployment(v: &Value, https: bool) -> Result<Deployment> {
         maintenance,
         artifacts,
     })
+}
+
+/// Bytes an unprivileged writer may still put on the file system holding `dir` (64-bit Linux:
+/// both counts are u64).
+fn free_bytes(dir: &Path) -> std::io::Result<u64> {
+    let st = nix::sys::statvfs::statvfs(dir).map_err(std::io::Error::from)?;
+    Ok(st.blocks_available().saturating_mul(st.fragment_size()))
 }
 
 #[cfg(test)]
