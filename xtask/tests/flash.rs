@@ -261,6 +261,55 @@ fn to_loop_device() {
     check_target(&got, &std::fs::read(&img).expect("read image"));
 }
 
+/// As an ordinary user (`nobody`, no `disk` group): the loop device (root:disk 0660) is refused
+/// before the prompt, naming the group; nothing is written. Root's run then writes it.
+#[test]
+#[ignore = "needs root and loop devices: `cargo xtask test --stage flash`"]
+fn a_user_without_write_access_is_refused_naming_the_group() {
+    assert_root();
+    let d = Dir::new("user");
+    let img = image(&d.0);
+    let back = d.0.join("backing.bin");
+    prefilled(&back, IMAGE + 16 * MIB);
+    let before = std::fs::read(&back).expect("read backing");
+    let lo = Loop::new(&back, false);
+    // As udev leaves a card reader on Debian (a container may leave root:root 0600).
+    must(Command::new("chgrp").args(["disk", &lo.dev]));
+    must(Command::new("chmod").args(["0660", &lo.dev]));
+    // nobody must reach the image and the xtask binary: a world-readable copy of the image.
+    let pubdir = std::env::temp_dir().join(format!("kiln-flash-user-{}", std::process::id()));
+    std::fs::create_dir_all(&pubdir).expect("mkdir");
+    let img2 = pubdir.join("user.img");
+    std::fs::copy(&img, &img2).expect("copy image");
+    std::fs::copy(img.with_extension("img.bmap"), pubdir.join("user.img.bmap")).ok();
+    Command::new("chmod")
+        .args(["-R", "a+rX"])
+        .arg(&pubdir)
+        .status()
+        .expect("chmod");
+    let out = run(Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+        .arg(env!("CARGO_BIN_EXE_xtask"))
+        .args(["flash", "--image"])
+        .arg(&img2)
+        .args(["--device", &lo.dev, "--yes", "--allow-loop"])
+        .env("HOME", &pubdir));
+    let _ = std::fs::remove_dir_all(&pubdir);
+    let t = text(&out);
+    assert!(!out.status.success(), "{t}");
+    assert!(
+        t.contains("permission denied for uid 65534")
+            && t.contains("not in its group `disk`")
+            && t.contains("never escalates"),
+        "{t}"
+    );
+    drop(lo);
+    assert!(
+        std::fs::read(&back).expect("read backing") == before,
+        "the user's refused run changed the device"
+    );
+}
+
 #[test]
 #[ignore = "needs root and loop devices: `cargo xtask test --stage flash`"]
 fn loop_with_mounted_partition_is_refused() {

@@ -252,6 +252,74 @@ pub fn run(args: Args) -> Result<()> {
     flash(args).map(|_| ())
 }
 
+/// Refuse, before the prompt and before a byte is written, a device this process may not read
+/// and write, naming what is missing: root, or write access through the device's group.
+fn may_write(dev: &Path) -> Result<()> {
+    use nix::unistd::{access, AccessFlags};
+    match access(dev, AccessFlags::R_OK | AccessFlags::W_OK) {
+        Ok(()) => Ok(()),
+        Err(nix::errno::Errno::EACCES | nix::errno::Errno::EPERM) => {
+            let md = std::fs::metadata(dev).with_context(|| format!("{}", dev.display()))?;
+            let groups = nix::unistd::getgroups().unwrap_or_default();
+            let mine = |gid: u32| {
+                nix::unistd::getegid().as_raw() == gid || groups.iter().any(|g| g.as_raw() == gid)
+            };
+            let name = |gid: u32| {
+                nix::unistd::Group::from_gid(nix::unistd::Gid::from_raw(gid))
+                    .ok()
+                    .flatten()
+                    .map(|g| g.name)
+                    .unwrap_or_else(|| gid.to_string())
+            };
+            bail!(
+                "{}",
+                permission_refusal(
+                    dev,
+                    nix::unistd::geteuid().as_raw(),
+                    md.uid(),
+                    &name(md.gid()),
+                    mine(md.gid()),
+                    md.mode()
+                )
+            )
+        }
+        Err(e) => Err(e).with_context(|| format!("checking access to {}", dev.display())),
+    }
+}
+
+/// The refusal for a device `dev` (owner `owner`, group `group`, `mode`) that user `uid` may not
+/// write; `in_group`: the user is in `group`.
+fn permission_refusal(
+    dev: &Path,
+    uid: u32,
+    owner: u32,
+    group: &str,
+    in_group: bool,
+    mode: u32,
+) -> String {
+    let way = if mode & 0o060 == 0o060 && !in_group {
+        format!(
+            "you are not in its group `{group}`, which may write it: `sudo usermod -aG {group} \
+             $USER` and log in again, or run kiln as root"
+        )
+    } else if mode & 0o060 == 0o060 {
+        format!(
+            "you are in its group `{group}`, but this session is not yet (log in again), or a \
+             security module refuses it"
+        )
+    } else {
+        "its group may not write it: run kiln as root, or grant your user access to it (e.g. a \
+         udev rule)"
+            .to_string()
+    };
+    format!(
+        "refusing to write {}: permission denied for uid {uid} (the device is owner uid {owner}, \
+         group `{group}`, mode {:04o}): {way}. kiln never escalates by itself",
+        dev.display(),
+        mode & 0o7777
+    )
+}
+
 pub fn flash(args: Args) -> Result<Summary> {
     doctor::ensure(&[&doctor::LSBLK])?;
     // Checked before a byte is written.
@@ -326,6 +394,9 @@ pub fn flash(args: Args) -> Result<Summary> {
             if let Some(s) = &d.serial {
                 println!("        serial {s}");
             }
+            // As an ordinary user: the device opens if the user may write it, else a refusal
+            // that names the permission; kiln never escalates by itself.
+            may_write(path)?;
             if !args.yes && !args.dry_run {
                 let a = prompt(&format!(
                     "Everything on /dev/{name} will be overwritten. Type `{name}` to go on: "
@@ -454,6 +525,25 @@ pub fn flash(args: Args) -> Result<Summary> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_device_the_user_may_not_write_is_refused_naming_the_way() {
+        let dev = Path::new("/dev/sdz");
+        let r = permission_refusal(dev, 1000, 0, "disk", false, 0o60660);
+        assert!(
+            r.contains("/dev/sdz")
+                && r.contains("uid 1000")
+                && r.contains("mode 0660")
+                && r.contains("not in its group `disk`")
+                && r.contains("usermod -aG disk")
+                && r.contains("never escalates"),
+            "{r}"
+        );
+        let r = permission_refusal(dev, 1000, 0, "disk", true, 0o60660);
+        assert!(r.contains("log in again") && !r.contains("usermod"), "{r}");
+        let r = permission_refusal(dev, 1000, 0, "root", false, 0o60600);
+        assert!(r.contains("its group may not write it"), "{r}");
+    }
 
     #[test]
     fn plan_without_bmap_covers_the_image_exactly() {
