@@ -287,13 +287,27 @@ fn a_user_without_write_access_is_refused_naming_the_group() {
         .arg(&pubdir)
         .status()
         .expect("chmod");
-    let out = run(Command::new("setpriv")
-        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
-        .arg(env!("CARGO_BIN_EXE_xtask"))
-        .args(["flash", "--image"])
-        .arg(&img2)
-        .args(["--device", &lo.dev, "--yes", "--allow-loop"])
-        .env("HOME", &pubdir));
+    let as_nobody = |extra: &[&str]| {
+        run(Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+            .arg(env!("CARGO_BIN_EXE_xtask"))
+            .args(["flash", "--image"])
+            .arg(&img2)
+            .args(["--device", &lo.dev, "--yes", "--allow-loop"])
+            .args(extra)
+            .env("HOME", &pubdir))
+    };
+    // A dry run says what a real run would hit, and still shows its plan.
+    let dry = as_nobody(&["--dry-run"]);
+    let t = text(&dry);
+    assert!(dry.status.success(), "{t}");
+    assert!(
+        t.contains("a real run would stop")
+            && t.contains("not in its group `disk`")
+            && t.contains("plan:"),
+        "{t}"
+    );
+    let out = as_nobody(&[]);
     let _ = std::fs::remove_dir_all(&pubdir);
     let t = text(&out);
     assert!(!out.status.success(), "{t}");

@@ -395,8 +395,12 @@ pub fn flash(args: Args) -> Result<Summary> {
                 println!("        serial {s}");
             }
             // As an ordinary user: the device opens if the user may write it, else a refusal
-            // that names the permission; kiln never escalates by itself.
-            may_write(path)?;
+            // that names the permission; kiln never escalates by itself. A dry run says so and
+            // still shows its plan.
+            match may_write(path) {
+                Err(e) if args.dry_run => println!("flash: dry run: a real run would stop: {e:#}"),
+                r => r?,
+            }
             if !args.yes && !args.dry_run {
                 let a = prompt(&format!(
                     "Everything on /dev/{name} will be overwritten. Type `{name}` to go on: "
