@@ -16,8 +16,9 @@
 //! Scenarios: a new image boots A and marks it good; `rauc install` of v2 from A into a blanked
 //! B, B boots and is marked good with A kept behind it, and `rauc status` on the board reads the
 //! counters as kiln does; bundles signed by another key, for another board, needing models the
-//! card does not hold, with a byte flipped in the squashfs superblock, in the payload or in the
-//! signature: each refused, the slot it would go to unchanged, the counters as they were; v3 in
+//! card does not hold, signed by a certificate the keyring's CRL revokes (the development keyring
+//! is a CA and its CRL, as a fleet's from `cargo xtask keys`), with a byte flipped in the squashfs
+//! superblock, in the payload or in the signature: each refused, the slot it would go to unchanged, the counters as they were; v3 in
 //! B fails its self-check, is marked bad and the board reboots into A; v4 in B has a broken
 //! initramfs, U-Boot spends B's three tries and boots A; with no good slot left U-Boot boots
 //! the slot last marked good and the report says so.
@@ -573,6 +574,13 @@ fn update_disk(dir: &Path) -> Result<PathBuf> {
         None,
         &[],
     )?;
+    // Signed by a certificate of the development CA that its CRL revokes: checked here against
+    // the CA alone (no CRL), so that it is made; the board's keyring, with the CRL, refuses it.
+    crate::bundle::make(&crate::bundle::Args::qemu_virt(
+        Some((keys.join("revoked-key.pem"), keys.join("revoked-cert.pem"))),
+        bundles.join("revoked.raucb"),
+        Some(keys.join("dev-ca.pem")),
+    ))?;
     make("other-board.raucb", None, Some("kiln-rock-5b"), &[])?;
     crate::bundle::make(&crate::bundle::Args {
         needs_verity_root: Some("0".repeat(64)),
@@ -608,6 +616,7 @@ fn update_disk(dir: &Path) -> Result<PathBuf> {
     let files: Vec<(String, PathBuf)> = [
         "v2.raucb",
         "other-key.raucb",
+        "revoked.raucb",
         "other-board.raucb",
         "other-models.raucb",
         "other-models-root.raucb",
@@ -717,6 +726,11 @@ fn scenarios(m: &Machine, v2: &[u8], ub: &Path) -> Result<()> {
             "other-key.raucb",
             "signed by a key the board does not trust",
             "signature verification failed",
+        ),
+        (
+            "revoked.raucb",
+            "signed by a certificate the keyring's CRL revokes",
+            "certificate revoked",
         ),
         (
             "other-board.raucb",

@@ -38,8 +38,13 @@ const PROGRAMS: &[(&str, &str)] = &[
 /// need (e.g. `libresolv.so.2`) comes along.
 const IN_INITRAMFS: &[&str] = &["libc.so.6", "ld-linux-aarch64.so.1"];
 
-/// The development certificate every image trusts unless its recipe names a keyring
-/// (`update-keys/README.md`), and its key, which signs bundles when no `--key` is given.
+/// The development keyring every image trusts unless its recipe names one
+/// (`update-keys/README.md`): kiln's development CA and its CRL, made by `cargo xtask keys` as a
+/// fleet's is, so that revocation is checked on every test board. The CRL lists
+/// `update-keys/revoked-cert.pem`'s serial (`dev-revoked.txt`).
+pub const DEV_KEYRING: &str = include_str!("update-keys/dev-keyring.pem");
+/// The development signing certificate (issued by the development CA) and its key, which sign
+/// bundles when no `--key` is given.
 pub const DEV_CERT: &str = include_str!("update-keys/dev-cert.pem");
 pub const DEV_KEY: &str = include_str!("update-keys/dev-key.pem");
 
@@ -90,7 +95,7 @@ pub fn keyring_of(board: &super::board::Board) -> Result<(Vec<u8>, bool)> {
             );
             Ok((bytes, false))
         }
-        None => Ok((DEV_CERT.as_bytes().to_vec(), true)),
+        None => Ok((DEV_KEYRING.as_bytes().to_vec(), true)),
     }
 }
 
@@ -366,5 +371,21 @@ mod tests {
     fn the_development_pair_matches() {
         assert!(DEV_CERT.contains("BEGIN CERTIFICATE"));
         assert!(DEV_KEY.contains("BEGIN PRIVATE KEY"));
+    }
+
+    /// The development keyring is a CA with its CRL (so qemu-virt's RAUC runs with
+    /// `check-crl=true`), and the CRL's list is `revoked-cert.pem`'s serial, the certificate
+    /// `ab-test` signs a bundle with for the board to refuse. RAUC itself checks the rest: every
+    /// bundle `cargo xtask bundle` makes is verified against this keyring with its CRL.
+    #[test]
+    fn the_development_keyring_revokes_the_revoked_certificate() {
+        assert!(has_crl(DEV_KEYRING.as_bytes()));
+        let serial = |pem: &str| {
+            let p = rcgen::CertificateParams::from_ca_cert_pem(pem).unwrap();
+            hex::encode(p.serial_number.unwrap().as_ref())
+        };
+        let listed = include_str!("update-keys/dev-revoked.txt").trim();
+        assert_eq!(listed, serial(include_str!("update-keys/revoked-cert.pem")));
+        assert_ne!(listed, serial(DEV_CERT));
     }
 }
