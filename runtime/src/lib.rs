@@ -4,6 +4,8 @@ pub mod backend;
 pub mod civil;
 pub mod cpus;
 pub mod fleet;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod gguf;
 pub mod ledger;
 pub mod membw;
@@ -12,6 +14,7 @@ pub mod pool;
 pub mod quant;
 pub mod sched;
 pub mod selftest;
+pub mod serve;
 pub mod slot;
 pub mod tokenizer;
 pub mod verity;

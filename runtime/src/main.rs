@@ -1,7 +1,6 @@
 use clap::Parser;
 
 mod cli;
-mod serve;
 
 /// kiln: the on-board LLM runtime and boot self-check for RK3588 boards.
 #[derive(Parser)]
@@ -41,7 +40,7 @@ enum Cli {
     /// An OpenAI-compatible HTTP API over the model (/v1/models, /v1/completions,
     /// /v1/chat/completions, streamed as server-sent events), /health, /kiln/report, /metrics;
     /// inference on its own thread, up to --parallel sequences at once.
-    Serve(serve::Args),
+    Serve(cli::serve::Args),
     /// The A/B boot slots' counters (kiln/abstate.env on bootctl, RAUC's U-Boot contract):
     /// `status` (--json), `mark-good|mark-bad|mark-active [A|B|booted|other]` as rauc does them.
     Slot(cli::slot::Args),
@@ -72,7 +71,7 @@ fn main() {
         Cli::Bench(a) => cli::bench::run(a),
         Cli::Chat(a) => cli::chat::run(a),
         Cli::Tokenize(a) => cli::tokenize::run(a),
-        Cli::Serve(a) => serve::run(a),
+        Cli::Serve(a) => cli::serve::run(a),
         Cli::Slot(a) => cli::slot::run(a),
         Cli::Fleet(a) => cli::fleet::run(a),
         Cli::Verity(a) => cli::verity::run(a),

@@ -15,6 +15,7 @@ pub mod plan;
 pub mod ppl;
 pub mod run;
 pub mod selftest;
+pub mod serve;
 pub mod slot;
 pub mod tokenize;
 pub mod verity;

@@ -15,12 +15,11 @@
 //! within the NPU's int8/fp16 tolerance that the plan and `run_checked` hold every NPU op to.
 
 use super::metrics::Metrics;
-use crate::cli::run::ModelArgs;
+use crate::gguf::GgufFile;
+use crate::model::sample::{Sampler, SamplerConfig};
+use crate::model::{KvType, Model, Session, Want};
+use crate::tokenizer::{StreamDecoder, Tokenizer};
 use anyhow::{Context, Result};
-use kiln_runtime::gguf::GgufFile;
-use kiln_runtime::model::sample::{Sampler, SamplerConfig};
-use kiln_runtime::model::{Model, Session, Want};
-use kiln_runtime::tokenizer::{StreamDecoder, Tokenizer};
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
@@ -71,6 +70,16 @@ pub enum Event {
     },
 }
 
+/// How the engine gets its model: `kiln serve`'s MODEL arguments (CPU pinning, backends), or a
+/// fuzz target's fixture. Called on the engine thread, which owns what it returns.
+pub trait Loader: Send + 'static {
+    fn open(&self) -> Result<GgufFile>;
+    fn load<'m>(&self, f: &'m GgufFile) -> Result<Model<'m>>;
+    /// Tokens each sequence's KV cache holds.
+    fn n_ctx(&self, m: &Model<'_>) -> usize;
+    fn kv(&self) -> KvType;
+}
+
 /// The loaded state the HTTP side reads (set once the model is ready).
 pub struct Ready {
     pub n_ctx: usize,
@@ -91,7 +100,7 @@ struct Seq {
 /// Load the model and serve jobs until the channel closes. `on_ready` is called once the model
 /// is loaded (or with the load error).
 pub fn run(
-    args: ModelArgs,
+    args: impl Loader,
     parallel: usize,
     jobs: Receiver<Job>,
     metrics: Arc<Metrics>,
@@ -107,7 +116,7 @@ pub fn run(
             .with_context(|| format!("{}: tokenizer", f.path().display()))?;
         let n_ctx = args.n_ctx(&model);
         let sessions = (0..parallel.max(1))
-            .map(|_| model.session(n_ctx, args.kv))
+            .map(|_| model.session(n_ctx, args.kv()))
             .collect::<Result<Vec<_>>>()
             .context("allocating the KV cache pool")?;
         Ok((model, tok, n_ctx, sessions))
@@ -118,7 +127,6 @@ pub fn run(
     };
     on_ready(Ok(Ready { n_ctx }));
     let mut e = Engine {
-        f: &f,
         model,
         tok,
         n_ctx,
@@ -128,7 +136,6 @@ pub fn run(
 }
 
 struct Engine<'m> {
-    f: &'m GgufFile,
     model: Model<'m>,
     tok: Tokenizer,
     n_ctx: usize,
@@ -257,8 +264,9 @@ impl Engine<'_> {
                 .encode(t, true, true)
                 .map_err(|e| bad(format!("{e:#}"))),
             Input::Chat(msgs) => {
-                let chat = kiln_runtime::tokenizer::chat::Template::of(&self.tok)
-                    .map_err(|e| bad(format!("{}: {e:#}", self.f.path().display())))?;
+                // Not the file's path: where the models live is not the client's business.
+                let chat = crate::tokenizer::chat::Template::of(&self.tok)
+                    .map_err(|e| bad(format!("the model's chat template: {e:#}")))?;
                 let prompt = chat.render(msgs).map_err(|e| {
                     (
                         400,

@@ -3,9 +3,9 @@
 // A Response as the error of the parsing helpers: built once per rejected request, never hot.
 #![allow(clippy::result_large_err)]
 
-use super::engine::{self, Event, Input, Job, Params};
+use super::engine::{self, Event, Input, Job, Loader, Params};
 use super::metrics::Metrics;
-use super::Args;
+use super::Config;
 use anyhow::{Context, Result};
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::BytesRejection;
@@ -102,23 +102,32 @@ fn bad(param: Option<&str>, message: impl Into<String>) -> Response {
     )
 }
 
-pub async fn serve(
-    a: Args,
-    key: Option<String>,
-    report: Option<Vec<u8>>,
-    missing_report: Option<String>,
-) -> Result<()> {
-    let model_id =
-        a.m.model
-            .as_deref()
-            .and_then(|m| m.file_stem())
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "none".into());
-    let (jobs, rx) = std::sync::mpsc::sync_channel(a.queue.max(1));
+/// The server, started: its router (every route and layer `kiln serve` answers with) over the
+/// engine thread, which loads the model meanwhile.
+pub struct Server {
+    pub router: Router,
+    app: Arc<App>,
+}
+
+impl Server {
+    /// The model's state: None while it loads, then its context length or why it did not load.
+    pub fn ready(&self) -> Option<Result<usize, String>> {
+        self.app.ready.get().cloned()
+    }
+
+    /// Requests the engine has not taken yet (0 once every job was admitted).
+    pub fn queue_depth(&self) -> u64 {
+        self.app.metrics.queue_depth.load(Ordering::Relaxed)
+    }
+}
+
+/// Build the router and start the engine thread on `model` (None: the report, `/health` and
+/// `/metrics` only). Needs no runtime; the router is served by [`serve_connection`].
+pub fn start(cfg: &Config, model: Option<impl Loader>) -> Result<Server> {
+    let (jobs, rx) = std::sync::mpsc::sync_channel(cfg.queue.max(1));
     let metrics = Arc::new(Metrics::default());
-    let metrics2 = metrics.clone();
-    let loopback_only = is_loopback_name(&a.host);
-    let access = match (&key, loopback_only) {
+    let loopback_only = is_loopback_name(&cfg.host);
+    let access = match (&cfg.key, loopback_only) {
         (Some(_), _) => "api-key",
         (None, true) => "loopback",
         (None, false) => "insecure",
@@ -126,17 +135,20 @@ pub async fn serve(
     if access == "insecure" {
         eprintln!(
             "kiln serve: INSECURE: no API key on {} (--insecure): anyone who reaches the port may use the model",
-            a.host
+            cfg.host
         );
     }
     let app = Arc::new(App {
-        client_timeout: std::time::Duration::from_secs(a.client_timeout),
-        model_id,
-        key: key.map(|k| sha256(k.as_bytes())),
+        client_timeout: cfg.client_timeout,
+        model_id: cfg.model_id.clone(),
+        key: cfg.key.as_ref().map(|k| sha256(k.as_bytes())),
         loopback_only,
         access,
-        refused: missing_report.or_else(|| report.as_deref().and_then(refusal)),
-        report,
+        refused: cfg
+            .missing_report
+            .clone()
+            .or_else(|| cfg.report.as_deref().and_then(refusal)),
+        report: cfg.report.clone(),
         ready: OnceLock::new(),
         jobs,
         metrics: metrics.clone(),
@@ -145,18 +157,13 @@ pub async fn serve(
         // Degraded: the report and /health answer, nothing is loaded (neither the model nor a
         // backend that the failed self-check may be about).
         eprintln!("kiln serve: degraded, no model loaded: {why}");
-    } else if a.m.model.is_none() {
-        eprintln!("kiln serve: no MODEL: serving the report, /health and /metrics only");
-        let _ = app.ready.set(Err(
-            "no model is served (kiln serve was started without MODEL)".into(),
-        ));
-    } else {
-        let (margs, parallel) = (a.m.clone(), a.parallel);
+    } else if let Some(model) = model {
+        let parallel = cfg.parallel;
         let app2 = app.clone();
         std::thread::Builder::new()
             .name("kiln-engine".into())
             .spawn(move || {
-                engine::run(margs, parallel, rx, metrics, |r| {
+                engine::run(model, parallel, rx, metrics, |r| {
                     if let Err(e) = &r {
                         eprintln!("kiln serve: the model did not load: {e}");
                     } else {
@@ -166,6 +173,11 @@ pub async fn serve(
                 })
             })
             .context("starting the inference thread")?;
+    } else {
+        eprintln!("kiln serve: no MODEL: serving the report, /health and /metrics only");
+        let _ = app.ready.set(Err(
+            "no model is served (kiln serve was started without MODEL)".into(),
+        ));
     }
     // Behind the key: everything but /health (the report and /metrics tell versions and load).
     let keyed = Router::new()
@@ -191,28 +203,26 @@ pub async fn serve(
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .layer(middleware::from_fn_with_state(app.clone(), count))
         .layer(middleware::from_fn_with_state(app.clone(), host_guard))
-        .with_state(app);
-    let addr = format!("{}:{}", a.host, a.port);
+        .with_state(app.clone());
+    Ok(Server { router, app })
+}
+
+/// `kiln serve`: [`start`], then listen on `cfg.host:cfg.port` and serve until the process ends.
+pub async fn serve(cfg: Config, model: Option<impl Loader>) -> Result<()> {
+    let server = start(&cfg, model)?;
+    let addr = format!("{}:{}", cfg.host, cfg.port);
     let listener = tokio::net::TcpListener::bind(&addr)
         .await
         .with_context(|| format!("binding {addr}"))?;
     eprintln!("kiln serve: listening on http://{addr}");
-    accept(listener, router, &a, metrics2).await
+    accept(listener, server, &cfg).await
 }
 
-/// The accept loop (what `axum::serve` does, plus what it leaves out): hyper's HTTP/1 with a
-/// timer, so a client that stalls in its headers, or keeps an idle connection open, is cut after
-/// `--client-timeout`; at most `--max-connections` connections at once, the rest closed on accept
-/// (counted in `/metrics`). A connection's errors end that connection only.
-async fn accept(
-    listener: tokio::net::TcpListener,
-    router: Router,
-    a: &Args,
-    metrics: Arc<Metrics>,
-) -> Result<()> {
-    use hyper_util::rt::{TokioIo, TokioTimer};
-    let timeout = std::time::Duration::from_secs(a.client_timeout);
-    let slots = Arc::new(tokio::sync::Semaphore::new(a.max_connections as usize));
+/// The accept loop (what `axum::serve` does, plus what it leaves out): at most
+/// `--max-connections` connections at once, the rest closed on accept (counted in `/metrics`),
+/// each served by [`serve_connection`]. A connection's errors end that connection only.
+async fn accept(listener: tokio::net::TcpListener, server: Server, cfg: &Config) -> Result<()> {
+    let slots = Arc::new(tokio::sync::Semaphore::new(cfg.max_connections));
     loop {
         let stream = match listener.accept().await {
             Ok((s, _)) => s,
@@ -224,23 +234,55 @@ async fn accept(
             }
         };
         let Ok(permit) = slots.clone().try_acquire_owned() else {
-            metrics.connections_refused.fetch_add(1, Ordering::Relaxed);
+            server
+                .app
+                .metrics
+                .connections_refused
+                .fetch_add(1, Ordering::Relaxed);
             drop(stream);
             continue;
         };
         let _ = stream.set_nodelay(true);
-        let service = hyper_util::service::TowerToHyperService::new(router.clone());
+        let (router, timeout) = (server.router.clone(), cfg.client_timeout);
         tokio::spawn(async move {
             let _permit = permit;
-            let conn = hyper::server::conn::http1::Builder::new()
-                .timer(TokioTimer::new())
-                .header_read_timeout(timeout)
-                .max_header_size(HEAD_LIMIT)
-                .serve_connection(TokioIo::new(stream), service);
-            // A client's protocol error or reset is that client's end, not the server's.
-            let _ = conn.await;
+            serve_connection(stream, router, timeout).await;
         });
     }
+}
+
+/// One client's connection: hyper's HTTP/1 with a timer, so a client that stalls in its
+/// headers, or keeps an idle connection open, is cut after `timeout`, and a head over
+/// [`HEAD_LIMIT`] gets 431. Ends when the connection does; a client's protocol error or reset is
+/// that client's end, not the server's. A client that closes its side while its request is
+/// being answered has gone away: the request is dropped (and the engine frees its slot).
+pub async fn serve_connection<I>(io: I, router: Router, timeout: std::time::Duration)
+where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    serve_connection_with(io, router, timeout, false).await
+}
+
+/// [`serve_connection`], but with `half_close` a client's end of input does not cancel the
+/// requests it already sent: each is answered before the connection closes. The fuzz targets
+/// use it to send one whole byte stream and read every answer to it; `kiln serve` does not.
+pub async fn serve_connection_with<I>(
+    io: I,
+    router: Router,
+    timeout: std::time::Duration,
+    half_close: bool,
+) where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    let service = hyper_util::service::TowerToHyperService::new(router);
+    let conn = hyper::server::conn::http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(timeout)
+        .max_header_size(HEAD_LIMIT)
+        .half_close(half_close)
+        .serve_connection(TokioIo::new(io), service);
+    let _ = conn.await;
 }
 
 /// The body of a request must arrive within `--client-timeout` of its headers (else 408) and

@@ -1,111 +1,40 @@
-//! `kiln serve`: an OpenAI-compatible HTTP API over one model.
+//! The server behind `kiln serve` (its arguments and start-up are `cli/serve.rs` in the binary):
+//! an OpenAI-compatible HTTP API over one model.
 //!
 //! HTTP is axum on tokio: a kept, hyper-based stack whose tower layers give the body-size limit,
 //! and whose handlers never run a matmul — inference runs on its own std thread
 //! ([`engine`]), fed over a bounded channel (full → 429) and answering over one unbounded
 //! channel per request, which the engine sees closed when the client goes away.
+//!
+//! It is a library module so that the fuzz targets (`runtime/fuzz`, and their seeded run in
+//! `tests/fuzz_seeded.rs`) drive the very router and connection handling `kiln serve` runs.
 
 mod engine;
 mod http;
 mod metrics;
 
-use crate::cli::run::ModelArgs;
-use anyhow::{Context, Result};
-use std::path::PathBuf;
+pub use engine::Loader;
+pub use http::{is_loopback_name, serve, serve_connection, serve_connection_with, start, Server};
 
-/// Without MODEL, `kiln serve` serves the report, `/health` and `/metrics` only (what init starts
-/// on a board whose models partition holds no model to serve).
-#[derive(clap::Args)]
-#[command(mut_arg("model", |a| a.required(false)))]
-pub struct Args {
-    #[command(flatten)]
-    pub m: ModelArgs,
-    /// Address to listen on. Anything but loopback needs --api-key-file, or --insecure in so many
-    /// words. On loopback, a request whose `Host` is not a loopback name or address gets 403
-    /// (DNS rebinding: a web page's script reaching a server on the user's own machine).
-    #[arg(long, default_value = "127.0.0.1")]
+use std::time::Duration;
+
+/// What `kiln serve` was asked, once its arguments are read.
+pub struct Config {
+    /// Address to listen on (loopback: a request whose `Host` is not loopback gets 403).
     pub host: String,
-    #[arg(long, default_value_t = 8080)]
     pub port: u16,
-    /// Sequences decoded at once (each with its own KV cache from one pool allocated at start).
-    #[arg(long, default_value_t = 4)]
+    /// The id `/v1/models` names and requests must ask for.
+    pub model_id: String,
+    /// Sequences decoded at once.
     pub parallel: usize,
     /// Requests that may wait for a slot before new ones get 429.
-    #[arg(long, default_value_t = 64)]
     pub queue: usize,
-    /// A file holding the bearer key every request but GET /health must carry (one line).
-    #[arg(long)]
-    pub api_key_file: Option<PathBuf>,
-    /// Serve beyond loopback without an API key: anyone who reaches the port may use the model
-    /// and read the report. Said at start-up and in /health.
-    #[arg(long, conflicts_with = "api_key_file")]
-    pub insecure: bool,
-    /// The self-check report served byte-equal at GET /kiln/report (its verdict in /health).
-    /// Only a PASS report serves; a missing file refuses inference like a FAIL.
-    #[arg(long)]
-    pub report: Option<PathBuf>,
-    /// Seconds a client may take to send a request's headers (also the idle time a kept-alive
-    /// connection may wait for its next request) and, once they are in, its body: past it the
-    /// connection is closed, or the request answered 408.
-    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
-    pub client_timeout: u64,
-    /// Open connections at once; a connection past it is closed as soon as it is accepted.
-    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]
-    pub max_connections: u64,
-}
-
-pub fn run(a: Args) -> Result<()> {
-    // The NPU lock first, on this thread: the model loads on the engine thread while /health
-    // already answers, and a load error there leaves the server up (503). A second NPU user must
-    // instead exit with the holder's name. The engine's backend shares this process's hold.
-    use kiln_runtime::backend::npu::{NpuBackend, NpuConfig};
-    use kiln_runtime::model::BackendSel;
-    let _npu = match a.m.backend {
-        BackendSel::Auto | BackendSel::Npu => Some(NpuBackend::open(NpuConfig::default())?),
-        BackendSel::Cpu | BackendSel::CpuRef => None,
-    };
-    let key = match &a.api_key_file {
-        Some(p) => {
-            let k = std::fs::read_to_string(p)
-                .with_context(|| format!("reading --api-key-file {}", p.display()))?;
-            let k = k.trim().to_string();
-            anyhow::ensure!(
-                !k.is_empty(),
-                "--api-key-file {}: the file is empty",
-                p.display()
-            );
-            Some(k)
-        }
-        None => None,
-    };
-    let loopback = http::is_loopback_name(&a.host);
-    if !loopback && key.is_none() && !a.insecure {
-        anyhow::bail!(
-            "--host {}: serving beyond loopback needs an API key (--api-key-file FILE); to serve \
-             without one, say --insecure",
-            a.host
-        );
-    }
-    // A report that is not there is a refusal, not a start-up error: the board stays
-    // diagnosable over the network (/health says why) and serves nothing it did not prove.
-    let (report, missing) = match &a.report {
-        Some(p) => match std::fs::read(p) {
-            Ok(b) => (Some(b), None),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => (
-                None,
-                Some(format!(
-                    "no self-check report at {}: the self-check wrote none",
-                    p.display()
-                )),
-            ),
-            Err(e) => return Err(e).with_context(|| format!("reading --report {}", p.display())),
-        },
-        None => (None, None),
-    };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .context("starting the tokio runtime")?;
-    rt.block_on(http::serve(a, key, report, missing))
+    /// The bearer key every route but `GET /health` needs, when given.
+    pub key: Option<String>,
+    /// The self-check report's bytes (`GET /kiln/report`; its verdict gates inference).
+    pub report: Option<Vec<u8>>,
+    /// Why there is no report although one was asked for (refuses inference like a FAIL).
+    pub missing_report: Option<String>,
+    pub client_timeout: Duration,
+    pub max_connections: usize,
 }

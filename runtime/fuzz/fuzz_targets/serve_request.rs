@@ -1,0 +1,11 @@
+//! Arbitrary bytes as one client's byte stream into `kiln serve`'s router and HTTP/1 handling,
+//! in front of the real engine on the fixture model: see `kiln_runtime::fuzzing::serve_request`
+//! for the invariants. Seeds: `fuzz/seeds/serve_request/`, dictionary
+//! `fuzz/dict/serve_request.dict`.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    kiln_runtime::fuzzing::serve_request::run(data);
+});
