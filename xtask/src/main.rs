@@ -29,6 +29,7 @@ mod readme;
 mod report;
 mod rootfs;
 mod sbom;
+mod soak;
 mod test;
 #[cfg(test)]
 mod tidy;
@@ -66,6 +67,9 @@ enum Cli {
     Pins(pins_cmd::Args),
     /// Measure speed: `cargo xtask bench flash|matmul|gguf|image|model|serve` (see README).
     Bench(bench::Args),
+    /// `cargo xtask soak serve --minutes N`: `kiln serve` under mixed clients for N minutes, its
+    /// memory, descriptors and latency over time, and a verdict (not in CI; see README).
+    Soak(soak::Args),
     /// SPDX 2.3 and CycloneDX 1.6 SBOMs of the built image, from its manifest.json.
     Sbom(sbom::Args),
     /// A signed RAUC bundle (verity) of the board's boot slot, for `rauc install` on the board.
@@ -156,6 +160,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             }
             bench::run(a)
         }
+        Cli::Soak(a) => soak::run(a),
     }
 }
 

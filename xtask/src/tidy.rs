@@ -37,6 +37,7 @@ pub const LAYERS: &[(&str, &[&str])] = &[
             "flash",
             "report",
             "bench",
+            "soak",
             "test",
             "pins_cmd",
             "fresh_machine",

@@ -206,6 +206,8 @@ impl Engine<'_> {
                 }
             }
             if active.is_empty() {
+                // Idle from here until a job comes: the gauge must not keep the last batch's size.
+                self.metrics.active.store(0, Ordering::Relaxed);
                 continue;
             }
             let t0 = Instant::now();
@@ -244,6 +246,11 @@ impl Engine<'_> {
                 }
             }
             self.metrics.add_decode(stepped, t0.elapsed());
+            // Sequences that ended in this step are gone now, not at the next admission (which
+            // blocks when nothing is active: the gauge would stay at the last batch's size).
+            self.metrics
+                .active
+                .store(active.len() as u64, Ordering::Relaxed);
         }
     }
 
@@ -464,4 +471,84 @@ fn floor_char(s: &str, mut i: usize) -> usize {
         i -= 1;
     }
     i
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{run, Event, Input, Job, Params};
+    use crate::cli::run::ModelArgs;
+    use crate::serve::metrics::Metrics;
+    use std::sync::atomic::Ordering;
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    /// Found by `cargo xtask soak serve`: after a batch ended, `kiln_active_sequences` kept the
+    /// batch's size while the server sat idle (the gauge was set only after an admission, and an
+    /// idle engine blocks in the admission). Idle must read 0.
+    #[test]
+    fn the_active_gauge_is_zero_when_idle() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join(kiln_runtime::model::fixture::FILE_NAME);
+        std::fs::write(
+            &path,
+            kiln_runtime::model::fixture::gguf().expect("fixture"),
+        )
+        .expect("writing the fixture");
+        let args = ModelArgs {
+            model: Some(path),
+            ctx: Some(64),
+            kv: kiln_runtime::model::KvType::F16,
+            threads: 1,
+            cpus: None,
+            backend: kiln_runtime::model::BackendSel::Cpu,
+            verbose: false,
+        };
+        let metrics = Arc::new(Metrics::default());
+        let (jobs, rx) = std::sync::mpsc::sync_channel(8);
+        let m2 = metrics.clone();
+        let engine = std::thread::spawn(move || {
+            run(args, 2, rx, m2, |r| assert!(r.is_ok(), "the fixture loads"));
+        });
+        let mut answers = Vec::new();
+        for seed in 0..2 {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            metrics.queue_depth.fetch_add(1, Ordering::Relaxed);
+            jobs.send(Job {
+                input: Input::Ids(vec![1, 2, 3]),
+                params: Params {
+                    max_tokens: Some(3),
+                    temp: 1.0,
+                    top_p: 1.0,
+                    top_k: 0,
+                    seed,
+                    stop: Vec::new(),
+                },
+                tx,
+            })
+            .expect("the engine takes jobs");
+            answers.push(rx);
+        }
+        for mut rx in answers {
+            loop {
+                match rx.blocking_recv() {
+                    Some(Event::Done { .. }) => break,
+                    Some(Event::Rejected { message, .. }) => panic!("rejected: {message}"),
+                    Some(_) => {}
+                    None => panic!("the engine dropped a request"),
+                }
+            }
+        }
+        let t0 = Instant::now();
+        while metrics.active.load(Ordering::Relaxed) != 0 && t0.elapsed() < Duration::from_secs(2) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(
+            metrics.active.load(Ordering::Relaxed),
+            0,
+            "idle, yet active"
+        );
+        assert_eq!(metrics.queue_depth.load(Ordering::Relaxed), 0);
+        drop(jobs);
+        engine.join().expect("the engine thread");
+    }
 }
