@@ -51,8 +51,10 @@ pub fn known_good() -> Vec<u8> {
     .into_bytes()
 }
 
-struct Fixture {
-    path: PathBuf,
+/// The llama fixture on the CPU from `path` (which is removed once it is mapped), 128 tokens a
+/// sequence; also the engine's own tests' model.
+pub struct Fixture {
+    pub path: PathBuf,
 }
 
 impl Loader for Fixture {

@@ -475,39 +475,13 @@ fn floor_char(s: &str, mut i: usize) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::{run, Event, Input, Job, Loader, Params};
-    use crate::gguf::GgufFile;
-    use crate::model::{fixture, BackendSel, KvType, Model, Options};
+    use super::{run, Event, Input, Job, Params};
+    use crate::fuzzing::serve_request::Fixture;
+    use crate::model::fixture;
     use crate::serve::metrics::Metrics;
-    use anyhow::Result;
     use std::sync::atomic::Ordering;
     use std::sync::Arc;
     use std::time::{Duration, Instant};
-
-    /// The llama fixture on the CPU, 64 tokens a sequence.
-    struct Fixture(std::path::PathBuf);
-
-    impl Loader for Fixture {
-        fn open(&self) -> Result<GgufFile> {
-            Ok(GgufFile::open(&self.0)?)
-        }
-        fn load<'m>(&self, f: &'m GgufFile) -> Result<Model<'m>> {
-            Model::load(
-                f,
-                &Options {
-                    backend: BackendSel::Cpu,
-                    threads: 1,
-                    ..Options::default()
-                },
-            )
-        }
-        fn n_ctx(&self, _: &Model<'_>) -> usize {
-            64
-        }
-        fn kv(&self) -> KvType {
-            KvType::F16
-        }
-    }
 
     /// Found by `cargo xtask soak serve`: after a batch ended, `kiln_active_sequences` kept the
     /// batch's size while the server sat idle (the gauge was set only after an admission, and an
@@ -517,7 +491,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join(fixture::FILE_NAME);
         std::fs::write(&path, fixture::gguf().expect("fixture")).expect("writing the fixture");
-        let args = Fixture(path);
+        let args = Fixture { path };
         let metrics = Arc::new(Metrics::default());
         let (jobs, rx) = std::sync::mpsc::sync_channel(8);
         let m2 = metrics.clone();
