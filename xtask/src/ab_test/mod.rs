@@ -18,7 +18,8 @@
 //! counters as kiln does; bundles signed by another key, for another board, needing models the
 //! card does not hold, signed by a certificate the keyring's CRL revokes (the development keyring
 //! is a CA and its CRL, as a fleet's from `cargo xtask keys`), with a byte flipped in the squashfs
-//! superblock, in the payload or in the signature: each refused, the slot it would go to unchanged, the counters as they were; v3 in
+//! superblock, in the payload or in the signature: each refused, the slot it would go to
+//! unchanged, the counters as they were; v3 in
 //! B fails its self-check, is marked bad and the board reboots into A; v4 in B has a broken
 //! initramfs, U-Boot spends B's three tries and boots A; with no good slot left U-Boot boots
 //! the slot last marked good and the report says so.
