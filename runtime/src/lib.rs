@@ -2,6 +2,7 @@
 
 pub mod backend;
 pub mod civil;
+pub mod contain;
 pub mod cpus;
 pub mod fleet;
 #[doc(hidden)]

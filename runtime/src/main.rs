@@ -52,6 +52,9 @@ enum Cli {
 }
 
 fn main() {
+    // The release profile unwinds so that a panic of the chat template engine can be contained
+    // (`kiln_runtime::contain`); every other panic still ends the process, as `abort` did.
+    kiln_runtime::contain::install_abort_hook();
     let result = match Cli::parse() {
         Cli::Version => {
             println!(

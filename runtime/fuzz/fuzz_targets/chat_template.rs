@@ -7,5 +7,8 @@
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
+    // As the `kiln` binary: a panic of the template engine is that input's error, any other
+    // aborts (libFuzzer's hook, chained).
+    kiln_runtime::contain::install_abort_hook();
     kiln_runtime::fuzzing::chat_template::run(data);
 });

@@ -126,9 +126,13 @@ pub fn run(
         Err(e) => return on_ready(Err(format!("{e:#}"))),
     };
     on_ready(Ok(Ready { n_ctx }));
+    // Compiled once: a chat request renders it, a file without one (or with one that does not
+    // parse) still serves completions and refuses chats with the reason.
+    let chat = crate::tokenizer::chat::Template::of(&tok).map_err(|e| format!("{e:#}"));
     let mut e = Engine {
         model,
         tok,
+        chat,
         n_ctx,
         metrics,
     };
@@ -138,6 +142,7 @@ pub fn run(
 struct Engine<'m> {
     model: Model<'m>,
     tok: Tokenizer,
+    chat: Result<crate::tokenizer::chat::Template, String>,
     n_ctx: usize,
     metrics: Arc<Metrics>,
 }
@@ -272,8 +277,10 @@ impl Engine<'_> {
                 .map_err(|e| bad(format!("{e:#}"))),
             Input::Chat(msgs) => {
                 // Not the file's path: where the models live is not the client's business.
-                let chat = crate::tokenizer::chat::Template::of(&self.tok)
-                    .map_err(|e| bad(format!("the model's chat template: {e:#}")))?;
+                let chat = self
+                    .chat
+                    .as_ref()
+                    .map_err(|e| bad(format!("the model's chat template: {e}")))?;
                 let prompt = chat.render(msgs).map_err(|e| {
                     (
                         400,

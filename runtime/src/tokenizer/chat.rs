@@ -6,7 +6,6 @@
 use super::Tokenizer;
 use anyhow::{Context, Result};
 
-/// The conversation rendered by the model's template.
 /// The steps (minijinja's fuel, about one per instruction) a template may take: a fixed part and
 /// a part per message. Real templates take a few dozen steps per message; a template in a file
 /// that loops for ever, or for 10^10 steps, fails here instead of holding the engine.
@@ -33,64 +32,158 @@ impl std::io::Write for Bounded {
     }
 }
 
+/// Render `template` over `messages`: [`Compiled::new`] then [`Compiled::render`] (the fuzz
+/// target and tests; the server compiles once per model).
 pub fn render(
     template: &str,
     messages: &[(String, String)],
     bos: &str,
     eos: &str,
 ) -> Result<String> {
-    let mut env = minijinja::Environment::new();
-    env.set_fuel(Some(FUEL_BASE.saturating_add(
-        FUEL_PER_MESSAGE.saturating_mul(messages.len() as u64),
-    )));
-    // As Hugging Face's `apply_chat_template` (and llama.cpp's template engine) set up Jinja:
-    // a newline after a block tag is dropped, and whitespace before one on its line. Templates
-    // written for it rely on this (Phi-4-mini's would start its prompt with a newline).
-    env.set_trim_blocks(true);
-    env.set_lstrip_blocks(true);
-    env.add_template("chat", template)
-        .context("tokenizer.chat_template does not parse")?;
-    // Hugging Face templates call raise_exception(msg) for conversations they refuse.
-    env.add_function(
-        "raise_exception",
-        |msg: String| -> Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(
-                minijinja::ErrorKind::InvalidOperation,
-                msg,
-            ))
-        },
-    );
-    // Hugging Face's (and llama.cpp's) template environments give templates the date: Llama
-    // 3.x's writes "Today Date: " from `strftime_now("%d %b %Y")`.
-    env.add_function(
-        "strftime_now",
-        |fmt: String| -> Result<String, minijinja::Error> {
-            let now = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs());
-            strftime(&fmt, now)
-        },
-    );
-    let msgs: Vec<_> = messages
-        .iter()
-        .map(|(role, content)| minijinja::context! { role => role, content => content })
-        .collect();
-    let mut out = Bounded(Vec::new());
-    env.get_template("chat")
-        .and_then(|t| {
-            t.render_captured_to(
-                minijinja::context! {
-                    messages => msgs,
-                    add_generation_prompt => true,
-                    bos_token => bos,
-                    eos_token => eos,
-                },
-                &mut out,
-            )
-            .map(|_| ())
-        })
-        .context("rendering tokenizer.chat_template")?;
-    String::from_utf8(out.0).context("tokenizer.chat_template rendered invalid UTF-8")
+    Compiled::new(template)?.render(messages, bos, eos)
+}
+
+/// A chat template parsed and compiled once (when the model loads), rendered per request.
+/// Every render runs under its own fuel, the output cap, with panics of the engine contained
+/// ([`crate::contain`]) and the namespaces it made emptied afterwards (below).
+#[derive(Clone)]
+pub struct Compiled {
+    env: minijinja::Environment<'static>,
+}
+
+thread_local! {
+    /// The namespaces `namespace()` made during this thread's render, or None outside one.
+    static SPACES: std::cell::RefCell<Option<Vec<minijinja::Value>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+impl Compiled {
+    pub fn new(template: &str) -> Result<Compiled> {
+        let template = template.to_string();
+        crate::contain::contain("parsing tokenizer.chat_template", move || {
+            Self::compile(template)
+        })?
+    }
+
+    fn compile(template: String) -> Result<Compiled> {
+        let mut env = minijinja::Environment::new();
+        // As Hugging Face's `apply_chat_template` (and llama.cpp's template engine) set up
+        // Jinja: a newline after a block tag is dropped, and whitespace before one on its line.
+        // Templates written for it rely on this (Phi-4-mini's would start its prompt with a
+        // newline).
+        env.set_syntax(
+            minijinja::syntax::SyntaxConfig::builder()
+                .trim_blocks(true)
+                .lstrip_blocks(true)
+                .build()
+                .context("the chat template syntax")?,
+        );
+        env.add_template_owned("chat", template)
+            .context("tokenizer.chat_template does not parse")?;
+        // Hugging Face templates call raise_exception(msg) for conversations they refuse.
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
+        // Hugging Face's (and llama.cpp's) template environments give templates the date:
+        // Llama 3.x's writes "Today Date: " from `strftime_now("%d %b %Y")`.
+        env.add_function(
+            "strftime_now",
+            |fmt: String| -> Result<String, minijinja::Error> {
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_secs());
+                strftime(&fmt, now)
+            },
+        );
+        // minijinja's own `namespace`, remembered: a namespace is the one mutable value of a
+        // template, so it is the one way to make a reference cycle (`{% set ns.me = ns %}`),
+        // which minijinja 3.1 never frees — a hostile template would leak on every request.
+        env.add_function(
+            "namespace",
+            |defaults: Option<minijinja::value::ValueOrKwargs>| {
+                let ns = minijinja::functions::namespace(defaults)?;
+                SPACES.with(|s| {
+                    if let Some(made) = s.borrow_mut().as_mut() {
+                        made.push(ns.clone());
+                    }
+                });
+                Ok::<_, minijinja::Error>(ns)
+            },
+        );
+        Ok(Compiled { env })
+    }
+
+    pub fn render(&self, messages: &[(String, String)], bos: &str, eos: &str) -> Result<String> {
+        let msgs: Vec<_> = messages
+            .iter()
+            .map(|(role, content)| minijinja::context! { role => role, content => content })
+            .collect();
+        let ctx = minijinja::context! {
+            messages => msgs,
+            add_generation_prompt => true,
+            bos_token => bos,
+            eos_token => eos,
+        };
+        self.render_context(ctx, messages.len())
+    }
+
+    fn render_context(&self, ctx: minijinja::Value, n_messages: usize) -> Result<String> {
+        let mut env = self.env.clone();
+        env.set_fuel(Some(
+            FUEL_BASE.saturating_add(FUEL_PER_MESSAGE.saturating_mul(n_messages as u64)),
+        ));
+        SPACES.with(|s| *s.borrow_mut() = Some(Vec::new()));
+        let rendered = crate::contain::contain("rendering tokenizer.chat_template", || {
+            let mut out = Bounded(Vec::new());
+            env.get_template("chat")
+                .and_then(|t| t.render_captured_to(ctx, &mut out).map(|_| ()))
+                .context("rendering tokenizer.chat_template")?;
+            String::from_utf8(out.0).context("tokenizer.chat_template rendered invalid UTF-8")
+        });
+        let made = SPACES.with(|s| s.borrow_mut().take()).unwrap_or_default();
+        empty_namespaces(made);
+        rendered?
+    }
+}
+
+/// Break every reference cycle a render made: set each key of each namespace it made to none.
+/// A cycle needs a value changed after it was made (otherwise every reference points from a
+/// newer value to an older one), and `{% set ns.key = … %}` is the only change a template can
+/// make; so emptying the namespaces' keys leaves no cycle. minijinja's namespace type is
+/// private and only a template can assign to it, hence a one-line template per key (keys a
+/// template could not name cannot have been assigned by one, and are left).
+fn empty_namespaces(made: Vec<minijinja::Value>) {
+    if made.is_empty() {
+        return;
+    }
+    let env = minijinja::Environment::new();
+    let ident = |k: &str| {
+        let mut c = k.chars();
+        c.next()
+            .is_some_and(|f| f.is_ascii_alphabetic() || f == '_')
+            && c.all(|x| x.is_ascii_alphanumeric() || x == '_')
+    };
+    for ns in made {
+        let Ok(keys) = ns.try_iter() else { continue };
+        let keys: Vec<String> = keys
+            .filter_map(|k| k.as_str().map(str::to_string))
+            .filter(|k| ident(k))
+            .collect();
+        for k in keys {
+            let _ = crate::contain::contain("emptying a template namespace", || {
+                env.render_str(
+                    &format!("{{% set ns.{k} = none %}}"),
+                    minijinja::context! { ns => ns.clone() },
+                )
+            });
+        }
+    }
 }
 
 /// `secs` after the Unix epoch (UTC) formatted as C's `strftime` formats it, for the directives
@@ -165,7 +258,7 @@ pub fn strftime(fmt: &str, secs: u64) -> Result<String, minijinja::Error> {
 
 /// A tokenizer's chat template with its BOS/EOS pieces.
 pub struct Template {
-    template: String,
+    compiled: Compiled,
     bos: String,
     eos: String,
     /// Whether encoding the prompt adds BOS / EOS itself (the file's `add_bos_token` /
@@ -179,14 +272,14 @@ impl Template {
     pub fn of(tok: &Tokenizer) -> Result<Template> {
         let template = tok
             .chat_template()
-            .context("no tokenizer.chat_template in the file")?
-            .to_string();
+            .context("no tokenizer.chat_template in the file")?;
+        let compiled = Compiled::new(template)?;
         let piece = |id: Option<u32>| {
             id.map(|t| String::from_utf8_lossy(&tok.token_to_piece(t)).into_owned())
                 .unwrap_or_default()
         };
         Ok(Template {
-            template,
+            compiled,
             bos: piece(tok.bos()),
             eos: piece(tok.eos()),
             add_bos: tok.add_bos(),
@@ -199,7 +292,7 @@ impl Template {
     /// itself, a leading BOS piece the template wrote (`{{ bos_token }}`, Gemma, Llama 3) is
     /// dropped, and likewise a trailing EOS piece, so the prompt does not start with two BOS.
     pub fn render(&self, messages: &[(String, String)]) -> Result<String> {
-        let mut out = render(&self.template, messages, &self.bos, &self.eos)?;
+        let mut out = self.compiled.render(messages, &self.bos, &self.eos)?;
         if self.add_bos && !self.bos.is_empty() && out.starts_with(&self.bos) {
             out.drain(..self.bos.len());
         }
@@ -271,6 +364,60 @@ mod tests {
         assert!(e.contains("the directive %Q is not implemented"), "{e}");
         let t = "{{ strftime_now('%Y') | length }}";
         assert_eq!(render(t, &chat(), "", "").unwrap(), "4");
+    }
+
+    /// What panicked in minijinja 2.24 (a reversing slice of an empty string or list, found by
+    /// the `chat_template` fuzz target), with release's abort ending `kiln serve`: now it
+    /// renders; and a panic of the engine would be this request's error ([`crate::contain`]).
+    #[test]
+    fn reversing_an_empty_string_or_list_renders() {
+        let t = "{% for m in messages %}[{{ m.content[::-1] }}]{% endfor %}";
+        let msgs = vec![("user".to_string(), String::new())];
+        assert_eq!(render(t, &msgs, "", "").expect("renders"), "[]");
+        let t = "{% for m in messages[::-1] %}{{ m.role }}{% endfor %}{{ ''[::-1] }}.";
+        assert_eq!(render(t, &[], "", "").expect("renders"), ".");
+    }
+
+    /// The compiled template is rendered again and again: each render gets its own fuel (a
+    /// render that takes most of it succeeds every time) and the same output.
+    #[test]
+    fn a_compiled_template_renders_again_with_fresh_fuel() {
+        let t = "{% for i in range(30000) %}{% endfor %}{{ messages | length }}";
+        let c = Compiled::new(t).expect("compiles");
+        for _ in 0..4 {
+            assert_eq!(c.render(&chat(), "", "").expect("renders"), "2");
+        }
+    }
+
+    /// A value held only by a namespace that refers to itself (directly, or through another
+    /// namespace made with a dict) is freed after the render: minijinja never frees such a
+    /// cycle, so a hostile template would leak it on every request.
+    #[test]
+    fn a_namespace_that_holds_itself_is_freed_after_the_render() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use std::sync::Arc;
+        #[derive(Debug)]
+        struct Probe(Arc<AtomicUsize>);
+        impl minijinja::value::Object for Probe {}
+        impl Drop for Probe {
+            fn drop(&mut self) {
+                self.0.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        let cases = [
+            "{% set ns = namespace() %}{% set ns.me = ns %}{% set ns.p = probe %}x",
+            "{% set a = namespace(n=1) %}{% set b = namespace({'odd key': a}) %}\
+             {% set a.back = [b] %}{% set b.p = probe %}x",
+        ];
+        for t in cases {
+            let dropped = Arc::new(AtomicUsize::new(0));
+            let c = Compiled::new(t).expect("compiles");
+            let ctx = minijinja::context! {
+                probe => minijinja::Value::from_object(Probe(dropped.clone())),
+            };
+            assert_eq!(c.render_context(ctx, 0).expect("renders"), "x", "{t}");
+            assert_eq!(dropped.load(Ordering::SeqCst), 1, "leaked by {t}");
+        }
     }
 
     /// Templates a hostile GGUF could carry: each fails with an error, quickly, instead of
