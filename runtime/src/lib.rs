@@ -11,6 +11,7 @@ pub mod gguf;
 pub mod ledger;
 pub mod membw;
 pub mod model;
+pub mod models_slot;
 pub mod pool;
 pub mod quant;
 pub mod sched;

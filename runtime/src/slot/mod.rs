@@ -65,10 +65,6 @@ impl Slot {
         }
     }
 
-    fn left_var(self) -> String {
-        format!("BOOT_{}_LEFT", self.name())
-    }
-
     /// The slot the running kernel was booted from: `rauc.slot=` on its command line.
     pub fn from_cmdline(cmdline: &str) -> Option<Slot> {
         cmdline
@@ -78,19 +74,65 @@ impl Slot {
     }
 }
 
-/// The counters of both slots, with whatever else the environment holds (kept as it is).
+/// The two slot pairs whose counters `abstate.env` holds: the systems (`BOOT_ORDER`,
+/// `BOOT_x_LEFT`, which U-Boot's `boot.scr` reads) and the models (`MODELS_ORDER`,
+/// `MODELS_x_LEFT`, issue 38's `models_a`/`models_b`: U-Boot ignores them, init reads them).
+/// Both follow the same contract (RAUC's U-Boot one, above).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Class {
+    Boot,
+    Models,
+}
+
+impl Class {
+    pub const ALL: [Class; 2] = [Class::Boot, Class::Models];
+
+    pub fn order_var(self) -> &'static str {
+        match self {
+            Class::Boot => "BOOT_ORDER",
+            Class::Models => "MODELS_ORDER",
+        }
+    }
+
+    pub fn left_var(self, s: Slot) -> String {
+        match self {
+            Class::Boot => format!("BOOT_{}_LEFT", s.name()),
+            Class::Models => format!("MODELS_{}_LEFT", s.name()),
+        }
+    }
+
+    /// What an absent variable means. For the systems: nothing (no order, no tries, as U-Boot
+    /// reads it). For the models, the state of a card whose environment predates them: the
+    /// factory slot `A`, good, and `B` empty — so an older image's file reads as what it is.
+    fn absent_order(self) -> &'static str {
+        match self {
+            Class::Boot => "",
+            Class::Models => "A",
+        }
+    }
+
+    fn absent_left(self, s: Slot) -> u32 {
+        match (self, s) {
+            (Class::Models, Slot::A) => ATTEMPTS,
+            _ => 0,
+        }
+    }
+}
+
+/// The counters of both slot pairs, with whatever else the environment holds (kept as it is).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct State {
     env: Env,
 }
 
 impl State {
-    /// A new image: both slots hold the same system, `A B`, three tries each.
+    /// A new image: both slots hold the same system, `A B`, three tries each (the models'
+    /// variables are absent: the factory slot `A`, see [`Class`]).
     pub fn initial() -> State {
         let mut env = Env::default();
         env.set("BOOT_ORDER", "A B");
         for s in Slot::ALL {
-            env.set(&s.left_var(), format!("{ATTEMPTS:x}"));
+            env.set(&Class::Boot.left_var(s), format!("{ATTEMPTS:x}"));
         }
         State { env }
     }
@@ -98,10 +140,13 @@ impl State {
     pub fn decode(bytes: &[u8], what: &str) -> Result<State> {
         let env = Env::decode(bytes, what)?;
         let st = State { env };
-        st.order().with_context(|| format!("{what}: BOOT_ORDER"))?;
-        for s in Slot::ALL {
-            st.left(s)
-                .with_context(|| format!("{what}: {}", s.left_var()))?;
+        for c in Class::ALL {
+            st.order_of(c)
+                .with_context(|| format!("{what}: {}", c.order_var()))?;
+            for s in Slot::ALL {
+                st.left_of(c, s)
+                    .with_context(|| format!("{what}: {}", c.left_var(s)))?;
+            }
         }
         Ok(st)
     }
@@ -112,9 +157,14 @@ impl State {
 
     /// `BOOT_ORDER` as slots (an absent variable is an empty order).
     pub fn order(&self) -> Result<Vec<Slot>> {
+        self.order_of(Class::Boot)
+    }
+
+    /// A class's order as slots (absent: see [`Class`]).
+    pub fn order_of(&self, c: Class) -> Result<Vec<Slot>> {
         self.env
-            .get("BOOT_ORDER")
-            .unwrap_or("")
+            .get(c.order_var())
+            .unwrap_or(c.absent_order())
             .split_whitespace()
             .map(Slot::parse)
             .collect()
@@ -122,56 +172,109 @@ impl State {
 
     /// `BOOT_x_LEFT`, read as U-Boot's `test 0x${BOOT_x_LEFT}` reads it (hex); absent is 0.
     pub fn left(&self, s: Slot) -> Result<u32> {
-        match self.env.get(&s.left_var()) {
-            None => Ok(0),
+        self.left_of(Class::Boot, s)
+    }
+
+    /// A class's tries left for `s`, hex as U-Boot reads it (absent: see [`Class`]).
+    pub fn left_of(&self, c: Class, s: Slot) -> Result<u32> {
+        let var = c.left_var(s);
+        match self.env.get(&var) {
+            None => Ok(c.absent_left(s)),
             Some(v) => u32::from_str_radix(v.trim_start_matches("0x"), 16)
-                .with_context(|| format!("{}={v:?} is not a hex count", s.left_var())),
+                .with_context(|| format!("{var}={v:?} is not a hex count")),
         }
     }
 
     /// The slot U-Boot boots next, RAUC's `boot_primary`: the first in `BOOT_ORDER` with tries
     /// left; `None` if there is none (`boot.scr` then falls back to its defaults).
     pub fn primary(&self) -> Result<Option<Slot>> {
-        for s in self.order()? {
-            if self.left(s)? > 0 {
+        self.primary_of(Class::Boot)
+    }
+
+    pub fn primary_of(&self, c: Class) -> Result<Option<Slot>> {
+        for s in self.order_of(c)? {
+            if self.left_of(c, s)? > 0 {
                 return Ok(Some(s));
             }
         }
         Ok(None)
     }
 
+    /// What `boot.scr` does for the systems, for a class whose chooser is init (the models):
+    /// the primary slot, its try counted down **before** it is used, so that a power cut while
+    /// it is in use costs a try and never loops. `None`: no slot has tries left (nothing
+    /// written).
+    pub fn take_try_of(&mut self, c: Class) -> Result<Option<Slot>> {
+        let Some(s) = self.primary_of(c)? else {
+            return Ok(None);
+        };
+        let left = self.left_of(c, s)?;
+        self.set_left_of(c, s, left - 1);
+        // Written explicitly: an absent order reads as the factory's, which must not change
+        // meaning once the counters are in the file.
+        let order = self.order_of(c)?;
+        self.set_order_of(c, &order);
+        Ok(Some(s))
+    }
+
     /// Good in RAUC's sense: in `BOOT_ORDER` with tries left.
     pub fn is_good(&self, s: Slot) -> Result<bool> {
-        Ok(self.order()?.contains(&s) && self.left(s)? > 0)
+        self.is_good_of(Class::Boot, s)
     }
 
-    fn set_order(&mut self, order: &[Slot]) {
+    pub fn is_good_of(&self, c: Class, s: Slot) -> Result<bool> {
+        Ok(self.order_of(c)?.contains(&s) && self.left_of(c, s)? > 0)
+    }
+
+    fn set_order_of(&mut self, c: Class, order: &[Slot]) {
         let names: Vec<&str> = order.iter().map(|s| s.name()).collect();
-        self.env.set("BOOT_ORDER", names.join(" "));
+        self.env.set(c.order_var(), names.join(" "));
     }
 
-    fn set_left(&mut self, s: Slot, n: u32) {
-        self.env.set(&s.left_var(), format!("{n:x}"));
+    fn set_left_of(&mut self, c: Class, s: Slot, n: u32) {
+        self.env.set(&c.left_var(s), format!("{n:x}"));
     }
 
     pub fn mark_good(&mut self, s: Slot) -> Result<()> {
-        self.order()?;
-        self.set_left(s, ATTEMPTS);
+        self.mark_good_of(Class::Boot, s)
+    }
+
+    pub fn mark_good_of(&mut self, c: Class, s: Slot) -> Result<()> {
+        let order = self.order_of(c)?;
+        if c == Class::Models {
+            // As take_try_of: once a models counter is written, so is the order.
+            self.set_order_of(c, &order);
+        }
+        self.set_left_of(c, s, ATTEMPTS);
         Ok(())
     }
 
     pub fn mark_bad(&mut self, s: Slot) -> Result<()> {
-        let order: Vec<Slot> = self.order()?.into_iter().filter(|&x| x != s).collect();
-        self.set_order(&order);
-        self.set_left(s, 0);
+        self.mark_bad_of(Class::Boot, s)
+    }
+
+    pub fn mark_bad_of(&mut self, c: Class, s: Slot) -> Result<()> {
+        let order: Vec<Slot> = self.order_of(c)?.into_iter().filter(|&x| x != s).collect();
+        self.set_order_of(c, &order);
+        self.set_left_of(c, s, 0);
         Ok(())
     }
 
     pub fn mark_active(&mut self, s: Slot) -> Result<()> {
+        self.mark_active_of(Class::Boot, s)
+    }
+
+    pub fn mark_active_of(&mut self, c: Class, s: Slot) -> Result<()> {
+        self.mark_active_with(c, s, ATTEMPTS)
+    }
+
+    /// `s` first in the class's order with `tries` left (a freshly installed models slot gets
+    /// one: decision 4 of `docs/models-slots.md`).
+    pub fn mark_active_with(&mut self, c: Class, s: Slot, tries: u32) -> Result<()> {
         let mut order = vec![s];
-        order.extend(self.order()?.into_iter().filter(|&x| x != s));
-        self.set_order(&order);
-        self.set_left(s, ATTEMPTS);
+        order.extend(self.order_of(c)?.into_iter().filter(|&x| x != s));
+        self.set_order_of(c, &order);
+        self.set_left_of(c, s, tries);
         Ok(())
     }
 
@@ -183,6 +286,45 @@ impl State {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The models' pair: an environment without its variables reads as the factory slot `A`;
+    /// a try is taken before the slot is used and written with its order; the boot pair is
+    /// untouched by anything done to the models'.
+    #[test]
+    fn the_models_pair_follows_the_same_contract() {
+        let mut st = State::initial();
+        let boot = st.describe();
+        assert_eq!(st.order_of(Class::Models).unwrap(), vec![Slot::A]);
+        assert_eq!(st.left_of(Class::Models, Slot::A).unwrap(), ATTEMPTS);
+        assert_eq!(st.left_of(Class::Models, Slot::B).unwrap(), 0);
+        assert_eq!(st.take_try_of(Class::Models).unwrap(), Some(Slot::A));
+        assert_eq!(st.env().get("MODELS_ORDER"), Some("A"));
+        assert_eq!(st.env().get("MODELS_A_LEFT"), Some("2"));
+        // A models bundle installed into B: first, one try.
+        st.mark_active_with(Class::Models, Slot::B, 1).unwrap();
+        assert_eq!(
+            st.describe_of(Class::Models),
+            "MODELS_ORDER 'B A', A 2 left, B 1 left"
+        );
+        assert_eq!(st.take_try_of(Class::Models).unwrap(), Some(Slot::B));
+        // Power cut before the verdict: B has no try left, A is next.
+        assert_eq!(st.take_try_of(Class::Models).unwrap(), Some(Slot::A));
+        st.mark_good_of(Class::Models, Slot::A).unwrap();
+        st.mark_bad_of(Class::Models, Slot::B).unwrap();
+        assert_eq!(
+            st.describe_of(Class::Models),
+            "MODELS_ORDER 'A', A 3 left, B 0 left"
+        );
+        assert_eq!(st.describe(), boot, "the systems' counters are untouched");
+        let back = State::decode(&st.encode().unwrap(), "t").unwrap();
+        assert_eq!(back, st);
+        st.mark_bad_of(Class::Models, Slot::A).unwrap();
+        assert_eq!(st.take_try_of(Class::Models).unwrap(), None);
+        let mut bad = State::initial();
+        bad.env.set("MODELS_B_LEFT", "zz");
+        let e = State::decode(&bad.encode().unwrap(), "abstate.env").unwrap_err();
+        assert!(format!("{e:#}").contains("MODELS_B_LEFT"), "{e:#}");
+    }
 
     #[test]
     fn rauc_semantics() {
@@ -245,6 +387,26 @@ impl State {
         format!(
             "BOOT_ORDER '{}', A {} left, B {} left",
             self.env.get("BOOT_ORDER").unwrap_or(""),
+            left(Slot::A),
+            left(Slot::B)
+        )
+    }
+
+    /// The same line for a class: `MODELS_ORDER 'A', A 3 left, B 0 left` (absent variables
+    /// shown as they read, see [`Class`]).
+    pub fn describe_of(&self, c: Class) -> String {
+        let left = |s: Slot| {
+            self.left_of(c, s)
+                .map(|n| n.to_string())
+                .unwrap_or_else(|_| "?".into())
+        };
+        let order = self
+            .order_of(c)
+            .map(|o| o.iter().map(|s| s.name()).collect::<Vec<_>>().join(" "))
+            .unwrap_or_else(|_| self.env.get(c.order_var()).unwrap_or("").to_string());
+        format!(
+            "{} '{order}', A {} left, B {} left",
+            c.order_var(),
             left(Slot::A),
             left(Slot::B)
         )
