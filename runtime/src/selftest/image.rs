@@ -472,12 +472,70 @@ fn verity_mapping(ctx: &Ctx, manifest: &Path, models_dir: &Path) -> Result<Vec<S
         .map_err(|e| format!("/dev/{part}: {e}"))?
         .trim()
         .to_string();
+    let slot_line = models_slot(ctx, manifest, &want, part)?;
     let mut lines = verity::check(&ctx.paths.dev.join("mapper/control"), &want, &part_dev)?;
+    lines.push(slot_line);
     lines.push(format!(
         "{mnt} mounted from {dev} ({}) over /dev/{part} (PARTNAME=models)",
         verity::NAME
     ));
     Ok(lines)
+}
+
+/// The models partition describes itself (`crate::models_slot`): its trailer's
+/// `kiln-models.json` is the one this system's manifest names (`models_slot.meta_sha256`: the
+/// factory slot, vouched for by the image that was built with it) and gives the same verity
+/// parameters the mapping uses.
+fn models_slot(
+    ctx: &Ctx,
+    manifest: &Path,
+    want: &crate::verity::Params,
+    part: &str,
+) -> Result<String, String> {
+    let m: serde_json::Value = std::fs::read(manifest)
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .ok_or_else(|| format!("{}: not readable JSON", manifest.display()))?;
+    let named = m["models_slot"]["meta_sha256"].as_str().ok_or_else(|| {
+        format!(
+            "{} has no models_slot.meta_sha256 (an image built before self-describing models \
+             slots: reflash)",
+            manifest.display()
+        )
+    })?;
+    let dev = ctx.paths.dev.join(part);
+    let slot = crate::models_slot::read(&dev)
+        .map_err(|e| format!("{e:#}"))?
+        .ok_or_else(|| {
+            format!(
+                "{}: holds no kiln-models.json (its last 4 KiB are zeros)",
+                dev.display()
+            )
+        })?;
+    let sha = slot.meta_sha256();
+    if sha != named {
+        return Err(format!(
+            "{}: its kiln-models.json is sha256 {sha}, not the manifest's models_slot {named}",
+            dev.display()
+        ));
+    }
+    if &slot.meta.verity != want {
+        return Err(format!(
+            "{}: its kiln-models.json gives other verity parameters than the manifest's \
+             models_verity (root {} vs {})",
+            dev.display(),
+            slot.meta.verity.root_hash,
+            want.root_hash
+        ));
+    }
+    Ok(format!(
+        "/dev/{part} describes itself: kiln-models.json sha256 {sha} (format {}, {} files, \
+         verity root {}) is the manifest's models_slot (the factory slot, vouched for by this \
+         system's manifest)",
+        slot.meta.format,
+        slot.meta.models.len(),
+        slot.meta.verity.root_hash
+    ))
 }
 
 #[cfg(test)]
@@ -676,6 +734,30 @@ mod tests {
         );
         root.file("sys/class/block/vda4/dev", "254:4\n");
         root.file("dev/mapper/control", "");
+        // The partition's own trailer: missing, empty, another one than the manifest names,
+        // with other verity parameters, then the one named.
+        let r = reason(&root);
+        assert!(r.contains("no models_slot.meta_sha256"), "{r}");
+        let (bytes, sha) = slot_bytes(&m["models_verity"]);
+        m["models_slot"] = serde_json::json!({ "meta_sha256": sha });
+        write_manifest(&root, &m);
+        let r = reason(&root);
+        assert!(r.contains("dev/vda4") && r.contains("opening"), "{r}");
+        root.file("dev/vda4", vec![0u8; 1 << 20]);
+        let r = reason(&root);
+        assert!(r.contains("holds no kiln-models.json"), "{r}");
+        let mut other = m["models_verity"].clone();
+        other["salt"] = serde_json::json!("ef".repeat(32));
+        root.file("dev/vda4", slot_bytes(&other).0);
+        let r = reason(&root);
+        assert!(r.contains("not the manifest's models_slot"), "{r}");
+        m["models_slot"]["meta_sha256"] = serde_json::json!(slot_bytes(&other).1);
+        write_manifest(&root, &m);
+        let r = reason(&root);
+        assert!(r.contains("other verity parameters"), "{r}");
+        m["models_slot"]["meta_sha256"] = serde_json::json!(sha);
+        write_manifest(&root, &m);
+        root.file("dev/vda4", bytes);
         let r = reason(&root);
         assert!(r.contains("device-mapper table read of kiln-models"), "{r}");
         // A listed model missing is named.
@@ -685,6 +767,24 @@ mod tests {
             r.contains("/models/model.gguf: listed in the manifest, not on /models"),
             "{r}"
         );
+    }
+
+    /// A 1 MiB models slot whose trailer gives `verity` (unsigned, as the factory's), and
+    /// its kiln-models.json's sha256.
+    fn slot_bytes(verity: &serde_json::Value) -> (Vec<u8>, String) {
+        use crate::models_slot as ms;
+        let meta = ms::Meta {
+            format: ms::FORMAT,
+            models: vec![],
+            verity: serde_json::from_value(verity.clone()).unwrap(),
+            known_answers: Default::default(),
+        };
+        let json = serde_json::to_vec(&meta).unwrap();
+        let len = 1u64 << 20;
+        let footer = ms::layout(meta.hash_tree_end().unwrap(), &json, 0, len).unwrap();
+        let mut c = std::io::Cursor::new(vec![0u8; len as usize]);
+        ms::write_trailer(&mut c, len, &footer, &json, &[]).unwrap();
+        (c.into_inner(), hex::encode(footer.meta_sha256))
     }
 
     #[test]

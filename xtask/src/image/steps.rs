@@ -13,7 +13,7 @@ use crate::disk;
 use crate::kernel::{self, KernelOut};
 use crate::pins::{self, Sha256};
 use crate::rootfs::{self, NodeKind, Tree};
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -497,7 +497,7 @@ pub fn models_partition<'a>(
     let salt: [u8; 32] =
         <sha2::Sha256 as sha2::Digest>::digest(format!("{content}:models-verity-salt")).into();
     let key = key_of(&[
-        "models-v3",
+        "models-v4",
         &ctx.tools.key.to_string(),
         &content.to_string(),
     ]);
@@ -507,24 +507,96 @@ pub fn models_partition<'a>(
         outputs: vec![
             ctx.work.join("models.erofs"),
             ctx.work.join("models-verity.json"),
+            ctx.work.join("models-slot.json"),
         ],
         make: Box::new(move |tmp: &[PathBuf]| {
             let stage = ctx.work.join("models-staging");
             stage_models(&stage, models, fixture)?;
             stage_file(&stage.join(llama_fixture::FILE_NAME), llama)?;
+            let files = models_slot_files(&stage)?;
             // A fixed time: the files' content, not the commit, makes the bytes.
             disk::erofs::build(&tmp[0], &stage, uuid, 0, Some(&ctx.tools))?;
             std::fs::remove_dir_all(&stage)?;
             let v = disk::verity::append(&tmp[0], &salt)?;
             std::fs::write(&tmp[1], serde_json::to_vec_pretty(&v)?)?;
+            let sha = models_slot_trailer(&tmp[0], files, &v)?;
+            std::fs::write(
+                &tmp[2],
+                serde_json::to_vec_pretty(&json!({ "meta_sha256": sha }))?,
+            )?;
             Ok(format!(
-                "erofs, {} model(s) and the fixtures ({} KiB llama); dm-verity root {}",
+                "erofs, {} model(s) and the fixtures ({} KiB llama); dm-verity root {}; \
+                 kiln-models.json {}",
                 models.len(),
                 llama.len() >> 10,
-                &v.root_hash[..12]
+                &v.root_hash[..12],
+                &sha[..12]
             ))
         }),
     }
+}
+
+/// The files of the models erofs as `kiln-models.json` lists them, by name.
+fn models_slot_files(stage: &Path) -> Result<Vec<kiln_runtime::models_slot::Model>> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(stage).with_context(|| format!("listing {}", stage.display()))? {
+        let e = e?;
+        let name = e.file_name().to_string_lossy().into_owned();
+        let f = std::fs::File::open(e.path())
+            .with_context(|| format!("opening {}", e.path().display()))?;
+        out.push(kiln_runtime::models_slot::Model {
+            size: f.metadata()?.len(),
+            sha256: Sha256::of_reader(f)
+                .with_context(|| format!("hashing {}", e.path().display()))?
+                .to_string(),
+            name,
+        });
+    }
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(out)
+}
+
+/// Make the erofs + hash tree at `path` a self-describing models slot
+/// (`kiln_runtime::models_slot`, `docs/models-slots.md`): `kiln-models.json` after the tree,
+/// no signature (the image vouches for its factory slot: its manifest names the JSON's
+/// sha256), the footer in the last 4 KiB, the whole padded to whole MiB so that the footer is
+/// the partition's end. Returns the JSON's sha256 (hex). Depends on the files alone, as the
+/// erofs does.
+fn models_slot_trailer(
+    path: &Path,
+    models: Vec<kiln_runtime::models_slot::Model>,
+    verity: &disk::verity::Verity,
+) -> Result<String> {
+    use kiln_runtime::models_slot as ms;
+    let meta = ms::Meta {
+        format: ms::FORMAT,
+        models,
+        verity: verity.clone(),
+        // Today's known answers stay in the system's manifest (they follow the runtime's
+        // code, which a system update changes; a models bundle will carry its own).
+        known_answers: Default::default(),
+    };
+    let bytes = serde_json::to_vec_pretty(&meta)?;
+    let tree_end = meta.hash_tree_end()?;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    ensure!(
+        f.metadata()?.len() == tree_end,
+        "{}: the hash tree does not end where its parameters say",
+        path.display()
+    );
+    let len = (tree_end.next_multiple_of(4096)
+        + (bytes.len() as u64).next_multiple_of(4096)
+        + ms::FOOTER_LEN)
+        .next_multiple_of(1 << 20);
+    let footer = ms::layout(tree_end, &bytes, 0, len)?;
+    f.set_len(len)?;
+    ms::write_trailer(&mut f, len, &footer, &bytes, &[])
+        .with_context(|| format!("writing the models trailer of {}", path.display()))?;
+    f.sync_all()?;
+    Ok(hex::encode(footer.meta_sha256))
 }
 
 /// Add the models partition's dm-verity parameters to the manifest (`models_verity`).
@@ -538,6 +610,14 @@ pub fn manifest_models_verity(manifest: &mut Value, models_part: &Product) -> Re
     )
     .with_context(|| format!("parsing {}", p.display()))?;
     manifest["models_verity"] = serde_json::to_value(v)?;
+    let p = models_part
+        .paths
+        .get(2)
+        .context("the models partition step made no models-slot.json")?;
+    manifest["models_slot"] = serde_json::from_slice(
+        &std::fs::read(p).with_context(|| format!("reading {}", p.display()))?,
+    )
+    .with_context(|| format!("parsing {}", p.display()))?;
     Ok(())
 }
 
