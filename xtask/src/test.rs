@@ -1461,7 +1461,8 @@ fn pins_archive(_: &Args) -> Result<()> {
 /// booted with `boot-test --image`, each of which must FAIL on the check that names the fault.
 /// - a byte flipped inside a tensor of SmolLM2 on the models partition (erofs under dm-verity,
 ///   found through the GPT): the block is an I/O error on read, so `model.matmul.cpu` FAILs
-///   naming SmolLM2 and `image.manifest` the mapping's corruption status;
+///   naming SmolLM2 and `image.manifest` the mapping's corruption status; in the same copy a
+///   byte of the partition's own `kiln-models.json`, which `image.manifest` names too;
 /// - `kiln/manifest.json` on the card edited (mtools) to another kiln hash: `image.manifest`
 ///   FAILs naming /usr/bin/kiln;
 /// - no `kiln/manifest.json` (mtools `mdel`): `image.manifest` and `model.matmul.*` FAIL.
@@ -1610,6 +1611,20 @@ fn boot_qemu_faults(_: &Args) -> Result<()> {
              {in_file}, tensor {} row {})",
             target.tensor, target.rows[0]
         );
+        // And one byte of the partition's own kiln-models.json (after the hash tree, found
+        // through the footer in its last 4 KiB): outside the verity data, so only the
+        // trailer's check can see it.
+        use kiln_runtime::models_slot::{Footer, FOOTER_LEN};
+        let end = part.len() as u64;
+        let footer = Footer::decode(&part[(end - FOOTER_LEN) as usize..], end)?
+            .context("the models partition has no models footer")?;
+        let at = models.start_bytes() + footer.meta_off + footer.meta_len / 2;
+        f.seek(SeekFrom::Start(at))?;
+        f.read_exact(&mut byte)?;
+        byte[0] ^= 0x01;
+        f.seek(SeekFrom::Start(at))?;
+        f.write_all(&byte)?;
+        println!("boot-qemu-faults: flipped bit 0 of kiln-models.json's byte at image offset {at}");
         Ok(())
     };
     // Through dm-verity the flipped block is an I/O error on read: the checks that read it
@@ -1625,6 +1640,10 @@ fn boot_qemu_faults(_: &Args) -> Result<()> {
     ensure!(
         why.contains("corrupted block (status C)"),
         "image.manifest FAILed without the mapping's corruption: {why}"
+    );
+    ensure!(
+        why.contains("kiln-models.json does not match the sha256 its footer gives"),
+        "image.manifest FAILed without the models partition's changed kiln-models.json: {why}"
     );
     only(
         &r,

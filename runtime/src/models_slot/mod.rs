@@ -239,7 +239,7 @@ pub fn read(dev: &Path) -> Result<Option<Slot>> {
         .with_context(|| format!("{what}: the models metadata"))?;
     ensure!(
         Sha256::digest(&meta_bytes)[..] == footer.meta_sha256,
-        "{what}: the models metadata does not match the sha256 its footer gives"
+        "{what}: its kiln-models.json does not match the sha256 its footer gives"
     );
     let meta: Meta =
         serde_json::from_slice(&meta_bytes).with_context(|| format!("{what}: kiln-models.json"))?;

@@ -472,9 +472,19 @@ fn verity_mapping(ctx: &Ctx, manifest: &Path, models_dir: &Path) -> Result<Vec<S
         .map_err(|e| format!("/dev/{part}: {e}"))?
         .trim()
         .to_string();
-    let slot_line = models_slot(ctx, manifest, &want, part)?;
-    let mut lines = verity::check(&ctx.paths.dev.join("mapper/control"), &want, &part_dev)?;
-    lines.push(slot_line);
+    // Both judged, both named when both fail (a flipped block and a changed trailer).
+    let slot = models_slot(ctx, manifest, &want, part);
+    let mut lines = match (
+        verity::check(&ctx.paths.dev.join("mapper/control"), &want, &part_dev),
+        slot,
+    ) {
+        (Ok(mut lines), Ok(slot_line)) => {
+            lines.push(slot_line);
+            lines
+        }
+        (Err(e), Ok(_)) | (Ok(_), Err(e)) => return Err(e),
+        (Err(a), Err(b)) => return Err(format!("{a}; {b}")),
+    };
     lines.push(format!(
         "{mnt} mounted from {dev} ({}) over /dev/{part} (PARTNAME=models)",
         verity::NAME
