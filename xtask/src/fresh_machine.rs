@@ -15,6 +15,9 @@
 //! (`TZ=CHAST-12:45CHADT`), umasks (077), times
 //! and the user's default Rust toolchain (inside, rustup's default is another release than the
 //! pinned one when the host has a second toolchain: `rust-toolchain.toml` must win).
+//!
+//! In the whole suite the root's half runs in the background from the start ([`Background`]);
+//! `--stage fresh-machine` alone runs both halves in the foreground ([`stage`]).
 
 use crate::doctor;
 use crate::pins::Sha256;
@@ -70,7 +73,15 @@ fn clean(dir: &Path) -> Result<()> {
         .with_context(|| format!("removing {}", dir.display()))
 }
 
+/// The whole stage in the foreground: the root's build, then the comparison.
 pub fn stage() -> Result<()> {
+    inside()?;
+    compare()
+}
+
+/// The root's half of the stage: bootstrap the root, clone HEAD into it and run the README's
+/// commands inside. Leaves the root for [`compare`].
+pub fn inside() -> Result<()> {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         bail!(
@@ -255,6 +266,19 @@ pub fn stage() -> Result<()> {
     if !left.is_empty() {
         bail!("mounts left in the root after the run: {}", left.join(", "));
     }
+    println!(
+        "fresh-machine: bootstrap {t_boot:.0} s, `{README_FIRST}` + `{THEN}` inside {t_inside:.0} s, \
+         root's half {:.0} s",
+        t_all.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// The comparison's half: the image built in this checkout must be the root's, byte for byte,
+/// and so must the SBOMs beside it. Removes the root when they are.
+pub fn compare() -> Result<()> {
+    let base = root_dir();
+    let src = base.join("root/home/kiln/src/kiln");
     // The image outside the root, in this checkout (reused when it is up to date; built after
     // the root's so that a failure inside shows first).
     let t = Instant::now();
@@ -275,11 +299,6 @@ pub fn stage() -> Result<()> {
     let text = std::fs::read_to_string(&sha_file)
         .with_context(|| format!("reading {}", sha_file.display()))?;
     let inside_sha: Sha256 = text.split_whitespace().next().unwrap_or("").parse()?;
-    println!(
-        "fresh-machine: bootstrap {t_boot:.0} s, `{README_FIRST}` + `{THEN}` inside {t_inside:.0} s, \
-         stage {:.0} s",
-        t_all.elapsed().as_secs_f64()
-    );
     if inside_sha != outside.sha256 {
         let a = crate::image::checks::read_json(&outside.manifest)?;
         let b = crate::image::checks::read_json(&src.join("target/images/manifest.json"))?;
@@ -351,4 +370,127 @@ fn other_toolchain(rustup: &Path) -> Result<Option<(String, String)>> {
         }
     }
     Ok(None)
+}
+
+/// The root's half ([`inside`]) run by a child `xtask test --fresh-machine-root` while the
+/// suite's other stages run: it is nearly all compiling (cargo, the kernel) and waiting on the
+/// network, and the boot stages leave most of a core idle, so the child runs at nice 19 and
+/// idle I/O priority, taking only what the foreground leaves. Its output goes to
+/// `target/kiln/fresh-machine.log`, shown when the suite reaches the stage, which then waits
+/// for it and does the comparison ([`compare`]) in the foreground, where nothing else builds an
+/// image. Dropped before that (a failure, Ctrl-C), it kills the child's process group.
+pub struct Background {
+    child: Option<std::process::Child>,
+    log: PathBuf,
+    started: Instant,
+}
+
+impl Background {
+    pub fn start() -> Result<Background> {
+        use std::os::unix::process::CommandExt;
+        let log = crate::paths::target_dir().join("kiln/fresh-machine.log");
+        if let Some(d) = log.parent() {
+            std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
+        }
+        let out =
+            std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
+        let err = out.try_clone()?;
+        let exe = std::env::current_exe().context("the path of this xtask binary")?;
+        let mut c = std::process::Command::new(&exe);
+        c.args(["test", "--fresh-machine-root"])
+            .current_dir(crate::paths::project_root())
+            .stdin(std::process::Stdio::null())
+            .stdout(out)
+            .stderr(err);
+        // SAFETY: only async-signal-safe calls (setpgid, setpriority, ioprio_set, prctl) between
+        // fork and exec.
+        unsafe {
+            c.pre_exec(|| {
+                // Its own process group, so that everything it starts can be killed at once.
+                if libc::setpgid(0, 0) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                if libc::setpriority(libc::PRIO_PROCESS, 0, 19) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // IOPRIO_WHO_PROCESS, this process, IOPRIO_CLASS_IDLE: best effort (not every
+                // I/O scheduler honours it).
+                libc::syscall(libc::SYS_ioprio_set, 1, 0, 3 << 13);
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        let child = c
+            .spawn()
+            .with_context(|| format!("starting {} test --fresh-machine-root", exe.display()))?;
+        println!(
+            "fresh-machine: the root's half started in the background (pid {}, nice 19, idle I/O), \
+             output in {}",
+            child.id(),
+            log.display()
+        );
+        Ok(Background {
+            child: Some(child),
+            log,
+            started: Instant::now(),
+        })
+    }
+
+    /// Follow the child's output until it ends, then compare.
+    pub fn finish(mut self) -> Result<()> {
+        use std::io::{Read, Write};
+        let mut child = self
+            .child
+            .take()
+            .context("the background child was already taken")?;
+        println!(
+            "fresh-machine: the root's half has run for {:.0} s in the background; its output \
+             ({}):",
+            self.started.elapsed().as_secs_f64(),
+            self.log.display()
+        );
+        let t = Instant::now();
+        let mut f = std::fs::File::open(&self.log)
+            .with_context(|| format!("opening {}", self.log.display()))?;
+        let mut buf = Vec::new();
+        let mut stdout = std::io::stdout();
+        let status = loop {
+            let done = child.try_wait()?;
+            buf.clear();
+            f.read_to_end(&mut buf)?;
+            stdout.write_all(&buf)?;
+            stdout.flush()?;
+            if let Some(s) = done {
+                break s;
+            }
+            std::thread::sleep(std::time::Duration::from_secs(1));
+        };
+        println!(
+            "fresh-machine: the root's half ended after {:.0} s in all, {:.0} s of it waited for \
+             here: {status}",
+            self.started.elapsed().as_secs_f64(),
+            t.elapsed().as_secs_f64()
+        );
+        if !status.success() {
+            bail!(
+                "the root's half failed ({status}): its output is above and in {}",
+                self.log.display()
+            );
+        }
+        compare()
+    }
+}
+
+impl Drop for Background {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            // SAFETY: kill has no memory preconditions; the group is the child's own.
+            unsafe { libc::kill(-(child.id() as libc::pid_t), libc::SIGKILL) };
+            let _ = child.wait();
+            println!(
+                "fresh-machine: the background root's half was stopped (its output: {})",
+                self.log.display()
+            );
+        }
+    }
 }

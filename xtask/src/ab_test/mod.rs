@@ -52,7 +52,8 @@ use xshell::cmd;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// How many seeded power cuts (CI runs 2; a soak: `--seeds 200`).
+    /// How many seeded power cuts beside the milestone cuts (0: the milestones only, as CI
+    /// runs; a soak: `--seeds 200`).
     #[arg(long, default_value_t = 12)]
     pub seeds: u64,
     /// The first seed: `--first-seed 7 --seeds 1` runs seed 7 again.
@@ -993,9 +994,42 @@ fn cut_and_recover(m: &Machine, ub: &Path, kill: Cut) -> Result<String> {
 }
 
 fn cuts(args: &Args, work: &Path, image: &Path, ub: &Path) -> Result<()> {
-    if args.seeds == 0 {
-        return Ok(());
+    let mut failures = Vec::new();
+    if args.seeds > 0 {
+        failures = seeded_cuts(args, work, image, ub)?;
     }
+    // And at each milestone of the chain the moments may miss (with `--seeds 0`, only these:
+    // what CI runs).
+    let mut missed = Vec::new();
+    for (i, (marker, n, what)) in MILESTONE_CUTS.iter().enumerate() {
+        let m = Machine::new(&work.join(format!("cut-milestone-{i}")), image)?;
+        match cut_and_recover(&m, ub, Cut::On(marker, *n)) {
+            Ok(s) => {
+                println!("ab-test: cut when {what}: {s}");
+                let _ = std::fs::remove_file(&m.disk);
+            }
+            Err(e) => {
+                println!("ab-test: cut when {what}: FAILED: {e:#}");
+                missed.push(*what);
+            }
+        }
+    }
+    ensure!(
+        failures.is_empty() && missed.is_empty(),
+        "power cuts: seeds {failures:?} failed (rerun one with --first-seed N --seeds 1), \
+         milestones {missed:?} failed"
+    );
+    println!(
+        "ab-test: {} seeded and {} milestone power cuts: each reached a PASS within {RECOVERY_BOOTS} boots, FAT clean, no slot marked good without a PASS",
+        args.seeds,
+        MILESTONE_CUTS.len()
+    );
+    Ok(())
+}
+
+/// `args.seeds` power cuts at moments drawn from the span of an uncut chain: the seeds that
+/// failed.
+fn seeded_cuts(args: &Args, work: &Path, image: &Path, ub: &Path) -> Result<Vec<u64>> {
     // The uncut chain gives the span the moments are drawn from: A boots and passes, RAUC
     // installs the bundle into B (marks B bad, writes it, marks it active), the board reboots,
     // B boots, passes and is marked good. Run here, just before the cut chains, on a fresh
@@ -1034,32 +1068,7 @@ fn cuts(args: &Args, work: &Path, image: &Path, ub: &Path) -> Result<()> {
             }
         }
     }
-    // And at each milestone of the chain the moments may miss.
-    let mut missed = Vec::new();
-    for (i, (marker, n, what)) in MILESTONE_CUTS.iter().enumerate() {
-        let m = Machine::new(&work.join(format!("cut-milestone-{i}")), image)?;
-        match cut_and_recover(&m, ub, Cut::On(marker, *n)) {
-            Ok(s) => {
-                println!("ab-test: cut when {what}: {s}");
-                let _ = std::fs::remove_file(&m.disk);
-            }
-            Err(e) => {
-                println!("ab-test: cut when {what}: FAILED: {e:#}");
-                missed.push(*what);
-            }
-        }
-    }
-    ensure!(
-        failures.is_empty() && missed.is_empty(),
-        "power cuts: seeds {failures:?} failed (rerun one with --first-seed N --seeds 1), \
-         milestones {missed:?} failed"
-    );
-    println!(
-        "ab-test: {} seeded and {} milestone power cuts: each reached a PASS within {RECOVERY_BOOTS} boots, FAT clean, no slot marked good without a PASS",
-        args.seeds,
-        MILESTONE_CUTS.len()
-    );
-    Ok(())
+    Ok(failures)
 }
 
 #[cfg(test)]
