@@ -28,9 +28,18 @@ pub struct Args {
     /// The signing certificate (PEM); the board's keyring must hold it or its CA.
     #[arg(long, requires = "key")]
     pub cert: Option<PathBuf>,
-    /// Where to write the bundle (default: target/images/kiln-<board>-<commit>.raucb).
+    /// Where to write the bundle (default: target/images/kiln-<board>-<commit>.raucb, or
+    /// `-models.raucb` with `--models-slot`).
     #[arg(long)]
     pub out: Option<PathBuf>,
+    /// A bundle of the models slot instead of the boot slot (docs/models-slots.md): the image's
+    /// models partition — the erofs of the `--model` files and the self-check's fixtures, its
+    /// dm-verity hash tree and its `kiln-models.json` — with that JSON signed by the bundle's
+    /// key (detached CMS, checked against the board's keyring here), as the image `models.img`
+    /// for the slot class `models`. Boards do not install it yet: their RAUC has no `models`
+    /// slot class until the card has the models slot pair (issue 38), and refuses it.
+    #[arg(long)]
+    pub models_slot: bool,
     /// A `compatible` other than the board's (for tests of RAUC's refusal).
     #[arg(long, hide = true)]
     pub compatible: Option<String>,
@@ -72,6 +81,7 @@ impl Args {
             key,
             cert,
             out: Some(out),
+            models_slot: false,
             compatible: None,
             needs_model: vec![],
             keyring,
@@ -84,15 +94,18 @@ impl Args {
 /// What a bundle run made.
 pub struct Bundle {
     pub path: PathBuf,
-    /// sha256 of the payload (`boot.vfat`).
+    /// The payload's file name in the bundle (`boot.vfat` or `models.img`).
+    pub payload_name: &'static str,
+    /// sha256 of the payload.
     pub payload: Sha256,
 }
 
 pub fn run(args: Args) -> Result<()> {
     let b = make(&args)?;
     println!(
-        "bundle: {} (payload boot.vfat sha256 {})",
+        "bundle: {} (payload {} sha256 {})",
         b.path.display(),
+        b.payload_name,
         b.payload
     );
     println!(
@@ -157,9 +170,9 @@ fi
 exit 0
 "#;
 
-fn write_hook(path: &Path) -> Result<()> {
+fn write_hook(path: &Path, text: &str) -> Result<()> {
     use std::os::unix::fs::PermissionsExt as _;
-    std::fs::write(path, HOOK)?;
+    std::fs::write(path, text)?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755))?;
     Ok(())
 }
@@ -241,6 +254,73 @@ fn break_image_hash(fs: &Path) -> Result<()> {
     replace_in_fat(fs, "kiln/manifest.json", &serde_json::to_vec_pretty(&m)?)
 }
 
+/// The install-check hook of a models bundle: RAUC's own `compatible` check, which a hook
+/// replaces. The check of the models format against the running system's comes with the board
+/// side of the models slots.
+const MODELS_HOOK: &str = r#"#!/bin/sh
+# kiln models bundle hook (made by cargo xtask bundle --models-slot: xtask/src/bundle.rs).
+[ "$1" = install-check ] || exit 0
+if [ "$RAUC_MF_COMPATIBLE" != "$RAUC_SYSTEM_COMPATIBLE" ]; then
+    echo "Compatible mismatch: Expected '$RAUC_SYSTEM_COMPATIBLE' but bundle manifest has '$RAUC_MF_COMPATIBLE'" >&2
+    exit 10
+fi
+exit 0
+"#;
+
+/// The factory models slot `src` (unsigned, `image::build`'s models partition) made a signed
+/// one at `dst`: the same erofs and hash tree, the same `kiln-models.json` bytes, its detached
+/// CMS signature by `cert`/`key` after it, the footer at the end; padded to whole MiB. The
+/// signature is checked against `keyring` (what the board trusts) before anything ships.
+pub fn signed_models_slot(
+    src: &Path,
+    dst: &Path,
+    cert: &Path,
+    key: &Path,
+    keyring: &Path,
+) -> Result<kiln_runtime::models_slot::Slot> {
+    use kiln_runtime::models_slot as ms;
+    use std::io::{Read as _, Write as _};
+    let slot =
+        ms::read(src)?.with_context(|| format!("{}: no models slot trailer", src.display()))?;
+    let sig = ms::sign(&slot.meta_bytes, cert, key)?;
+    ms::verify_signature(&slot.meta_bytes, &sig, keyring).with_context(|| {
+        format!(
+            "the models signature by {} against {}: the board would refuse it",
+            cert.display(),
+            keyring.display()
+        )
+    })?;
+    let tree_end = slot.meta.hash_tree_end()?;
+    let probe = ms::layout(tree_end, &slot.meta_bytes, sig.len() as u64, u64::MAX >> 1)?;
+    let len = (probe.sig_off + sig.len() as u64 + ms::FOOTER_LEN).next_multiple_of(1 << 20);
+    let footer = ms::layout(tree_end, &slot.meta_bytes, sig.len() as u64, len)?;
+    let mut out =
+        std::fs::File::create(dst).with_context(|| format!("creating {}", dst.display()))?;
+    let mut head = std::fs::File::open(src)
+        .with_context(|| format!("opening {}", src.display()))?
+        .take(tree_end);
+    let copied = std::io::copy(&mut head, &mut out)
+        .with_context(|| format!("copying {} to {}", src.display(), dst.display()))?;
+    anyhow::ensure!(
+        copied == tree_end,
+        "{}: {copied} bytes before the trailer, its metadata says {tree_end}",
+        src.display()
+    );
+    out.set_len(len)?;
+    ms::write_trailer(&mut out, len, &footer, &slot.meta_bytes, &sig)
+        .with_context(|| format!("writing the trailer of {}", dst.display()))?;
+    out.flush()?;
+    out.sync_all()?;
+    let back =
+        ms::read(dst)?.with_context(|| format!("{}: no trailer read back", dst.display()))?;
+    anyhow::ensure!(
+        back.meta_bytes == slot.meta_bytes && back.signature == sig,
+        "{}: the trailer does not read back as written",
+        dst.display()
+    );
+    Ok(back)
+}
+
 /// Make the bundle of `args.image.board`'s image at this commit.
 pub fn make(args: &Args) -> Result<Bundle> {
     let (key, cert) = match (&args.key, &args.cert) {
@@ -267,9 +347,11 @@ pub fn make(args: &Args) -> Result<Bundle> {
     };
     let out = match &args.out {
         Some(p) => std::path::absolute(p)?,
-        None => crate::paths::target_dir()
-            .join("images")
-            .join(format!("kiln-{}-{version}.raucb", args.image.board)),
+        None => crate::paths::target_dir().join("images").join(format!(
+            "kiln-{}-{version}{}.raucb",
+            args.image.board,
+            if args.models_slot { "-models" } else { "" }
+        )),
     };
     let compatible = args
         .compatible
@@ -282,41 +364,6 @@ pub fn make(args: &Args) -> Result<Bundle> {
     let tmp = tempfile::tempdir_in(&work)?;
     let content = tmp.path().join("content");
     std::fs::create_dir(&content)?;
-    std::fs::copy(&built.boot_fs, content.join("boot.vfat"))
-        .with_context(|| format!("copying {}", built.boot_fs.display()))?;
-    if args.failing_system {
-        break_image_hash(&content.join("boot.vfat"))?;
-    }
-    let payload = Sha256::of_file(&content.join("boot.vfat"))?;
-    let manifest = format!(
-        "[update]\n\
-         compatible={compatible}\n\
-         version={version}\n\
-         description=kiln {board} boot slot ({commit})\n\
-         build={epoch}\n\
-         \n\
-         [bundle]\n\
-         format=verity\n\
-         \n\
-         [hooks]\n\
-         filename=hook.sh\n\
-         hooks=install-check\n\
-         \n\
-         [image.boot]\n\
-         filename=boot.vfat\n",
-        board = args.image.board,
-        commit = commit.hash,
-        epoch = commit.epoch,
-    );
-    std::fs::write(content.join("manifest.raucm"), &manifest)?;
-    let models = models_needed(&built.manifest, &args.needs_model)?;
-    std::fs::write(content.join(MODELS_FILE), &models)?;
-    let root = match &args.needs_verity_root {
-        Some(r) => r.clone(),
-        None => models_verity_root(&built.manifest)?,
-    };
-    std::fs::write(content.join(VERITY_FILE), root)?;
-    write_hook(&content.join("hook.sh"))?;
     let keyfile = tmp.path().join("key.pem");
     {
         use std::io::Write as _;
@@ -345,6 +392,69 @@ pub fn make(args: &Args) -> Result<Bundle> {
     };
     let keyringfile = tmp.path().join("keyring.pem");
     std::fs::write(&keyringfile, &trusted)?;
+    let (payload_name, slot_class, description) = if args.models_slot {
+        let slot = signed_models_slot(
+            &built.models_slot,
+            &content.join("models.img"),
+            &certfile,
+            &keyfile,
+            &keyringfile,
+        )?;
+        write_hook(&content.join("hook.sh"), MODELS_HOOK)?;
+        println!(
+            "bundle: models slot of {} file(s) ({}), kiln-models.json {} signed by {}",
+            slot.meta.models.len(),
+            slot.meta
+                .models
+                .iter()
+                .map(|m| m.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", "),
+            &slot.meta_sha256()[..12],
+            args.cert
+                .as_deref()
+                .map(|c| c.display().to_string())
+                .unwrap_or_else(|| "the development certificate".into())
+        );
+        ("models.img", "models", "models slot")
+    } else {
+        std::fs::copy(&built.boot_fs, content.join("boot.vfat"))
+            .with_context(|| format!("copying {}", built.boot_fs.display()))?;
+        if args.failing_system {
+            break_image_hash(&content.join("boot.vfat"))?;
+        }
+        let models = models_needed(&built.manifest, &args.needs_model)?;
+        std::fs::write(content.join(MODELS_FILE), &models)?;
+        let root = match &args.needs_verity_root {
+            Some(r) => r.clone(),
+            None => models_verity_root(&built.manifest)?,
+        };
+        std::fs::write(content.join(VERITY_FILE), root)?;
+        write_hook(&content.join("hook.sh"), HOOK)?;
+        ("boot.vfat", "boot", "boot slot")
+    };
+    let payload = Sha256::of_file(&content.join(payload_name))?;
+    let manifest = format!(
+        "[update]\n\
+         compatible={compatible}\n\
+         version={version}\n\
+         description=kiln {board} {description} ({commit})\n\
+         build={epoch}\n\
+         \n\
+         [bundle]\n\
+         format=verity\n\
+         \n\
+         [hooks]\n\
+         filename=hook.sh\n\
+         hooks=install-check\n\
+         \n\
+         [image.{slot_class}]\n\
+         filename={payload_name}\n",
+        board = args.image.board,
+        commit = commit.hash,
+        epoch = commit.epoch,
+    );
+    std::fs::write(content.join("manifest.raucm"), &manifest)?;
     // RAUC reads check-crl from its system.conf only: a conf for the check that checks the
     // keyring's CRL as the board's does (`updates::system_conf`), with no bootloader to touch.
     let checkconf = tmp.path().join("check-system.conf");
@@ -367,8 +477,8 @@ pub fn make(args: &Args) -> Result<Bundle> {
         ("SOURCE_DATE_EPOCH", commit.epoch.to_string()),
     ];
     println!(
-        "bundle: rauc bundle (verity) of boot.vfat ({:.1} MiB, sha256 {}), compatible {compatible}, version {version}",
-        std::fs::metadata(&built.boot_fs)?.len() as f64 / 1048576.0,
+        "bundle: rauc bundle (verity) of {payload_name} ({:.1} MiB, sha256 {}), compatible {compatible}, version {version}",
+        std::fs::metadata(content.join(payload_name))?.len() as f64 / 1048576.0,
         payload.short()
     );
     let p = |x: &Path| x.display().to_string();
@@ -430,10 +540,110 @@ pub fn make(args: &Args) -> Result<Bundle> {
             "compatible": compatible,
             "version": version,
             "commit": commit.hash,
-            "payload": {"boot.vfat": payload.to_string()},
+            "payload": {payload_name: payload.to_string()},
             "image_sha256": built.sha256.to_string(),
             "not_reproducible": "the dm-verity salt (random per bundle) and the CMS signing time",
         }))?,
     )?;
-    Ok(Bundle { path: out, payload })
+    Ok(Bundle {
+        path: out,
+        payload_name,
+        payload,
+    })
+}
+
+/// The `image-checks` stage's models bundle: `bundle --models-slot` of the qemu-virt image
+/// (checked by `rauc info` against the board's keyring as it is made), then `rauc extract`
+/// gives back `models.img`, whose trailer reads, whose `kiln-models.json` is the image's
+/// factory slot's byte for byte (the sha256 its manifest names), whose signature verifies
+/// against the board's keyring and not against a CA the board does not hold, and whose erofs
+/// and hash tree `veritysetup verify` accepts with the JSON's root hash.
+pub fn models_stage() -> Result<()> {
+    use kiln_runtime::models_slot as ms;
+    crate::doctor::ensure(&[&crate::doctor::VERITYSETUP])?;
+    let work = crate::paths::target_dir().join("kiln/bundle");
+    std::fs::create_dir_all(&work)?;
+    let tmp = tempfile::tempdir_in(&work)?;
+    let out = tmp.path().join("models.raucb");
+    let mut args = Args::qemu_virt(None, out.clone(), None);
+    args.models_slot = true;
+    let b = make(&args)?;
+    let built = crate::image::build(&args.image)?;
+    let board = crate::image::board::Board::load(&args.image.board)?;
+    let keyring = tmp.path().join("keyring.pem");
+    std::fs::write(&keyring, updates::keyring_of(&board)?.0)?;
+    let tools = crate::tools_root::ensure(false)?;
+    let extracted = tmp.path().join("extracted");
+    let p = |x: &Path| x.display().to_string();
+    tools
+        .read(
+            tmp.path(),
+            &[("LC_ALL", "C".to_string())],
+            &[
+                "rauc",
+                &format!("--keyring={}", p(&keyring)),
+                "extract",
+                &p(&b.path),
+                &p(&extracted),
+            ],
+        )
+        .context("rauc extract of the models bundle")?;
+    let img = extracted.join("models.img");
+    let slot = ms::read(&img)?.with_context(|| format!("{}: no models trailer", img.display()))?;
+    let manifest = crate::image::checks::read_json(&built.manifest)?;
+    let factory = manifest["models_slot"]["meta_sha256"]
+        .as_str()
+        .context("the image's manifest names no models_slot.meta_sha256")?;
+    anyhow::ensure!(
+        slot.meta_sha256() == factory,
+        "the bundle's kiln-models.json {} is not the factory slot's {factory}",
+        slot.meta_sha256()
+    );
+    ms::verify_signature(&slot.meta_bytes, &slot.signature, &keyring)
+        .context("the bundle's models signature against the board's keyring")?;
+    // A CA the board does not hold: a fresh self-signed certificate.
+    let other_key = tmp.path().join("other-key.pem");
+    let other = tmp.path().join("other-ca.pem");
+    let sh = crate::paths::shell()?;
+    xshell::cmd!(
+        sh,
+        "openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -subj /CN=not-the-fleet -days 1 -keyout {other_key} -out {other}"
+    )
+    .quiet()
+    .ignore_stderr()
+    .run()
+    .context("making a certificate the board does not trust")?;
+    let refused = ms::verify_signature(&slot.meta_bytes, &slot.signature, &other);
+    let Err(why) = refused else {
+        bail!("the models signature verified against a CA the board does not hold");
+    };
+    // As image-checks judges the factory partition: veritysetup with the JSON's parameters.
+    let v = &slot.meta.verity;
+    let off = format!("--hash-offset={}", v.hash_start_block * v.hash_block_size);
+    let blocks = format!("--data-blocks={}", v.data_blocks);
+    let salt = format!("--salt={}", v.salt);
+    let root = &v.root_hash;
+    xshell::cmd!(
+        sh,
+        "veritysetup verify --no-superblock {off} {blocks} {salt} {img} {img} {root}"
+    )
+    .quiet()
+    .run()
+    .with_context(|| {
+        format!(
+            "veritysetup verify of {} with its JSON's root hash",
+            img.display()
+        )
+    })?;
+    println!(
+        "bundle: models bundle {} ({} MiB models.img): kiln-models.json {} is the factory slot's, \
+         its signature verifies against the board's keyring and not against another CA ({:#}); \
+         veritysetup verifies root {}",
+        b.path.file_name().and_then(|n| n.to_str()).unwrap_or(""),
+        std::fs::metadata(&img)?.len() >> 20,
+        &factory[..12],
+        why,
+        &root[..12]
+    );
+    Ok(())
 }

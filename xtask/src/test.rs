@@ -69,7 +69,10 @@ const STAGES: &[(&str, StageFn)] = &[
         crate::keys::stage()
     }),
     ("flash", flash),
-    ("image-checks", |_| crate::image::checks::stage()),
+    ("image-checks", |_| {
+        crate::image::checks::stage()?;
+        crate::bundle::models_stage()
+    }),
     ("u-boot", |_| crate::image::loader::stage()),
     ("pins-archive", pins_archive),
     ("fresh-machine", |_| crate::fresh_machine::stage()),

@@ -80,6 +80,9 @@ pub struct Built {
     /// The boot slot's file system image (`boot.vfat`, the same bytes in `boot_a` and
     /// `boot_b`): what a bundle carries.
     pub boot_fs: PathBuf,
+    /// The models partition's bytes (`models.erofs`: erofs, hash tree and the slot's trailer,
+    /// `kiln_runtime::models_slot`).
+    pub models_slot: PathBuf,
     /// The commit the image is of, and its time (`SOURCE_DATE_EPOCH`).
     pub commit: Commit,
 }
@@ -179,13 +182,66 @@ pub fn append_line(board: &Board) -> String {
 /// Build the image of `args.board`: the steps in the order the data flows, each one product
 /// (see `steps.rs`), reused by the runner when its key is unchanged.
 pub fn build(args: &Args) -> Result<Built> {
+    let (mut run, ctx, models) = prepare(args)?;
+    let system = system(&mut run, &ctx)?;
+    let data = data_side(&mut run, &ctx, &models)?;
+    let layout = steps::layout(&ctx, &data.models_part)?;
+    let blobs = steps::blobs(&ctx, system.uboot.as_ref())?;
+    let (manifest, boot_part) =
+        boot_slot(&mut run, &ctx, &models, &system, &data, &layout, &blobs)?;
+    let bootctl_part = run.run(steps::bootctl_partition(&ctx)?)?;
+    // Both slots hold the same system: the same file system image, byte for byte.
+    let parts = [
+        &bootctl_part,
+        &boot_part,
+        &boot_part,
+        &data.models_part,
+        &data.data_part,
+    ];
+    let out_dir = crate::paths::target_dir().join("images");
+    std::fs::create_dir_all(&out_dir)?;
+    let disk = run.run(steps::disk_image(&ctx, &out_dir, &layout, parts, &blobs)?)?;
+    if let Some(b) = &system.uboot {
+        loader_outputs(&mut run, &ctx, b, &layout, disk.path(), &out_dir)?;
+    }
+    let bmap = run.run(steps::bmap(&disk))?;
+    let manifest = run.run(steps::manifest_file(
+        &out_dir,
+        manifest,
+        &disk,
+        parts,
+        layout.total_size,
+    )?)?;
+    run.run(steps::sboms(&manifest, &ctx.board.name)?)?;
+
+    run.summary();
+    Ok(Built {
+        sha256: steps::image_sha256(&disk)?,
+        manifest_sha256: steps::boot_manifest_sha256(&manifest)?,
+        image: disk.path().to_path_buf(),
+        bmap: bmap.path().to_path_buf(),
+        manifest: manifest.path().to_path_buf(),
+        size: layout.total_size,
+        initramfs_size: std::fs::metadata(system.initramfs.path())?.len(),
+        seconds: run.elapsed(),
+        steps: run.done.len(),
+        reused: run.reused(),
+        boot_fs: boot_part.path().to_path_buf(),
+        models_slot: data.models_part.path().to_path_buf(),
+        commit: ctx.commit.clone(),
+    })
+}
+
+/// The board, its keys, the commit, every pinned input and the tools root, checked before any
+/// work; the models named; the context every step reads.
+fn prepare(args: &Args) -> Result<(Runner, steps::Ctx, Vec<steps::Model>)> {
     let board = Board::load(&args.board)?;
     updates::check_keys(&board, args.dev_keys)?;
     let commit = commit_info(&board)?;
     let work = crate::paths::target_dir()
         .join("kiln/image")
         .join(&board.name);
-    let mut run = Runner::new(&work.join("keys"))?;
+    let run = Runner::new(&work.join("keys"))?;
     run.say(&format!(
         "board {}, commit {}{}, SOURCE_DATE_EPOCH={}",
         board.name,
@@ -222,98 +278,85 @@ pub fn build(args: &Args) -> Result<Built> {
         inputs,
         work,
     };
+    Ok((run, ctx, models))
+}
 
-    let System {
-        kernel,
-        uboot,
-        runtime,
-        board_toml,
-        updates_tree,
-        modules,
-        initramfs,
-    } = system(&mut run, &ctx)?;
+/// What the card holds beside the system: the self-check's fixtures, the models partition (a
+/// self-describing models slot), the models' known NLL answers and the data partition.
+struct DataSide {
+    fixture: Vec<u8>,
+    llama: Vec<u8>,
+    models_part: runner::Product,
+    nll: runner::Product,
+    data_part: runner::Product,
+}
+
+fn data_side(run: &mut Runner, ctx: &steps::Ctx, models: &[steps::Model]) -> Result<DataSide> {
     let fixture = fixture::gguf().context("writing the self-check fixture")?;
     let llama = kiln_runtime::model::fixture::gguf().context("writing the llama fixture")?;
-    let models_part = run.run(steps::models_partition(&ctx, &models, &fixture, &llama))?;
-    let nll = run.run(steps::known_answers_nll(&ctx, &models, &llama)?)?;
-    let data_part = run.run(steps::data_partition(&ctx))?;
-    let layout = steps::layout(&ctx, &models_part)?;
-    let blobs = steps::blobs(&ctx, uboot.as_ref())?;
-    let licences = run.run(steps::licences(&ctx))?;
-    let texts = run.run(steps::licence_texts(&ctx, &runtime)?)?;
-    if updates::keyring(&ctx)?.1 {
+    let models_part = run.run(steps::models_partition(ctx, models, &fixture, &llama))?;
+    let nll = run.run(steps::known_answers_nll(ctx, models, &llama)?)?;
+    let data_part = run.run(steps::data_partition(ctx))?;
+    Ok(DataSide {
+        fixture,
+        llama,
+        models_part,
+        nll,
+        data_part,
+    })
+}
+
+/// The boot slot's file system: the system's files, the licences, the manifest with every known
+/// answer and the models' verity parameters, the SBOMs made from it. Returns the manifest (to
+/// be completed with the disk) and the partition.
+fn boot_slot(
+    run: &mut Runner,
+    ctx: &steps::Ctx,
+    models: &[steps::Model],
+    sys: &System,
+    data: &DataSide,
+    layout: &layout::Layout,
+    blobs: &[steps::Blob],
+) -> Result<(serde_json::Value, runner::Product)> {
+    let licences = run.run(steps::licences(ctx))?;
+    let texts = run.run(steps::licence_texts(ctx, &sys.runtime)?)?;
+    if updates::keyring(ctx)?.1 {
         run.say(&format!("WARNING: {}", updates::DEV_WARNING));
     }
-    let mut boot_files = steps::boot_files(&ctx, &kernel, &initramfs, &updates_tree)?;
+    let mut boot_files = steps::boot_files(ctx, &sys.kernel, &sys.initramfs, &sys.updates_tree)?;
     boot_files.extend(steps::licence_files(&texts)?);
     let mut manifest = steps::manifest(
-        &ctx,
+        ctx,
         &steps::ManifestOf {
-            models: &models,
-            fixture: &fixture,
-            kernel: &kernel,
-            runtime: &runtime,
-            layout: &layout,
-            blobs: &blobs,
-            bootloader: uboot.as_ref(),
-            initramfs: &initramfs,
+            models,
+            fixture: &data.fixture,
+            kernel: &sys.kernel,
+            runtime: &sys.runtime,
+            layout,
+            blobs,
+            bootloader: sys.uboot.as_ref(),
+            initramfs: &sys.initramfs,
             boot_files: &boot_files,
-            board_toml: &board_toml,
-            modules: modules.as_ref(),
+            board_toml: &sys.board_toml,
+            modules: sys.modules.as_ref(),
             licences: &licences,
         },
     )?;
     let fixtures = [
-        (fixture::FILE_NAME, fixture.as_slice()),
-        (kiln_runtime::model::fixture::FILE_NAME, llama.as_slice()),
+        (fixture::FILE_NAME, data.fixture.as_slice()),
+        (
+            kiln_runtime::model::fixture::FILE_NAME,
+            data.llama.as_slice(),
+        ),
     ];
-    let known_matmul = run.run(known::matmul_step(&ctx, &models, &fixtures))?;
+    let known_matmul = run.run(known::matmul_step(ctx, models, &fixtures))?;
     known::add_matmul(&mut manifest, &known_matmul)?;
-    steps::manifest_known_answers_nll(&mut manifest, &nll, &llama)?;
-    steps::manifest_models_verity(&mut manifest, &models_part)?;
+    steps::manifest_known_answers_nll(&mut manifest, &data.nll, &data.llama)?;
+    steps::manifest_models_verity(&mut manifest, &data.models_part)?;
     // Last: the SBOMs on the card are made from the manifest as it is complete, then listed in it.
     boot_files.extend(steps::card_sboms(&mut manifest)?);
-    let boot_part = run.run(steps::boot_partition(&ctx, boot_files, &manifest)?)?;
-    let bootctl_part = run.run(steps::bootctl_partition(&ctx)?)?;
-    // Both slots hold the same system: the same file system image, byte for byte.
-    let parts = [
-        &bootctl_part,
-        &boot_part,
-        &boot_part,
-        &models_part,
-        &data_part,
-    ];
-    let out_dir = crate::paths::target_dir().join("images");
-    std::fs::create_dir_all(&out_dir)?;
-    let disk = run.run(steps::disk_image(&ctx, &out_dir, &layout, parts, &blobs)?)?;
-    if let Some(b) = &uboot {
-        loader_outputs(&mut run, &ctx, b, &layout, disk.path(), &out_dir)?;
-    }
-    let bmap = run.run(steps::bmap(&disk))?;
-    let manifest = run.run(steps::manifest_file(
-        &out_dir,
-        manifest,
-        &disk,
-        parts,
-        layout.total_size,
-    )?)?;
-    run.run(steps::sboms(&manifest, &ctx.board.name)?)?;
-
-    run.summary();
-    Ok(Built {
-        sha256: steps::image_sha256(&disk)?,
-        manifest_sha256: steps::boot_manifest_sha256(&manifest)?,
-        image: disk.path().to_path_buf(),
-        bmap: bmap.path().to_path_buf(),
-        manifest: manifest.path().to_path_buf(),
-        size: layout.total_size,
-        initramfs_size: std::fs::metadata(initramfs.path())?.len(),
-        seconds: run.elapsed(),
-        steps: run.done.len(),
-        reused: run.reused(),
-        boot_fs: boot_part.path().to_path_buf(),
-        commit: ctx.commit.clone(),
-    })
+    let boot_part = run.run(steps::boot_partition(ctx, boot_files, &manifest)?)?;
+    Ok((manifest, boot_part))
 }
 
 /// What the boot partition's system is made of.
