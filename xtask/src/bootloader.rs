@@ -4,8 +4,8 @@
 //! `ROCKCHIP_TPL=`, inside the tools root ([`crate::tools_root`]), with `SOURCE_DATE_EPOCH` fixed
 //! (U-Boot's version string and mkimage's FIT timestamps take it) so two builds give the same
 //! bytes. binman writes `u-boot-rockchip.bin` (for LBA 64 of an SD/eMMC) and
-//! `u-boot-rockchip-spi.bin` (for the SPI NOR). Cached under `target/kiln/u-boot/<key>` by the
-//! hash of every input, like the kernel.
+//! `u-boot-rockchip-spi.bin` (for the SPI NOR). Built in `target/kiln/u-boot/`, kept in
+//! `~/.cache/kiln/u-boot/<key>` by the hash of every input, like the kernel.
 
 use crate::pins::Sha256;
 use crate::tools_root::ToolsRoot;
@@ -84,8 +84,17 @@ impl BootloaderOut {
     }
 }
 
+/// Where the source is unpacked and built: `target/kiln/u-boot/`.
 fn root() -> PathBuf {
     crate::paths::target_dir().join("kiln/u-boot")
+}
+
+/// Where finished builds are kept, by key: the user's cache (`~/.cache/kiln/u-boot/<key>`), as
+/// the kernel's are, so that a new checkout of the same inputs (the key holds every one, the
+/// recipe's commit time among them) does not build U-Boot again; an entry is re-hashed before
+/// it is used, and the `u-boot` stage still builds it once more from scratch and compares.
+fn outputs_root() -> Result<PathBuf> {
+    Ok(crate::paths::user_cache()?.join("u-boot"))
 }
 
 /// The key of a build: every input that can change its bytes.
@@ -205,7 +214,7 @@ pub fn build(
     fresh: bool,
 ) -> Result<BootloaderOut> {
     let key = build_key(spec, inputs, epoch, &tools.key);
-    let out_dir = root().join(key.short());
+    let out_dir = outputs_root()?.join(key.short());
     if !fresh {
         if let Some(b) = load_cached(&out_dir, &key)? {
             println!(
@@ -284,11 +293,11 @@ pub fn build(
     let version = version_string(&std::fs::read(obj.join(PRODUCTS[0]))?)
         .context("U-Boot's version string is not in u-boot-rockchip.bin")?;
     let secs = t0.elapsed().as_secs_f64();
-    let tmp = root().join(format!(".{}.tmp", key.short()));
+    let tmp = outputs_root()?.join(format!(".{}.tmp{}", key.short(), std::process::id()));
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp)?;
     }
-    std::fs::create_dir_all(&tmp)?;
+    std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
     let mut products = Vec::new();
     for p in PRODUCTS {
         let from = obj.join(p);
