@@ -333,7 +333,7 @@ fn build_standins(target: Option<&str>) -> Result<(PathBuf, PathBuf)> {
 }
 
 /// The runtime's tests as aarch64 code under qemu-user, on a CPU with dotprod (cortex-a76, what
-/// RK3588's big cores are: every test) and one without (cortex-a72: the CPU backend's tests and
+/// RK3588's big cores are: every test but [`HOST_REFERENCE_TESTS`]) and one without (cortex-a72: the CPU backend's tests and
 /// the architecture check, which is what differs there), so both kernels of the CPU backend run.
 fn aarch64_tests(cpu: &str, dotprod: bool) -> Result<()> {
     doctor::ensure(&[&doctor::QEMU_USER, &doctor::AARCH64_SYSROOT])?;
@@ -341,10 +341,12 @@ fn aarch64_tests(cpu: &str, dotprod: bool) -> Result<()> {
     let sh = crate::paths::shell()?;
     let runner = format!("qemu-aarch64-static -cpu {cpu} -L {}", doctor::SYSROOT);
     let (standin, abi1) = build_standins(Some(doctor::AARCH64))?;
-    let only: &[&str] = if dotprod {
-        &[]
+    let targets = if dotprod {
+        aarch64_test_targets()?
     } else {
-        &["--lib", "--", "backend::cpu", "arch_tests"]
+        ["--lib", "--", "backend::cpu", "arch_tests"]
+            .map(String::from)
+            .to_vec()
     };
     tc.cargo(&sh)
         .args([
@@ -362,9 +364,51 @@ fn aarch64_tests(cpu: &str, dotprod: bool) -> Result<()> {
         .env("KILN_EXPECT_DOTPROD", if dotprod { "1" } else { "0" })
         .env("KILN_RKNN_STANDIN", standin)
         .env("KILN_RKNN_STANDIN_ABI1", abi1)
-        .args(only)
+        .args(targets)
         .run()
         .with_context(|| format!("aarch64 tests under qemu-aarch64-static -cpu {cpu}"))
+}
+
+/// The runtime's test files whose every test needs an x86 reference (llama.cpp, gguf-py, the
+/// openai client, hawkbit_mock) and is `#[ignore]`d or x86-only: built for aarch64 they would
+/// run nothing, and each is a link of the whole runtime. Their stages run them on the host.
+const HOST_REFERENCE_TESTS: &[&str] = &[
+    "fleet_ddi",
+    "gguf_reference",
+    "llama_cpp_model",
+    "llama_cpp_tokenize",
+    "serve_openai",
+];
+
+/// `cargo test` target flags for the aarch64 run: the library, the binaries and every file of
+/// `runtime/tests/` but [`HOST_REFERENCE_TESTS`] (a new test file runs under qemu-user unless
+/// it is added there).
+fn aarch64_test_targets() -> Result<Vec<String>> {
+    let dir = crate::paths::project_root().join("runtime/tests");
+    let mut names = Vec::new();
+    for e in std::fs::read_dir(&dir).with_context(|| format!("listing {}", dir.display()))? {
+        let p = e?.path();
+        if p.extension().is_some_and(|x| x == "rs") {
+            if let Some(n) = p.file_stem().and_then(|n| n.to_str()) {
+                if !HOST_REFERENCE_TESTS.contains(&n) {
+                    names.push(n.to_string());
+                }
+            }
+        }
+    }
+    for n in HOST_REFERENCE_TESTS {
+        ensure!(
+            dir.join(format!("{n}.rs")).is_file(),
+            "HOST_REFERENCE_TESTS names {n}, which runtime/tests/ no longer has"
+        );
+    }
+    names.sort();
+    let mut args: Vec<String> = vec!["--lib".into(), "--bins".into()];
+    for n in names {
+        args.push("--test".into());
+        args.push(n);
+    }
+    Ok(args)
 }
 
 fn boot_args(inject: Option<&str>) -> crate::boot_test::Args {
