@@ -423,6 +423,15 @@ impl Background {
         let child = c
             .spawn()
             .with_context(|| format!("starting {} test --fresh-machine-root", exe.display()))?;
+        // Ctrl-C (or a TERM) reaches the foreground's process group only: the background group
+        // is killed by hand before this process goes the way the signal says.
+        BACKGROUND_GROUP.store(child.id() as i32, std::sync::atomic::Ordering::SeqCst);
+        for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+            // SAFETY: the handler only calls async-signal-safe functions.
+            unsafe {
+                libc::signal(sig, on_signal as *const () as libc::sighandler_t);
+            }
+        }
         println!(
             "fresh-machine: the root's half started in the background (pid {}, nice 19, idle I/O), \
              output in {}",
@@ -465,6 +474,7 @@ impl Background {
             }
             std::thread::sleep(std::time::Duration::from_secs(1));
         };
+        restore_signals();
         println!(
             "fresh-machine: the root's half ended after {:.0} s in all, {:.0} s of it waited for \
              here: {status}",
@@ -481,8 +491,36 @@ impl Background {
     }
 }
 
+/// The background child's process group, for [`on_signal`]; 0 when there is none.
+static BACKGROUND_GROUP: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
+/// Kill the background group, then take the signal's default action (end this process).
+extern "C" fn on_signal(sig: libc::c_int) {
+    let g = BACKGROUND_GROUP.load(std::sync::atomic::Ordering::SeqCst);
+    // SAFETY: kill, signal and raise are async-signal-safe.
+    unsafe {
+        if g > 0 {
+            libc::kill(-g, libc::SIGKILL);
+        }
+        libc::signal(sig, libc::SIG_DFL);
+        libc::raise(sig);
+    }
+}
+
+/// The signals' default actions back, once no background group is left.
+fn restore_signals() {
+    BACKGROUND_GROUP.store(0, std::sync::atomic::Ordering::SeqCst);
+    for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+        // SAFETY: restoring the default disposition.
+        unsafe {
+            libc::signal(sig, libc::SIG_DFL);
+        }
+    }
+}
+
 impl Drop for Background {
     fn drop(&mut self) {
+        restore_signals();
         if let Some(mut child) = self.child.take() {
             // SAFETY: kill has no memory preconditions; the group is the child's own.
             unsafe { libc::kill(-(child.id() as libc::pid_t), libc::SIGKILL) };
