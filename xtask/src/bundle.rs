@@ -271,7 +271,7 @@ exit 0
 /// one at `dst`: the same erofs and hash tree, the same `kiln-models.json` bytes, its detached
 /// CMS signature by `cert`/`key` after it, the footer at the end; padded to whole MiB. The
 /// signature is checked against `keyring` (what the board trusts) before anything ships.
-pub fn signed_models_slot(
+fn signed_models_slot(
     src: &Path,
     dst: &Path,
     cert: &Path,
