@@ -448,10 +448,6 @@ impl Background {
     /// Follow the child's output until it ends, then compare.
     pub fn finish(mut self) -> Result<()> {
         use std::io::{Read, Write};
-        let mut child = self
-            .child
-            .take()
-            .context("the background child was already taken")?;
         println!(
             "fresh-machine: the root's half has run for {:.0} s in the background; its output \
              ({}):",
@@ -463,13 +459,20 @@ impl Background {
             .with_context(|| format!("opening {}", self.log.display()))?;
         let mut buf = Vec::new();
         let mut stdout = std::io::stdout();
+        // The child stays in `self` until it has ended: an error here drops `self`, whose Drop
+        // kills the group rather than leaving it running.
         let status = loop {
-            let done = child.try_wait()?;
+            let done = self
+                .child
+                .as_mut()
+                .context("the background child was already taken")?
+                .try_wait()?;
             buf.clear();
             f.read_to_end(&mut buf)?;
             stdout.write_all(&buf)?;
             stdout.flush()?;
             if let Some(s) = done {
+                self.child = None;
                 break s;
             }
             std::thread::sleep(std::time::Duration::from_secs(1));
