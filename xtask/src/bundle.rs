@@ -36,8 +36,8 @@ pub struct Args {
     /// models partition — the erofs of the `--model` files and the self-check's fixtures, its
     /// dm-verity hash tree and its `kiln-models.json` — with that JSON signed by the bundle's
     /// key (detached CMS, checked against the board's keyring here), as the image `models.img`
-    /// for the slot class `models`. Boards do not install it yet: their RAUC has no `models`
-    /// slot class until the card has the models slot pair (issue 38), and refuses it.
+    /// for the slot class `models`. A board installs it into its models slot not in use and maps
+    /// that slot at the next boot.
     #[arg(long)]
     pub models_slot: bool,
     /// A `compatible` other than the board's (for tests of RAUC's refusal).
@@ -254,16 +254,32 @@ fn break_image_hash(fs: &Path) -> Result<()> {
     replace_in_fat(fs, "kiln/manifest.json", &serde_json::to_vec_pretty(&m)?)
 }
 
-/// The install-check hook of a models bundle: RAUC's own `compatible` check, which a hook
-/// replaces. The check of the models format against the running system's comes with the board
-/// side of the models slots.
+/// The hook of a models bundle. `install-check`: RAUC's own `compatible` check, which a hook
+/// replaces (the check of the models format against the running system's comes with the
+/// signed trust path at boot). `slot-post-install`: the slot RAUC wrote (the models slot not in
+/// use: init lists only that one) is put first in `MODELS_ORDER` with one try, so the next boot
+/// maps it (`docs/models-slots.md`, decisions 4 and 5).
 const MODELS_HOOK: &str = r#"#!/bin/sh
 # kiln models bundle hook (made by cargo xtask bundle --models-slot: xtask/src/bundle.rs).
-[ "$1" = install-check ] || exit 0
-if [ "$RAUC_MF_COMPATIBLE" != "$RAUC_SYSTEM_COMPATIBLE" ]; then
-    echo "Compatible mismatch: Expected '$RAUC_SYSTEM_COMPATIBLE' but bundle manifest has '$RAUC_MF_COMPATIBLE'" >&2
-    exit 10
-fi
+case "$1" in
+    install-check)
+        if [ "$RAUC_MF_COMPATIBLE" != "$RAUC_SYSTEM_COMPATIBLE" ]; then
+            echo "Compatible mismatch: Expected '$RAUC_SYSTEM_COMPATIBLE' but bundle manifest has '$RAUC_MF_COMPATIBLE'" >&2
+            exit 10
+        fi
+        ;;
+    slot-post-install)
+        case "$RAUC_SLOT_DEVICE" in
+            */models_a) s=A ;;
+            */models_b) s=B ;;
+            *)
+                echo "kiln: RAUC wrote $RAUC_SLOT_DEVICE, which is neither models_a nor models_b" >&2
+                exit 1
+                ;;
+        esac
+        kiln slot --class models mark-active "$s" >&2 || exit 1
+        ;;
+esac
 exit 0
 "#;
 
@@ -449,7 +465,12 @@ pub fn make(args: &Args) -> Result<Bundle> {
          hooks=install-check\n\
          \n\
          [image.{slot_class}]\n\
-         filename={payload_name}\n",
+         filename={payload_name}\n{image_hooks}",
+        image_hooks = if args.models_slot {
+            "hooks=post-install\n"
+        } else {
+            ""
+        },
         board = args.image.board,
         commit = commit.hash,
         epoch = commit.epoch,

@@ -329,7 +329,7 @@ pub const APPLETS: &[(&str, &[&str])] = &[
 ];
 
 /// Folders the system mounts things on: `/bootctl` (p1), `/boot` (the booted slot, p2 or p3),
-/// `/models` (p4), `/data` (p5).
+/// `/models` (the mapped models slot, p4 or p5), `/data` (p6).
 pub const MOUNTPOINTS: &[&str] = &[
     "dev", "proc", "sys", "tmp", "run", "root", "mnt", "boot", "bootctl", "models", "data",
 ];

@@ -1570,7 +1570,7 @@ fn boot_qemu_faults(_: &Args) -> Result<()> {
             .cloned()
             .with_context(|| format!("{} has no partition {name}", image.display()))
     };
-    let (boot, models) = (part("boot_a")?, part("models")?);
+    let (boot, models) = (part("boot_a")?, part("models_a")?);
     let (_, manifest) = card_manifest(&image, &boot)?;
     let boot_copy = |name: &str, edit: &dyn Fn(&std::path::Path) -> Result<()>| -> Result<_> {
         let copy = dir.join(format!("{name}.img"));

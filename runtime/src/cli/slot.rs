@@ -1,10 +1,11 @@
-//! `kiln slot`: the A/B boot slots' counters in `kiln/abstate.env` (RAUC's U-Boot contract):
-//! `status`, and `mark-good|mark-bad|mark-active [SLOT]` as `rauc status mark-*` would edit them.
-//! The logic is `kiln_runtime::slot`.
+//! `kiln slot`: the A/B slots' counters in `kiln/abstate.env` (RAUC's U-Boot contract):
+//! `status`, and `mark-good|mark-bad|mark-active [SLOT]` as `rauc status mark-*` would edit them,
+//! for the boot slots or (`--class models`) the models slots; `models-primary`, the models slot
+//! init maps. The logic is `kiln_runtime::slot`.
 
 use anyhow::{bail, Context};
 use kiln_runtime::slot::status::{self, Mark};
-use kiln_runtime::slot::{Slot, ENV_PATH};
+use kiln_runtime::slot::{Class, Slot, ENV_PATH};
 use std::path::{Path, PathBuf};
 
 #[derive(clap::Args)]
@@ -17,6 +18,11 @@ pub struct Args {
     /// Where the booted slot (`rauc.slot=`) is read from.
     #[arg(long, global = true, default_value = "/proc/cmdline")]
     cmdline: PathBuf,
+    /// Which pair the marks edit: `boot` (BOOT_ORDER, BOOT_x_LEFT, read by U-Boot) or `models`
+    /// (MODELS_ORDER, MODELS_x_LEFT, read by init; `mark-active` gives the slot one try, and
+    /// the slot must be named A or B).
+    #[arg(long, global = true, default_value = "boot", value_parser = ["boot", "models"])]
+    class: String,
 }
 
 #[derive(clap::Subcommand)]
@@ -34,6 +40,13 @@ enum Cmd {
     MarkBad(MarkArgs),
     /// First in BOOT_ORDER, tries left = 3 (RAUC's boot-attempts-primary).
     MarkActive(MarkArgs),
+    /// The models slot init maps (A or B) on stdout, and why on stderr: the first in
+    /// MODELS_ORDER with tries left; the factory slot A when the file is missing or damaged.
+    ModelsPrimary,
+    /// What init runs before it maps a models slot: the slot (A or B) on stdout, its try
+    /// counted down and written first; why on stderr. The factory slot A, nothing written, when
+    /// the file is missing or damaged or no models slot has tries left.
+    ModelsTake,
 }
 
 #[derive(clap::Args)]
@@ -86,17 +99,48 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         Cmd::MarkGood(ma) => (Mark::Good, ma),
         Cmd::MarkBad(ma) => (Mark::Bad, ma),
         Cmd::MarkActive(ma) => (Mark::Active, ma),
+        Cmd::ModelsPrimary | Cmd::ModelsTake => {
+            let (s, why) = if matches!(a.cmd, Cmd::ModelsTake) {
+                status::models_take(&a.env)
+            } else {
+                status::models_primary(&a.env)
+            };
+            eprintln!("kiln slot: models slot {} ({why})", s.name());
+            return super::print_all(&format!("{}\n", s.name()));
+        }
     };
-    let slot = resolve(ma.slot.as_deref(), &a.cmdline)?;
-    let (before, after) = status::mark(&a.env, m, slot, ma.reset)?;
+    let class = if a.class == "models" {
+        Class::Models
+    } else {
+        Class::Boot
+    };
+    let slot = match (class, ma.slot.as_deref()) {
+        (Class::Boot, s) => resolve(s, &a.cmdline)?,
+        (Class::Models, Some(s @ ("A" | "B"))) => Slot::parse(s)?,
+        (Class::Models, s) => bail!(
+            "models slot {}: name it A or B (the booted slot names a boot slot)",
+            s.unwrap_or("(none)")
+        ),
+    };
+    let (before, after) = status::mark_class(&a.env, class, m, slot, ma.reset)?;
     let from = match &before {
-        Some(st) => st.describe(),
+        Some(st) if class == Class::Boot => st.describe(),
+        Some(st) => st.describe_of(class),
         None => "a damaged or missing file, reset to the initial state".into(),
     };
     super::print_all(&format!(
-        "kiln slot: {} slot {}: {} (was {from})\n",
+        "kiln slot: {}{} slot {}: {} (was {from})\n",
         m.name(),
+        if class == Class::Models {
+            " models"
+        } else {
+            ""
+        },
         slot.name(),
-        after.describe()
+        if class == Class::Boot {
+            after.describe()
+        } else {
+            after.describe_of(class)
+        }
     ))
 }

@@ -23,6 +23,9 @@ use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::Path;
 use std::process::{Command, Stdio};
 
+/// The GPT names of the models slot pair, slot `A` then `B` (p4, p5).
+pub const PARTITIONS: [&str; 2] = ["models_a", "models_b"];
+
 /// The footer's size: the slot's last 4 KiB (one verity block).
 pub const FOOTER_LEN: u64 = 4096;
 pub const MAGIC: &[u8; 16] = b"KILN-MODELS-SLOT";

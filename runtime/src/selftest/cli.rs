@@ -30,6 +30,10 @@ pub struct Args {
     /// is still good (init reboots), else `stay`.
     #[arg(long, requires = "slot_env")]
     pub slot_action: Option<PathBuf>,
+    /// With --slot-env: the models slot init mapped (A or B, `kiln slot models-take`); a PASS
+    /// marks it good too.
+    #[arg(long, requires = "slot_env", value_parser = ["A", "B"])]
+    pub models_slot: Option<String>,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -55,7 +59,12 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
     if let Some(env) = &a.slot_env {
         let cmdline = std::fs::read_to_string(a.root.join("proc/cmdline")).unwrap_or_default();
         let pass = report.verdict == crate::selftest::report::Verdict::Pass;
-        let d = crate::slot::judge(env, &cmdline, pass);
+        let models = a
+            .models_slot
+            .as_deref()
+            .map(crate::slot::Slot::parse)
+            .transpose()?;
+        let d = crate::slot::judge(env, &cmdline, pass, models);
         if let Some(f) = &a.slot_action {
             let what = match &d.reboot_into {
                 Some(s) => format!("reboot {s}\n"),

@@ -429,7 +429,8 @@ pub fn manifest(ctx: &Ctx) -> Outcome {
 }
 
 /// `/models` is mounted from the dm-verity mapping [`crate::verity::NAME`], whose live table
-/// (read from the kernel) is the manifest's `models_verity` over the partition named `models`,
+/// (read from the kernel) is the manifest's `models_verity` over a models slot (`models_a` or
+/// `models_b`),
 /// and whose status says no corrupted block was read.
 fn verity_mapping(ctx: &Ctx, manifest: &Path, models_dir: &Path) -> Result<Vec<String>, String> {
     use crate::verity;
@@ -447,7 +448,7 @@ fn verity_mapping(ctx: &Ctx, manifest: &Path, models_dir: &Path) -> Result<Vec<S
             verity::NAME
         ));
     }
-    // The one device beneath the mapping must be the GPT partition named `models`.
+    // The one device beneath the mapping must be one of the GPT partitions of the models slots.
     let slaves: Vec<String> =
         std::fs::read_dir(ctx.paths.sys.join(format!("dev/block/{dev}/slaves")))
             .map_err(|e| format!("{} beneath {dev}: {e}", verity::NAME))?
@@ -462,12 +463,18 @@ fn verity_mapping(ctx: &Ctx, manifest: &Path, models_dir: &Path) -> Result<Vec<S
         ));
     };
     let uevent = sys(format!("class/block/{part}/uevent")).unwrap_or_default();
-    if !uevent.lines().any(|l| l == "PARTNAME=models") {
+    let Some(slot_part) = uevent
+        .lines()
+        .filter_map(|l| l.strip_prefix("PARTNAME="))
+        .find(|n| crate::models_slot::PARTITIONS.contains(n))
+        .map(str::to_string)
+    else {
         return Err(format!(
-            "{} maps /dev/{part}, which is not the partition named models",
-            verity::NAME
+            "{} maps /dev/{part}, which is not a models slot (a partition named {})",
+            verity::NAME,
+            crate::models_slot::PARTITIONS.join(" or ")
         ));
-    }
+    };
     let part_dev = sys(format!("class/block/{part}/dev"))
         .map_err(|e| format!("/dev/{part}: {e}"))?
         .trim()
@@ -486,8 +493,9 @@ fn verity_mapping(ctx: &Ctx, manifest: &Path, models_dir: &Path) -> Result<Vec<S
         (Err(a), Err(b)) => return Err(format!("{a}; {b}")),
     };
     lines.push(format!(
-        "{mnt} mounted from {dev} ({}) over /dev/{part} (PARTNAME=models)",
-        verity::NAME
+        "{mnt} mounted from {dev} ({}) over /dev/{part} (PARTNAME={slot_part}: models slot {})",
+        verity::NAME,
+        slot_part.trim_start_matches("models_").to_uppercase()
     ));
     Ok(lines)
 }
@@ -689,7 +697,7 @@ mod tests {
     }
 
     /// With `models_verity` the models are not hashed: /models must be mounted from the
-    /// mapping `kiln-models` over the partition named models, whose live table the kernel
+    /// mapping `kiln-models` over a models slot's partition, whose live table the kernel
     /// gives; each way that falls short FAILs by name, and a listed model must be there.
     #[test]
     fn under_verity_the_mapping_is_checked_not_the_files() {
@@ -725,22 +733,22 @@ mod tests {
             format!("30 22 253:0 / {models} ro - erofs /dev/dm-0 ro\n"),
         );
         root.file("sys/dev/block/253:0/dm/name", "kiln-models\n");
-        root.file("sys/dev/block/253:0/slaves/vda5/dev", "254:5\n");
+        root.file("sys/dev/block/253:0/slaves/vda6/dev", "254:6\n");
         root.file(
-            "sys/class/block/vda5/uevent",
-            "MAJOR=254\nMINOR=5\nPARTNAME=data\n",
+            "sys/class/block/vda6/uevent",
+            "MAJOR=254\nMINOR=6\nPARTNAME=data\n",
         );
         let r = reason(&root);
         assert!(
-            r.contains("maps /dev/vda5, which is not the partition named models"),
+            r.contains("maps /dev/vda6, which is not a models slot (a partition named models_a or models_b)"),
             "{r}"
         );
         // The right partition: what is left is the kernel's table, which a file cannot give.
-        root.remove("sys/dev/block/253:0/slaves/vda5");
+        root.remove("sys/dev/block/253:0/slaves/vda6");
         root.file("sys/dev/block/253:0/slaves/vda4/dev", "254:4\n");
         root.file(
             "sys/class/block/vda4/uevent",
-            "MAJOR=254\nMINOR=4\nPARTNAME=models\n",
+            "MAJOR=254\nMINOR=4\nPARTNAME=models_a\n",
         );
         root.file("sys/class/block/vda4/dev", "254:4\n");
         root.file("dev/mapper/control", "");

@@ -259,6 +259,9 @@ impl Report {
                     .unwrap_or_default(),
                 if d.no_good_slot { "; NO GOOD SLOT" } else { "" }
             );
+            if let Some(m) = &d.models {
+                let _ = writeln!(s, "models: {m}");
+            }
         }
         let _ = writeln!(
             s,

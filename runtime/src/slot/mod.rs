@@ -374,6 +374,10 @@ pub struct Decision {
     pub reboot_into: Option<String>,
     /// Neither slot is good after the verdict.
     pub no_good_slot: bool,
+    /// The models slot init mapped (`--models-slot`), what the verdict did to it and the
+    /// models' counters after it; `null` when init named none.
+    #[serde(default)]
+    pub models: Option<String>,
 }
 
 impl State {
@@ -416,7 +420,12 @@ impl State {
 /// The self-check's verdict judges the booted slot (from `cmdline`): PASS marks it good (RAUC's
 /// mark-good, and [`LAST_GOOD`]), FAIL marks it bad (RAUC's mark-bad) and names the other slot
 /// to reboot into when that one is still good. The state is written with [`save`].
-pub fn judge(env_path: &std::path::Path, cmdline: &str, pass: bool) -> Decision {
+pub fn judge(
+    env_path: &std::path::Path,
+    cmdline: &str,
+    pass: bool,
+    models: Option<Slot>,
+) -> Decision {
     let mut d = Decision {
         booted: None,
         at_boot: None,
@@ -424,6 +433,7 @@ pub fn judge(env_path: &std::path::Path, cmdline: &str, pass: bool) -> Decision 
         action: String::new(),
         reboot_into: None,
         no_good_slot: false,
+        models: None,
     };
     let Some(booted) = Slot::from_cmdline(cmdline) else {
         d.action = "nothing marked: no rauc.slot= on the kernel command line (not booted through boot.scr)".into();
@@ -438,9 +448,16 @@ pub fn judge(env_path: &std::path::Path, cmdline: &str, pass: bool) -> Decision 
         }
     };
     d.at_boot = Some(st.describe());
+    // The models slot init mapped took a try before it was mapped: a PASS gives it back its
+    // tries (marked good) in the same write; a FAIL leaves it spent, so a freshly installed
+    // models slot (one try) is not mapped again (docs/models-slots.md, decision 4).
     let marked = if pass {
         st.mark_good(booted)
             .map(|_| st.env.set(LAST_GOOD, booted.name()))
+            .and_then(|_| match models {
+                Some(m) => st.mark_good_of(Class::Models, m),
+                None => Ok(()),
+            })
     } else {
         st.mark_bad(booted)
     };
@@ -469,6 +486,18 @@ pub fn judge(env_path: &std::path::Path, cmdline: &str, pass: bool) -> Decision 
     };
     d.action = if pass { "marked good" } else { "marked bad" }.into();
     d.after = Some(st.describe());
+    d.models = models.map(|m| {
+        format!(
+            "models slot {}: {} ({})",
+            m.name(),
+            if pass {
+                "marked good"
+            } else {
+                "not marked good: the try it took at boot stays spent"
+            },
+            st.describe_of(Class::Models)
+        )
+    });
     let other = booted.other();
     let other_good = st.is_good(other).unwrap_or(false);
     d.no_good_slot = !st.is_good(booted).unwrap_or(false) && !other_good;
@@ -487,22 +516,52 @@ mod judge_tests {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("abstate.env");
         store::save(&State::initial(), &p).unwrap();
-        let d = judge(&p, "console=x rauc.slot=A", true);
+        let d = judge(&p, "console=x rauc.slot=A", true, None);
         assert_eq!(d.action, "marked good");
+        assert_eq!(d.models, None);
         assert_eq!(load(&p).unwrap().env.get(LAST_GOOD), Some("A"));
-        let d = judge(&p, "rauc.slot=B", false);
+        let d = judge(&p, "rauc.slot=B", false, None);
         assert_eq!(
             (d.action.as_str(), d.reboot_into.as_deref()),
             ("marked bad", Some("A"))
         );
         assert_eq!(load(&p).unwrap().order().unwrap(), vec![Slot::A]);
-        let d = judge(&p, "rauc.slot=A", false);
+        let d = judge(&p, "rauc.slot=A", false, None);
         assert!(d.no_good_slot && d.reboot_into.is_none(), "{d:?}");
-        let d = judge(&p, "no slot", true);
+        let d = judge(&p, "no slot", true, None);
         assert!(d.action.contains("rauc.slot"));
         std::fs::write(&p, b"garbage").unwrap();
-        let d = judge(&p, "rauc.slot=A", true);
+        let d = judge(&p, "rauc.slot=A", true, None);
         assert!(d.action.starts_with("nothing marked"), "{d:?}");
         assert!(!dir.path().join("abstate.env.new").exists());
+    }
+
+    /// A models slot installed with one try, taken at boot: a PASS marks it good (3 tries) with
+    /// the boot slot; a FAIL leaves its try spent, so the next boot maps the other one.
+    #[test]
+    fn the_verdict_marks_the_mapped_models_slot() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("abstate.env");
+        let mut st = State::initial();
+        st.mark_active_with(Class::Models, Slot::B, 1).unwrap();
+        assert_eq!(st.take_try_of(Class::Models).unwrap(), Some(Slot::B));
+        store::save(&st, &p).unwrap();
+        let d = judge(&p, "rauc.slot=A", true, Some(Slot::B));
+        assert_eq!(
+            d.models.as_deref(),
+            Some("models slot B: marked good (MODELS_ORDER 'B A', A 3 left, B 3 left)")
+        );
+        let mut st = load(&p).unwrap();
+        st.mark_active_with(Class::Models, Slot::A, 1).unwrap();
+        assert_eq!(st.take_try_of(Class::Models).unwrap(), Some(Slot::A));
+        store::save(&st, &p).unwrap();
+        let d = judge(&p, "rauc.slot=A", false, Some(Slot::A));
+        assert!(
+            d.models.as_deref().unwrap().contains("stays spent"),
+            "{d:?}"
+        );
+        let st = load(&p).unwrap();
+        assert_eq!(st.left_of(Class::Models, Slot::A).unwrap(), 0);
+        assert_eq!(st.primary_of(Class::Models).unwrap(), Some(Slot::B));
     }
 }

@@ -8,7 +8,7 @@
 //! file; it never discards a readable state.
 
 use super::store::{self, Read};
-use super::{Slot, State};
+use super::{Class, Slot, State};
 use anyhow::{bail, Context, Result};
 use serde::Serialize;
 use std::fmt::Write as _;
@@ -24,10 +24,17 @@ pub enum Mark {
 
 impl Mark {
     pub fn apply(self, st: &mut State, s: Slot) -> Result<()> {
-        match self {
-            Mark::Good => st.mark_good(s),
-            Mark::Bad => st.mark_bad(s),
-            Mark::Active => st.mark_active(s),
+        self.apply_to(st, Class::Boot, s)
+    }
+
+    /// The mark on a slot of class `c`. `mark-active` of a models slot gives it one try, as a
+    /// freshly installed models slot gets (`docs/models-slots.md`, decision 4).
+    pub fn apply_to(self, st: &mut State, c: Class, s: Slot) -> Result<()> {
+        match (self, c) {
+            (Mark::Good, _) => st.mark_good_of(c, s),
+            (Mark::Bad, _) => st.mark_bad_of(c, s),
+            (Mark::Active, Class::Boot) => st.mark_active_of(c, s),
+            (Mark::Active, Class::Models) => st.mark_active_with(c, s, 1),
         }
     }
 
@@ -77,6 +84,10 @@ pub struct Status {
     pub no_good_slot: bool,
     /// A `<env>.new` is there: a write cut short before its rename (the next mark replaces it).
     pub stray_new: bool,
+    /// The models slots' counters (`MODELS_ORDER 'A', A 3 left, B 0 left`) and the one init
+    /// maps next; `null` for a damaged file.
+    pub models: Option<String>,
+    pub models_primary: Option<&'static str>,
 }
 
 /// Read `env` into a [`Status`]; `booted` as found by the caller.
@@ -90,6 +101,8 @@ pub fn status(env: &Path, booted: Option<Slot>) -> Result<Status> {
         slots: None,
         no_good_slot: false,
         stray_new: store::new_path(env).exists(),
+        models: None,
+        models_primary: None,
     };
     match store::read(env)? {
         Read::Damaged(e) => out.damaged = Some(format!("{e:#}")),
@@ -110,6 +123,8 @@ pub fn status(env: &Path, booted: Option<Slot>) -> Result<Status> {
             out.primary = st.primary()?.map(Slot::name);
             out.boot_order = Some(order.into_iter().map(Slot::name).collect());
             out.slots = Some(slots);
+            out.models = Some(st.describe_of(Class::Models));
+            out.models_primary = Some(models_primary(env).0.name());
         }
     }
     Ok(out)
@@ -154,6 +169,9 @@ impl Status {
             if self.no_good_slot {
                 let _ = writeln!(s, "no good slot");
             }
+            if let (Some(m), Some(p)) = (&self.models, self.models_primary) {
+                let _ = writeln!(s, "models      {m}; init maps {p} next");
+            }
         }
         if self.stray_new {
             let _ = writeln!(
@@ -170,6 +188,92 @@ impl Status {
 /// (`None` if `reset` stood in for it) and after. A damaged or missing file is refused unless
 /// `reset` (see the module's documentation).
 pub fn mark(env: &Path, m: Mark, slot: Slot, reset: bool) -> Result<(Option<State>, State)> {
+    mark_class(env, Class::Boot, m, slot, reset)
+}
+
+/// The models slot init maps (`docs/models-slots.md`, decision 4): the first in `MODELS_ORDER`
+/// with tries left, read without writing. A missing or damaged file, or no models slot with
+/// tries left, is the factory slot `A`, with why.
+pub fn models_primary(env: &Path) -> (Slot, String) {
+    match store::read(env) {
+        Ok(Read::State(st)) => match (st.primary_of(Class::Models), st.order_of(Class::Models)) {
+            (Ok(Some(s)), Ok(order)) => {
+                let names: Vec<&str> = order.iter().map(|s| s.name()).collect();
+                let left = st.left_of(Class::Models, s).unwrap_or(0);
+                (
+                    s,
+                    format!(
+                        "MODELS_ORDER \"{}\", slot {} has {left} tr{} left",
+                        names.join(" "),
+                        s.name(),
+                        if left == 1 { "y" } else { "ies" }
+                    ),
+                )
+            }
+            (Ok(None), _) => (
+                Slot::A,
+                "no models slot has tries left: the factory slot A".into(),
+            ),
+            (Err(e), _) | (_, Err(e)) => (
+                Slot::A,
+                format!("the models counters are unreadable ({e:#}): the factory slot A"),
+            ),
+        },
+        Ok(Read::Damaged(e)) => (Slot::A, format!("{e:#}: the factory slot A")),
+        Err(e) => (Slot::A, format!("{e:#}: the factory slot A")),
+    }
+}
+
+/// What init does before it maps a models slot (`docs/models-slots.md`, decision 4): the first
+/// in `MODELS_ORDER` with tries left, its try counted down and written **before** it is mapped,
+/// so a power cut or a hang while it is in use costs a try and never loops; the verdict's PASS
+/// gives the tries back ([`super::judge`]). The factory slot `A`, nothing written, when the file
+/// is missing or damaged or no models slot has tries left; `A` too when another slot's try
+/// cannot be written (mapping it uncounted could loop).
+pub fn models_take(env: &Path) -> (Slot, String) {
+    let mut st = match store::read(env) {
+        Ok(Read::State(st)) => st,
+        Ok(Read::Damaged(e)) => return (Slot::A, format!("{e:#}: the factory slot A")),
+        Err(e) => return (Slot::A, format!("{e:#}: the factory slot A")),
+    };
+    match st.take_try_of(Class::Models) {
+        Ok(Some(s)) => match store::with_writable(env, || store::save(&st, env)) {
+            Ok(()) => (
+                s,
+                format!("took its try: {}", st.describe_of(Class::Models)),
+            ),
+            Err(e) if s == Slot::A => (s, format!("its try could not be written ({e:#})")),
+            Err(e) => (
+                Slot::A,
+                format!(
+                    "slot {}'s try could not be written ({e:#}), so it is not mapped: the factory \
+                     slot A",
+                    s.name()
+                ),
+            ),
+        },
+        Ok(None) => (
+            Slot::A,
+            format!(
+                "no models slot has tries left ({}): the factory slot A, nothing written",
+                st.describe_of(Class::Models)
+            ),
+        ),
+        Err(e) => (
+            Slot::A,
+            format!("the models counters are unreadable ({e:#}): the factory slot A"),
+        ),
+    }
+}
+
+/// [`mark`] for a slot of class `c` (`kiln slot --class models mark-*`).
+pub fn mark_class(
+    env: &Path,
+    c: Class,
+    m: Mark,
+    slot: Slot,
+    reset: bool,
+) -> Result<(Option<State>, State)> {
     let before = match store::read(env) {
         Ok(Read::State(st)) => Some(st),
         Ok(Read::Damaged(_)) if reset => None,
@@ -196,7 +300,7 @@ pub fn mark(env: &Path, m: Mark, slot: Slot, reset: bool) -> Result<(Option<Stat
         Err(e) => return Err(e),
     };
     let mut after = before.clone().unwrap_or_else(State::initial);
-    m.apply(&mut after, slot)
+    m.apply_to(&mut after, c, slot)
         .with_context(|| format!("{}: {} slot {}", env.display(), m.name(), slot.name()))?;
     store::with_writable(env, || store::save(&after, env))?;
     Ok((before, after))
@@ -230,6 +334,10 @@ mod tests {
             h.contains("slot B      bad, 0 tries left, not in BOOT_ORDER"),
             "{h}"
         );
+        assert!(
+            h.contains("models      MODELS_ORDER 'A', A 3 left, B 0 left; init maps A next"),
+            "{h}"
+        );
     }
 
     #[test]
@@ -258,6 +366,81 @@ mod tests {
         // --reset keeps a readable state.
         let (before, _) = mark(&p, Mark::Good, Slot::A, true).unwrap();
         assert_eq!(before, Some(after));
+    }
+
+    /// The models slot init maps: the factory slot while nothing else is first, the installed
+    /// one once `mark-active` put it first, the factory one again once that is marked bad; and
+    /// `A` with why for a missing or damaged file.
+    #[test]
+    fn the_models_primary_follows_the_marks() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("abstate.env");
+        let (s, why) = models_primary(&p);
+        assert_eq!(s, Slot::A);
+        assert!(why.contains("factory slot A"), "{why}");
+        store::save(&State::initial(), &p).unwrap();
+        let (s, why) = models_primary(&p);
+        assert_eq!(
+            (s, why.as_str()),
+            (Slot::A, "MODELS_ORDER \"A\", slot A has 3 tries left")
+        );
+        let (_, after) = mark_class(&p, Class::Models, Mark::Active, Slot::B, false).unwrap();
+        assert_eq!(after.left_of(Class::Models, Slot::B).unwrap(), 1);
+        // The systems' counters are untouched by a models mark.
+        assert_eq!(after.order().unwrap(), vec![Slot::A, Slot::B]);
+        let (s, why) = models_primary(&p);
+        assert_eq!(
+            (s, why.as_str()),
+            (Slot::B, "MODELS_ORDER \"B A\", slot B has 1 try left")
+        );
+        mark_class(&p, Class::Models, Mark::Bad, Slot::B, false).unwrap();
+        assert_eq!(models_primary(&p).0, Slot::A);
+        let mut bytes = std::fs::read(&p).unwrap();
+        bytes[7] ^= 1;
+        std::fs::write(&p, &bytes).unwrap();
+        let (s, why) = models_primary(&p);
+        assert_eq!(s, Slot::A);
+        assert!(
+            why.contains("damaged") && why.contains("factory slot A"),
+            "{why}"
+        );
+    }
+
+    /// init's take: the try is written before the slot is mapped; with none left, the factory
+    /// slot and nothing written.
+    #[test]
+    fn the_models_take_counts_down_before_mapping() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("abstate.env");
+        assert_eq!(models_take(&p).0, Slot::A);
+        assert!(!p.exists(), "a missing file is not created by a take");
+        store::save(&State::initial(), &p).unwrap();
+        let (s, why) = models_take(&p);
+        assert_eq!(
+            (s, why.as_str()),
+            (
+                Slot::A,
+                "took its try: MODELS_ORDER 'A', A 2 left, B 0 left"
+            )
+        );
+        mark_class(&p, Class::Models, Mark::Active, Slot::B, false).unwrap();
+        let (s, why) = models_take(&p);
+        assert_eq!(
+            (s, why.as_str()),
+            (
+                Slot::B,
+                "took its try: MODELS_ORDER 'B A', A 2 left, B 0 left"
+            )
+        );
+        // B's one try is spent (its boot never passed): A again, then A's last tries, then the
+        // factory slot with nothing written.
+        assert_eq!(models_take(&p).0, Slot::A);
+        assert_eq!(models_take(&p).0, Slot::A);
+        let bytes = std::fs::read(&p).unwrap();
+        let (s, why) = models_take(&p);
+        assert_eq!(s, Slot::A);
+        assert!(why.contains("nothing written"), "{why}");
+        assert_eq!(std::fs::read(&p).unwrap(), bytes);
     }
 
     #[test]

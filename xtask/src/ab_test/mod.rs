@@ -585,6 +585,10 @@ fn update_disk(dir: &Path) -> Result<PathBuf> {
     ))?;
     make("other-board.raucb", None, Some("kiln-rock-5b"), &[])?;
     crate::bundle::make(&crate::bundle::Args {
+        models_slot: true,
+        ..crate::bundle::Args::qemu_virt(None, bundles.join("models.raucb"), None)
+    })?;
+    crate::bundle::make(&crate::bundle::Args {
         needs_verity_root: Some("0".repeat(64)),
         ..crate::bundle::Args::qemu_virt(None, bundles.join("other-models-root.raucb"), None)
     })?;
@@ -617,6 +621,7 @@ fn update_disk(dir: &Path) -> Result<PathBuf> {
     std::fs::write(bundles.join("flipped-sig.raucb"), &sig)?;
     let files: Vec<(String, PathBuf)> = [
         "v2.raucb",
+        "models.raucb",
         "other-key.raucb",
         "revoked.raucb",
         "other-board.raucb",
@@ -639,6 +644,81 @@ fn update_disk(dir: &Path) -> Result<PathBuf> {
         Some(&tools),
     )?;
     Ok(disk)
+}
+
+/// A models bundle (`models.raucb`: this image's models slot, its `kiln-models.json` signed by
+/// the development key) installed by `rauc install` on B: RAUC writes the models slot not in use
+/// (`models_b`, the only one init lists), its hook puts it first in `MODELS_ORDER` with one try,
+/// and B boots again with `/models` mapped from `models_b` and passes; the other boot slot and
+/// the factory models slot are untouched. Then `models_b` marked bad: the next boot maps `models_a`
+/// again (said by that boot, the next scenario's).
+fn models_update(m: &Machine, ub: &Path) -> Result<()> {
+    use kiln_runtime::slot::Class;
+    // (B, booted, gets its new reports.)
+    let before = [m.part_sha("boot_a")?, m.part_sha("models_a")?];
+    let c = m.chain_with("2-models", None, Some((ub, "models.raucb")))?;
+    expect(
+        &c,
+        "a models bundle installed by `rauc install` on B",
+        &[("B", Some("PASS")), ("B", Some("PASS"))],
+    )?;
+    ensure!(
+        c.console.contains("update: installed; rebooting into it"),
+        "the console does not say the models bundle was installed"
+    );
+    let second = c
+        .console
+        .split("update: installed; rebooting into it")
+        .nth(1)
+        .unwrap_or("");
+    ensure!(
+        second.contains(
+            "kiln slot: models slot B (took its try: MODELS_ORDER 'B A', A 3 left, B 0 left)"
+        ) && second.contains("models slot B) on /models"),
+        "after the models bundle, the boot did not map models_b: {}",
+        second
+            .lines()
+            .filter(|l| l.contains("models slot"))
+            .collect::<Vec<_>>()
+            .join(" | ")
+    );
+    ensure!(
+        [m.part_sha("boot_a")?, m.part_sha("models_a")?] == before,
+        "a models bundle changed boot_a or the factory models slot"
+    );
+    let st = m.state()?;
+    // The hook gave B one try, init took it, the PASS marked B good.
+    ensure!(
+        st.order_of(Class::Models)? == vec![Slot::B, Slot::A]
+            && st.left_of(Class::Models, Slot::B)? == 3,
+        "after the models bundle: {}, not MODELS_ORDER 'B A' with B marked good",
+        st.describe_of(Class::Models)
+    );
+    ensure!(
+        second.contains("models slot B: marked good"),
+        "the report of the boot on models_b does not say the verdict marked it good"
+    );
+    expect_state(m, "after the models bundle", "B A", 3, 3)?;
+    // What RAUC wrote is the bundle's slot: the factory JSON, now with its signature.
+    let dir = tempfile::tempdir_in(&m.dir)?;
+    let (fa, fb) = (dir.path().join("models_a"), dir.path().join("models_b"));
+    std::fs::write(&fa, m.read_part("models_a")?)?;
+    std::fs::write(&fb, m.read_part("models_b")?)?;
+    let (sa, sb) = (
+        kiln_runtime::models_slot::read(&fa)?.context("models_a holds no models slot")?,
+        kiln_runtime::models_slot::read(&fb)?
+            .context("models_b holds no models slot after the install")?,
+    );
+    ensure!(
+        sa.meta_sha256() == sb.meta_sha256() && sa.signature.is_empty() && !sb.signature.is_empty(),
+        "models_b is not the bundle's signed copy of the factory slot"
+    );
+    println!(
+        "ab-test: a models bundle: RAUC wrote models_b (signed kiln-models.json {}), B mapped it and passed; boot slots and models_a untouched",
+        &sb.meta_sha256()[..12]
+    );
+    edit_ab_state(&m.disk, &m.dir, |st| st.mark_bad_of(Class::Models, Slot::B))?;
+    Ok(())
 }
 
 /// `rauc status` on the board (printed by init under `kiln.mode=test`) reads the counters as
@@ -811,6 +891,8 @@ fn scenarios(m: &Machine, v2: &[u8], ub: &Path) -> Result<()> {
         "init did not say that none of the {n} bundles was installed"
     );
 
+    models_update(m, ub)?;
+
     // The updates tree on the booted slot with a flipped byte: the self-check does not read it
     // (nothing runs it before the verdict), so B still passes; init hashes it before mounting
     // it and refuses, so RAUC does not start and nothing is installed.
@@ -842,6 +924,10 @@ fn scenarios(m: &Machine, v2: &[u8], ub: &Path) -> Result<()> {
         "a flipped byte in kiln/updates.erofs: init did not refuse to mount it"
     );
     ensure!(m.part_sha("boot_a")? == a, "boot_a changed");
+    ensure!(
+        c.console.contains("models slot A) on /models"),
+        "models_b marked bad: the next boot did not map models_a again"
+    );
     expect_state(m, "after the flipped updates tree", "B A", 3, 3)?;
     println!("ab-test: a flipped byte in B's kiln/updates.erofs: init refused to mount it, no RAUC, nothing installed");
 

@@ -4,8 +4,10 @@
 //! the U-Boot environment store (QEMU 7.2 cannot keep a pflash environment the guest writes):
 //!
 //! 1. load `kiln/abstate.env` from p1 and `env import -c` only `BOOT_ORDER`, `BOOT_A_LEFT`,
-//!    `BOOT_B_LEFT` and `KILN_LAST_GOOD` (nothing on a FAT file may set `bootcmd` or
-//!    `bootargs`); a missing or damaged file (bad CRC) gives RAUC's defaults `A B`, 3, 3;
+//!    `BOOT_B_LEFT`, `KILN_LAST_GOOD` and the models slots' `MODELS_ORDER`, `MODELS_A_LEFT`,
+//!    `MODELS_B_LEFT` (which U-Boot only carries over: init reads them), nothing else (nothing
+//!    on a FAT file may set `bootcmd` or `bootargs`); a missing or damaged file (bad CRC) gives
+//!    RAUC's defaults `A B`, 3, 3;
 //! 2. take the first slot of `BOOT_ORDER` with tries left (`test 0x${BOOT_x_LEFT} -gt 0`);
 //! 3. decrement its counter *before* booting it and save the file (`env export -c` + `save`):
 //!    a chain of `test`s, not `setexpr`, which the rock-5b U-Boot lacks; a count above 9 becomes
@@ -43,9 +45,12 @@ pub fn script(append: &str, dtb: Option<&str>) -> String {
          setenv BOOT_A_LEFT\n\
          setenv BOOT_B_LEFT\n\
          setenv KILN_LAST_GOOD\n\
+         setenv MODELS_ORDER\n\
+         setenv MODELS_A_LEFT\n\
+         setenv MODELS_B_LEFT\n\
          setenv kiln_state ok\n\
          if load ${devtype} ${devnum}:1 ${kernel_addr_r} /kiln/abstate.env; then\n\
-         \x20 if env import -c ${kernel_addr_r} 0x4000 BOOT_ORDER BOOT_A_LEFT BOOT_B_LEFT KILN_LAST_GOOD; then\n\
+         \x20 if env import -c ${kernel_addr_r} 0x4000 BOOT_ORDER BOOT_A_LEFT BOOT_B_LEFT KILN_LAST_GOOD MODELS_ORDER MODELS_A_LEFT MODELS_B_LEFT; then\n\
          \x20   echo \"kiln-boot: abstate.env: BOOT_ORDER [${BOOT_ORDER}], A ${BOOT_A_LEFT} left, B ${BOOT_B_LEFT} left\"\n\
          \x20 else\n\
          \x20   setenv kiln_state damaged\n\
@@ -92,7 +97,7 @@ pub fn script(append: &str, dtb: Option<&str>) -> String {
     s.push_str(
         "  fi\n\
          \x20 echo \"kiln-boot: booting slot ${kiln_slot} (p${kiln_part}), BOOT_A_LEFT ${BOOT_A_LEFT}, BOOT_B_LEFT ${BOOT_B_LEFT}\"\n\
-         \x20 if env export -c -s 0x4000 ${kernel_addr_r} BOOT_ORDER BOOT_A_LEFT BOOT_B_LEFT KILN_LAST_GOOD && save ${devtype} ${devnum}:1 ${kernel_addr_r} /kiln/abstate.env 0x4000; then\n\
+         \x20 if env export -c -s 0x4000 ${kernel_addr_r} BOOT_ORDER BOOT_A_LEFT BOOT_B_LEFT KILN_LAST_GOOD MODELS_ORDER MODELS_A_LEFT MODELS_B_LEFT && save ${devtype} ${devnum}:1 ${kernel_addr_r} /kiln/abstate.env 0x4000; then\n\
          \x20   echo \"kiln-boot: counters saved\"\n\
          \x20 else\n\
          \x20   echo \"kiln-boot: WARNING: cannot save kiln/abstate.env: this try is not counted\"\n\

@@ -79,8 +79,8 @@ pub fn stage() -> Result<()> {
         .as_array()
         .context("manifest: no partitions")?;
     ensure!(
-        parts.len() == 5 && want.len() == 5,
-        "expected 5 partitions (bootctl, boot_a, boot_b, models, data), sfdisk lists {}",
+        parts.len() == 6 && want.len() == 6,
+        "expected 6 partitions (bootctl, boot_a, boot_b, models_a, models_b, data), sfdisk lists {}",
         parts.len()
     );
     let mut files = Vec::new();
@@ -139,11 +139,20 @@ pub fn stage() -> Result<()> {
     );
 
     ensure!(
-        files.len() == 5,
-        "{} partitions, 5 expected (bootctl, boot_a, boot_b, models, data)",
+        files.len() == 6,
+        "{} partitions, 6 expected (bootctl, boot_a, boot_b, models_a, models_b, data)",
         files.len()
     );
-    let (ctl, p1, slot_b, models, data) = (&files[0], &files[1], &files[2], &files[3], &files[4]);
+    let (ctl, p1, slot_b, models, models_b, data) = (
+        &files[0], &files[1], &files[2], &files[3], &files[4], &files[5],
+    );
+    // The second models slot holds no models: all zeros, so its footer says so.
+    ensure!(
+        kiln_runtime::models_slot::read(models_b)?.is_none()
+            && std::fs::metadata(models_b)?.len() == std::fs::metadata(models)?.len(),
+        "models_b is not an empty models slot the size of models_a"
+    );
+    println!("image-checks: models_b is empty and the size of models_a");
     for (p, what) in [(ctl, "bootctl"), (p1, "boot_a"), (slot_b, "boot_b")] {
         cmd!(sh, "fsck.vfat -n {p}")
             .run()

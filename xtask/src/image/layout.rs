@@ -1,6 +1,7 @@
 //! The partition table of every kiln image: p1 `bootctl` at 16 MiB (legacy-BIOS-bootable, the one
 //! partition U-Boot's distro boot scans: `boot.scr` and the A/B counters), p2 `boot_a` and p3
-//! `boot_b` (the two boot slots, FAT), then `models` and `data`, each aligned to 1 MiB; every
+//! `boot_b` (the two boot slots, FAT), p4 `models_a` and p5 `models_b` (the two models slots,
+//! docs/models-slots.md), then p6 `data`, each aligned to 1 MiB; every
 //! GUID from the seed (board + commit). Below 16 MiB only the GPT and the board's bootloader
 //! blobs.
 
@@ -17,8 +18,10 @@ pub struct Layout {
     pub parts: Vec<PartitionSpec>,
 }
 
-/// The partitions of every image, in order (p1 … p5).
-pub const NAMES: [&str; 5] = ["bootctl", "boot_a", "boot_b", "models", "data"];
+/// The partitions of every image, in order (p1 … p6).
+pub const NAMES: [&str; 6] = [
+    "bootctl", "boot_a", "boot_b", "models_a", "models_b", "data",
+];
 
 /// Lay out `(name, bytes)` partitions in order; the first is the one U-Boot scans (`bootctl`),
 /// FAT boot slots (`boot_*`) are basic data, the rest Linux file systems.

@@ -190,12 +190,14 @@ pub fn build(args: &Args) -> Result<Built> {
     let (manifest, boot_part) =
         boot_slot(&mut run, &ctx, &models, &system, &data, &layout, &blobs)?;
     let bootctl_part = run.run(steps::bootctl_partition(&ctx)?)?;
-    // Both slots hold the same system: the same file system image, byte for byte.
+    // Both boot slots hold the same system: the same file system image, byte for byte. The
+    // models slots: the factory one, and one holding no models.
     let parts = [
         &bootctl_part,
         &boot_part,
         &boot_part,
         &data.models_part,
+        &data.models_b_part,
         &data.data_part,
     ];
     let out_dir = crate::paths::target_dir().join("images");
@@ -281,12 +283,14 @@ fn prepare(args: &Args) -> Result<(Runner, steps::Ctx, Vec<steps::Model>)> {
     Ok((run, ctx, models))
 }
 
-/// What the card holds beside the system: the self-check's fixtures, the models partition (a
-/// self-describing models slot), the models' known NLL answers and the data partition.
+/// What the card holds beside the system: the self-check's fixtures, the models slots (`models_a`
+/// self-describing, `models_b` holding none), the models' known NLL answers and the data
+/// partition.
 struct DataSide {
     fixture: Vec<u8>,
     llama: Vec<u8>,
     models_part: runner::Product,
+    models_b_part: runner::Product,
     nll: runner::Product,
     data_part: runner::Product,
 }
@@ -296,11 +300,13 @@ fn data_side(run: &mut Runner, ctx: &steps::Ctx, models: &[steps::Model]) -> Res
     let llama = kiln_runtime::model::fixture::gguf().context("writing the llama fixture")?;
     let models_part = run.run(steps::models_partition(ctx, models, &fixture, &llama))?;
     let nll = run.run(steps::known_answers_nll(ctx, models, &llama)?)?;
+    let models_b_part = run.run(steps::models_b_partition(ctx))?;
     let data_part = run.run(steps::data_partition(ctx))?;
     Ok(DataSide {
         fixture,
         llama,
         models_part,
+        models_b_part,
         nll,
         data_part,
     })

@@ -726,6 +726,21 @@ pub fn manifest_known_answers_nll(manifest: &mut Value, nll: &Product, llama: &[
 }
 
 /// The data partition (ext4, empty, writable on the board).
+/// The second models slot as the image leaves it: holding no models (an empty file, so the
+/// partition is a hole the bmap skips). init never maps it until an install puts it first in
+/// `MODELS_ORDER` (docs/models-slots.md, decision 4).
+pub fn models_b_partition(ctx: &Ctx) -> Step<'_> {
+    Step {
+        name: "models_b partition",
+        key: key_of(&["models-b-empty-v1"]),
+        outputs: vec![ctx.work.join("models_b.empty")],
+        make: Box::new(move |tmp: &[PathBuf]| {
+            write_atomic(&tmp[0], b"")?;
+            Ok("empty: no models until a models bundle is installed".into())
+        }),
+    }
+}
+
 pub fn data_partition(ctx: &Ctx) -> Step<'_> {
     let uuid = disk::guid_from_seed(&ctx.seed, "data-fs");
     let hash_seed = disk::guid_from_seed(&ctx.seed, "data-hash-seed");
@@ -841,8 +856,11 @@ pub fn layout(ctx: &Ctx, models: &Product) -> Result<layout::Layout> {
             (layout::NAMES[0], ctx.board.partitions.bootctl_mib << 20),
             (layout::NAMES[1], ctx.board.partitions.boot_mib << 20),
             (layout::NAMES[2], ctx.board.partitions.boot_mib << 20),
+            // Both models slots the size of the factory one: a models bundle for this card
+            // is a slot image of exactly that size (its footer is the slot's last 4 KiB).
             (layout::NAMES[3], models_size),
-            (layout::NAMES[4], ctx.board.partitions.data_mib << 20),
+            (layout::NAMES[4], models_size),
+            (layout::NAMES[5], ctx.board.partitions.data_mib << 20),
         ],
     )
 }
@@ -1310,11 +1328,11 @@ pub fn disk_image<'a>(
     ctx: &'a Ctx,
     out_dir: &Path,
     lay: &'a layout::Layout,
-    parts: [&'a Product; 5],
+    parts: [&'a Product; 6],
     blobs: &'a [Blob],
 ) -> Result<Step<'a>> {
     let img = out_dir.join(format!("kiln-{}.img", ctx.board.name));
-    let mut key_parts = vec!["image-v2".to_string()];
+    let mut key_parts = vec!["image-v3".to_string()];
     key_parts.extend(parts.iter().map(|p| p.key.to_string()));
     let key = key_of(&[
         &key_parts.join(","),
@@ -1423,7 +1441,7 @@ pub fn manifest_file<'a>(
     out_dir: &Path,
     mut manifest: Value,
     disk: &Product,
-    parts: [&Product; 5],
+    parts: [&Product; 6],
     size: u64,
 ) -> Result<Step<'a>> {
     let boot_sha = Sha256::of_bytes(&boot_manifest_bytes(&manifest)?);
