@@ -27,7 +27,8 @@ pub struct Args {
     #[arg(long)]
     pub slot_env: Option<PathBuf>,
     /// With --slot-env: a file that gets `reboot A|B` when the verdict is FAIL and the other slot
-    /// is still good (init reboots), else `stay`.
+    /// is still good (init reboots), `models A|B` when the FAIL is blamed on the models slot
+    /// (init reboots into the same system to map the other one), else `stay`.
     #[arg(long, requires = "slot_env")]
     pub slot_action: Option<PathBuf>,
     /// With --slot-env: the models slot init mapped (A or B, `kiln slot models-take`); a PASS
@@ -64,11 +65,16 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
             .as_deref()
             .map(crate::slot::Slot::parse)
             .transpose()?;
-        let d = crate::slot::judge(env, &cmdline, pass, models);
+        let models_failed = report
+            .checks
+            .iter()
+            .any(|c| c.id.starts_with("model.") && c.status == crate::selftest::Status::Fail);
+        let d = crate::slot::judge(env, &cmdline, pass, models, models_failed);
         if let Some(f) = &a.slot_action {
-            let what = match &d.reboot_into {
-                Some(s) => format!("reboot {s}\n"),
-                None => "stay\n".into(),
+            let what = match (&d.reboot_into, &d.remap_models) {
+                (Some(s), _) => format!("reboot {s}\n"),
+                (None, Some(m)) => format!("models {m}\n"),
+                (None, None) => "stay\n".into(),
             };
             if let Err(e) = std::fs::write(f, what) {
                 eprintln!("kiln selftest: cannot write {}: {e}", f.display());

@@ -359,6 +359,69 @@ pub fn load(path: &std::path::Path) -> Result<State> {
 /// marked good (RAUC does not write it; RAUC's tools keep it as it is).
 pub const LAST_GOOD: &str = "KILN_LAST_GOOD";
 
+/// Whether a FAIL with a failed `model.*` check is the models slot's `m` rather than the
+/// system's (`docs/models-slots.md`, decision 4): `m` is on its first boot (the one try its
+/// install gave it was taken: none left), the booted system has passed before (it is the slot
+/// last marked good) and the other models slot is good. Then the reason; else the system is
+/// judged as always (a system that fails with the previous models too is marked bad at the
+/// next boot).
+fn blame_models(st: &State, booted: Slot, m: Slot) -> Option<String> {
+    let fresh = st.left_of(Class::Models, m).ok()? == 0;
+    let system_passed = st.env.get(LAST_GOOD) == Some(booted.name());
+    let other_good = st.is_good_of(Class::Models, m.other()).ok()?;
+    (fresh && system_passed && other_good).then(|| {
+        format!(
+            "a model check FAILed on models slot {}'s first boot, and system slot {} passed              before",
+            m.name(),
+            booted.name()
+        )
+    })
+}
+
+/// A FAIL blamed on models slot `m`: it is marked bad, the boot slot's counters stay as U-Boot
+/// left them (the next PASS restores them), and init reboots to map the other models slot.
+fn judge_models(
+    env_path: &std::path::Path,
+    mut st: State,
+    m: Slot,
+    why: String,
+    mut d: Decision,
+) -> Decision {
+    if let Err(e) = st
+        .mark_bad_of(Class::Models, m)
+        .and_then(|_| store::with_writable(env_path, || store::save(&st, env_path)))
+    {
+        d.action = format!("nothing marked: {e:#}");
+        return d;
+    }
+    match load(env_path) {
+        Ok(back) if back == st => {}
+        Ok(back) => {
+            d.action = format!(
+                "marking failed: {} reads back as {}, not {}",
+                env_path.display(),
+                back.describe_of(Class::Models),
+                st.describe_of(Class::Models)
+            );
+            return d;
+        }
+        Err(e) => {
+            d.action = format!("marking failed: reading it back: {e:#}");
+            return d;
+        }
+    }
+    d.action = "system not marked: the models slot is blamed".into();
+    d.after = Some(st.describe());
+    d.models = Some(format!(
+        "models slot {}: marked bad ({why}); rebooting to map models slot {} ({})",
+        m.name(),
+        m.other().name(),
+        st.describe_of(Class::Models)
+    ));
+    d.remap_models = Some(m.other().name().into());
+    d
+}
+
 /// What the self-check's verdict did to the slots: the JSON of the report's `slot` field.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize, PartialEq)]
 pub struct Decision {
@@ -378,6 +441,10 @@ pub struct Decision {
     /// models' counters after it; `null` when init named none.
     #[serde(default)]
     pub models: Option<String>,
+    /// The models slot to map instead, now (a FAIL blamed on a models slot on its first boot,
+    /// the other one good): init reboots into the same system.
+    #[serde(default)]
+    pub remap_models: Option<String>,
 }
 
 impl State {
@@ -425,6 +492,7 @@ pub fn judge(
     cmdline: &str,
     pass: bool,
     models: Option<Slot>,
+    models_failed: bool,
 ) -> Decision {
     let mut d = Decision {
         booted: None,
@@ -434,6 +502,7 @@ pub fn judge(
         reboot_into: None,
         no_good_slot: false,
         models: None,
+        remap_models: None,
     };
     let Some(booted) = Slot::from_cmdline(cmdline) else {
         d.action = "nothing marked: no rauc.slot= on the kernel command line (not booted through boot.scr)".into();
@@ -448,6 +517,11 @@ pub fn judge(
         }
     };
     d.at_boot = Some(st.describe());
+    if let Some(m) = models.filter(|_| !pass && models_failed) {
+        if let Some(why) = blame_models(&st, booted, m) {
+            return judge_models(env_path, st, m, why, d);
+        }
+    }
     // The models slot init mapped took a try before it was mapped: a PASS gives it back its
     // tries (marked good) in the same write; a FAIL leaves it spent, so a freshly installed
     // models slot (one try) is not mapped again (docs/models-slots.md, decision 4).
@@ -516,22 +590,22 @@ mod judge_tests {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("abstate.env");
         store::save(&State::initial(), &p).unwrap();
-        let d = judge(&p, "console=x rauc.slot=A", true, None);
+        let d = judge(&p, "console=x rauc.slot=A", true, None, false);
         assert_eq!(d.action, "marked good");
         assert_eq!(d.models, None);
         assert_eq!(load(&p).unwrap().env.get(LAST_GOOD), Some("A"));
-        let d = judge(&p, "rauc.slot=B", false, None);
+        let d = judge(&p, "rauc.slot=B", false, None, false);
         assert_eq!(
             (d.action.as_str(), d.reboot_into.as_deref()),
             ("marked bad", Some("A"))
         );
         assert_eq!(load(&p).unwrap().order().unwrap(), vec![Slot::A]);
-        let d = judge(&p, "rauc.slot=A", false, None);
+        let d = judge(&p, "rauc.slot=A", false, None, false);
         assert!(d.no_good_slot && d.reboot_into.is_none(), "{d:?}");
-        let d = judge(&p, "no slot", true, None);
+        let d = judge(&p, "no slot", true, None, false);
         assert!(d.action.contains("rauc.slot"));
         std::fs::write(&p, b"garbage").unwrap();
-        let d = judge(&p, "rauc.slot=A", true, None);
+        let d = judge(&p, "rauc.slot=A", true, None, false);
         assert!(d.action.starts_with("nothing marked"), "{d:?}");
         assert!(!dir.path().join("abstate.env.new").exists());
     }
@@ -546,7 +620,7 @@ mod judge_tests {
         st.mark_active_with(Class::Models, Slot::B, 1).unwrap();
         assert_eq!(st.take_try_of(Class::Models).unwrap(), Some(Slot::B));
         store::save(&st, &p).unwrap();
-        let d = judge(&p, "rauc.slot=A", true, Some(Slot::B));
+        let d = judge(&p, "rauc.slot=A", true, Some(Slot::B), false);
         assert_eq!(
             d.models.as_deref(),
             Some("models slot B: marked good (MODELS_ORDER 'B A', A 3 left, B 3 left)")
@@ -555,7 +629,7 @@ mod judge_tests {
         st.mark_active_with(Class::Models, Slot::A, 1).unwrap();
         assert_eq!(st.take_try_of(Class::Models).unwrap(), Some(Slot::A));
         store::save(&st, &p).unwrap();
-        let d = judge(&p, "rauc.slot=A", false, Some(Slot::A));
+        let d = judge(&p, "rauc.slot=A", false, Some(Slot::A), false);
         assert!(
             d.models.as_deref().unwrap().contains("stays spent"),
             "{d:?}"
@@ -563,5 +637,48 @@ mod judge_tests {
         let st = load(&p).unwrap();
         assert_eq!(st.left_of(Class::Models, Slot::A).unwrap(), 0);
         assert_eq!(st.primary_of(Class::Models).unwrap(), Some(Slot::B));
+    }
+
+    /// A model check FAILs on a freshly installed models slot under a system that passed
+    /// before: the models slot is marked bad, the system is not, and init is told to map the
+    /// other models slot. Not so when the system is itself new, when the models slot passed
+    /// before, or when no other models slot is good: then the system is judged as always.
+    #[test]
+    fn a_model_failure_on_a_new_models_slot_is_the_models_slot() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("abstate.env");
+        let fresh_b = |last_good: Option<&str>| {
+            let mut st = State::initial();
+            if let Some(g) = last_good {
+                st.env.set(LAST_GOOD, g);
+            }
+            st.mark_active_with(Class::Models, Slot::B, 1).unwrap();
+            assert_eq!(st.take_try_of(Class::Models).unwrap(), Some(Slot::B));
+            store::save(&st, &p).unwrap();
+        };
+        fresh_b(Some("A"));
+        let d = judge(&p, "rauc.slot=A", false, Some(Slot::B), true);
+        assert_eq!(d.remap_models.as_deref(), Some("A"), "{d:?}");
+        assert_eq!(d.action, "system not marked: the models slot is blamed");
+        assert!(d.reboot_into.is_none());
+        let st = load(&p).unwrap();
+        assert_eq!(st.order().unwrap(), vec![Slot::A, Slot::B]);
+        assert_eq!(st.order_of(Class::Models).unwrap(), vec![Slot::A]);
+        assert!(d.models.unwrap().contains("marked bad"));
+        // A failure that is not a model check's: the system.
+        fresh_b(Some("A"));
+        let d = judge(&p, "rauc.slot=A", false, Some(Slot::B), false);
+        assert_eq!((d.action.as_str(), d.remap_models), ("marked bad", None));
+        // A system that never passed: the system.
+        fresh_b(Some("B"));
+        let d = judge(&p, "rauc.slot=A", false, Some(Slot::B), true);
+        assert_eq!((d.action.as_str(), d.remap_models), ("marked bad", None));
+        // The factory slot with nothing else good: the system.
+        let mut st = State::initial();
+        st.env.set(LAST_GOOD, "A");
+        assert_eq!(st.take_try_of(Class::Models).unwrap(), Some(Slot::A));
+        store::save(&st, &p).unwrap();
+        let d = judge(&p, "rauc.slot=A", false, Some(Slot::A), true);
+        assert_eq!((d.action.as_str(), d.remap_models), ("marked bad", None));
     }
 }

@@ -650,8 +650,7 @@ fn update_disk(dir: &Path) -> Result<PathBuf> {
 /// the development key) installed by `rauc install` on B: RAUC writes the models slot not in use
 /// (`models_b`, the only one init lists), its hook puts it first in `MODELS_ORDER` with one try,
 /// and B boots again with `/models` mapped from `models_b` and passes; the other boot slot and
-/// the factory models slot are untouched. Then `models_b` marked bad: the next boot maps `models_a`
-/// again (said by that boot, the next scenario's).
+/// the factory models slot are untouched. Then [`models_blamed`].
 fn models_update(m: &Machine, ub: &Path) -> Result<()> {
     use kiln_runtime::slot::Class;
     // (B, booted, gets its new reports.)
@@ -717,7 +716,64 @@ fn models_update(m: &Machine, ub: &Path) -> Result<()> {
         "ab-test: a models bundle: RAUC wrote models_b (signed kiln-models.json {}), B mapped it and passed; boot slots and models_a untouched",
         &sb.meta_sha256()[..12]
     );
-    edit_ab_state(&m.disk, &m.dir, |st| st.mark_bad_of(Class::Models, Slot::B))?;
+    models_blamed(m, &sb)?;
+    Ok(())
+}
+
+/// `models_b` as a models install of a corrupted slot leaves it (one bit flipped in a block of
+/// the llama fixture's weights, first in `MODELS_ORDER` with the one try the hook gives): B
+/// boots, maps it, a model check FAILs on the I/O error dm-verity gives; the system passed
+/// before, so the models slot is marked bad and the system is not, and B boots again with
+/// `models_a` and passes.
+fn models_blamed(m: &Machine, sb: &kiln_runtime::models_slot::Slot) -> Result<()> {
+    use kiln_runtime::slot::Class;
+    let fixture = kiln_runtime::model::fixture::gguf()?;
+    let block = 4096usize;
+    let at_file = fixture.len() / 2 / block * block;
+    let needle = &fixture[at_file..at_file + block];
+    let mut part = m.read_part("models_b")?;
+    let data_end = usize::try_from(sb.meta.verity.data_blocks * 4096)?;
+    let hits: Vec<usize> = (0..data_end.saturating_sub(block))
+        .step_by(block)
+        .filter(|&o| &part[o..o + block] == needle)
+        .collect();
+    ensure!(
+        hits.len() == 1,
+        "the llama fixture's block at offset {at_file} is {} times in models_b (want once)",
+        hits.len()
+    );
+    part[hits[0] + block / 2] ^= 0x10;
+    m.write_part("models_b", &part)?;
+    edit_ab_state(&m.disk, &m.dir, |st| {
+        st.mark_active_with(Class::Models, Slot::B, 1)
+    })?;
+    let c = m.chain("2-models-blamed", None)?;
+    expect(
+        &c,
+        "a models slot with a flipped bit, on its first boot",
+        &[("B", Some("FAIL")), ("B", Some("PASS"))],
+    )?;
+    ensure!(
+        c.console.contains(
+            "self-check FAILED on models slot B: marked bad, the system not; rebooting to map models slot A"
+        ),
+        "init did not say the models slot was blamed and the other one is mapped next"
+    );
+    ensure!(
+        c.console.contains("kiln-llama-fixture.gguf")
+            && c.console.contains("models slot A) on /models"),
+        "the FAIL does not name the model, or the boot after it did not map models_a"
+    );
+    let st = m.state()?;
+    ensure!(
+        st.order_of(Class::Models)? == vec![Slot::A] && st.left_of(Class::Models, Slot::B)? == 0,
+        "after the blamed models slot: {}, not MODELS_ORDER 'A' with B marked bad",
+        st.describe_of(Class::Models)
+    );
+    expect_state(m, "after the blamed models slot", "B A", 3, 3)?;
+    println!(
+        "ab-test: a flipped bit in models_b on its first boot: B:FAIL (a model check) -> models_b marked bad, system B not -> B:PASS on models_a"
+    );
     Ok(())
 }
 
@@ -926,7 +982,7 @@ fn scenarios(m: &Machine, v2: &[u8], ub: &Path) -> Result<()> {
     ensure!(m.part_sha("boot_a")? == a, "boot_a changed");
     ensure!(
         c.console.contains("models slot A) on /models"),
-        "models_b marked bad: the next boot did not map models_a again"
+        "models_b marked bad: a later boot did not map models_a"
     );
     expect_state(m, "after the flipped updates tree", "B A", 3, 3)?;
     println!("ab-test: a flipped byte in B's kiln/updates.erofs: init refused to mount it, no RAUC, nothing installed");
