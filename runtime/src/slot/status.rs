@@ -124,7 +124,8 @@ pub fn status(env: &Path, booted: Option<Slot>) -> Result<Status> {
             out.boot_order = Some(order.into_iter().map(Slot::name).collect());
             out.slots = Some(slots);
             out.models = Some(st.describe_of(Class::Models));
-            out.models_primary = Some(models_primary(env).0.name());
+            // From the state already read (the file is not read again), as models_primary reads it.
+            out.models_primary = Some(st.primary_of(Class::Models)?.unwrap_or(Slot::A).name());
         }
     }
     Ok(out)
