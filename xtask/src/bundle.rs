@@ -668,3 +668,103 @@ pub fn models_stage() -> Result<()> {
     );
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt as _;
+
+    /// The models hook run by `sh` as RAUC runs it (`hook.sh slot-post-install` with RAUC's
+    /// variables), with a `kiln` on `PATH` that logs its arguments and exits `kiln_rc`:
+    /// (exit code, stderr, what `kiln` was asked).
+    fn run_hook(arg: &str, env: &[(&str, &str)], kiln_rc: i32) -> (i32, String, String) {
+        let dir = tempfile::tempdir().unwrap();
+        let hook = dir.path().join("hook.sh");
+        write_hook(&hook, MODELS_HOOK).unwrap();
+        let log = dir.path().join("kiln.log");
+        let kiln = dir.path().join("kiln");
+        std::fs::write(
+            &kiln,
+            format!(
+                "#!/bin/sh\necho \"$@\" >> {}\nexit {kiln_rc}\n",
+                log.display()
+            ),
+        )
+        .unwrap();
+        std::fs::set_permissions(&kiln, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let out = std::process::Command::new("sh")
+            .arg(&hook)
+            .arg(arg)
+            .env_clear()
+            .env("PATH", format!("{}:/usr/bin:/bin", dir.path().display()))
+            .envs(env.iter().copied())
+            .output()
+            .unwrap();
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+            std::fs::read_to_string(&log).unwrap_or_default(),
+        )
+    }
+
+    #[test]
+    fn the_models_hook_marks_only_a_models_slot_it_wrote() {
+        let dev = |d: &'static str| [("RAUC_SLOT_DEVICE", d)];
+        let (rc, _, asked) = run_hook(
+            "slot-post-install",
+            &dev("/dev/disk/by-partlabel/models_b"),
+            0,
+        );
+        assert_eq!(
+            (rc, asked.as_str()),
+            (0, "slot --class models mark-active B\n")
+        );
+        let (rc, _, asked) = run_hook(
+            "slot-post-install",
+            &dev("/dev/disk/by-partlabel/models_a"),
+            0,
+        );
+        assert_eq!(
+            (rc, asked.as_str()),
+            (0, "slot --class models mark-active A\n")
+        );
+        // Fault: RAUC wrote a device that is no models slot (a boot slot): refused, nothing
+        // marked.
+        let (rc, err, asked) = run_hook("slot-post-install", &dev("/dev/vda2"), 0);
+        assert_eq!((rc, asked.as_str()), (1, ""), "{err}");
+        assert!(
+            err.contains("RAUC wrote /dev/vda2, which is neither models_a nor models_b"),
+            "{err}"
+        );
+        // Fault: the mark cannot be written: the install fails.
+        let (rc, _, asked) = run_hook(
+            "slot-post-install",
+            &dev("/dev/disk/by-partlabel/models_b"),
+            3,
+        );
+        assert_eq!(
+            (rc, asked.as_str()),
+            (1, "slot --class models mark-active B\n")
+        );
+        // install-check: another compatible is refused with RAUC's own words.
+        let (rc, err, _) = run_hook(
+            "install-check",
+            &[
+                ("RAUC_MF_COMPATIBLE", "kiln-rock-5b"),
+                ("RAUC_SYSTEM_COMPATIBLE", "kiln-qemu-virt"),
+            ],
+            0,
+        );
+        assert_eq!(rc, 10, "{err}");
+        assert!(err.contains("Compatible mismatch"), "{err}");
+        let (rc, _, _) = run_hook(
+            "install-check",
+            &[
+                ("RAUC_MF_COMPATIBLE", "kiln-qemu-virt"),
+                ("RAUC_SYSTEM_COMPATIBLE", "kiln-qemu-virt"),
+            ],
+            0,
+        );
+        assert_eq!(rc, 0);
+    }
+}

@@ -148,6 +148,88 @@ pub fn ab_lines(image: &Path) -> Vec<String> {
     out
 }
 
+/// The lines that tell the models slots (issue 38): the counters in `bootctl` and the slot init
+/// maps next, then each models slot's own description read from its trailer in place — its
+/// `kiln-models.json` (sha256, format, models, verity root), which boot slot's manifest names it
+/// (the factory slot) and whether it carries a signature — or that it is empty.
+pub fn models_lines(image: &Path) -> Vec<String> {
+    use kiln_runtime::slot::{Class, Slot};
+    let Ok(parts) = gpt::read(image) else {
+        return Vec::new();
+    };
+    let pair: Vec<(Slot, &gpt::PartitionEntryInfo)> = Slot::ALL
+        .into_iter()
+        .zip(kiln_runtime::models_slot::PARTITIONS)
+        .filter_map(|(s, name)| parts.iter().find(|p| p.name == name).map(|p| (s, p)))
+        .collect();
+    if pair.is_empty() {
+        return Vec::new();
+    }
+    let mut out = Vec::new();
+    if let Some(Ok(st)) = ab_state(image) {
+        let next = st
+            .primary_of(Class::Models)
+            .ok()
+            .flatten()
+            .map_or("A (the factory slot: none has tries left)", |s| s.name());
+        out.push(format!(
+            "models: {}; init maps {next} next",
+            st.describe_of(Class::Models)
+        ));
+    }
+    // Which boot slot's manifest names which models slot JSON (the factory slot it vouches for).
+    let named: Vec<(&str, String)> = slots(image)
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|(slot, p)| {
+            let m = fat::read_file(image, p.start_bytes(), p.size_bytes(), MANIFEST_PATH).ok()?;
+            let v: serde_json::Value = serde_json::from_slice(&m).ok()?;
+            Some((slot, v["models_slot"]["meta_sha256"].as_str()?.to_string()))
+        })
+        .collect();
+    for (s, p) in pair {
+        let what = format!("models slot {} ({})", s.name(), p.name);
+        let desc = match kiln_runtime::models_slot::read_in(
+            image,
+            p.start_bytes(),
+            p.size_bytes(),
+            &p.name,
+        ) {
+            Err(e) => format!("unreadable: {e:#}"),
+            Ok(None) => "empty (no kiln-models.json: never written)".into(),
+            Ok(Some(slot)) => {
+                let sha = slot.meta_sha256();
+                let by: Vec<&str> = named
+                    .iter()
+                    .filter(|(_, n)| *n == sha)
+                    .map(|(b, _)| *b)
+                    .collect();
+                let names: Vec<&str> = slot.meta.models.iter().map(|m| m.name.as_str()).collect();
+                format!(
+                    "kiln-models.json {}, format {}, {} model(s) ({}), verity root {}; {}; {}",
+                    &sha[..12],
+                    slot.meta.format,
+                    names.len(),
+                    names.join(", "),
+                    &slot.meta.verity.root_hash[..12.min(slot.meta.verity.root_hash.len())],
+                    if by.is_empty() {
+                        "named by no boot slot's manifest".to_string()
+                    } else {
+                        format!("the factory models of boot slot {}", by.join(" and "))
+                    },
+                    if slot.signature.is_empty() {
+                        "unsigned".to_string()
+                    } else {
+                        format!("signed ({}-byte CMS signature)", slot.signature.len())
+                    }
+                )
+            }
+        };
+        out.push(format!("{what}: {desc}"));
+    }
+    out
+}
+
 /// The raw bytes of `kiln/report.json` and the report parsed from them.
 pub fn read_report(image: &Path) -> Result<(Vec<u8>, Report)> {
     let boot = boot_partition(image)?;
@@ -258,6 +340,7 @@ pub fn run(args: Args) -> Result<()> {
         for l in manifest_lines(&args.image, &report, &images)
             .into_iter()
             .chain(ab_lines(&args.image))
+            .chain(models_lines(&args.image))
         {
             text.push_str(&l);
             text.push('\n');
@@ -551,6 +634,122 @@ pub(crate) mod tests {
         assert!(
             format!("{e:#}").contains("required check image.manifest is missing"),
             "{e:#}"
+        );
+    }
+
+    /// A models slot of `len` bytes: two data blocks, one tree block, the trailer of a JSON
+    /// naming `model`, with `sig` as its signature.
+    fn models_slot(len: u64, model: &str, sig: &[u8]) -> (Vec<u8>, String) {
+        use kiln_runtime::models_slot as ms;
+        let meta = ms::Meta {
+            format: ms::FORMAT,
+            models: vec![ms::Model {
+                name: model.into(),
+                size: 4096,
+                sha256: "cd".repeat(32),
+            }],
+            verity: kiln_runtime::verity::Params {
+                version: 1,
+                algorithm: "sha256".into(),
+                data_block_size: 4096,
+                hash_block_size: 4096,
+                data_blocks: 2,
+                hash_start_block: 2,
+                salt: "00".repeat(32),
+                root_hash: "7e".repeat(32),
+            },
+            known_answers: Default::default(),
+        };
+        let bytes = serde_json::to_vec(&meta).unwrap();
+        let footer =
+            ms::layout(meta.hash_tree_end().unwrap(), &bytes, sig.len() as u64, len).unwrap();
+        let mut c = std::io::Cursor::new(vec![0u8; len as usize]);
+        ms::write_trailer(&mut c, len, &footer, &bytes, sig).unwrap();
+        (c.into_inner(), hex::encode(footer.meta_sha256))
+    }
+
+    #[test]
+    fn the_models_slots_are_listed_from_their_own_trailers() {
+        use kiln_runtime::slot::{Class, Slot, State};
+        let dir = tempfile::tempdir().unwrap();
+        let size: u64 = 1 << 20;
+        let (a, sha_a) = models_slot(size, "factory.gguf", &[]);
+        let (b, sha_b) = models_slot(size, "new.gguf", &[0x30; 700]);
+        let mut st = State::initial();
+        st.mark_active_with(Class::Models, Slot::B, 1).unwrap();
+        let manifest = serde_json::json!({"models_slot": {"meta_sha256": sha_a}});
+        let fats = [
+            ("bootctl", vec![(ABSTATE_PATH.into(), st.encode().unwrap())]),
+            (
+                "boot_a",
+                vec![(MANIFEST_PATH.into(), serde_json::to_vec(&manifest).unwrap())],
+            ),
+        ];
+        let build = |b_bytes: &[u8]| {
+            let mut parts = Vec::new();
+            let mut lba = 2048;
+            for (name, files) in &fats {
+                let fat = dir.path().join(format!("{name}.vfat"));
+                fat::build(&fat, size, 0x1234_5678, "BOOT", files, 1_700_000_000).unwrap();
+                parts.push((name.to_string(), fat));
+            }
+            for (name, bytes) in [("models_a", &a[..]), ("models_b", b_bytes)] {
+                let raw = dir.path().join(name);
+                std::fs::write(&raw, bytes).unwrap();
+                parts.push((name.to_string(), raw));
+            }
+            let parts: Vec<_> = parts
+                .into_iter()
+                .map(|(name, file)| {
+                    let spec = gpt::PartitionSpec {
+                        name: name.clone(),
+                        type_guid: gpt::types::basic_data(),
+                        unique_guid: guid_from_seed("test", &name),
+                        first_lba: lba,
+                        size_bytes: size,
+                        attributes: 0,
+                    };
+                    lba += size / 512;
+                    (spec, file)
+                })
+                .collect();
+            let img = dir.path().join("models.img");
+            gpt::assemble(&img, 8 << 20, guid_from_seed("test", "disk"), &parts, &[]).unwrap();
+            models_lines(&img)
+        };
+        let lines = build(&b);
+        assert_eq!(
+            lines[0], "models: MODELS_ORDER 'B A', A 3 left, B 1 left; init maps B next",
+            "{lines:?}"
+        );
+        assert!(
+            lines[1].starts_with(&format!(
+                "models slot A (models_a): kiln-models.json {}, format 1, 1 model(s) (factory.gguf), verity root 7e7e7e7e7e7e",
+                &sha_a[..12]
+            )) && lines[1].ends_with("the factory models of boot slot A; unsigned"),
+            "{lines:?}"
+        );
+        assert!(
+            lines[2].contains(&format!("kiln-models.json {}", &sha_b[..12]))
+                && lines[2].contains("(new.gguf)")
+                && lines[2]
+                    .ends_with("named by no boot slot's manifest; signed (700-byte CMS signature)"),
+            "{lines:?}"
+        );
+        // An empty models_b (a new image), and one whose trailer is damaged.
+        let lines = build(&vec![0u8; size as usize]);
+        assert_eq!(
+            lines[2],
+            "models slot B (models_b): empty (no kiln-models.json: never written)"
+        );
+        let mut bad = b.clone();
+        // The JSON starts right after the one-block hash tree.
+        let meta_at = 3 * 4096;
+        bad[meta_at + 5] ^= 1;
+        let lines = build(&bad);
+        assert!(
+            lines[2].starts_with("models slot B (models_b): unreadable: models_b: its kiln-models.json does not match"),
+            "{lines:?}"
         );
     }
 }

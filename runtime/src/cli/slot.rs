@@ -21,8 +21,24 @@ pub struct Args {
     /// Which pair the marks edit: `boot` (BOOT_ORDER, BOOT_x_LEFT, read by U-Boot) or `models`
     /// (MODELS_ORDER, MODELS_x_LEFT, read by init; `mark-active` gives the slot one try, and
     /// the slot must be named A or B).
-    #[arg(long, global = true, default_value = "boot", value_parser = ["boot", "models"])]
-    class: String,
+    #[arg(long, global = true, value_enum, default_value_t = ClassArg::Boot)]
+    class: ClassArg,
+}
+
+/// `--class`: the slot pair a mark edits.
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum ClassArg {
+    Boot,
+    Models,
+}
+
+impl From<ClassArg> for Class {
+    fn from(c: ClassArg) -> Class {
+        match c {
+            ClassArg::Boot => Class::Boot,
+            ClassArg::Models => Class::Models,
+        }
+    }
 }
 
 #[derive(clap::Subcommand)]
@@ -109,11 +125,7 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             return super::print_all(&format!("{}\n", s.name()));
         }
     };
-    let class = if a.class == "models" {
-        Class::Models
-    } else {
-        Class::Boot
-    };
+    let class = Class::from(a.class);
     let slot = match (class, ma.slot.as_deref()) {
         (Class::Boot, s) => resolve(s, &a.cmdline)?,
         (Class::Models, Some(s @ ("A" | "B"))) => Slot::parse(s)?,

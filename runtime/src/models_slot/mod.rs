@@ -228,17 +228,34 @@ pub fn read(dev: &Path) -> Result<Option<Slot>> {
     let len = f
         .seek(SeekFrom::End(0))
         .with_context(|| format!("{what}: its size"))?;
+    parse(&mut f, 0, len, &what.to_string())
+}
+
+/// [`read`] of the slot that is the `len` bytes at `start` of `image` (a partition of a whole
+/// disk image or card, read in place: `cargo xtask report`).
+pub fn read_in(image: &Path, start: u64, len: u64, what: &str) -> Result<Option<Slot>> {
+    let mut f =
+        std::fs::File::open(image).with_context(|| format!("opening {}", image.display()))?;
+    parse(&mut f, start, len, what)
+}
+
+/// The trailer of the slot at `start..start + len` of `f`; `what` names it in errors.
+fn parse(f: &mut std::fs::File, start: u64, len: u64, what: &str) -> Result<Option<Slot>> {
     ensure!(
         len >= FOOTER_LEN,
         "{what}: {len} bytes, too small for a models slot"
     );
+    let mut read_at = |off: u64, buf: &mut [u8]| -> std::io::Result<()> {
+        f.seek(SeekFrom::Start(start + off))?;
+        f.read_exact(buf)
+    };
     let mut b = vec![0u8; FOOTER_LEN as usize];
-    read_at(&mut f, len - FOOTER_LEN, &mut b).with_context(|| format!("{what}: its footer"))?;
-    let Some(footer) = Footer::decode(&b, len).with_context(|| format!("{what}"))? else {
+    read_at(len - FOOTER_LEN, &mut b).with_context(|| format!("{what}: its footer"))?;
+    let Some(footer) = Footer::decode(&b, len).with_context(|| what.to_string())? else {
         return Ok(None);
     };
     let mut meta_bytes = vec![0u8; footer.meta_len as usize];
-    read_at(&mut f, footer.meta_off, &mut meta_bytes)
+    read_at(footer.meta_off, &mut meta_bytes)
         .with_context(|| format!("{what}: the models metadata"))?;
     ensure!(
         Sha256::digest(&meta_bytes)[..] == footer.meta_sha256,
@@ -259,7 +276,7 @@ pub fn read(dev: &Path) -> Result<Option<Slot>> {
         "{what}: the trailer at {first} starts inside the verity hash tree (which ends at {tree_end})"
     );
     let mut signature = vec![0u8; footer.sig_len as usize];
-    read_at(&mut f, footer.sig_off, &mut signature)
+    read_at(footer.sig_off, &mut signature)
         .with_context(|| format!("{what}: the models signature"))?;
     Ok(Some(Slot {
         footer,
@@ -267,11 +284,6 @@ pub fn read(dev: &Path) -> Result<Option<Slot>> {
         meta,
         signature,
     }))
-}
-
-fn read_at(f: &mut std::fs::File, off: u64, buf: &mut [u8]) -> std::io::Result<()> {
-    f.seek(SeekFrom::Start(off))?;
-    f.read_exact(buf)
 }
 
 /// Where the trailer of `meta_len` + `sig_len` bytes goes in a slot of `slot_len` bytes whose

@@ -371,11 +371,34 @@ fn blame_models(st: &State, booted: Slot, m: Slot) -> Option<String> {
     let other_good = st.is_good_of(Class::Models, m.other()).ok()?;
     (fresh && system_passed && other_good).then(|| {
         format!(
-            "a model check FAILed on models slot {}'s first boot, and system slot {} passed              before",
+            "a model check FAILed on models slot {}'s first boot, and system slot {} passed \
+             before",
             m.name(),
             booted.name()
         )
     })
+}
+
+/// Write `st` to `env_path` ([`store::save`]) and read it back: the report says what the card
+/// holds, not what was meant. `Err` is the decision's action: nothing marked (the write failed)
+/// or marking failed (it reads back otherwise, told with `describe`, or not at all).
+fn write_checked(
+    env_path: &std::path::Path,
+    st: &State,
+    describe: impl Fn(&State) -> String,
+) -> Result<(), String> {
+    store::with_writable(env_path, || store::save(st, env_path))
+        .map_err(|e| format!("nothing marked: {e:#}"))?;
+    match load(env_path) {
+        Ok(back) if back == *st => Ok(()),
+        Ok(back) => Err(format!(
+            "marking failed: {} reads back as {}, not {}",
+            env_path.display(),
+            describe(&back),
+            describe(st)
+        )),
+        Err(e) => Err(format!("marking failed: reading it back: {e:#}")),
+    }
 }
 
 /// A FAIL blamed on models slot `m`: it is marked bad, the boot slot's counters stay as U-Boot
@@ -387,28 +410,13 @@ fn judge_models(
     why: String,
     mut d: Decision,
 ) -> Decision {
-    if let Err(e) = st
-        .mark_bad_of(Class::Models, m)
-        .and_then(|_| store::with_writable(env_path, || store::save(&st, env_path)))
-    {
+    if let Err(e) = st.mark_bad_of(Class::Models, m) {
         d.action = format!("nothing marked: {e:#}");
         return d;
     }
-    match load(env_path) {
-        Ok(back) if back == st => {}
-        Ok(back) => {
-            d.action = format!(
-                "marking failed: {} reads back as {}, not {}",
-                env_path.display(),
-                back.describe_of(Class::Models),
-                st.describe_of(Class::Models)
-            );
-            return d;
-        }
-        Err(e) => {
-            d.action = format!("marking failed: reading it back: {e:#}");
-            return d;
-        }
+    if let Err(e) = write_checked(env_path, &st, |s| s.describe_of(Class::Models)) {
+        d.action = e;
+        return d;
     }
     d.action = "system not marked: the models slot is blamed".into();
     d.after = Some(st.describe());
@@ -535,29 +543,14 @@ pub fn judge(
     } else {
         st.mark_bad(booted)
     };
-    if let Err(e) =
-        marked.and_then(|_| store::with_writable(env_path, || store::save(&st, env_path)))
-    {
+    if let Err(e) = marked {
         d.action = format!("nothing marked: {e:#}");
         return d;
     }
-    // What the card holds now, read back: the report says what was written, not what was meant.
-    let st = match load(env_path) {
-        Ok(back) if back == st => back,
-        Ok(back) => {
-            d.action = format!(
-                "marking failed: {} reads back as {}, not {}",
-                env_path.display(),
-                back.describe(),
-                st.describe()
-            );
-            return d;
-        }
-        Err(e) => {
-            d.action = format!("marking failed: reading it back: {e:#}");
-            return d;
-        }
-    };
+    if let Err(e) = write_checked(env_path, &st, State::describe) {
+        d.action = e;
+        return d;
+    }
     d.action = if pass { "marked good" } else { "marked bad" }.into();
     d.after = Some(st.describe());
     d.models = models.map(|m| {

@@ -444,6 +444,33 @@ mod tests {
         assert_eq!(std::fs::read(&p).unwrap(), bytes);
     }
 
+    /// A try that cannot be written (here: `<env>.new` is a folder, so the atomic write fails
+    /// even for root): a models slot other than the factory one is not mapped uncounted.
+    #[test]
+    fn a_take_that_cannot_be_written_maps_the_factory_slot() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("abstate.env");
+        store::save(&State::initial(), &p).unwrap();
+        mark_class(&p, Class::Models, Mark::Active, Slot::B, false).unwrap();
+        let bytes = std::fs::read(&p).unwrap();
+        std::fs::create_dir(store::new_path(&p)).unwrap();
+        let (s, why) = models_take(&p);
+        assert_eq!(s, Slot::A, "{why}");
+        assert!(
+            why.starts_with("slot B's try could not be written (creating ")
+                && why.ends_with("so it is not mapped: the factory slot A"),
+            "{why}"
+        );
+        assert_eq!(std::fs::read(&p).unwrap(), bytes, "nothing written");
+        // A first: mapped all the same (the factory slot is what a failure falls back to).
+        std::fs::remove_dir(store::new_path(&p)).unwrap();
+        mark_class(&p, Class::Models, Mark::Active, Slot::A, false).unwrap();
+        std::fs::create_dir(store::new_path(&p)).unwrap();
+        let (s, why) = models_take(&p);
+        assert_eq!(s, Slot::A);
+        assert!(why.starts_with("its try could not be written"), "{why}");
+    }
+
     #[test]
     fn a_missing_file_needs_reset() {
         let dir = tempfile::tempdir().unwrap();

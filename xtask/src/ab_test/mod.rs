@@ -712,6 +712,20 @@ fn models_update(m: &Machine, ub: &Path) -> Result<()> {
         sa.meta_sha256() == sb.meta_sha256() && sa.signature.is_empty() && !sb.signature.is_empty(),
         "models_b is not the bundle's signed copy of the factory slot"
     );
+    // `cargo xtask report`'s lines for the card, read in place.
+    let lines = crate::report::models_lines(&m.disk);
+    ensure!(
+        lines.len() == 3
+            && lines[0].ends_with("init maps B next")
+            && lines[1].contains("the factory models of boot slot")
+            && lines[1].ends_with("; unsigned")
+            && lines[2].contains(&format!("kiln-models.json {}", &sb.meta_sha256()[..12]))
+            && lines[2].ends_with(&format!(
+                "signed ({}-byte CMS signature)",
+                sb.signature.len()
+            )),
+        "cargo xtask report does not tell the models slots as they are: {lines:#?}"
+    );
     println!(
         "ab-test: a models bundle: RAUC wrote models_b (signed kiln-models.json {}), B mapped it and passed; boot slots and models_a untouched",
         &sb.meta_sha256()[..12]
@@ -771,6 +785,13 @@ fn models_blamed(m: &Machine, sb: &kiln_runtime::models_slot::Slot) -> Result<()
         st.describe_of(Class::Models)
     );
     expect_state(m, "after the blamed models slot", "B A", 3, 3)?;
+    let lines = crate::report::models_lines(&m.disk);
+    ensure!(
+        lines
+            .first()
+            .is_some_and(|l| l.ends_with("init maps A next")),
+        "cargo xtask report does not say models slot A is mapped next: {lines:#?}"
+    );
     println!(
         "ab-test: a flipped bit in models_b on its first boot: B:FAIL (a model check) -> models_b marked bad, system B not -> B:PASS on models_a"
     );
