@@ -56,6 +56,7 @@ const STAGES: &[(&str, StageFn)] = &[
             seeds: 0,
             first_seed: 1,
             cuts_only: false,
+            models_cuts: false,
             fleet_only: false,
             boards: None,
             image: None,

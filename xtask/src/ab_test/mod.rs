@@ -62,6 +62,12 @@ pub struct Args {
     /// Only the power cuts, not the scenarios.
     #[arg(long)]
     pub cuts_only: bool,
+    /// Cut a models install instead of a system one (outside CI): `models.raucb` installed
+    /// from A into `models_b`, the reboot, init's take of `models_b`'s one try and its verdict;
+    /// after each cut the board must come up serving a models slot that passed, with `models_a`
+    /// unchanged. Implies `--cuts-only`.
+    #[arg(long, conflicts_with_all = ["fleet_only", "boards"])]
+    pub models_cuts: bool,
     /// Only the fleet scenario (hawkBit DDI on the host, nginx serving the bundles).
     #[arg(long, conflicts_with = "cuts_only")]
     pub fleet_only: bool,
@@ -107,6 +113,56 @@ const MILESTONE_CUTS: &[(&str, usize, &str)] = &[
         "B's verdict, before its mark-good write",
     ),
 ];
+
+/// The milestones of a models install chain from A (`models.raucb` into `models_b`).
+const MODELS_MILESTONE_CUTS: &[(&str, usize, &str)] = &[
+    (
+        "update: rauc install",
+        1,
+        "rauc install starts writing models_b",
+    ),
+    (
+        "update: installed; rebooting",
+        1,
+        "the install and its hook's mark are done, before the reboot",
+    ),
+    (
+        "(took its try: MODELS_ORDER 'B A'",
+        1,
+        "init has taken models_b's one try, before mapping it",
+    ),
+    (
+        "KILN-SELFTEST:",
+        2,
+        "the verdict on models_b, before its mark-good write",
+    ),
+];
+
+/// What a run of power cuts cuts: the update chain, its milestones and its boots uncut.
+struct Plan {
+    what: &'static str,
+    bundle: &'static str,
+    milestones: &'static [(&'static str, usize, &'static str)],
+    uncut: &'static [(&'static str, Option<&'static str>)],
+    /// A models install: the recovered board must serve a models slot that passed.
+    models: bool,
+}
+
+const SYSTEM_PLAN: Plan = Plan {
+    what: "rauc install of v2 from A",
+    bundle: "v2.raucb",
+    milestones: MILESTONE_CUTS,
+    uncut: &[("A", Some("PASS")), ("B", Some("PASS"))],
+    models: false,
+};
+
+const MODELS_PLAN: Plan = Plan {
+    what: "rauc install of a models bundle from A into models_b",
+    bundle: "models.raucb",
+    milestones: MODELS_MILESTONE_CUTS,
+    uncut: &[("A", Some("PASS")), ("A", Some("PASS"))],
+    models: true,
+};
 
 /// One boot seen on the console.
 #[derive(Debug, Clone, PartialEq)]
@@ -480,6 +536,10 @@ fn phase_of(console: &str) -> String {
     const MILESTONES: &[(&str, &str)] = &[
         (BOOT_LINE, "U-Boot/kernel start"),
         ("kiln-init: started", "init, before the verdict"),
+        (
+            "kiln slot: models slot ",
+            "init's take of a models slot, before the verdict",
+        ),
         ("KILN-SELFTEST:", "the verdict and its mark-good/bad write"),
         ("updates: rauc service up", "RAUC up, before the install"),
         (
@@ -538,7 +598,7 @@ pub fn run(args: Args) -> Result<()> {
         println!("ab-test: done in {:.0} s", t.elapsed().as_secs_f64());
         return Ok(());
     }
-    if !args.cuts_only {
+    if !args.cuts_only && !args.models_cuts {
         scenarios(&m, &v2, &ub)?;
         fleet::scenario(&work, &image, &work.join("bundles"))?;
     }
@@ -1104,8 +1164,10 @@ fn scenarios(m: &Machine, v2: &[u8], ub: &Path) -> Result<()> {
 }
 
 /// Cut the power of `m`'s update chain at `kill`, then boot it again until a PASS; what it saw.
-fn cut_and_recover(m: &Machine, ub: &Path, kill: Cut) -> Result<String> {
-    let cut = m.chain_with("cut", Some(kill), Some((ub, "v2.raucb")))?;
+fn cut_and_recover(m: &Machine, ub: &Path, kill: Cut, plan: &Plan) -> Result<String> {
+    let models_a = m.part_sha("models_a")?;
+    let cut = m.chain_with("cut", Some(kill), Some((ub, plan.bundle)))?;
+    let mut last_console = cut.console.clone();
     let mut boots = cut.boots.clone();
     // Power comes back: the board boots (again, without the update) until a PASS.
     let mut after: Vec<Seen> = Vec::new();
@@ -1120,6 +1182,7 @@ fn cut_and_recover(m: &Machine, ub: &Path, kill: Cut) -> Result<String> {
         let c = m.chain(&format!("after-{n}"), None)?;
         boots.extend(c.boots.clone());
         after.extend(c.boots);
+        last_console = c.console;
     }
     let pass_at = after
         .iter()
@@ -1133,9 +1196,18 @@ fn cut_and_recover(m: &Machine, ub: &Path, kill: Cut) -> Result<String> {
     );
     let skipped = m.fsck_bootable()?;
     m.good_means_passed()?;
+    let served = if plan.models {
+        ensure!(
+            m.part_sha("models_a")? == models_a,
+            "the factory models slot models_a changed"
+        );
+        format!("; {}", served_models_passed(m, &last_console)?)
+    } else {
+        String::new()
+    };
     let st = m.state()?;
     Ok(format!(
-        "{}{}; then BOOT_ORDER '{}', A {}, B {}; fsck.vfat -n clean{}",
+        "{}{}; then BOOT_ORDER '{}', A {}, B {}{served}; fsck.vfat -n clean{}",
         if cut.killed {
             format!("in {}: ", phase_of(&cut.console))
         } else {
@@ -1156,17 +1228,50 @@ fn cut_and_recover(m: &Machine, ub: &Path, kill: Cut) -> Result<String> {
     ))
 }
 
+/// The models slot the last boot of `console` (a PASS) mapped, which must be the one its verdict
+/// marked good and is marked good in the counters now: the board serves a models slot that
+/// passed.
+fn served_models_passed(m: &Machine, console: &str) -> Result<String> {
+    use kiln_runtime::slot::Class;
+    let last = console.rsplit(BOOT_LINE).next().unwrap_or("");
+    let mapped = last
+        .lines()
+        .find_map(|l| l.split("kiln slot: models slot ").nth(1))
+        .and_then(|r| r.chars().next())
+        .context("the last boot does not say which models slot init mapped")?;
+    let slot = Slot::parse(&mapped.to_string())?;
+    ensure!(
+        last.contains(&format!("models slot {mapped}: marked good")),
+        "the last boot mapped models slot {mapped}, but its verdict did not mark it good"
+    );
+    let st = m.state()?;
+    ensure!(
+        st.is_good_of(Class::Models, slot)?,
+        "the last boot's models slot {mapped} is not good in the counters: {}",
+        st.describe_of(Class::Models)
+    );
+    Ok(format!(
+        "serving models slot {mapped} (passed; {})",
+        st.describe_of(Class::Models)
+    ))
+}
+
 fn cuts(args: &Args, work: &Path, image: &Path, ub: &Path) -> Result<()> {
+    let plan = if args.models_cuts {
+        &MODELS_PLAN
+    } else {
+        &SYSTEM_PLAN
+    };
     let mut failures = Vec::new();
     if args.seeds > 0 {
-        failures = seeded_cuts(args, work, image, ub)?;
+        failures = seeded_cuts(args, work, image, ub, plan)?;
     }
     // And at each milestone of the chain the moments may miss (with `--seeds 0`, only these:
     // what CI runs).
     let mut missed = Vec::new();
-    for (i, (marker, n, what)) in MILESTONE_CUTS.iter().enumerate() {
+    for (i, (marker, n, what)) in plan.milestones.iter().enumerate() {
         let m = Machine::new(&work.join(format!("cut-milestone-{i}")), image)?;
-        match cut_and_recover(&m, ub, Cut::On(marker, *n)) {
+        match cut_and_recover(&m, ub, Cut::On(marker, *n), plan) {
             Ok(s) => {
                 println!("ab-test: cut when {what}: {s}");
                 let _ = std::fs::remove_file(&m.disk);
@@ -1183,16 +1288,22 @@ fn cuts(args: &Args, work: &Path, image: &Path, ub: &Path) -> Result<()> {
          milestones {missed:?} failed"
     );
     println!(
-        "ab-test: {} seeded and {} milestone power cuts: each reached a PASS within {RECOVERY_BOOTS} boots, FAT clean, no slot marked good without a PASS",
+        "ab-test: {} seeded and {} milestone power cuts of the {}: each reached a PASS within {RECOVERY_BOOTS} boots, FAT clean, no slot marked good without a PASS{}",
         args.seeds,
-        MILESTONE_CUTS.len()
+        plan.milestones.len(),
+        plan.what,
+        if plan.models {
+            ", a models slot that passed served, models_a unchanged"
+        } else {
+            ""
+        }
     );
     Ok(())
 }
 
 /// `args.seeds` power cuts at moments drawn from the span of an uncut chain: the seeds that
 /// failed.
-fn seeded_cuts(args: &Args, work: &Path, image: &Path, ub: &Path) -> Result<Vec<u64>> {
+fn seeded_cuts(args: &Args, work: &Path, image: &Path, ub: &Path, plan: &Plan) -> Result<Vec<u64>> {
     // The uncut chain gives the span the moments are drawn from: A boots and passes, RAUC
     // installs the bundle into B (marks B bad, writes it, marks it active), the board reboots,
     // B boots, passes and is marked good. Run here, just before the cut chains, on a fresh
@@ -1200,19 +1311,15 @@ fn seeded_cuts(args: &Args, work: &Path, image: &Path, ub: &Path) -> Result<Vec<
     // than a cut chain in CI (45.0 s; the cut chain was done before 39.2 s), and a seed drawn
     // past a chain's end cuts nothing.
     let reference = Machine::new(&work.join("cut-reference"), image)?;
-    let c = reference.chain_with("reference", None, Some((ub, "v2.raucb")))?;
-    expect(
-        &c,
-        "uncut reference (rauc install of v2 from A)",
-        &[("A", Some("PASS")), ("B", Some("PASS"))],
-    )?;
+    let c = reference.chain_with("reference", None, Some((ub, plan.bundle)))?;
+    expect(&c, &format!("uncut reference ({})", plan.what), plan.uncut)?;
     let secs = c.secs;
     let span_ms = (secs * 1000.0) as u64;
     let mut failures = Vec::new();
     for seed in args.first_seed..args.first_seed + args.seeds {
         let at = Duration::from_millis(splitmix(seed) % span_ms.max(1));
         let m = Machine::new(&work.join(format!("cut-{seed}")), image)?;
-        let r = cut_and_recover(&m, ub, Cut::At(at));
+        let r = cut_and_recover(&m, ub, Cut::At(at), plan);
         match r {
             Ok(s) => {
                 println!(
