@@ -110,7 +110,7 @@ const MILESTONE_CUTS: &[(&str, usize, &str)] = &[
     (
         "KILN-SELFTEST:",
         2,
-        "B's verdict, before its mark-good write",
+        "B's verdict is out (the marks are written before it is printed), before the power-off",
     ),
 ];
 
@@ -134,7 +134,8 @@ const MODELS_MILESTONE_CUTS: &[(&str, usize, &str)] = &[
     (
         "KILN-SELFTEST:",
         2,
-        "the verdict on models_b, before its mark-good write",
+        "the verdict on models_b is out (its mark written before it is printed), before the \
+         power-off",
     ),
 ];
 
