@@ -256,11 +256,24 @@ fn break_image_hash(fs: &Path) -> Result<()> {
 
 /// The hook of a models bundle. `install-check`: RAUC's own `compatible` check, which a hook
 /// replaces (the check of the models format against the running system's comes with the
-/// signed trust path at boot). `slot-post-install`: the slot RAUC wrote (the models slot not in
-/// use: init lists only that one) is put first in `MODELS_ORDER` with one try, so the next boot
-/// maps it (`docs/models-slots.md`, decisions 4 and 5).
+/// signed trust path at boot). `slot-pre-install`: the slot RAUC is about to write (the models
+/// slot not in use: init lists only that one) is marked bad first, out of `MODELS_ORDER`, so a
+/// power cut while it is half written never leaves it where init would map it (as RAUC marks a
+/// boot slot bad before writing it). `slot-post-install`: the slot RAUC wrote is put first in
+/// `MODELS_ORDER` with one try, so the next boot maps it (`docs/models-slots.md`, decisions 4
+/// and 5). A device that is no models slot is refused before anything is marked or written.
 const MODELS_HOOK: &str = r#"#!/bin/sh
 # kiln models bundle hook (made by cargo xtask bundle --models-slot: xtask/src/bundle.rs).
+slot_of() {
+    case "$RAUC_SLOT_DEVICE" in
+        */models_a) s=A ;;
+        */models_b) s=B ;;
+        *)
+            echo "kiln: RAUC is writing $RAUC_SLOT_DEVICE, which is neither models_a nor models_b" >&2
+            exit 1
+            ;;
+    esac
+}
 case "$1" in
     install-check)
         if [ "$RAUC_MF_COMPATIBLE" != "$RAUC_SYSTEM_COMPATIBLE" ]; then
@@ -268,15 +281,12 @@ case "$1" in
             exit 10
         fi
         ;;
+    slot-pre-install)
+        slot_of
+        kiln slot --class models mark-bad "$s" >&2 || exit 1
+        ;;
     slot-post-install)
-        case "$RAUC_SLOT_DEVICE" in
-            */models_a) s=A ;;
-            */models_b) s=B ;;
-            *)
-                echo "kiln: RAUC wrote $RAUC_SLOT_DEVICE, which is neither models_a nor models_b" >&2
-                exit 1
-                ;;
-        esac
+        slot_of
         kiln slot --class models mark-active "$s" >&2 || exit 1
         ;;
 esac
@@ -467,7 +477,7 @@ pub fn make(args: &Args) -> Result<Bundle> {
          [image.{slot_class}]\n\
          filename={payload_name}\n{image_hooks}",
         image_hooks = if args.models_slot {
-            "hooks=post-install\n"
+            "hooks=pre-install;post-install\n"
         } else {
             ""
         },
@@ -730,12 +740,31 @@ mod tests {
         );
         // Fault: RAUC wrote a device that is no models slot (a boot slot): refused, nothing
         // marked.
-        let (rc, err, asked) = run_hook("slot-post-install", &dev("/dev/vda2"), 0);
-        assert_eq!((rc, asked.as_str()), (1, ""), "{err}");
-        assert!(
-            err.contains("RAUC wrote /dev/vda2, which is neither models_a nor models_b"),
-            "{err}"
+        for hook in ["slot-pre-install", "slot-post-install"] {
+            let (rc, err, asked) = run_hook(hook, &dev("/dev/vda2"), 0);
+            assert_eq!((rc, asked.as_str()), (1, ""), "{hook}: {err}");
+            assert!(
+                err.contains("RAUC is writing /dev/vda2, which is neither models_a nor models_b"),
+                "{err}"
+            );
+        }
+        // Before RAUC writes a slot, it is marked bad (out of MODELS_ORDER); a mark that cannot
+        // be written stops the install before a byte is written.
+        let (rc, _, asked) = run_hook(
+            "slot-pre-install",
+            &dev("/dev/disk/by-partlabel/models_a"),
+            0,
         );
+        assert_eq!(
+            (rc, asked.as_str()),
+            (0, "slot --class models mark-bad A\n")
+        );
+        let (rc, _, _) = run_hook(
+            "slot-pre-install",
+            &dev("/dev/disk/by-partlabel/models_a"),
+            3,
+        );
+        assert_eq!(rc, 1);
         // Fault: the mark cannot be written: the install fails.
         let (rc, _, asked) = run_hook(
             "slot-post-install",
