@@ -719,62 +719,47 @@ mod tests {
 
     #[test]
     fn the_models_hook_marks_only_a_models_slot_it_wrote() {
-        let dev = |d: &'static str| [("RAUC_SLOT_DEVICE", d)];
-        let (rc, _, asked) = run_hook(
-            "slot-post-install",
-            &dev("/dev/disk/by-partlabel/models_b"),
-            0,
-        );
-        assert_eq!(
-            (rc, asked.as_str()),
-            (0, "slot --class models mark-active B\n")
-        );
-        let (rc, _, asked) = run_hook(
-            "slot-post-install",
-            &dev("/dev/disk/by-partlabel/models_a"),
-            0,
-        );
-        assert_eq!(
-            (rc, asked.as_str()),
-            (0, "slot --class models mark-active A\n")
-        );
-        // Fault: RAUC wrote a device that is no models slot (a boot slot): refused, nothing
-        // marked.
-        for hook in ["slot-pre-install", "slot-post-install"] {
-            let (rc, err, asked) = run_hook(hook, &dev("/dev/vda2"), 0);
-            assert_eq!((rc, asked.as_str()), (1, ""), "{hook}: {err}");
-            assert!(
-                err.contains("RAUC is writing /dev/vda2, which is neither models_a nor models_b"),
-                "{err}"
+        // (hook, the device RAUC writes, kiln's exit status) -> (the hook's, what kiln was asked).
+        let cases: &[(&str, &str, i32, i32, &str)] = &[
+            // Before RAUC writes a slot, it is marked bad (out of MODELS_ORDER) ...
+            ("slot-pre-install", "models_a", 0, 0, "mark-bad A"),
+            // ... and after, first with one try.
+            ("slot-post-install", "models_b", 0, 0, "mark-active B"),
+            ("slot-post-install", "models_a", 0, 0, "mark-active A"),
+            // Fault: a mark that cannot be written fails the hook: before, no byte is written;
+            // after, the install fails.
+            ("slot-pre-install", "models_a", 3, 1, "mark-bad A"),
+            ("slot-post-install", "models_b", 3, 1, "mark-active B"),
+            // Fault: a device that is no models slot (a boot slot): refused, nothing marked.
+            ("slot-pre-install", "vda2", 0, 1, ""),
+            ("slot-post-install", "vda2", 0, 1, ""),
+        ];
+        for &(hook, part, kiln_rc, want_rc, want) in cases {
+            let dev = if part.starts_with("models_") {
+                format!("/dev/disk/by-partlabel/{part}")
+            } else {
+                format!("/dev/{part}")
+            };
+            let (rc, err, asked) = run_hook(hook, &[("RAUC_SLOT_DEVICE", dev.as_str())], kiln_rc);
+            let want_asked = if want.is_empty() {
+                String::new()
+            } else {
+                format!("slot --class models {want}\n")
+            };
+            assert_eq!(
+                (rc, asked.as_str()),
+                (want_rc, want_asked.as_str()),
+                "{hook} {dev} (kiln exits {kiln_rc}): {err}"
             );
+            if want.is_empty() {
+                assert!(
+                    err.contains(&format!(
+                        "RAUC is writing {dev}, which is neither models_a nor models_b"
+                    )),
+                    "{err}"
+                );
+            }
         }
-        // Before RAUC writes a slot, it is marked bad (out of MODELS_ORDER); a mark that cannot
-        // be written stops the install before a byte is written.
-        let (rc, _, asked) = run_hook(
-            "slot-pre-install",
-            &dev("/dev/disk/by-partlabel/models_a"),
-            0,
-        );
-        assert_eq!(
-            (rc, asked.as_str()),
-            (0, "slot --class models mark-bad A\n")
-        );
-        let (rc, _, _) = run_hook(
-            "slot-pre-install",
-            &dev("/dev/disk/by-partlabel/models_a"),
-            3,
-        );
-        assert_eq!(rc, 1);
-        // Fault: the mark cannot be written: the install fails.
-        let (rc, _, asked) = run_hook(
-            "slot-post-install",
-            &dev("/dev/disk/by-partlabel/models_b"),
-            3,
-        );
-        assert_eq!(
-            (rc, asked.as_str()),
-            (1, "slot --class models mark-active B\n")
-        );
         // install-check: another compatible is refused with RAUC's own words.
         let (rc, err, _) = run_hook(
             "install-check",
