@@ -204,14 +204,27 @@ pub fn models_lines(image: &Path) -> Vec<String> {
                     .filter(|(_, n)| *n == sha)
                     .map(|(b, _)| *b)
                     .collect();
-                let names: Vec<&str> = slot.meta.models.iter().map(|m| m.name.as_str()).collect();
+                // The names are the card's bytes: escaped, so a hostile one cannot drive the
+                // terminal.
+                let names: Vec<String> = slot
+                    .meta
+                    .models
+                    .iter()
+                    .map(|m| m.name.escape_debug().to_string())
+                    .collect();
                 format!(
                     "kiln-models.json {}, format {}, {} model(s) ({}), verity root {}; {}; {}",
                     &sha[..12],
                     slot.meta.format,
                     names.len(),
                     names.join(", "),
-                    &slot.meta.verity.root_hash[..12.min(slot.meta.verity.root_hash.len())],
+                    slot.meta
+                        .verity
+                        .root_hash
+                        .chars()
+                        .take(12)
+                        .collect::<String>()
+                        .escape_debug(),
                     if by.is_empty() {
                         "named by no boot slot's manifest".to_string()
                     } else {
@@ -674,7 +687,7 @@ pub(crate) mod tests {
         let dir = tempfile::tempdir().unwrap();
         let size: u64 = 1 << 20;
         let (a, sha_a) = models_slot(size, "factory.gguf", &[]);
-        let (b, sha_b) = models_slot(size, "new.gguf", &[0x30; 700]);
+        let (b, sha_b) = models_slot(size, "new.gguf\u{1b}[2J", &[0x30; 700]);
         let mut st = State::initial();
         st.mark_active_with(Class::Models, Slot::B, 1).unwrap();
         let manifest = serde_json::json!({"models_slot": {"meta_sha256": sha_a}});
@@ -731,7 +744,7 @@ pub(crate) mod tests {
         );
         assert!(
             lines[2].contains(&format!("kiln-models.json {}", &sha_b[..12]))
-                && lines[2].contains("(new.gguf)")
+                && lines[2].contains("(new.gguf\\u{1b}[2J)")
                 && lines[2]
                     .ends_with("named by no boot slot's manifest; signed (700-byte CMS signature)"),
             "{lines:?}"
