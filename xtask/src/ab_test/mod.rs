@@ -15,11 +15,12 @@
 //!
 //! Scenarios: a new image boots A and marks it good; `rauc install` of v2 from A into a blanked
 //! B, B boots and is marked good with A kept behind it, and `rauc status` on the board reads the
-//! counters as kiln does; bundles signed by another key, for another board, needing models the
+//! counters as kiln does; bundles signed by another key (a system's and a models slot's), for
+//! another board, needing models the
 //! card does not hold, signed by a certificate the keyring's CRL revokes (the development keyring
 //! is a CA and its CRL, as a fleet's from `cargo xtask keys`), with a byte flipped in the squashfs
-//! superblock, in the payload or in the signature: each refused, the slot it would go to
-//! unchanged, the counters as they were; v3 in
+//! superblock, in the payload or in the signature: each refused, `boot_a`, `models_a` and
+//! `models_b` unchanged, the counters as they were; v3 in
 //! B fails its self-check, is marked bad and the board reboots into A; v4 in B has a broken
 //! initramfs, U-Boot spends B's three tries and boots A; with no good slot left U-Boot boots
 //! the slot last marked good and the report says so.
@@ -649,6 +650,16 @@ fn update_disk(dir: &Path) -> Result<PathBuf> {
         models_slot: true,
         ..crate::bundle::Args::qemu_virt(None, bundles.join("models.raucb"), None)
     })?;
+    // A models bundle signed by another key: RAUC refuses it as it refuses a system one, and
+    // neither models slot is written.
+    crate::bundle::make(&crate::bundle::Args {
+        models_slot: true,
+        ..crate::bundle::Args::qemu_virt(
+            Some((keys.join("other-key.pem"), keys.join("other-cert.pem"))),
+            bundles.join("models-other-key.raucb"),
+            Some(keys.join("other-cert.pem")),
+        )
+    })?;
     crate::bundle::make(&crate::bundle::Args {
         needs_verity_root: Some("0".repeat(64)),
         ..crate::bundle::Args::qemu_virt(None, bundles.join("other-models-root.raucb"), None)
@@ -683,6 +694,7 @@ fn update_disk(dir: &Path) -> Result<PathBuf> {
     let files: Vec<(String, PathBuf)> = [
         "v2.raucb",
         "models.raucb",
+        "models-other-key.raucb",
         "other-key.raucb",
         "revoked.raucb",
         "other-board.raucb",
@@ -948,6 +960,11 @@ fn scenarios(m: &Machine, v2: &[u8], ub: &Path) -> Result<()> {
             "signature verification failed",
         ),
         (
+            "models-other-key.raucb",
+            "of a models slot signed by a key the board does not trust",
+            "signature verification failed",
+        ),
+        (
             "revoked.raucb",
             "signed by a certificate the keyring's CRL revokes",
             "certificate revoked",
@@ -984,14 +1001,20 @@ fn scenarios(m: &Machine, v2: &[u8], ub: &Path) -> Result<()> {
             "no valid CMS|signature verification failed",
         ),
     ];
-    let a = m.part_sha("boot_a")?;
+    let parts = ["boot_a", "models_a", "models_b"];
+    let before = parts
+        .iter()
+        .map(|p| m.part_sha(p))
+        .collect::<Result<Vec<_>>>()?;
     let files: Vec<&str> = refused.iter().map(|r| r.0).collect();
     let c = m.chain_with("2-refuse", None, Some((ub, &files.join(","))))?;
     expect(&c, "bundles RAUC must refuse", &[("B", Some("PASS"))])?;
-    ensure!(
-        m.part_sha("boot_a")? == a,
-        "boot_a changed although RAUC refused every bundle"
-    );
+    for (p, was) in parts.iter().zip(&before) {
+        ensure!(
+            m.part_sha(p)? == *was,
+            "{p} changed although RAUC refused every bundle"
+        );
+    }
     expect_state(m, "after the bundles RAUC refused", "B A", 3, 3)?;
     let n = refused.len();
     for (i, (file, why, reason)) in refused.iter().enumerate() {
@@ -1018,7 +1041,7 @@ fn scenarios(m: &Machine, v2: &[u8], ub: &Path) -> Result<()> {
                 format!("a bundle {why}: refused, but RAUC's output does not name `{reason}`")
             })?;
         println!(
-            "ab-test: refused, boot_a unchanged: a bundle {why}: {}",
+            "ab-test: refused, boot_a, models_a and models_b unchanged: a bundle {why}: {}",
             said.trim()
         );
     }
