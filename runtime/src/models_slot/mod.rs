@@ -13,8 +13,8 @@
 //!
 //! Everything read from a slot is bounded before it is used: offsets and lengths inside the slot
 //! and outside the footer, the trailer after the hash tree, the two parts apart, the JSON at most
-//! [`MAX_META`] and the signature at most [`MAX_SIG`] bytes. An empty slot (zeros: a new image's
-//! `models_b`) is "holds no models", not a parse error.
+//! [`MAX_META`] and the signature at most [`MAX_SIG`] bytes. An empty slot (zeros, or the
+//! [`Footer::empty`] a new image's `models_b` ends with) is "holds no models", not a parse error.
 
 use anyhow::{bail, ensure, Context, Result};
 use serde::{Deserialize, Serialize};
@@ -71,8 +71,23 @@ impl Footer {
         b
     }
 
+    /// The footer of an empty slot as the image writes it (`models_b` of a new card): a whole
+    /// footer (magic, version, its own sha256) that points at nothing. Not zeros, so that
+    /// flashing the image by its block map writes it and a card's old slot does not survive a
+    /// reflash as "models_b" (the bmap skips runs of zeros).
+    pub fn empty() -> Vec<u8> {
+        Footer {
+            meta_off: 0,
+            meta_len: 0,
+            sig_off: 0,
+            sig_len: 0,
+            meta_sha256: [0; 32],
+        }
+        .encode()
+    }
+
     /// The footer of a slot of `slot_len` bytes, checked against it. `Ok(None)`: the slot
-    /// holds no models (its last 4 KiB are zeros).
+    /// holds no models (its last 4 KiB are zeros, or [`Footer::empty`]).
     pub fn decode(b: &[u8], slot_len: u64) -> Result<Option<Footer>> {
         ensure!(
             b.len() as u64 == FOOTER_LEN,
@@ -106,6 +121,9 @@ impl Footer {
             sig_len: u64_at(48),
             meta_sha256: b[56..88].try_into().expect("32 bytes"),
         };
+        if b == Footer::empty() {
+            return Ok(None);
+        }
         f.check(slot_len)?;
         Ok(Some(f))
     }

@@ -288,3 +288,23 @@ fn the_hash_tree_ends_where_veritysetup_puts_it() {
         );
     }
 }
+
+/// The empty footer a new image's `models_b` ends with reads as an empty slot; one flipped bit
+/// in it is a damaged footer, not an empty slot.
+#[test]
+fn the_empty_footer_is_an_empty_slot() {
+    let mut f = tempfile::NamedTempFile::new().unwrap();
+    f.as_file().set_len(SLOT).unwrap();
+    let empty = Footer::empty();
+    assert_eq!(empty.len() as u64, FOOTER_LEN);
+    assert!(empty.iter().any(|&b| b != 0), "not zeros: a bmap maps it");
+    f.seek(SeekFrom::Start(SLOT - FOOTER_LEN)).unwrap();
+    f.write_all(&empty).unwrap();
+    assert!(read(f.path()).unwrap().is_none());
+    let mut bad = empty.clone();
+    bad[40] ^= 1;
+    f.seek(SeekFrom::Start(SLOT - FOOTER_LEN)).unwrap();
+    f.write_all(&bad).unwrap();
+    let e = format!("{:#}", read(f.path()).unwrap_err());
+    assert!(e.contains("damaged"), "{e}");
+}

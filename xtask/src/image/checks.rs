@@ -146,7 +146,7 @@ pub fn stage() -> Result<()> {
     let (ctl, p1, slot_b, models, models_b, data) = (
         &files[0], &files[1], &files[2], &files[3], &files[4], &files[5],
     );
-    // The second models slot holds no models: all zeros, so its footer says so.
+    // The second models slot holds no models: zeros but its last 4 KiB, the empty footer.
     ensure!(
         kiln_runtime::models_slot::read(models_b)?.is_none()
             && std::fs::metadata(models_b)?.len() == std::fs::metadata(models)?.len(),
@@ -317,6 +317,7 @@ pub fn stage() -> Result<()> {
         "image-checks: bmaptool copy with our bmap reproduces the image ({})",
         built.sha256
     );
+    reflash_clears_models_b(&sh, img, bmap, models, tmp.path())?;
 
     // A real Kconfig run: a fragment without MISC_FILESYSTEMS and with an unknown option.
     let frag = std::fs::read_to_string(board.kernel.fragment_path())?;
@@ -373,6 +374,61 @@ pub fn stage() -> Result<()> {
 /// holds Debian's Image, dtb and config byte for byte as `dpkg-deb` unpacks them from the pinned
 /// package; the loader is at LBA 64 and `cargo xtask flash` writes the image; a fragment option
 /// the package's config does not hold is refused, named.
+/// A card whose `models_b` a models install wrote (here: `models_a`'s slot), reflashed with the
+/// image by `bmaptool copy` onto a block device (a loop device: a regular file would be
+/// truncated): the bmap maps `models_b`'s empty footer, so `models_b` reads as empty again, not
+/// as the old slot. Needs root and `/dev/loop-control` (CI has both).
+fn reflash_clears_models_b(
+    sh: &xshell::Shell,
+    img: &Path,
+    bmap: &Path,
+    models_a: &Path,
+    tmp: &Path,
+) -> Result<()> {
+    use std::os::unix::fs::FileExt as _;
+    crate::doctor::ensure(&[&crate::doctor::LOSETUP])?;
+    let p5 = crate::disk::gpt::read(img)?
+        .into_iter()
+        .find(|p| p.name == "models_b")
+        .context("the image has no models_b")?;
+    let card = tmp.join("card.img");
+    std::fs::copy(img, &card).context("copying the image as a card")?;
+    let old = std::fs::read(models_a)?;
+    ensure!(
+        old.len() as u64 == p5.size_bytes(),
+        "models_a's slot is not the size of models_b"
+    );
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&card)?
+        .write_all_at(&old, p5.start_bytes())?;
+    ensure!(
+        kiln_runtime::models_slot::read_in(&card, p5.start_bytes(), p5.size_bytes(), "models_b")?
+            .is_some(),
+        "the card's models_b does not hold the slot written to it"
+    );
+    let dev = cmd!(sh, "losetup --find --show {card}")
+        .read()
+        .context("a loop device over the card")?;
+    let dev = dev.trim().to_string();
+    let copied = cmd!(sh, "bmaptool copy --bmap {bmap} {img} {dev}").run();
+    let _ = cmd!(sh, "losetup -d {dev}").quiet().run();
+    copied.context("bmaptool copy onto the card's loop device")?;
+    let after =
+        kiln_runtime::models_slot::read_in(&card, p5.start_bytes(), p5.size_bytes(), "models_b")
+            .context("models_b after the reflash")?;
+    ensure!(
+        after.is_none(),
+        "after a reflash by the bmap, models_b still holds the card's old slot (kiln-models.json {})",
+        after.map(|s| s.meta_sha256()).unwrap_or_default()
+    );
+    println!(
+        "image-checks: a card whose models_b held a models slot, reflashed by bmaptool onto a loop \
+         device: models_b reads as empty (its empty footer is in the bmap)"
+    );
+    Ok(())
+}
+
 fn rock5b(sh: &xshell::Shell, tmp: &Path) -> Result<()> {
     let board = Board::load("rock-5b")?;
     super::loader::seed_rkbin(&board)?;

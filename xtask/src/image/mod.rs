@@ -300,7 +300,7 @@ fn data_side(run: &mut Runner, ctx: &steps::Ctx, models: &[steps::Model]) -> Res
     let llama = kiln_runtime::model::fixture::gguf().context("writing the llama fixture")?;
     let models_part = run.run(steps::models_partition(ctx, models, &fixture, &llama))?;
     let nll = run.run(steps::known_answers_nll(ctx, models, &llama)?)?;
-    let models_b_part = run.run(steps::models_b_partition(ctx))?;
+    let models_b_part = run.run(steps::models_b_partition(ctx, &models_part)?)?;
     let data_part = run.run(steps::data_partition(ctx))?;
     Ok(DataSide {
         fixture,

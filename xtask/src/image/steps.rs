@@ -729,16 +729,34 @@ pub fn manifest_known_answers_nll(manifest: &mut Value, nll: &Product, llama: &[
 /// The second models slot as the image leaves it: holding no models (an empty file, so the
 /// partition is a hole the bmap skips). init never maps it until an install puts it first in
 /// `MODELS_ORDER` (docs/models-slots.md, decision 4).
-pub fn models_b_partition(ctx: &Ctx) -> Step<'_> {
-    Step {
+pub fn models_b_partition<'a>(ctx: &'a Ctx, models_a: &'a Product) -> Result<Step<'a>> {
+    let size = std::fs::metadata(models_a.path())
+        .with_context(|| format!("the size of {}", models_a.path().display()))?
+        .len();
+    Ok(Step {
         name: "models_b partition",
-        key: key_of(&["models-b-empty-v1"]),
+        key: key_of(&["models-b-empty-v2", &size.to_string()]),
         outputs: vec![ctx.work.join("models_b.empty")],
         make: Box::new(move |tmp: &[PathBuf]| {
-            write_atomic(&tmp[0], b"")?;
-            Ok("empty: no models until a models bundle is installed".into())
+            use kiln_runtime::models_slot as ms;
+            // Zeros (a hole) but the last 4 KiB: the empty footer, which a flash by the bmap
+            // writes, so a card's old models_b does not survive a reflash.
+            let f = std::fs::File::create(&tmp[0])
+                .with_context(|| format!("creating {}", tmp[0].display()))?;
+            f.set_len(size)?;
+            std::os::unix::fs::FileExt::write_all_at(
+                &f,
+                &ms::Footer::empty(),
+                size - ms::FOOTER_LEN,
+            )?;
+            f.sync_all()?;
+            Ok(format!(
+                "empty ({} MiB, the size of models_a): the empty footer, no models until a \
+                 models bundle is installed",
+                size >> 20
+            ))
         }),
-    }
+    })
 }
 
 pub fn data_partition(ctx: &Ctx) -> Step<'_> {
