@@ -3,7 +3,7 @@
 //! manifest; `root` prints the live root hash (a bundle's install check compares it with the
 //! one its system needs). The logic is `kiln_runtime::verity`.
 
-use anyhow::anyhow;
+use anyhow::{anyhow, Context as _};
 use kiln_runtime::verity;
 use std::path::PathBuf;
 
@@ -21,15 +21,28 @@ struct Mapping {
     device: PathBuf,
     #[arg(long, default_value = "/boot/kiln/manifest.json")]
     manifest: PathBuf,
+    /// The update keyring a models bundle's signature must verify against (RAUC's).
+    #[arg(long, default_value = kiln_runtime::models_slot::trust::KEYRING)]
+    keyring: PathBuf,
     #[arg(long, default_value = verity::CONTROL)]
     control: PathBuf,
 }
 
 #[derive(clap::Subcommand)]
 enum What {
-    /// Map the models partition as `kiln-models` with the manifest's `models_verity`; print the
-    /// device (`/dev/dm-N`) on stdout and what was mapped on stderr.
+    /// Map the models slot as `kiln-models` with its own verity parameters once it is believed
+    /// (the factory slot the manifest names, or signed by a key the keyring trusts); print the
+    /// device (`/dev/dm-N`) on stdout and what was mapped, and why it is believed, on stderr.
     Map(Mapping),
+    /// Exit 0 when the slot on `--device` is the factory slot the manifest names (believed
+    /// without openssl), 1 when believing it needs its signature checked (init then mounts the
+    /// updates tree, which holds openssl, first).
+    IsFactory {
+        #[arg(long)]
+        device: PathBuf,
+        #[arg(long, default_value = "/boot/kiln/manifest.json")]
+        manifest: PathBuf,
+    },
     /// Compare the live mapping with the manifest (table, root hash, status V/C).
     Status(Mapping),
     /// Print the live mapping's root hash (from the kernel's table, not from a file).
@@ -44,21 +57,45 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         What::Map(Mapping {
             device,
             manifest,
+            keyring,
             control,
         }) => {
-            let m = verity::map(&manifest, &device, &control).map_err(|e| anyhow!(e))?;
+            let m = verity::map(&manifest, &device, &keyring, &control).map_err(|e| anyhow!(e))?;
             eprintln!("kiln verity: {}", m.line);
             println!("{}", m.dev.display());
         }
         What::Status(Mapping {
             device,
             manifest,
+            keyring,
             control,
         }) => {
-            let p = verity::Params::from_manifest(&manifest).map_err(|e| anyhow!(e))?;
+            let t = verity::trusted_slot(&manifest, &device, &keyring).map_err(|e| anyhow!(e))?;
+            println!("{}: {}", device.display(), t.describe());
+            let p = t.slot.meta.verity;
             let devno = verity::devno(&device).map_err(|e| anyhow!(e))?;
             for l in verity::check(&control, &p, &devno).map_err(|e| anyhow!(e))? {
                 println!("{l}");
+            }
+        }
+        What::IsFactory { device, manifest } => {
+            use kiln_runtime::models_slot as ms;
+            let m: serde_json::Value = serde_json::from_slice(
+                &std::fs::read(&manifest)
+                    .with_context(|| format!("reading {}", manifest.display()))?,
+            )
+            .with_context(|| format!("parsing {}", manifest.display()))?;
+            let slot = ms::read(&device)?
+                .with_context(|| format!("{} holds no models", device.display()))?;
+            let sha = slot.meta_sha256();
+            if ms::trust::factory_sha(&m) == Some(sha.as_str()) {
+                println!("{}: the factory models slot ({sha})", device.display());
+            } else {
+                println!(
+                    "{}: not the factory models slot (kiln-models.json {sha}): its signature decides",
+                    device.display()
+                );
+                std::process::exit(1);
             }
         }
         What::Root { control } => {

@@ -23,6 +23,8 @@ use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::Path;
 use std::process::{Command, Stdio};
 
+pub mod trust;
+
 /// The GPT names of the models slot pair, slot `A` then `B` (p4, p5).
 pub const PARTITIONS: [&str; 2] = ["models_a", "models_b"];
 

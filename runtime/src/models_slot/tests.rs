@@ -308,3 +308,75 @@ fn the_empty_footer_is_an_empty_slot() {
     let e = format!("{:#}", read(f.path()).unwrap_err());
     assert!(e.contains("damaged"), "{e}");
 }
+
+/// The one rule init's `kiln verity map` and the self-check apply (decision 3): the factory slot
+/// the manifest names, or a slot signed by a key the keyring trusts (and not revoked) that
+/// carries its own known answers, in a format this system reads. Everything else is refused,
+/// naming why.
+#[test]
+fn trust_is_the_manifest_or_a_signature_with_answers() {
+    use super::trust::{trust, Basis};
+    let what = "/dev/vda5";
+    let good = meta(3);
+    // Signed by the development key, with answers: believed by its signature.
+    let (f, _, _) = slot(&good, Some("dev"));
+    let s = read(f.path()).unwrap().unwrap();
+    let t = trust(s.clone(), Some(&"00".repeat(32)), &keyring(), what).unwrap();
+    assert_eq!(t.basis, Basis::Signed(keyring()));
+    assert!(t.has_answers());
+    assert!(
+        t.describe().contains("signed: its") && t.describe().contains("dev-keyring.pem"),
+        "{}",
+        t.describe()
+    );
+    // The same slot named by the manifest is the factory slot: no signature needed.
+    let sha = s.meta_sha256();
+    let t = trust(s, Some(&sha), Path::new("/nonexistent"), what).unwrap();
+    assert_eq!(t.basis, Basis::Factory);
+    // Unsigned and not named; signed by a revoked or foreign certificate; signed without
+    // answers; a models format this system does not read.
+    let (f, _, _) = slot(&good, None);
+    let e = format!(
+        "{:#}",
+        trust(read(f.path()).unwrap().unwrap(), None, &keyring(), what).unwrap_err()
+    );
+    assert!(
+        e.contains("is not signed and is not the factory slot this system's manifest names (none)"),
+        "{e}"
+    );
+    for (who, why) in [
+        ("revoked", "certificate revoked"),
+        ("other", "self-signed certificate"),
+    ] {
+        let (f, _, _) = slot(&good, Some(who));
+        let e = format!(
+            "{:#}",
+            trust(read(f.path()).unwrap().unwrap(), None, &keyring(), what).unwrap_err()
+        );
+        assert!(
+            e.contains("its signature is refused") && e.contains(why),
+            "{who}: {e}"
+        );
+    }
+    let mut bare = meta(3);
+    bare.known_answers.clear();
+    let (f, _, _) = slot(&bare, Some("dev"));
+    let e = format!(
+        "{:#}",
+        trust(read(f.path()).unwrap().unwrap(), None, &keyring(), what).unwrap_err()
+    );
+    assert!(e.contains("carries no known answers"), "{e}");
+    let mut newer = meta(3);
+    newer.format = FORMAT + 1;
+    let (f, _, _) = slot(&newer, Some("dev"));
+    let s = read(f.path()).unwrap().unwrap();
+    let sha = s.meta_sha256();
+    let e = format!("{:#}", trust(s, Some(&sha), &keyring(), what).unwrap_err());
+    assert!(
+        e.contains(&format!(
+            "format {}; this system reads format {FORMAT}",
+            FORMAT + 1
+        )),
+        "{e}"
+    );
+}

@@ -352,29 +352,41 @@ pub fn manifest(ctx: &Ctx) -> Outcome {
         c.bad.push("the manifest lists no boot files".into());
     }
 
-    // Models: every listed one present and equal, nothing unlisted.
+    // Models: every listed one present and equal, nothing unlisted. Through dm-verity the list
+    // is the mapped slot's own (a models bundle's need not be the factory models the manifest
+    // lists), each file's size as it says; its bytes are proved by the root hash.
     if verity {
         match verity_mapping(ctx, &path, &models_dir) {
-            Ok(lines) => c.ok.extend(lines),
+            Ok((lines, live, files)) => {
+                c.ok.extend(lines);
+                match live {
+                    Ok(l) => c.ok.extend(l),
+                    Err(why) => c.bad.push(why),
+                }
+                listed = files.iter().map(|(n, _)| (n.clone(), None)).collect();
+                let mut here = Vec::new();
+                for (name, size) in &files {
+                    match std::fs::metadata(models_dir.join(name)) {
+                        Ok(md) if md.is_file() && md.len() == *size => here.push(name.as_str()),
+                        Ok(md) => c.bad.push(format!(
+                            "/models/{name}: {} bytes, the slot's kiln-models.json says {size}",
+                            md.len()
+                        )),
+                        Err(e) => c.bad.push(format!(
+                            "/models/{name}: listed in the slot's kiln-models.json, not on \
+                             /models: {e}"
+                        )),
+                    }
+                }
+                c.ok.push(format!(
+                    "/models: the {} file(s) the slot lists present at their sizes ({}), their \
+                     bytes proved by that root hash as they are read, not hashed here",
+                    here.len(),
+                    here.join(", ")
+                ));
+            }
             Err(why) => c.bad.push(why),
         }
-        let (here, gone): (Vec<_>, Vec<_>) = listed
-            .iter()
-            .partition(|(name, _)| models_dir.join(name).is_file());
-        for (name, _) in gone {
-            c.bad.push(format!(
-                "/models/{name}: listed in the manifest, not on /models"
-            ));
-        }
-        c.ok.push(format!(
-            "/models: the {} listed file(s) present ({}), their bytes proved by that root hash as \
-             they are read, not hashed here",
-            here.len(),
-            here.iter()
-                .map(|(n, _)| n.as_str())
-                .collect::<Vec<_>>()
-                .join(", ")
-        ));
     } else {
         for (name, sha) in &listed {
             c.file(
@@ -400,8 +412,14 @@ pub fn manifest(ctx: &Ctx) -> Outcome {
                     sha256_of(&models_dir.join(&f)).unwrap_or_else(|e| e.to_string())
                 )
             };
-            c.bad
-                .push(format!("/models/{f} is not in the manifest ({sha})"));
+            c.bad.push(format!(
+                "/models/{f} is not in the {} ({sha})",
+                if verity {
+                    "slot's kiln-models.json"
+                } else {
+                    "manifest"
+                }
+            ));
         }
     }
 
@@ -428,132 +446,58 @@ pub fn manifest(ctx: &Ctx) -> Outcome {
     }
 }
 
-/// `/models` is mounted from the dm-verity mapping [`crate::verity::NAME`], whose live table
-/// (read from the kernel) is the manifest's `models_verity` over a models slot (`models_a` or
-/// `models_b`),
-/// and whose status says no corrupted block was read.
-fn verity_mapping(ctx: &Ctx, manifest: &Path, models_dir: &Path) -> Result<Vec<String>, String> {
-    use crate::verity;
-    let want = verity::Params::from_manifest(manifest)?;
-    let mountinfo = ctx.paths.proc.join("self/mountinfo");
-    let mnt = models_dir.display().to_string();
-    let dev = verity::mounted_from(&mountinfo, &mnt)
-        .ok_or_else(|| format!("{mnt} is not mounted (models partition not mapped?)"))?;
-    let sys = |rel: String| std::fs::read_to_string(ctx.paths.sys.join(rel));
-    let name = sys(format!("dev/block/{dev}/dm/name")).unwrap_or_default();
-    if name.trim() != verity::NAME {
-        return Err(format!(
-            "{mnt} is mounted from {dev}, not from the dm-verity mapping {} (the models are \
-             not proved)",
-            verity::NAME
-        ));
-    }
-    // The one device beneath the mapping must be one of the GPT partitions of the models slots.
-    let slaves: Vec<String> =
-        std::fs::read_dir(ctx.paths.sys.join(format!("dev/block/{dev}/slaves")))
-            .map_err(|e| format!("{} beneath {dev}: {e}", verity::NAME))?
-            .flatten()
-            .filter_map(|e| e.file_name().to_str().map(str::to_string))
-            .collect();
-    let [part] = slaves.as_slice() else {
-        return Err(format!(
-            "{} maps {} devices ({slaves:?}), 1 expected",
-            verity::NAME,
-            slaves.len()
-        ));
-    };
-    let uevent = sys(format!("class/block/{part}/uevent")).unwrap_or_default();
-    let Some(slot_part) = uevent
-        .lines()
-        .filter_map(|l| l.strip_prefix("PARTNAME="))
-        .find(|n| crate::models_slot::PARTITIONS.contains(n))
-        .map(str::to_string)
-    else {
-        return Err(format!(
-            "{} maps /dev/{part}, which is not a models slot (a partition named {})",
-            verity::NAME,
-            crate::models_slot::PARTITIONS.join(" or ")
-        ));
-    };
-    let part_dev = sys(format!("class/block/{part}/dev"))
-        .map_err(|e| format!("/dev/{part}: {e}"))?
-        .trim()
-        .to_string();
-    // Both judged, both named when both fail (a flipped block and a changed trailer).
-    let slot = models_slot(ctx, manifest, &want, part);
-    let mut lines = match (
-        verity::check(&ctx.paths.dev.join("mapper/control"), &want, &part_dev),
-        slot,
-    ) {
-        (Ok(mut lines), Ok(slot_line)) => {
-            lines.push(slot_line);
-            lines
-        }
-        (Err(e), Ok(_)) | (Ok(_), Err(e)) => return Err(e),
-        (Err(a), Err(b)) => return Err(format!("{a}; {b}")),
-    };
-    lines.push(format!(
-        "{mnt} mounted from {dev} ({}) over /dev/{part} (PARTNAME={slot_part}: models slot {})",
-        verity::NAME,
-        slot_part.trim_start_matches("models_").to_uppercase()
-    ));
-    Ok(lines)
-}
-
-/// The models partition describes itself (`crate::models_slot`): its trailer's
-/// `kiln-models.json` is the one this system's manifest names (`models_slot.meta_sha256`: the
-/// factory slot, vouched for by the image that was built with it) and gives the same verity
-/// parameters the mapping uses.
-fn models_slot(
+/// `/models` is mounted from the dm-verity mapping [`crate::verity::NAME`] over a models slot
+/// (`models_a` or `models_b`) the booted system believes (`crate::models_slot::trust`: the
+/// factory slot its manifest names, or one signed by a key its update keyring trusts). `Ok`:
+/// the evidence, the live check of the mapping (its table must be that slot's verity parameters
+/// and its status say no corrupted block was read), and the files the slot says it holds.
+#[allow(clippy::type_complexity)]
+fn verity_mapping(
     ctx: &Ctx,
     manifest: &Path,
-    want: &crate::verity::Params,
-    part: &str,
-) -> Result<String, String> {
+    models_dir: &Path,
+) -> Result<(Vec<String>, Result<Vec<String>, String>, Vec<(String, u64)>), String> {
+    use super::known;
+    use crate::models_slot::trust::Basis;
+    let slot = known::mapped_slot(ctx, models_dir)?;
     let m: serde_json::Value = std::fs::read(manifest)
         .ok()
         .and_then(|b| serde_json::from_slice(&b).ok())
         .ok_or_else(|| format!("{}: not readable JSON", manifest.display()))?;
-    let named = m["models_slot"]["meta_sha256"].as_str().ok_or_else(|| {
+    let t = known::trusted(ctx, &m, &slot.part)?;
+    let want = &t.slot.meta.verity;
+    if t.basis == Basis::Factory {
+        // The factory slot's parameters are the manifest's too.
+        let named = crate::verity::Params::from_manifest(manifest)?;
+        if &named != want {
+            return Err(format!(
+                "/dev/{}: its kiln-models.json gives other verity parameters than the \
+                 manifest's models_verity (root {} vs {})",
+                slot.part, want.root_hash, named.root_hash
+            ));
+        }
+    }
+    let lines = vec![
+        format!("/dev/{} describes itself: {}", slot.part, t.describe()),
         format!(
-            "{} has no models_slot.meta_sha256 (an image built before self-describing models \
-             slots: reflash)",
-            manifest.display()
-        )
-    })?;
-    let dev = ctx.paths.dev.join(part);
-    let slot = crate::models_slot::read(&dev)
-        .map_err(|e| format!("{e:#}"))?
-        .ok_or_else(|| {
-            format!(
-                "{}: holds no kiln-models.json (its last 4 KiB are zeros)",
-                dev.display()
-            )
-        })?;
-    let sha = slot.meta_sha256();
-    if sha != named {
-        return Err(format!(
-            "{}: its kiln-models.json is sha256 {sha}, not the manifest's models_slot {named}",
-            dev.display()
-        ));
-    }
-    if &slot.meta.verity != want {
-        return Err(format!(
-            "{}: its kiln-models.json gives other verity parameters than the manifest's \
-             models_verity (root {} vs {})",
-            dev.display(),
-            slot.meta.verity.root_hash,
-            want.root_hash
-        ));
-    }
-    Ok(format!(
-        "/dev/{part} describes itself: kiln-models.json sha256 {sha} (format {}, {} files, \
-         verity root {}) is the manifest's models_slot (the factory slot, vouched for by this \
-         system's manifest)",
-        slot.meta.format,
-        slot.meta.models.len(),
-        slot.meta.verity.root_hash
-    ))
+            "{} mounted from {} ({}) over /dev/{} (PARTNAME={}: models slot {})",
+            models_dir.display(),
+            slot.dev,
+            crate::verity::NAME,
+            slot.part,
+            slot.partname,
+            slot.letter()
+        ),
+    ];
+    let live = crate::verity::check(&ctx.paths.dev.join("mapper/control"), want, &slot.part_dev);
+    let files = t
+        .slot
+        .meta
+        .models
+        .iter()
+        .map(|x| (x.name.clone(), x.size))
+        .collect();
+    Ok((lines, live, files))
 }
 
 #[cfg(test)]
@@ -752,37 +696,59 @@ mod tests {
         );
         root.file("sys/class/block/vda4/dev", "254:4\n");
         root.file("dev/mapper/control", "");
-        // The partition's own trailer: missing, empty, another one than the manifest names,
-        // with other verity parameters, then the one named.
-        let r = reason(&root);
-        assert!(r.contains("no models_slot.meta_sha256"), "{r}");
-        let (bytes, sha) = slot_bytes(&m["models_verity"]);
-        m["models_slot"] = serde_json::json!({ "meta_sha256": sha });
-        write_manifest(&root, &m);
+        // The partition's own trailer: missing, empty, another one than the manifest names
+        // (unsigned: not believed), with other verity parameters, then the one named.
         let r = reason(&root);
         assert!(r.contains("dev/vda4") && r.contains("opening"), "{r}");
         root.file("dev/vda4", vec![0u8; 1 << 20]);
         let r = reason(&root);
         assert!(r.contains("holds no kiln-models.json"), "{r}");
+        let (bytes, sha) = slot_bytes(&m["models_verity"]);
         let mut other = m["models_verity"].clone();
         other["salt"] = serde_json::json!("ef".repeat(32));
         root.file("dev/vda4", slot_bytes(&other).0);
         let r = reason(&root);
-        assert!(r.contains("not the manifest's models_slot"), "{r}");
-        m["models_slot"]["meta_sha256"] = serde_json::json!(slot_bytes(&other).1);
+        assert!(
+            r.contains(
+                "is not signed and is not the factory slot this system's manifest names (none)"
+            ),
+            "{r}"
+        );
+        m["models_slot"] = serde_json::json!({ "meta_sha256": slot_bytes(&other).1 });
         write_manifest(&root, &m);
         let r = reason(&root);
         assert!(r.contains("other verity parameters"), "{r}");
         m["models_slot"]["meta_sha256"] = serde_json::json!(sha);
         write_manifest(&root, &m);
         root.file("dev/vda4", bytes);
-        let r = reason(&root);
+        let o = manifest(&ctx(&root));
+        let r = o.reason.clone().unwrap();
         assert!(r.contains("device-mapper table read of kiln-models"), "{r}");
-        // A listed model missing is named.
+        assert!(
+            o.evidence.iter().any(|e| e.contains(
+                "is the factory slot this system's manifest names (models_slot.meta_sha256)"
+            )),
+            "{o:?}"
+        );
+        // The files are the slot's list: one of another size, then one missing, are named.
+        root.file("models/model.gguf", b"other weights, longer");
+        let r = reason(&root);
+        assert!(
+            r.contains("/models/model.gguf: 21 bytes, the slot's kiln-models.json says 13"),
+            "{r}"
+        );
         root.remove("models/model.gguf");
         let r = reason(&root);
         assert!(
-            r.contains("/models/model.gguf: listed in the manifest, not on /models"),
+            r.contains("/models/model.gguf: listed in the slot's kiln-models.json, not on /models"),
+            "{r}"
+        );
+        // And one the slot does not list.
+        root.file("models/model.gguf", b"other weights");
+        root.file("models/extra.gguf", b"x");
+        let r = reason(&root);
+        assert!(
+            r.contains("/models/extra.gguf is not in the slot's kiln-models.json"),
             "{r}"
         );
     }
@@ -793,7 +759,11 @@ mod tests {
         use crate::models_slot as ms;
         let meta = ms::Meta {
             format: ms::FORMAT,
-            models: vec![],
+            models: vec![ms::Model {
+                name: "model.gguf".into(),
+                size: 13,
+                sha256: hex_of(b"other weights"),
+            }],
             verity: serde_json::from_value(verity.clone()).unwrap(),
             known_answers: Default::default(),
         };

@@ -11,6 +11,7 @@ pub mod cli;
 pub mod cpu;
 pub mod image;
 pub mod kernel;
+pub mod known;
 pub mod matmul;
 pub mod model_matmul;
 pub mod model_nll;

@@ -259,36 +259,21 @@ pub fn error(got: &[f32], want: &[f32]) -> (f64, f64) {
     (se / ss, max / rms)
 }
 
-/// The known answers in the manifest, `Err` as the outcome to give when there are none to check.
-fn recorded(ctx: &Ctx) -> Result<Vec<KnownMatmul>, Outcome> {
-    let path = ctx.paths.manifest();
-    let missing = |why: String| {
-        if ctx.board.is_some() {
+/// The known answers (the mapped models slot's own, or the manifest's for the factory slot:
+/// [`super::known::answers`]), `Err` as the outcome to give when there are none to check.
+fn recorded(ctx: &Ctx) -> Result<(Vec<KnownMatmul>, String), Outcome> {
+    let k = super::known::answers(ctx)?;
+    let Some(list) = k.answers.get("matmul") else {
+        let why = format!("{} records no known_answers.matmul", k.source);
+        return Err(if ctx.board.is_some() {
             Outcome::fail(why, vec![])
         } else {
             Outcome::skip(why)
-        }
+        });
     };
-    let bytes = std::fs::read(&path).map_err(|e| {
-        missing(format!(
-            "no manifest to take known answers from: {}: {e}",
-            path.display()
-        ))
-    })?;
-    let v: serde_json::Value = serde_json::from_slice(&bytes)
-        .map_err(|e| Outcome::fail(format!("{}: not JSON: {e}", path.display()), vec![]))?;
-    let Some(list) = v.pointer("/known_answers/matmul") else {
-        return Err(missing(format!(
-            "{} records no known_answers.matmul",
-            path.display()
-        )));
-    };
-    serde_json::from_value(list.clone()).map_err(|e| {
-        Outcome::fail(
-            format!("{}: known_answers.matmul: {e}", path.display()),
-            vec![],
-        )
-    })
+    let list = serde_json::from_value(list.clone())
+        .map_err(|e| Outcome::fail(format!("{}: known_answers.matmul: {e}", k.source), vec![]))?;
+    Ok((list, k.source))
 }
 
 /// One case against one backend: `Ok(Some(line))` computed and within tolerance, `Ok(None)`
@@ -312,7 +297,7 @@ fn one(
     );
     if digest(&km.expected) != km.sha256 || km.expected.len() != km.m * km.rows[1] {
         return Err(format!(
-            "{what}: the manifest's expected values do not match their sha256 {}",
+            "{what}: the recorded expected values do not match their sha256 {}",
             km.sha256
         ));
     }
@@ -322,7 +307,7 @@ fn one(
         .ok_or_else(|| format!("{what}: no 2-D tensor {} in the model", km.tensor))?;
     if w.ty.name() != km.ty || w.k != km.k || w.n != km.n {
         return Err(format!(
-            "{what}: the model has {} {}x{}, the manifest recorded {} {}x{}",
+            "{what}: the model has {} {}x{}, the known answer recorded {} {}x{}",
             w.ty.name(),
             w.k,
             w.n,
@@ -373,7 +358,7 @@ pub fn check(ctx: &Ctx, backend: &dyn Backend) -> Outcome {
     if let Err(d) = backend.probe() {
         return Outcome::skip(format!("{} is not usable here: {d}", backend.name()));
     }
-    let known = match recorded(ctx) {
+    let (known, source) = match recorded(ctx) {
         Ok(k) => k,
         Err(o) => return o,
     };
@@ -389,7 +374,7 @@ pub fn check(ctx: &Ctx, backend: &dyn Backend) -> Outcome {
     for name in on_card.keys() {
         if !by_model.contains_key(name.as_str()) {
             failures.push(format!(
-                "{name}: on the models partition, but the manifest records no known answer for it"
+                "{name}: on the models partition, but the known answers record none for it"
             ));
         }
     }
@@ -397,7 +382,7 @@ pub fn check(ctx: &Ctx, backend: &dyn Backend) -> Outcome {
     for (model, cases) in &by_model {
         let Some(path) = on_card.get(*model) else {
             failures.push(format!(
-                "{model}: has known answers in the manifest, but is not on the models partition"
+                "{model}: has known answers, but is not on the models partition"
             ));
             continue;
         };
@@ -433,6 +418,7 @@ pub fn check(ctx: &Ctx, backend: &dyn Backend) -> Outcome {
             backend.name(),
             failures.join("; ")
         );
+        ev.insert(0, format!("known answers from {source}"));
         return Outcome::fail(reason, ev);
     }
     if ev.len() == usize::from(!declined.is_empty()) {
@@ -443,6 +429,7 @@ pub fn check(ctx: &Ctx, backend: &dyn Backend) -> Outcome {
             declined.join("; ")
         ));
     }
+    ev.insert(0, format!("known answers from {source}"));
     Outcome::pass(ev)
 }
 
@@ -542,7 +529,8 @@ mod tests {
         let cpu = CpuBackend::new();
         let o = check(&ctx(&root), &cpu);
         assert_eq!(o.status, Status::Pass, "{o:?}");
-        assert_eq!(o.evidence.len(), 6, "{o:?}");
+        assert_eq!(o.evidence.len(), 7, "{o:?}");
+        assert!(o.evidence[0].starts_with("known answers from "), "{o:?}");
 
         // Flip the high byte of a block scale inside the recorded rows of output.weight.
         let f = GgufFile::open(&p).unwrap();
@@ -583,9 +571,10 @@ mod tests {
         manifest(&root, &[]);
         let o = check(&ctx(&root), &cpu);
         assert!(
-            o.reason.as_deref().unwrap().contains(
-                "m.gguf: on the models partition, but the manifest records no known answer"
-            ),
+            o.reason
+                .as_deref()
+                .unwrap()
+                .contains("m.gguf: on the models partition, but the known answers record none"),
             "{o:?}"
         );
         // An edited expected value breaks its digest.
@@ -605,9 +594,10 @@ mod tests {
         root.file("models/other.gguf", model_bytes());
         let o = check(&ctx(&root), &cpu);
         assert!(
-            o.reason.as_deref().unwrap().contains(
-                "m.gguf: has known answers in the manifest, but is not on the models partition"
-            ),
+            o.reason
+                .as_deref()
+                .unwrap()
+                .contains("m.gguf: has known answers, but is not on the models partition"),
             "{o:?}"
         );
     }

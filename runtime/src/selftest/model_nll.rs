@@ -141,49 +141,29 @@ pub fn record(path: &Path, name: &str, text: &str) -> Result<NllAnswer> {
     })
 }
 
-/// The recorded answers in the manifest, or the outcome to report without them.
-fn answers(ctx: &Ctx) -> Result<Vec<NllAnswer>, Outcome> {
-    let path = ctx.paths.manifest();
-    let bytes = match std::fs::read(&path) {
-        Ok(b) => b,
-        Err(e) if ctx.board.is_none() => {
-            return Err(Outcome::skip(format!(
-                "no manifest {}: {e}",
-                path.display()
-            )))
-        }
-        Err(e) => {
-            return Err(Outcome::fail(
-                format!("manifest {} is missing or unreadable: {e}", path.display()),
-                vec![],
-            ))
-        }
-    };
-    let v: serde_json::Value = serde_json::from_slice(&bytes)
-        .map_err(|e| Outcome::fail(format!("{}: {e}", path.display()), vec![]))?;
-    let list = &v["known_answers"]["nll"];
+/// The recorded answers (the mapped models slot's own, or the manifest's for the factory slot:
+/// [`super::known::answers`]), or the outcome to report without them.
+fn answers(ctx: &Ctx) -> Result<(Vec<NllAnswer>, String), Outcome> {
+    let k = super::known::answers(ctx)?;
+    let list = &k.answers["nll"];
     if list.is_null() {
         return Err(Outcome::fail(
             format!(
                 "{}: no known_answers.nll (the build recorded no model-level known answer)",
-                path.display()
+                k.source
             ),
             vec![],
         ));
     }
-    let a: Vec<NllAnswer> = serde_json::from_value(list.clone()).map_err(|e| {
-        Outcome::fail(
-            format!("{}: known_answers.nll: {e}", path.display()),
-            vec![],
-        )
-    })?;
+    let a: Vec<NllAnswer> = serde_json::from_value(list.clone())
+        .map_err(|e| Outcome::fail(format!("{}: known_answers.nll: {e}", k.source), vec![]))?;
     if a.is_empty() {
         return Err(Outcome::fail(
-            format!("{}: known_answers.nll is empty", path.display()),
+            format!("{}: known_answers.nll is empty", k.source),
             vec![],
         ));
     }
-    Ok(a)
+    Ok((a, k.source))
 }
 
 fn find_model(ctx: &Ctx, name: &str) -> Option<PathBuf> {
@@ -203,11 +183,11 @@ pub fn check(
     make: &dyn Fn() -> Vec<Box<dyn Backend>>,
     npu: Option<&str>,
 ) -> Outcome {
-    let answers = match answers(ctx) {
+    let (answers, source) = match answers(ctx) {
         Ok(a) => a,
         Err(o) => return o,
     };
-    let mut evidence = Vec::new();
+    let mut evidence = vec![format!("known answers from {source}")];
     let mut failures = Vec::new();
     let mut npu_ran = false;
     for a in &answers {

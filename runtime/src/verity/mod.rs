@@ -1,13 +1,14 @@
-//! The models partition through dm-verity: init maps it with the parameters of the manifest's
-//! `models_verity` (`kiln verity map`) and mounts the mapping on `/models`; the kernel then
-//! checks every block against the root hash as it is read, so a model is proved by one root
-//! hash at boot instead of by hashing every byte of it. A block that does not match is an I/O
-//! error on read (never the wrong bytes); [`crate::gguf`]'s fault guard turns that into an
-//! error naming the model.
+//! The models slot through dm-verity: init maps it with the verity parameters of the slot's own
+//! `kiln-models.json` once that is believed (`kiln verity map`; `crate::models_slot::trust`: the
+//! factory slot the manifest names, or a slot signed by a key the update keyring trusts) and
+//! mounts the mapping on `/models`; the kernel then checks every block against the root hash as
+//! it is read, so a model is proved by one root hash at boot instead of by hashing every byte of
+//! it. A block that does not match is an I/O error on read (never the wrong bytes);
+//! [`crate::gguf`]'s fault guard turns that into an error naming the model.
 //!
 //! The self-check (`image.manifest`) reads the live table back through the kernel
-//! ([`check`]): the root hash, salt, sizes and the partition beneath must be the manifest's,
-//! the status `V` (no corrupted block seen), and `/models` mounted from that mapping.
+//! ([`check`]): the root hash, salt, sizes and the partition beneath must be the believed
+//! slot's, the status `V` (no corrupted block seen), and `/models` mounted from that mapping.
 
 pub mod dm;
 
@@ -52,6 +53,14 @@ impl Params {
         })?;
         let p: Params = serde_json::from_value(p.clone())
             .map_err(|e| format!("{}: models_verity: {e}", manifest.display()))?;
+        p.valid(&format!("{}: models_verity", manifest.display()))?;
+        Ok(p)
+    }
+
+    /// What kiln maps: version 1, sha256, 4 KiB blocks, 64-hex root and salt, the tree after
+    /// the data. `what` names where the parameters came from.
+    pub fn valid(&self, what: &str) -> Result<(), String> {
+        let p = self;
         let hex_ok = |s: &str, n| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
         if p.version != 1
             || p.algorithm != "sha256"
@@ -63,12 +72,11 @@ impl Params {
             || !hex_ok(&p.salt, 64)
         {
             return Err(format!(
-                "{}: models_verity {p:?} is not version 1, sha256, 4 KiB blocks, a 64-hex root \
-                 and salt, with the tree after the data",
-                manifest.display()
+                "{what} {p:?} is not version 1, sha256, 4 KiB blocks, a 64-hex root and salt, \
+                 with the tree after the data"
             ));
         }
-        Ok(p)
+        Ok(())
     }
 
     /// The verity target's parameters over the block device `dev` (`major:minor`).
@@ -115,9 +123,48 @@ pub struct Mapped {
     pub line: String,
 }
 
-/// Map `part` through dm-verity as [`NAME`] with the parameters of `manifest`.
-pub fn map(manifest: &Path, part: &Path, control: &Path) -> Result<Mapped, String> {
-    let p = Params::from_manifest(manifest)?;
+/// The slot on `part`, believed by the system whose manifest is `manifest` and whose update
+/// keyring is `keyring` (`crate::models_slot::trust`), with its verity parameters checked.
+pub fn trusted_slot(
+    manifest: &Path,
+    part: &Path,
+    keyring: &Path,
+) -> Result<crate::models_slot::trust::Trusted, String> {
+    use crate::models_slot::{self as ms, trust};
+    let m: serde_json::Value = std::fs::read(manifest)
+        .map_err(|e| format!("{}: {e}", manifest.display()))
+        .and_then(|b| {
+            serde_json::from_slice(&b).map_err(|e| format!("{}: not JSON: {e}", manifest.display()))
+        })?;
+    let what = part.display().to_string();
+    let slot = ms::read(part)
+        .map_err(|e| format!("{e:#}"))?
+        .ok_or_else(|| format!("{what} holds no models (an empty models slot)"))?;
+    let t =
+        trust::trust(slot, trust::factory_sha(&m), keyring, &what).map_err(|e| format!("{e:#}"))?;
+    t.slot
+        .meta
+        .verity
+        .valid(&format!("{what}: kiln-models.json's verity"))?;
+    if t.basis == trust::Basis::Factory {
+        // The factory slot's parameters are the manifest's too (the self-check holds them equal).
+        let want = Params::from_manifest(manifest)?;
+        if want != t.slot.meta.verity {
+            return Err(format!(
+                "{what}: its kiln-models.json gives verity root {}, the manifest's models_verity \
+                 {}",
+                t.slot.meta.verity.root_hash, want.root_hash
+            ));
+        }
+    }
+    Ok(t)
+}
+
+/// Map `part` through dm-verity as [`NAME`] with the verity parameters of the models slot on it,
+/// once it is believed ([`trusted_slot`]).
+pub fn map(manifest: &Path, part: &Path, keyring: &Path, control: &Path) -> Result<Mapped, String> {
+    let t = trusted_slot(manifest, part, keyring)?;
+    let p = &t.slot.meta.verity;
     let devno = devno(part)?;
     let size = std::fs::File::open(part)
         .and_then(|mut f| std::io::Seek::seek(&mut f, std::io::SeekFrom::End(0)))
@@ -125,8 +172,7 @@ pub fn map(manifest: &Path, part: &Path, control: &Path) -> Result<Mapped, Strin
     let need = p.hash_start_block * p.hash_block_size;
     if size < need {
         return Err(format!(
-            "{} is {size} bytes; the manifest's models_verity needs more than {need} (data and \
-             tree): not this image's models partition",
+            "{} is {size} bytes; its verity parameters need more than {need} (data and tree)",
             part.display()
         ));
     }
@@ -142,13 +188,13 @@ pub fn map(manifest: &Path, part: &Path, control: &Path) -> Result<Mapped, Strin
     Ok(Mapped {
         dev: PathBuf::from(format!("/dev/dm-{minor}")),
         line: format!(
-            "{} ({major}:{minor}) maps {} ({devno}) through dm-verity: root hash {} from {}, \
-             {} data blocks of 4 KiB, every block checked against it when read",
+            "{} ({major}:{minor}) maps {} ({devno}) through dm-verity: root hash {}, {} data \
+             blocks of 4 KiB, every block checked against it when read; its {}",
             NAME,
             part.display(),
             p.root_hash,
-            manifest.display(),
-            p.data_blocks
+            p.data_blocks,
+            t.describe()
         ),
     })
 }
@@ -175,7 +221,7 @@ pub fn check(control: &Path, want: &Params, devno: &str) -> Result<Vec<String>, 
     let exp: Vec<&str> = exp_text.split_whitespace().collect();
     if got.len() < exp.len() || got[..exp.len()] != exp[..] {
         return Err(format!(
-            "{NAME}'s live table is `{}`, the manifest's `{exp_text}`",
+            "{NAME}'s live table is `{}`, the slot's `{exp_text}`",
             t.params
         ));
     }
@@ -192,7 +238,7 @@ pub fn check(control: &Path, want: &Params, devno: &str) -> Result<Vec<String>, 
         other => return Err(format!("{NAME}: unexpected verity status {other:?}")),
     }
     Ok(vec![format!(
-        "{NAME}: live verity table over {devno} with root hash {} and salt {} (the manifest's), \
+        "{NAME}: live verity table over {devno} with root hash {} and salt {} (the slot's), \
          {} data blocks, status V (no corrupted block read so far)",
         want.root_hash, want.salt, want.data_blocks
     )])
