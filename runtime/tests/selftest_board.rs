@@ -236,7 +236,9 @@ fn healthy_board_passes_and_every_npu_fault_fails_its_checks() {
         eprintln!("{id}: {}", c.evidence.join(" | "));
     }
     assert!(by_id("model.nll.npu").simulated);
-    assert!(by_id("model.nll.npu").evidence[0].contains("npu "));
+    let ev = &by_id("model.nll.npu").evidence;
+    assert!(ev[0].starts_with("known answers from "), "{ev:?}");
+    assert!(ev[1].contains("npu "), "{ev:?}");
 
     for fault in ["error", "untouched", "stale", "wrong"] {
         std::env::set_var("KILN_RKNN_STANDIN_FAULT", fault);

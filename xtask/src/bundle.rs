@@ -10,6 +10,7 @@
 //! its signing time. `bundle.json` beside the bundle records the payload's sha256 for comparison.
 
 use crate::atomic::write_atomic;
+use crate::disk::gpt;
 use crate::image::updates;
 use crate::pins::Sha256;
 use anyhow::{bail, Context, Result};
@@ -40,13 +41,27 @@ pub struct Args {
     /// that slot at the next boot.
     #[arg(long)]
     pub models_slot: bool,
+    /// A models bundle of these GGUF files (and the self-check's fixtures), with the known
+    /// answers the self-check judges them by, computed here by the image's own steps and signed
+    /// with the slot: `--models-slot` of these models, without building a system. Several may
+    /// follow one `--models`.
+    #[arg(long, num_args = 1.., value_name = "M.gguf")]
+    pub models: Vec<PathBuf>,
+    /// A models bundle whose known NLL answer of its last model is edited (+1 nat) before it
+    /// is signed: signed and installable, but the self-check must FAIL it (for tests).
+    #[arg(long, hide = true)]
+    pub wrong_known_answer: bool,
+    /// A models bundle that says it is this models format (its slot's JSON and the hook's
+    /// file), for tests of the refusal of a format the running system does not read.
+    #[arg(long, hide = true)]
+    pub models_format: Option<u32>,
     /// A `compatible` other than the board's (for tests of RAUC's refusal).
     #[arg(long, hide = true)]
     pub compatible: Option<String>,
-    /// An extra `NAME:SHA256` the bundle's system says it needs on /models (for tests of the
-    /// refusal of a bundle whose models the card does not hold).
+    /// Another models format the bundle's system says it reads (for tests of the refusal of a
+    /// system that cannot read the models slot in use).
     #[arg(long, hide = true)]
-    pub needs_model: Vec<String>,
+    pub system_models_format: Option<u32>,
     /// The keyring the new bundle must verify against (default: the board's, what its RAUC
     /// trusts), for tests of other keys.
     #[arg(long, hide = true)]
@@ -55,10 +70,10 @@ pub struct Args {
     /// sha256 for `/Image` (for tests of the failure a fleet must hear).
     #[arg(long, hide = true)]
     pub failing_system: bool,
-    /// Another dm-verity root hash the bundle's system says its models partition must have
-    /// (for tests of the refusal of a bundle whose models partition the card does not hold).
+    /// Another factory models slot (`kiln-models.json` sha256) the bundle's system says it
+    /// names (for tests of the refusal of a system that would not believe an unsigned slot).
     #[arg(long, hide = true)]
-    pub needs_verity_root: Option<String>,
+    pub system_factory_models: Option<String>,
 }
 
 impl Args {
@@ -82,11 +97,14 @@ impl Args {
             cert,
             out: Some(out),
             models_slot: false,
+            models: vec![],
+            wrong_known_answer: false,
+            models_format: None,
             compatible: None,
-            needs_model: vec![],
+            system_models_format: None,
             keyring,
             failing_system: false,
-            needs_verity_root: None,
+            system_factory_models: None,
         }
     }
 }
@@ -126,14 +144,18 @@ fn pem(path: &Path, what: &str, marker: &str) -> Result<Vec<u8>> {
     Ok(bytes)
 }
 
-/// The bundle's list of what its system needs on /models: `sha256  name` lines.
-const MODELS_FILE: &str = "kiln-models.txt";
+/// What the bundle's system reads, for its hook (decision 6 of `docs/models-slots.md`): the
+/// models format (`kiln_runtime::models_slot::FORMAT` of the runtime it carries) and the factory
+/// models slot its manifest names (`models_slot.meta_sha256`).
+const SYSTEM_FORMAT_FILE: &str = "kiln-models-format.txt";
+const SYSTEM_FACTORY_FILE: &str = "kiln-models-factory.txt";
 
-/// The models partition is not a slot: the system in a bundle runs only with the models (and
-/// self-check fixtures) its manifest names, so RAUC's install-check hook refuses a bundle whose
-/// list the card does not hold, naming them; each file is hashed on the card at install time
-/// (seconds per GiB: the price of an update, not of a boot). A hook replaces
-/// RAUC's own `compatible` check, so it makes that check too.
+/// A system update never rewrites the models, so RAUC's install-check hook refuses a system that
+/// could not believe the models slot in use (`kiln verity active`, read on the card now): one
+/// that reads another models format (install a models bundle of its format first), or, for an
+/// unsigned slot, one whose manifest names another factory slot (a slot of another image: a
+/// models bundle first, or reflash). A signed slot of the format it reads is believed by its
+/// signature. A hook replaces RAUC's own `compatible` check, so it makes that check too.
 const HOOK: &str = r#"#!/bin/sh
 # kiln bundle hook (made by cargo xtask bundle: xtask/src/bundle.rs).
 [ "$1" = install-check ] || exit 0
@@ -141,31 +163,28 @@ if [ "$RAUC_MF_COMPATIBLE" != "$RAUC_SYSTEM_COMPATIBLE" ]; then
     echo "Compatible mismatch: Expected '$RAUC_SYSTEM_COMPATIBLE' but bundle manifest has '$RAUC_MF_COMPATIBLE'" >&2
     exit 10
 fi
-list="$(dirname "$0")/kiln-models.txt"
-if [ ! -r "$list" ]; then
-    echo "the bundle has no readable $list" >&2
+here=$(dirname "$0")
+reads=$(cat "$here/kiln-models-format.txt" 2>/dev/null)
+factory=$(cat "$here/kiln-models-factory.txt" 2>/dev/null)
+if [ -z "$reads" ] || [ -z "$factory" ]; then
+    echo "the bundle does not say which models its system reads ($here/kiln-models-format.txt, kiln-models-factory.txt)" >&2
     exit 10
 fi
-missing=
-while read -r sha name; do
-    [ -n "$name" ] || continue
-    # Measured, not looked up: the file on the card, hashed now.
-    got=$(sha256sum "/models/$name" 2>/dev/null | cut -d' ' -f1)
-    [ "$got" = "$sha" ] || missing="$missing $name"
-done < "$list"
-if [ -n "$missing" ]; then
-    echo "this system needs on /models what the card does not hold:$missing (bundles do not update the models partition: reflash the card with them)" >&2
+# Measured, not looked up: the slot beneath the live dm-verity mapping, its trailer read now.
+if ! active=$(kiln verity active 2>&1); then
+    echo "cannot tell which models slot is in use: $active" >&2
     exit 10
 fi
-# The new system maps the models partition through dm-verity with its manifest's root hash: the
-# card's live mapping (read from the kernel by the running kiln) must have that root.
-want=$(cat "$(dirname "$0")/kiln-models-verity.txt" 2>/dev/null)
-if [ -n "$want" ]; then
-    got=$(kiln verity root 2>/dev/null)
-    if [ "$got" != "$want" ]; then
-        echo "this system needs the models partition with dm-verity root $want; the card's is ${got:-not mapped through dm-verity (an image from before dm-verity)} (bundles do not update the models partition: reflash the card)" >&2
-        exit 10
-    fi
+field() { echo "$active" | tr ' ' '
+' | sed -n "s/^$1=//p"; }
+dev=$(field device) sha=$(field sha256) format=$(field format) signed=$(field signed)
+if [ "$format" != "$reads" ]; then
+    echo "this system reads models format $reads; the models slot in use ($dev) is format $format: install a models bundle of format $reads first (system and models bundles never rewrite each other)" >&2
+    exit 10
+fi
+if [ "$sha" != "$factory" ] && [ "$signed" != yes ]; then
+    echo "this system's factory models slot is kiln-models.json $factory; the models slot in use ($dev) is $sha, unsigned: another image's factory models, which this system would not believe (install a models bundle first, or reflash)" >&2
+    exit 10
 fi
 exit 0
 "#;
@@ -177,51 +196,17 @@ fn write_hook(path: &Path, text: &str) -> Result<()> {
     Ok(())
 }
 
-/// The root hash of the models partition the bundle's system maps (its manifest's
-/// `models_verity.root_hash`), for the hook.
-const VERITY_FILE: &str = "kiln-models-verity.txt";
-
-fn models_verity_root(manifest: &Path) -> Result<String> {
+/// The factory models slot the bundle's system names (its manifest's
+/// `models_slot.meta_sha256`).
+fn factory_models(manifest: &Path) -> Result<String> {
     let m: serde_json::Value = serde_json::from_slice(
         &std::fs::read(manifest).with_context(|| format!("reading {}", manifest.display()))?,
     )
     .with_context(|| format!("parsing {}", manifest.display()))?;
-    m["models_verity"]["root_hash"]
+    m["models_slot"]["meta_sha256"]
         .as_str()
         .map(str::to_string)
-        .with_context(|| format!("{}: no models_verity.root_hash", manifest.display()))
-}
-
-/// `sha256  name` of every file the image's manifest puts on /models (models and fixtures),
-/// then `extra` (`NAME:SHA256`).
-fn models_needed(manifest: &Path, extra: &[String]) -> Result<String> {
-    let m: serde_json::Value = serde_json::from_slice(
-        &std::fs::read(manifest).with_context(|| format!("reading {}", manifest.display()))?,
-    )
-    .with_context(|| format!("parsing {}", manifest.display()))?;
-    let mut entries: Vec<&serde_json::Value> = vec![&m["fixture"]];
-    for k in ["fixtures", "models"] {
-        if let Some(a) = m[k].as_array() {
-            entries.extend(a);
-        }
-    }
-    let mut out = String::new();
-    for e in entries {
-        let (Some(name), Some(sha)) = (e["name"].as_str(), e["sha256"].as_str()) else {
-            bail!(
-                "{}: a model entry without name and sha256: {e}",
-                manifest.display()
-            );
-        };
-        out.push_str(&format!("{sha}  {name}\n"));
-    }
-    for x in extra {
-        let (name, sha) = x
-            .split_once(':')
-            .with_context(|| format!("--needs-model {x}: NAME:SHA256 expected"))?;
-        out.push_str(&format!("{sha}  {name}\n"));
-    }
-    Ok(out)
+        .with_context(|| format!("{}: no models_slot.meta_sha256", manifest.display()))
 }
 
 /// Replace `path` (e.g. `kiln/manifest.json`) in the FAT image `fs` with `bytes` (mtools).
@@ -254,9 +239,13 @@ fn break_image_hash(fs: &Path) -> Result<()> {
     replace_in_fat(fs, "kiln/manifest.json", &serde_json::to_vec_pretty(&m)?)
 }
 
+/// The models format a models bundle's slot is, for its hook (decision 6).
+const MODELS_FORMAT_FILE: &str = "kiln-models-format.txt";
+
 /// The hook of a models bundle. `install-check`: RAUC's own `compatible` check, which a hook
-/// replaces (the check of the models format against the running system's comes with the
-/// signed trust path at boot). `slot-pre-install`: the slot RAUC is about to write (the models
+/// replaces, and the bundle's models format against the one the running system reads (`kiln
+/// verity format`): a system that cannot read it would refuse the slot at boot, so the bundle is
+/// refused now, naming both (install a system that reads it first). `slot-pre-install`: the slot RAUC is about to write (the models
 /// slot not in use: init lists only that one) is marked bad first, out of `MODELS_ORDER`, so a
 /// power cut while it is half written never leaves it where init would map it (as RAUC marks a
 /// boot slot bad before writing it). `slot-post-install`: the slot RAUC wrote is put first in
@@ -280,6 +269,12 @@ case "$1" in
             echo "Compatible mismatch: Expected '$RAUC_SYSTEM_COMPATIBLE' but bundle manifest has '$RAUC_MF_COMPATIBLE'" >&2
             exit 10
         fi
+        want=$(cat "$(dirname "$0")/kiln-models-format.txt" 2>/dev/null)
+        reads=$(kiln verity format 2>/dev/null)
+        if [ -z "$want" ] || [ "$want" != "$reads" ]; then
+            echo "this models bundle is models format ${want:-(none given)}; the running system reads format ${reads:-(none: a kiln from before models formats)}: install a system that reads it first (docs/models-slots.md, decision 6)" >&2
+            exit 10
+        fi
         ;;
     slot-pre-install)
         slot_of
@@ -293,33 +288,62 @@ esac
 exit 0
 "#;
 
-/// The factory models slot `src` (unsigned, `image::build`'s models partition) made a signed
-/// one at `dst`: the same erofs and hash tree, the same `kiln-models.json` bytes, its detached
-/// CMS signature by `cert`/`key` after it, the footer at the end; padded to whole MiB. The
-/// signature is checked against `keyring` (what the board trusts) before anything ships.
+/// The models slot `src` (unsigned, as the image builds its factory slot) made a bundle's at
+/// `dst`: the same erofs and hash tree, its `kiln-models.json` now carrying `answers` (the
+/// self-check's known answers for its models: a bundle's slot is judged by its own), the JSON's
+/// detached CMS signature by `cert`/`key` after it, the footer at the end; padded to whole MiB.
+/// The signature is checked against `keyring` (what the board trusts) before anything ships.
+/// `wrong`: the last model's known NLL is edited (+1 nat) before signing (for tests).
 fn signed_models_slot(
     src: &Path,
     dst: &Path,
-    cert: &Path,
-    key: &Path,
-    keyring: &Path,
+    (cert, key, keyring): (&Path, &Path, &Path),
+    answers: serde_json::Map<String, serde_json::Value>,
+    (wrong, format): (bool, Option<u32>),
 ) -> Result<kiln_runtime::models_slot::Slot> {
     use kiln_runtime::models_slot as ms;
     use std::io::{Read as _, Write as _};
-    let slot =
+    let factory =
         ms::read(src)?.with_context(|| format!("{}: no models slot trailer", src.display()))?;
-    let sig = ms::sign(&slot.meta_bytes, cert, key)?;
-    ms::verify_signature(&slot.meta_bytes, &sig, keyring).with_context(|| {
+    let mut meta = factory.meta.clone();
+    meta.known_answers = answers;
+    if let Some(f) = format {
+        println!(
+            "bundle: models format {f} (for tests; this kiln reads {})",
+            meta.format
+        );
+        meta.format = f;
+    }
+    if wrong {
+        let nll = meta
+            .known_answers
+            .get_mut("nll")
+            .and_then(|v| v.as_array_mut())
+            .and_then(|a| a.last_mut())
+            .context("no known NLL answer to edit")?;
+        let was = nll["mean_nll"]
+            .as_f64()
+            .context("a known NLL answer without mean_nll")?;
+        nll["mean_nll"] = serde_json::json!(was + 1.0);
+        println!(
+            "bundle: a wrong known answer (for tests): {}'s mean NLL recorded as {:.6}, computed {was:.6}",
+            nll["model"].as_str().unwrap_or("?"),
+            was + 1.0
+        );
+    }
+    let meta_bytes = serde_json::to_vec_pretty(&meta)?;
+    let sig = ms::sign(&meta_bytes, cert, key)?;
+    ms::verify_signature(&meta_bytes, &sig, keyring).with_context(|| {
         format!(
             "the models signature by {} against {}: the board would refuse it",
             cert.display(),
             keyring.display()
         )
     })?;
-    let tree_end = slot.meta.hash_tree_end()?;
-    let probe = ms::layout(tree_end, &slot.meta_bytes, sig.len() as u64, u64::MAX >> 1)?;
+    let tree_end = meta.hash_tree_end()?;
+    let probe = ms::layout(tree_end, &meta_bytes, sig.len() as u64, u64::MAX >> 1)?;
     let len = (probe.sig_off + sig.len() as u64 + ms::FOOTER_LEN).next_multiple_of(1 << 20);
-    let footer = ms::layout(tree_end, &slot.meta_bytes, sig.len() as u64, len)?;
+    let footer = ms::layout(tree_end, &meta_bytes, sig.len() as u64, len)?;
     let mut out =
         std::fs::File::create(dst).with_context(|| format!("creating {}", dst.display()))?;
     let mut head = std::fs::File::open(src)
@@ -333,14 +357,14 @@ fn signed_models_slot(
         src.display()
     );
     out.set_len(len)?;
-    ms::write_trailer(&mut out, len, &footer, &slot.meta_bytes, &sig)
+    ms::write_trailer(&mut out, len, &footer, &meta_bytes, &sig)
         .with_context(|| format!("writing the trailer of {}", dst.display()))?;
     out.flush()?;
     out.sync_all()?;
     let back =
         ms::read(dst)?.with_context(|| format!("{}: no trailer read back", dst.display()))?;
     anyhow::ensure!(
-        back.meta_bytes == slot.meta_bytes && back.signature == sig,
+        back.meta_bytes == meta_bytes && back.signature == sig,
         "{}: the trailer does not read back as written",
         dst.display()
     );
@@ -362,9 +386,30 @@ pub fn make(args: &Args) -> Result<Bundle> {
             )
         }
     };
-    let built = crate::image::build(&args.image)?;
+    let models_mode = args.models_slot || !args.models.is_empty();
+    let (built, models_built) = if models_mode {
+        let img = crate::image::Args {
+            board: args.image.board.clone(),
+            models: args
+                .image
+                .models
+                .iter()
+                .chain(&args.models)
+                .cloned()
+                .collect(),
+            offline: args.image.offline,
+            dev_keys: args.image.dev_keys,
+        };
+        (None, Some(crate::image::models_slot(&img)?))
+    } else {
+        (Some(crate::image::build(&args.image)?), None)
+    };
     let tools = crate::tools_root::ensure(args.image.offline)?;
-    let commit = &built.commit;
+    let commit = match (&built, &models_built) {
+        (Some(b), _) => &b.commit,
+        (_, Some(m)) => &m.commit,
+        _ => unreachable!("one of the two was built"),
+    };
     let short = &commit.hash[..12.min(commit.hash.len())];
     let version = if commit.dirty {
         format!("{short}-dirty")
@@ -376,7 +421,7 @@ pub fn make(args: &Args) -> Result<Bundle> {
         None => crate::paths::target_dir().join("images").join(format!(
             "kiln-{}-{version}{}.raucb",
             args.image.board,
-            if args.models_slot { "-models" } else { "" }
+            if models_mode { "-models" } else { "" }
         )),
     };
     let compatible = args
@@ -418,13 +463,17 @@ pub fn make(args: &Args) -> Result<Bundle> {
     };
     let keyringfile = tmp.path().join("keyring.pem");
     std::fs::write(&keyringfile, &trusted)?;
-    let (payload_name, slot_class, description) = if args.models_slot {
+    let (payload_name, slot_class, description) = if let Some(mb) = &models_built {
         let slot = signed_models_slot(
-            &built.models_slot,
+            &mb.slot,
             &content.join("models.img"),
-            &certfile,
-            &keyfile,
-            &keyringfile,
+            (&certfile, &keyfile, &keyringfile),
+            mb.known_answers.clone(),
+            (args.wrong_known_answer, args.models_format),
+        )?;
+        std::fs::write(
+            content.join(MODELS_FORMAT_FILE),
+            format!("{}\n", slot.meta.format),
         )?;
         write_hook(&content.join("hook.sh"), MODELS_HOOK)?;
         println!(
@@ -444,18 +493,21 @@ pub fn make(args: &Args) -> Result<Bundle> {
         );
         ("models.img", "models", "models slot")
     } else {
+        let built = built.as_ref().context("no system built")?;
         std::fs::copy(&built.boot_fs, content.join("boot.vfat"))
             .with_context(|| format!("copying {}", built.boot_fs.display()))?;
         if args.failing_system {
             break_image_hash(&content.join("boot.vfat"))?;
         }
-        let models = models_needed(&built.manifest, &args.needs_model)?;
-        std::fs::write(content.join(MODELS_FILE), &models)?;
-        let root = match &args.needs_verity_root {
-            Some(r) => r.clone(),
-            None => models_verity_root(&built.manifest)?,
+        let format = args
+            .system_models_format
+            .unwrap_or(kiln_runtime::models_slot::FORMAT);
+        std::fs::write(content.join(SYSTEM_FORMAT_FILE), format!("{format}\n"))?;
+        let factory = match &args.system_factory_models {
+            Some(f) => f.clone(),
+            None => factory_models(&built.manifest)?,
         };
-        std::fs::write(content.join(VERITY_FILE), root)?;
+        std::fs::write(content.join(SYSTEM_FACTORY_FILE), format!("{factory}\n"))?;
         write_hook(&content.join("hook.sh"), HOOK)?;
         ("boot.vfat", "boot", "boot slot")
     };
@@ -476,7 +528,7 @@ pub fn make(args: &Args) -> Result<Bundle> {
          \n\
          [image.{slot_class}]\n\
          filename={payload_name}\n{image_hooks}",
-        image_hooks = if args.models_slot {
+        image_hooks = if models_mode {
             "hooks=pre-install;post-install\n"
         } else {
             ""
@@ -572,7 +624,7 @@ pub fn make(args: &Args) -> Result<Bundle> {
             "version": version,
             "commit": commit.hash,
             "payload": {payload_name: payload.to_string()},
-            "image_sha256": built.sha256.to_string(),
+            "image_sha256": built.as_ref().map(|b| b.sha256.to_string()),
             "not_reproducible": "the dm-verity salt (random per bundle) and the CMS signing time",
         }))?,
     )?;
@@ -583,12 +635,14 @@ pub fn make(args: &Args) -> Result<Bundle> {
     })
 }
 
-/// The `image-checks` stage's models bundle: `bundle --models-slot` of the qemu-virt image
-/// (checked by `rauc info` against the board's keyring as it is made), then `rauc extract`
-/// gives back `models.img`, whose trailer reads, whose `kiln-models.json` is the image's
-/// factory slot's byte for byte (the sha256 its manifest names), whose signature verifies
-/// against the board's keyring and not against a CA the board does not hold, and whose erofs
-/// and hash tree `veritysetup verify` accepts with the JSON's root hash.
+/// The `image-checks` stage's models bundle: `bundle --models-slot` of the qemu-virt image's
+/// models (checked by `rauc info` against the board's keyring as it is made), then `rauc
+/// extract` gives back `models.img`, whose trailer reads; whose `kiln-models.json` lists the
+/// factory slot's files and verity parameters and carries the known answers the image's manifest
+/// records for them (computed by the same steps in the bundle's own work folder, so equal to the
+/// value); whose signature verifies against the board's keyring and not against a CA the board
+/// does not hold; and whose erofs and hash tree `veritysetup verify` accepts with the JSON's root
+/// hash.
 pub fn models_stage() -> Result<()> {
     use kiln_runtime::models_slot as ms;
     crate::doctor::ensure(&[&crate::doctor::VERITYSETUP])?;
@@ -622,14 +676,35 @@ pub fn models_stage() -> Result<()> {
     let img = extracted.join("models.img");
     let slot = ms::read(&img)?.with_context(|| format!("{}: no models trailer", img.display()))?;
     let manifest = crate::image::checks::read_json(&built.manifest)?;
-    let factory = manifest["models_slot"]["meta_sha256"]
-        .as_str()
-        .context("the image's manifest names no models_slot.meta_sha256")?;
+    let parts = gpt::read(&built.image)
+        .with_context(|| format!("reading the GPT of {}", built.image.display()))?;
+    let a = parts
+        .iter()
+        .find(|p| p.name == "models_a")
+        .context("the image has no models_a")?;
+    let factory = ms::read_in(&built.image, a.start_bytes(), a.size_bytes(), "models_a")?
+        .context("the image's models_a holds no slot")?;
     anyhow::ensure!(
-        slot.meta_sha256() == factory,
-        "the bundle's kiln-models.json {} is not the factory slot's {factory}",
-        slot.meta_sha256()
+        factory.meta_sha256()
+            == manifest["models_slot"]["meta_sha256"]
+                .as_str()
+                .unwrap_or(""),
+        "the image's models_a is not the slot its manifest names"
     );
+    anyhow::ensure!(
+        slot.meta.models == factory.meta.models && slot.meta.verity == factory.meta.verity,
+        "the bundle's kiln-models.json lists other files or verity parameters than the factory slot's"
+    );
+    let recorded = manifest["known_answers"]
+        .as_object()
+        .context("the image's manifest records no known_answers")?;
+    for k in ["nll", "matmul"] {
+        anyhow::ensure!(
+            slot.meta.known_answers.get(k).is_some()
+                && slot.meta.known_answers.get(k) == recorded.get(k),
+            "the bundle's known_answers.{k} is not the image's for the same models"
+        );
+    }
     ms::verify_signature(&slot.meta_bytes, &slot.signature, &keyring)
         .context("the bundle's models signature against the board's keyring")?;
     // A CA the board does not hold: a fresh self-signed certificate.
@@ -667,12 +742,19 @@ pub fn models_stage() -> Result<()> {
         )
     })?;
     println!(
-        "bundle: models bundle {} ({} MiB models.img): kiln-models.json {} is the factory slot's, \
-         its signature verifies against the board's keyring and not against another CA ({:#}); \
-         veritysetup verifies root {}",
+        "bundle: models bundle {} ({} MiB models.img): kiln-models.json {} lists the factory \
+         slot's files and verity root and carries the image's known answers for them ({} NLL, {} \
+         matmul); its signature verifies against the board's keyring and not against another CA \
+         ({:#}); veritysetup verifies root {}",
         b.path.file_name().and_then(|n| n.to_str()).unwrap_or(""),
         std::fs::metadata(&img)?.len() >> 20,
-        &factory[..12],
+        &slot.meta_sha256()[..12],
+        slot.meta.known_answers["nll"]
+            .as_array()
+            .map_or(0, |a| a.len()),
+        slot.meta.known_answers["matmul"]
+            .as_array()
+            .map_or(0, |a| a.len()),
         why,
         &root[..12]
     );
@@ -688,15 +770,31 @@ mod tests {
     /// variables), with a `kiln` on `PATH` that logs its arguments and exits `kiln_rc`:
     /// (exit code, stderr, what `kiln` was asked).
     fn run_hook(arg: &str, env: &[(&str, &str)], kiln_rc: i32) -> (i32, String, String) {
+        run_hook_with(arg, env, kiln_rc, Some("1\n"), "1")
+    }
+
+    /// [`run_hook`] with the bundle's `kiln-models-format.txt` (`None`: absent) and what `kiln
+    /// verity format` prints (the running system's models format).
+    fn run_hook_with(
+        arg: &str,
+        env: &[(&str, &str)],
+        kiln_rc: i32,
+        bundle_format: Option<&str>,
+        reads: &str,
+    ) -> (i32, String, String) {
         let dir = tempfile::tempdir().unwrap();
         let hook = dir.path().join("hook.sh");
         write_hook(&hook, MODELS_HOOK).unwrap();
+        if let Some(f) = bundle_format {
+            std::fs::write(dir.path().join(MODELS_FORMAT_FILE), f).unwrap();
+        }
         let log = dir.path().join("kiln.log");
         let kiln = dir.path().join("kiln");
         std::fs::write(
             &kiln,
             format!(
-                "#!/bin/sh\necho \"$@\" >> {}\nexit {kiln_rc}\n",
+                "#!/bin/sh\nif [ \"$1 $2\" = \"verity format\" ]; then echo {reads}; exit 0; fi\n\
+                 echo \"$@\" >> {}\nexit {kiln_rc}\n",
                 log.display()
             ),
         )
@@ -771,14 +869,33 @@ mod tests {
         );
         assert_eq!(rc, 10, "{err}");
         assert!(err.contains("Compatible mismatch"), "{err}");
-        let (rc, _, _) = run_hook(
-            "install-check",
-            &[
-                ("RAUC_MF_COMPATIBLE", "kiln-qemu-virt"),
-                ("RAUC_SYSTEM_COMPATIBLE", "kiln-qemu-virt"),
-            ],
-            0,
-        );
-        assert_eq!(rc, 0);
+        let same = [
+            ("RAUC_MF_COMPATIBLE", "kiln-qemu-virt"),
+            ("RAUC_SYSTEM_COMPATIBLE", "kiln-qemu-virt"),
+        ];
+        let (rc, err, _) = run_hook("install-check", &same, 0);
+        assert_eq!(rc, 0, "{err}");
+        // install-check: a models format the running system does not read, or a bundle that
+        // names none, is refused naming both (decision 6).
+        for (bundle, reads, want) in [
+            (
+                Some("2\n"),
+                "1",
+                "models format 2; the running system reads format 1",
+            ),
+            (None, "1", "models format (none given)"),
+            (
+                Some("1\n"),
+                "",
+                "reads format (none: a kiln from before models formats)",
+            ),
+        ] {
+            let (rc, err, _) = run_hook_with("install-check", &same, 0, bundle, reads);
+            assert_eq!(rc, 10, "{bundle:?} {reads}: {err}");
+            assert!(
+                err.contains(want) && err.contains("install a system that reads it first"),
+                "{err}"
+            );
+        }
     }
 }

@@ -45,6 +45,14 @@ enum What {
     },
     /// Compare the live mapping with the manifest (table, root hash, status V/C).
     Status(Mapping),
+    /// The models slot in use (beneath the live mapping), as a system bundle's hook reads it:
+    /// `device=… sha256=… format=… signed=yes|no`, its `kiln-models.json` read, not believed.
+    Active {
+        #[arg(long, default_value = verity::CONTROL)]
+        control: PathBuf,
+    },
+    /// Print the models format this kiln reads (what a models bundle's hook compares with).
+    Format,
     /// Print the live mapping's root hash (from the kernel's table, not from a file).
     Root {
         #[arg(long, default_value = verity::CONTROL)]
@@ -98,6 +106,28 @@ pub fn run(a: Args) -> anyhow::Result<()> {
                 std::process::exit(1);
             }
         }
+        What::Active { control } => {
+            let dev = verity::live_device(
+                &control,
+                std::path::Path::new("/sys"),
+                std::path::Path::new("/dev"),
+            )
+            .map_err(|e| anyhow!(e))?;
+            let slot = kiln_runtime::models_slot::read(&dev)?
+                .with_context(|| format!("{} holds no models", dev.display()))?;
+            println!(
+                "device={} sha256={} format={} signed={}",
+                dev.display(),
+                slot.meta_sha256(),
+                slot.meta.format,
+                if slot.signature.is_empty() {
+                    "no"
+                } else {
+                    "yes"
+                }
+            );
+        }
+        What::Format => println!("{}", kiln_runtime::models_slot::FORMAT),
         What::Root { control } => {
             println!("{}", verity::live_root(&control).map_err(|e| anyhow!(e))?);
         }

@@ -137,13 +137,29 @@ pub fn gguf() -> Result<Vec<u8>> {
 
 /// The fixture with `edit` applied last (tests add tensors and keys to a known-good model).
 pub fn gguf_with(edit: impl FnOnce(&mut GgufWriter) -> Result<()>) -> Result<Vec<u8>> {
+    build(
+        "kiln llama fixture (seeded, for the boot known answer)",
+        0x6c6c616d, // "llam"
+        edit,
+    )
+}
+
+/// Another model of the fixture's shape and vocabulary, with weights drawn from `seed` and
+/// `general.name` = `name`: a second model that is not the fixture (the A/B boot test's models
+/// bundle carries one, and the board serves it).
+pub fn gguf_seeded(name: &str, seed: u32) -> Result<Vec<u8>> {
+    build(name, seed, |_| Ok(()))
+}
+
+fn build(
+    name: &str,
+    seed: u32,
+    edit: impl FnOnce(&mut GgufWriter) -> Result<()>,
+) -> Result<Vec<u8>> {
     let mut g = GgufWriter::new();
     let u32v = |x: usize| Value::U32(x as u32);
     g.add("general.architecture", Value::String("llama".into()))?
-        .add(
-            "general.name",
-            Value::String("kiln llama fixture (seeded, for the boot known answer)".into()),
-        )?
+        .add("general.name", Value::String(name.into()))?
         .alignment(32)?
         .add("llama.block_count", u32v(N_LAYER))?
         .add("llama.context_length", u32v(N_CTX))?
@@ -179,7 +195,7 @@ pub fn gguf_with(edit: impl FnOnce(&mut GgufWriter) -> Result<()>) -> Result<Vec
         .add("tokenizer.ggml.add_bos_token", Value::Bool(true))?
         .add("tokenizer.ggml.add_eos_token", Value::Bool(false))?;
 
-    let mut r = Rng(0x6c6c616d); // "llam"
+    let mut r = Rng(seed);
     let (e, kvd, ff) = (N_EMBD, N_HEAD_KV * HEAD_DIM, N_FF);
     add_tensor(
         &mut g,

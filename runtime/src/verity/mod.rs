@@ -255,6 +255,26 @@ pub fn live_root(control: &Path) -> Result<String, String> {
         .ok_or_else(|| format!("{NAME} has no verity target"))
 }
 
+/// The partition beneath the live mapping (from the kernel's table: its data device's
+/// `major:minor`, named through `sys`), as `/dev/NAME` under `dev`.
+pub fn live_device(control: &Path, sys: &Path, dev: &Path) -> Result<PathBuf, String> {
+    let c = dm::Control::open(control).map_err(|e| e.to_string())?;
+    let table = c.targets(NAME, true).map_err(|e| e.to_string())?;
+    let devno = table
+        .iter()
+        .find(|t| t.kind == "verity")
+        .and_then(|t| t.params.split_whitespace().nth(1).map(str::to_string))
+        .ok_or_else(|| format!("{NAME} has no verity target"))?;
+    let uevent = sys.join(format!("dev/block/{devno}/uevent"));
+    let text =
+        std::fs::read_to_string(&uevent).map_err(|e| format!("{}: {e}", uevent.display()))?;
+    let name = text
+        .lines()
+        .find_map(|l| l.strip_prefix("DEVNAME="))
+        .ok_or_else(|| format!("{}: no DEVNAME", uevent.display()))?;
+    Ok(dev.join(name))
+}
+
 /// The `major:minor` of the filesystem mounted at `mountpoint`, from `mountinfo`.
 pub fn mounted_from(mountinfo: &Path, mountpoint: &str) -> Option<String> {
     let text = std::fs::read_to_string(mountinfo).ok()?;

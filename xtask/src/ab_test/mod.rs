@@ -263,11 +263,25 @@ impl Machine {
         kill: Option<Cut>,
         update: Option<(&Path, &str)>,
     ) -> Result<Chain> {
+        self.chain_words(what, kill, update, "")
+    }
+
+    /// [`Machine::chain_with`] with more words on the kernel command line (`kiln.probe=…`).
+    fn chain_words(
+        &self,
+        what: &str,
+        kill: Option<Cut>,
+        update: Option<(&Path, &str)>,
+        words: &str,
+    ) -> Result<Chain> {
         let mut pflash = self.pflash.clone();
         let mut argv = if let Some((disk, file)) = update {
             let d = self.dir.join("update-flash");
             std::fs::create_dir_all(&d)?;
-            pflash = pflash_with(&d, &format!("kiln.mode=test kiln.update=vdb:/{file}"))?;
+            pflash = pflash_with(
+                &d,
+                format!("kiln.mode=test kiln.update=vdb:/{file} {words}").trim_end(),
+            )?;
             let mut a = qemu_command(&pflash, &self.disk, "none", &[]);
             a.extend([
                 "-drive".to_string(),
@@ -615,28 +629,29 @@ pub fn v2_bundle() -> PathBuf {
     crate::paths::target_dir().join("ab-test/bundles/v2.raucb")
 }
 
+/// The second model a models bundle carries (a seeded model of the llama fixture's shape).
+const SECOND_MODEL: &str = "second-llama.gguf";
+
 /// The erofs disk of the update scenarios: a bundle of this image (`v2.raucb`) and the bundles
 /// RAUC must refuse.
 fn update_disk(dir: &Path) -> Result<PathBuf> {
     let keys = crate::paths::project_root().join("xtask/src/image/update-keys");
     let bundles = dir.join("bundles");
     std::fs::create_dir_all(&bundles)?;
-    let make = |name: &str, key: Option<(&str, &str)>, compatible: Option<&str>, needs: &[&str]| {
+    let make = |name: &str, key: Option<(&str, &str)>, compatible: Option<&str>| {
         let pair = key.map(|(k, c)| (keys.join(k), keys.join(c)));
         crate::bundle::make(&crate::bundle::Args {
             compatible: compatible.map(str::to_string),
-            needs_model: needs.iter().map(|n| n.to_string()).collect(),
             // A bundle signed by another key is made to be refused by the board: it is checked
             // against its own certificate here, not the board's keyring.
             ..crate::bundle::Args::qemu_virt(pair.clone(), bundles.join(name), pair.map(|(_, c)| c))
         })
     };
-    let good = make("v2.raucb", None, None, &[])?;
+    let good = make("v2.raucb", None, None)?;
     make(
         "other-key.raucb",
         Some(("other-key.pem", "other-cert.pem")),
         None,
-        &[],
     )?;
     // Signed by a certificate of the development CA that its CRL revokes: checked here against
     // the CA alone (no CRL), so that it is made; the board's keyring, with the CRL, refuses it.
@@ -645,11 +660,24 @@ fn update_disk(dir: &Path) -> Result<PathBuf> {
         bundles.join("revoked.raucb"),
         Some(keys.join("dev-ca.pem")),
     ))?;
-    make("other-board.raucb", None, Some("kiln-rock-5b"), &[])?;
-    crate::bundle::make(&crate::bundle::Args {
-        models_slot: true,
-        ..crate::bundle::Args::qemu_virt(None, bundles.join("models.raucb"), None)
-    })?;
+    make("other-board.raucb", None, Some("kiln-rock-5b"))?;
+    // A models bundle of a second model (not the factory's): its slot carries its own known
+    // answers, signed; and the same with its known NLL answer edited before signing.
+    let second = bundles.join(SECOND_MODEL);
+    std::fs::write(
+        &second,
+        kiln_runtime::model::fixture::gguf_seeded("kiln A/B test's second model", 0x5ec0)?,
+    )?;
+    let models_bundle = |name: &str, edit: fn(&mut crate::bundle::Args)| {
+        let mut a = crate::bundle::Args::qemu_virt(None, bundles.join(name), None);
+        a.models = vec![second.clone()];
+        edit(&mut a);
+        crate::bundle::make(&a)
+    };
+    models_bundle("models.raucb", |_| {})?;
+    models_bundle("models-wrong-answer.raucb", |a| a.wrong_known_answer = true)?;
+    // A models format the running system does not read: its hook refuses it (decision 6).
+    models_bundle("models-format-2.raucb", |a| a.models_format = Some(2))?;
     // A models bundle signed by another key: RAUC refuses it as it refuses a system one, and
     // neither models slot is written.
     crate::bundle::make(&crate::bundle::Args {
@@ -660,25 +688,21 @@ fn update_disk(dir: &Path) -> Result<PathBuf> {
             Some(keys.join("other-cert.pem")),
         )
     })?;
+    // Systems that would not believe the models slot in use (the factory models_a): one reading
+    // another models format, one naming another factory slot (decision 6).
     crate::bundle::make(&crate::bundle::Args {
-        needs_verity_root: Some("0".repeat(64)),
-        ..crate::bundle::Args::qemu_virt(None, bundles.join("other-models-root.raucb"), None)
+        system_models_format: Some(2),
+        ..crate::bundle::Args::qemu_virt(None, bundles.join("other-format.raucb"), None)
+    })?;
+    crate::bundle::make(&crate::bundle::Args {
+        system_factory_models: Some("0".repeat(64)),
+        ..crate::bundle::Args::qemu_virt(None, bundles.join("other-factory.raucb"), None)
     })?;
     // For the fleet: signed and installable, but its system FAILs its self-check.
     crate::bundle::make(&crate::bundle::Args {
         failing_system: true,
         ..crate::bundle::Args::qemu_virt(None, bundles.join("v3-fails.raucb"), None)
     })?;
-    make(
-        "other-models.raucb",
-        None,
-        None,
-        // A fixture the card holds, but with other bytes; a model it does not hold at all.
-        &[
-            "kiln-selftest.gguf:0000000000000000000000000000000000000000000000000000000000000000",
-            "SmolLM2-360M-Instruct-Q4_1.gguf:b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-        ],
-    )?;
     let bytes = std::fs::read(&good.path)?;
     let mut head = bytes.clone();
     head[0x20] ^= 0x01;
@@ -694,12 +718,14 @@ fn update_disk(dir: &Path) -> Result<PathBuf> {
     let files: Vec<(String, PathBuf)> = [
         "v2.raucb",
         "models.raucb",
+        "models-wrong-answer.raucb",
+        "models-format-2.raucb",
         "models-other-key.raucb",
         "other-key.raucb",
         "revoked.raucb",
         "other-board.raucb",
-        "other-models.raucb",
-        "other-models-root.raucb",
+        "other-format.raucb",
+        "other-factory.raucb",
         "flipped-head.raucb",
         "flipped-payload.raucb",
         "flipped-sig.raucb",
@@ -719,16 +745,23 @@ fn update_disk(dir: &Path) -> Result<PathBuf> {
     Ok(disk)
 }
 
-/// A models bundle (`models.raucb`: this image's models slot, its `kiln-models.json` signed by
-/// the development key) installed by `rauc install` on B: RAUC writes the models slot not in use
-/// (`models_b`, the only one init lists), its hook puts it first in `MODELS_ORDER` with one try,
-/// and B boots again with `/models` mapped from `models_b` and passes; the other boot slot and
-/// the factory models slot are untouched. Then [`models_blamed`].
+/// A models bundle (`models.raucb`: a second model and the self-check's fixtures, with their
+/// known answers in its `kiln-models.json`, signed by the development key) installed by `rauc
+/// install` on B: RAUC writes the models slot not in use (`models_b`, the only one init lists),
+/// its hook puts it first in `MODELS_ORDER` with one try, and B boots again with `/models` mapped
+/// from `models_b`, believed by its signature, judged by its own known answers, passes and serves
+/// the second model (`/v1/models`, read on the board); the other boot slot and the factory models
+/// slot are untouched. Then [`models_wrong_answer`].
 fn models_update(m: &Machine, ub: &Path) -> Result<()> {
     use kiln_runtime::slot::Class;
     // (B, booted, gets its new reports.)
     let before = [m.part_sha("boot_a")?, m.part_sha("models_a")?];
-    let c = m.chain_with("2-models", None, Some((ub, "models.raucb")))?;
+    let c = m.chain_words(
+        "2-models",
+        None,
+        Some((ub, "models.raucb")),
+        "kiln.probe=models",
+    )?;
     expect(
         &c,
         "a models bundle installed by `rauc install` on B",
@@ -743,16 +776,42 @@ fn models_update(m: &Machine, ub: &Path) -> Result<()> {
         .split("update: installed; rebooting into it")
         .nth(1)
         .unwrap_or("");
+    let lines_with = |needle: &str| {
+        second
+            .lines()
+            .filter(|l| l.contains(needle))
+            .collect::<Vec<_>>()
+            .join(" | ")
+    };
     ensure!(
         second.contains(
             "kiln slot: models slot B (took its try: MODELS_ORDER 'B A', A 3 left, B 0 left)"
         ) && second.contains("models slot B) on /models"),
         "after the models bundle, the boot did not map models_b: {}",
-        second
-            .lines()
-            .filter(|l| l.contains("models slot"))
-            .collect::<Vec<_>>()
-            .join(" | ")
+        lines_with("models slot")
+    );
+    // Believed by its signature (openssl from the updates tree, mounted for it before the
+    // models), and judged by its own known answers.
+    ensure!(
+        second.contains("not the factory models slot")
+            && second.contains("mounted on /opt/updates")
+            && second.contains("is signed: its"),
+        "models_b was not believed by its signature: {}",
+        lines_with("models")
+    );
+    ensure!(
+        second.contains("known answers from models slot B's kiln-models.json")
+            && second.contains(&format!("{SECOND_MODEL} [cpu]: ")),
+        "the self-check did not judge models_b by its own known answers: {}",
+        lines_with("known answers")
+    );
+    let probe = lines_with("kiln-probe /v1/models:");
+    ensure!(
+        probe.contains(&format!(
+            "\"id\":\"{}\"",
+            SECOND_MODEL.trim_end_matches(".gguf")
+        )),
+        "the board does not serve the second model: {probe:?}"
     );
     ensure!(
         [m.part_sha("boot_a")?, m.part_sha("models_a")?] == before,
@@ -771,7 +830,7 @@ fn models_update(m: &Machine, ub: &Path) -> Result<()> {
         "the report of the boot on models_b does not say the verdict marked it good"
     );
     expect_state(m, "after the models bundle", "B A", 3, 3)?;
-    // What RAUC wrote is the bundle's slot: the factory JSON, now with its signature.
+    // What RAUC wrote is the bundle's slot: the second model, its answers, signed.
     let dir = tempfile::tempdir_in(&m.dir)?;
     let (fa, fb) = (dir.path().join("models_a"), dir.path().join("models_b"));
     std::fs::write(&fa, m.read_part("models_a")?)?;
@@ -782,8 +841,14 @@ fn models_update(m: &Machine, ub: &Path) -> Result<()> {
             .context("models_b holds no models slot after the install")?,
     );
     ensure!(
-        sa.meta_sha256() == sb.meta_sha256() && sa.signature.is_empty() && !sb.signature.is_empty(),
-        "models_b is not the bundle's signed copy of the factory slot"
+        sa.signature.is_empty()
+            && sa.meta.known_answers.is_empty()
+            && !sb.signature.is_empty()
+            && sb.meta.models.iter().any(|x| x.name == SECOND_MODEL)
+            && sb.meta.known_answers["nll"]
+                .as_array()
+                .is_some_and(|a| a.iter().any(|x| x["model"] == SECOND_MODEL)),
+        "models_b is not the bundle's signed slot of the second model with its answers"
     );
     // `cargo xtask report`'s lines for the card, read in place.
     let lines = crate::report::models_lines(&m.disk);
@@ -793,6 +858,7 @@ fn models_update(m: &Machine, ub: &Path) -> Result<()> {
             && lines[1].contains("the factory models of boot slot")
             && lines[1].ends_with("; unsigned")
             && lines[2].contains(&format!("kiln-models.json {}", &sb.meta_sha256()[..12]))
+            && lines[2].contains(SECOND_MODEL)
             && lines[2].ends_with(&format!(
                 "signed ({}-byte CMS signature)",
                 sb.signature.len()
@@ -800,20 +866,48 @@ fn models_update(m: &Machine, ub: &Path) -> Result<()> {
         "cargo xtask report does not tell the models slots as they are: {lines:#?}"
     );
     println!(
-        "ab-test: a models bundle: RAUC wrote models_b (signed kiln-models.json {}), B mapped it and passed; boot slots and models_a untouched",
+        "ab-test: a models bundle of {SECOND_MODEL}: RAUC wrote models_b (signed kiln-models.json {}), B mapped it, judged it by its own answers, passed and served it; boot slots and models_a untouched",
         &sb.meta_sha256()[..12]
     );
-    models_blamed(m, &sb)?;
+    models_wrong_answer(m, ub)?;
     Ok(())
 }
 
-/// `models_b` as a models install of a corrupted slot leaves it (one bit flipped in a block of
-/// the llama fixture's weights, first in `MODELS_ORDER` with the one try the hook gives): B
-/// boots, maps it, a model check FAILs on the I/O error dm-verity gives; the system passed
-/// before, so the models slot is marked bad and the system is not, and B boots again with
-/// `models_a` and passes.
-fn models_blamed(m: &Machine, sb: &kiln_runtime::models_slot::Slot) -> Result<()> {
+/// A models bundle whose known NLL answer of the second model was edited before it was signed
+/// (`models-wrong-answer.raucb`), installed by RAUC into `models_b` with the factory slot in use
+/// (`MODELS_ORDER 'A B'`, as `kiln slot --class models mark-active A` leaves it), and, before
+/// its first boot, one bit of the llama fixture's weights flipped in `models_b`: B boots, maps
+/// it, and the self-check FAILs `model.nll` on the second model (its own signed answer is wrong)
+/// and on the fixture (dm-verity's I/O error, naming it); the system passed before, so the
+/// models slot is marked bad and the system is not, and B boots again with `models_a` and passes.
+fn models_wrong_answer(m: &Machine, ub: &Path) -> Result<()> {
     use kiln_runtime::slot::Class;
+    edit_ab_state(&m.disk, &m.dir, |st| {
+        st.mark_active_with(Class::Models, Slot::A, 3)
+    })?;
+    let c = m.chain_with(
+        "2-models-wrong-install",
+        Some(Cut::On("update: installed; rebooting", 1)),
+        Some((ub, "models-wrong-answer.raucb")),
+    )?;
+    ensure!(
+        c.console.contains("Copying image to models.0")
+            || c.console.contains("update: installed; rebooting"),
+        "the wrong-answer models bundle was not installed"
+    );
+    let st = m.state()?;
+    ensure!(
+        st.order_of(Class::Models)? == vec![Slot::B, Slot::A]
+            && st.left_of(Class::Models, Slot::B)? == 1,
+        "after installing the wrong-answer bundle: {}, not MODELS_ORDER 'B A' with one try for B",
+        st.describe_of(Class::Models)
+    );
+    let sb = {
+        let dir = tempfile::tempdir_in(&m.dir)?;
+        let fb = dir.path().join("models_b");
+        std::fs::write(&fb, m.read_part("models_b")?)?;
+        kiln_runtime::models_slot::read(&fb)?.context("models_b holds no slot after the install")?
+    };
     let fixture = kiln_runtime::model::fixture::gguf()?;
     let block = 4096usize;
     let at_file = fixture.len() / 2 / block * block;
@@ -831,13 +925,10 @@ fn models_blamed(m: &Machine, sb: &kiln_runtime::models_slot::Slot) -> Result<()
     );
     part[hits[0] + block / 2] ^= 0x10;
     m.write_part("models_b", &part)?;
-    edit_ab_state(&m.disk, &m.dir, |st| {
-        st.mark_active_with(Class::Models, Slot::B, 1)
-    })?;
     let c = m.chain("2-models-blamed", None)?;
     expect(
         &c,
-        "a models slot with a flipped bit, on its first boot",
+        "a models slot with a wrong known answer and a flipped bit, on its first boot",
         &[("B", Some("FAIL")), ("B", Some("PASS"))],
     )?;
     ensure!(
@@ -846,10 +937,19 @@ fn models_blamed(m: &Machine, sb: &kiln_runtime::models_slot::Slot) -> Result<()
         ),
         "init did not say the models slot was blamed and the other one is mapped next"
     );
+    let fail = c
+        .console
+        .split("rebooting to map models slot A")
+        .next()
+        .unwrap_or("");
     ensure!(
-        c.console.contains("kiln-llama-fixture.gguf")
-            && c.console.contains("models slot A) on /models"),
-        "the FAIL does not name the model, or the boot after it did not map models_a"
+        fail.contains(&format!("{SECOND_MODEL} [cpu]: mean NLL"))
+            && fail.contains("the build recorded"),
+        "the FAIL does not name the second model's wrong known answer"
+    );
+    ensure!(
+        fail.contains("kiln-llama-fixture.gguf") && c.console.contains("models slot A) on /models"),
+        "the FAIL does not name the fixture with the flipped bit, or the boot after it did not map models_a"
     );
     let st = m.state()?;
     ensure!(
@@ -866,7 +966,7 @@ fn models_blamed(m: &Machine, sb: &kiln_runtime::models_slot::Slot) -> Result<()
         "cargo xtask report does not say models slot A is mapped next: {lines:#?}"
     );
     println!(
-        "ab-test: a flipped bit in models_b on its first boot: B:FAIL (a model check) -> models_b marked bad, system B not -> B:PASS on models_a"
+        "ab-test: a models bundle with a wrong (signed) known answer, and a flipped bit in it, on its first boot: B:FAIL (model.nll names both) -> models_b marked bad, system B not -> B:PASS on models_a"
     );
     Ok(())
 }
@@ -975,14 +1075,19 @@ fn scenarios(m: &Machine, v2: &[u8], ub: &Path) -> Result<()> {
             "Compatible mismatch",
         ),
         (
-            "other-models.raucb",
-            "whose system needs models the card does not hold (other bytes, or absent)",
-            "does not hold: kiln-selftest.gguf SmolLM2-360M-Instruct-Q4_1.gguf",
+            "models-format-2.raucb",
+            "of models in a format the running system does not read",
+            "this models bundle is models format 2; the running system reads format 1",
         ),
         (
-            "other-models-root.raucb",
-            "whose system needs another models partition (dm-verity root)",
-            "needs the models partition with dm-verity root 0000000000000000",
+            "other-format.raucb",
+            "whose system reads another models format than the slot in use",
+            "this system reads models format 2; the models slot in use (/dev/vda4) is format 1",
+        ),
+        (
+            "other-factory.raucb",
+            "whose system names another factory models slot, with the unsigned factory slot in use",
+            "kiln-models.json 0000000000000000000000000000000000000000000000000000000000000000; the models slot in use (/dev/vda4) is",
         ),
         (
             "flipped-head.raucb",

@@ -80,9 +80,6 @@ pub struct Built {
     /// The boot slot's file system image (`boot.vfat`, the same bytes in `boot_a` and
     /// `boot_b`): what a bundle carries.
     pub boot_fs: PathBuf,
-    /// The models partition's bytes (`models.erofs`: erofs, hash tree and the slot's trailer,
-    /// `kiln_runtime::models_slot`).
-    pub models_slot: PathBuf,
     /// The commit the image is of, and its time (`SOURCE_DATE_EPOCH`).
     pub commit: Commit,
 }
@@ -229,7 +226,45 @@ pub fn build(args: &Args) -> Result<Built> {
         steps: run.done.len(),
         reused: run.reused(),
         boot_fs: boot_part.path().to_path_buf(),
-        models_slot: data.models_part.path().to_path_buf(),
+        commit: ctx.commit.clone(),
+    })
+}
+
+/// What [`models_slot`] built: a models slot as the image builds its factory one, and the
+/// self-check's known answers for its models.
+pub struct ModelsBuilt {
+    /// The slot's bytes (erofs, hash tree, the factory-style trailer with no answers).
+    pub slot: PathBuf,
+    /// `known_answers` as the image's manifest records them (`nll`, `matmul`), for these models
+    /// and the self-check's fixtures, computed by the same steps.
+    pub known_answers: serde_json::Map<String, serde_json::Value>,
+    pub commit: Commit,
+}
+
+/// A models slot of `args.models` and the self-check's fixtures, with their known answers,
+/// built by the image's own steps (`cargo xtask bundle --models`) and nothing of the system.
+/// Its products live beside the image's, not over them.
+pub fn models_slot(args: &Args) -> Result<ModelsBuilt> {
+    let (mut run, ctx, models) = prepare_in(args, Some("models-bundle"))?;
+    let fixture = fixture::gguf().context("writing the self-check fixture")?;
+    let llama = kiln_runtime::model::fixture::gguf().context("writing the llama fixture")?;
+    let part = run.run(steps::models_partition(&ctx, &models, &fixture, &llama))?;
+    let nll = run.run(steps::known_answers_nll(&ctx, &models, &llama)?)?;
+    let fixtures = [
+        (fixture::FILE_NAME, fixture.as_slice()),
+        (kiln_runtime::model::fixture::FILE_NAME, llama.as_slice()),
+    ];
+    let matmul = run.run(known::matmul_step(&ctx, &models, &fixtures))?;
+    let mut m = serde_json::json!({});
+    known::add_matmul(&mut m, &matmul)?;
+    steps::manifest_known_answers_nll(&mut m, &nll, &llama)?;
+    let serde_json::Value::Object(known_answers) = m["known_answers"].take() else {
+        anyhow::bail!("the known answers are not a JSON object");
+    };
+    run.summary();
+    Ok(ModelsBuilt {
+        slot: part.path().to_path_buf(),
+        known_answers,
         commit: ctx.commit.clone(),
     })
 }
@@ -237,12 +272,21 @@ pub fn build(args: &Args) -> Result<Built> {
 /// The board, its keys, the commit, every pinned input and the tools root, checked before any
 /// work; the models named; the context every step reads.
 fn prepare(args: &Args) -> Result<(Runner, steps::Ctx, Vec<steps::Model>)> {
+    prepare_in(args, None)
+}
+
+/// [`prepare`] with the steps' products under `sub` of the board's work folder (a models
+/// bundle's, so that it does not replace the image's own products of the same steps).
+fn prepare_in(args: &Args, sub: Option<&str>) -> Result<(Runner, steps::Ctx, Vec<steps::Model>)> {
     let board = Board::load(&args.board)?;
     updates::check_keys(&board, args.dev_keys)?;
     let commit = commit_info(&board)?;
-    let work = crate::paths::target_dir()
+    let mut work = crate::paths::target_dir()
         .join("kiln/image")
         .join(&board.name);
+    if let Some(sub) = sub {
+        work = work.join(sub);
+    }
     let run = Runner::new(&work.join("keys"))?;
     run.say(&format!(
         "board {}, commit {}{}, SOURCE_DATE_EPOCH={}",

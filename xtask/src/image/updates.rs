@@ -31,6 +31,9 @@ const PROGRAMS: &[(&str, &str)] = &[
     ("usr/bin/dbus-daemon", "dbus-daemon"),
     ("usr/bin/fw_printenv", "libubootenv-tool"),
     ("usr/bin/fw_setenv", "libubootenv-tool"),
+    // A models bundle's slot is believed by its signature (`openssl cms -verify` against the
+    // keyring and its CRL): init mounts the tree before it maps such a slot.
+    ("usr/bin/openssl", "openssl"),
 ];
 
 /// Files the initramfs always has (the C library and its loader, which `kiln` and busybox's
@@ -263,7 +266,7 @@ pub fn tree(inputs: &Inputs) -> Result<Tree> {
 pub fn step(ctx: &Ctx) -> Step<'_> {
     let uuid = crate::disk::guid_from_seed(&ctx.seed, "updates-fs");
     let key = key_of(&[
-        "updates-v3",
+        "updates-v4",
         &ctx.tools.key.to_string(),
         &ctx.epoch.to_string(),
         &uuid.to_string(),
@@ -297,7 +300,7 @@ pub fn step(ctx: &Ctx) -> Step<'_> {
                 })
                 .sum();
             Ok(format!(
-                "rauc, dbus-daemon, fw_printenv/fw_setenv and {} shared objects: {:.1} MiB in \
+                "rauc, dbus-daemon, fw_printenv/fw_setenv, openssl and {} shared objects: {:.1} MiB in \
                  {:.1} MiB of erofs (lz4hc), sha256 {}",
                 t.nodes
                     .keys()
