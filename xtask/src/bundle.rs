@@ -45,7 +45,7 @@ pub struct Args {
     /// answers the self-check judges them by, computed here by the image's own steps and signed
     /// with the slot: `--models-slot` of these models, without building a system. Several may
     /// follow one `--models`.
-    #[arg(long, num_args = 1.., value_name = "M.gguf")]
+    #[arg(id = "models_files", long = "models", num_args = 1.., value_name = "M.gguf")]
     pub models: Vec<PathBuf>,
     /// A models bundle whose known NLL answer of its last model is edited (+1 nat) before it
     /// is signed: signed and installable, but the self-check must FAIL it (for tests).
