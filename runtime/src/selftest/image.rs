@@ -672,16 +672,7 @@ mod tests {
             r.contains("not from the dm-verity mapping kiln-models"),
             "{r}"
         );
-        root.file(
-            "proc/self/mountinfo",
-            format!("30 22 253:0 / {models} ro - erofs /dev/dm-0 ro\n"),
-        );
-        root.file("sys/dev/block/253:0/dm/name", "kiln-models\n");
-        root.file("sys/dev/block/253:0/slaves/vda6/dev", "254:6\n");
-        root.file(
-            "sys/class/block/vda6/uevent",
-            "MAJOR=254\nMINOR=6\nPARTNAME=data\n",
-        );
+        root.map_models("vda6", 6, "data");
         let r = reason(&root);
         assert!(
             r.contains("maps /dev/vda6, which is not a models slot (a partition named models_a or models_b)"),
@@ -689,12 +680,7 @@ mod tests {
         );
         // The right partition: what is left is the kernel's table, which a file cannot give.
         root.remove("sys/dev/block/253:0/slaves/vda6");
-        root.file("sys/dev/block/253:0/slaves/vda4/dev", "254:4\n");
-        root.file(
-            "sys/class/block/vda4/uevent",
-            "MAJOR=254\nMINOR=4\nPARTNAME=models_a\n",
-        );
-        root.file("sys/class/block/vda4/dev", "254:4\n");
+        root.map_models("vda4", 4, "models_a");
         root.file("dev/mapper/control", "");
         // The partition's own trailer: missing, empty, another one than the manifest names
         // (unsigned: not believed), with other verity parameters, then the one named.

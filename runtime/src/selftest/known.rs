@@ -234,18 +234,7 @@ mod tests {
             }))
             .unwrap(),
         );
-        let models = root.join("models").display().to_string();
-        root.file(
-            "proc/self/mountinfo",
-            format!("30 22 253:0 / {models} ro - erofs /dev/dm-0 ro\n"),
-        );
-        root.file("sys/dev/block/253:0/dm/name", "kiln-models\n");
-        root.file("sys/dev/block/253:0/slaves/vda5/dev", "254:5\n");
-        root.file(
-            "sys/class/block/vda5/uevent",
-            "MAJOR=254\nMINOR=5\nPARTNAME=models_b\n",
-        );
-        root.file("sys/class/block/vda5/dev", "254:5\n");
+        root.map_models("vda5", 5, "models_b");
         root.file(
             "etc/rauc/keyring.pem",
             std::fs::read(keys().join("dev-keyring.pem")).unwrap(),

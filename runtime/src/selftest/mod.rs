@@ -355,6 +355,29 @@ pub(crate) mod testutil {
             p
         }
 
+        /// `/models` mounted from the dm-verity mapping `kiln-models` (253:0) over `/dev/{part}`
+        /// (254:`minor`), whose GPT name is `partname`.
+        pub fn map_models(&self, part: &str, minor: u32, partname: &str) {
+            let models = self.join("models").display().to_string();
+            self.file(
+                "proc/self/mountinfo",
+                format!("30 22 253:0 / {models} ro - erofs /dev/dm-0 ro\n"),
+            );
+            self.file("sys/dev/block/253:0/dm/name", "kiln-models\n");
+            self.file(
+                &format!("sys/dev/block/253:0/slaves/{part}/dev"),
+                format!("254:{minor}\n"),
+            );
+            self.file(
+                &format!("sys/class/block/{part}/uevent"),
+                format!("MAJOR=254\nMINOR={minor}\nPARTNAME={partname}\n"),
+            );
+            self.file(
+                &format!("sys/class/block/{part}/dev"),
+                format!("254:{minor}\n"),
+            );
+        }
+
         pub fn remove(&self, rel: &str) {
             let p = self.dir.path().join(rel);
             if p.is_dir() {
