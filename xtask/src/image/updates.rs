@@ -172,10 +172,11 @@ fn wrapper(program: &str) -> String {
     let base = program.rsplit('/').next().unwrap_or(program);
     let mut s = format!(
         "#!/bin/sh\n\
-         # {base} from the updates tree ({FILE}, mounted by init on {MOUNT} after the self-check).\n\
+         # {base} from the updates tree ({FILE}, mounted by init on {MOUNT} after the self-check,\n\
+         # or before it maps a models slot believed by its signature).\n\
          U={MOUNT}\n\
          if [ ! -x \"$U/{program}\" ]; then\n\
-         \x20   echo \"{base}: the updates tree is not mounted on $U (init mounts /boot/{FILE} once the self-check has its verdict)\" >&2\n\
+         \x20   echo \"{base}: the updates tree is not mounted on $U (init mounts /boot/{FILE} once the self-check has its verdict, or before it maps a models slot believed by its signature)\" >&2\n\
          \x20   exit 127\n\
          fi\n\
          export LD_LIBRARY_PATH=\"$U/usr/lib/aarch64-linux-gnu:$U/lib/aarch64-linux-gnu\"\n"
