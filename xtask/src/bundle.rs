@@ -33,12 +33,12 @@ pub struct Args {
     /// `-models.raucb` with `--models-slot`).
     #[arg(long)]
     pub out: Option<PathBuf>,
-    /// A bundle of the models slot instead of the boot slot (docs/models-slots.md): the image's
-    /// models partition — the erofs of the `--model` files and the self-check's fixtures, its
-    /// dm-verity hash tree and its `kiln-models.json` — with that JSON signed by the bundle's
-    /// key (detached CMS, checked against the board's keyring here), as the image `models.img`
-    /// for the slot class `models`. A board installs it into its models slot not in use and maps
-    /// that slot at the next boot.
+    /// A bundle of a models slot instead of the boot slot (docs/models-slots.md) for the image's
+    /// `--model` files: the erofs of them and the self-check's fixtures, its dm-verity hash tree
+    /// and its `kiln-models.json` carrying the self-check's known answers for them (the image's own
+    /// steps; no system is built), that JSON signed by the bundle's key (detached CMS, checked
+    /// against the board's keyring here), as the image `models.img` for the slot class `models`.
+    /// A board installs it into its models slot not in use and maps that slot at the next boot
     #[arg(long)]
     pub models_slot: bool,
     /// A models bundle of these GGUF files (and the self-check's fixtures), with the known

@@ -72,7 +72,8 @@ enum Cli {
     Soak(soak::Args),
     /// SPDX 2.3 and CycloneDX 1.6 SBOMs of the built image, from its manifest.json.
     Sbom(sbom::Args),
-    /// A signed RAUC bundle (verity) of the board's boot slot, for `rauc install` on the board.
+    /// A signed RAUC bundle (verity) of the board's boot slot, or of a models slot (`--models`), for
+    /// `rauc install` on the board.
     Bundle(bundle::Args),
     /// kiln's labgrid suite (images/labgrid/) on the QEMU board, or with `--env` on a rack, or
     /// with `--remote` on the QEMU board as a remote place (coordinator, exporter, ser2net on
