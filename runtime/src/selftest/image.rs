@@ -357,17 +357,20 @@ pub fn manifest(ctx: &Ctx) -> Outcome {
     // lists), each file's size as it says; its bytes are proved by the root hash.
     if verity {
         match verity_mapping(ctx, &path, &models_dir) {
-            Ok((lines, live, files)) => {
-                c.ok.extend(lines);
-                match live {
-                    Ok(l) => c.ok.extend(l),
-                    Err(why) => c.bad.push(why),
-                }
+            Ok(mapping) => {
+                c.ok.extend(mapping.ok);
+                c.bad.extend(mapping.bad);
+                // A damaged description: the manifest's list (sizes unknown here).
+                let files = mapping
+                    .files
+                    .unwrap_or_else(|| listed.iter().map(|(n, _)| (n.clone(), u64::MAX)).collect());
                 listed = files.iter().map(|(n, _)| (n.clone(), None)).collect();
                 let mut here = Vec::new();
                 for (name, size) in &files {
                     match std::fs::metadata(models_dir.join(name)) {
-                        Ok(md) if md.is_file() && md.len() == *size => here.push(name.as_str()),
+                        Ok(md) if md.is_file() && (md.len() == *size || *size == u64::MAX) => {
+                            here.push(name.as_str())
+                        }
                         Ok(md) => c.bad.push(format!(
                             "/models/{name}: {} bytes, the slot's kiln-models.json says {size}",
                             md.len()
@@ -446,58 +449,84 @@ pub fn manifest(ctx: &Ctx) -> Outcome {
     }
 }
 
+/// What [`verity_mapping`] found: evidence, failures, and the files the slot says it holds
+/// (`None`: its description is damaged, so the manifest's list stands).
+struct Mapping {
+    ok: Vec<String>,
+    bad: Vec<String>,
+    files: Option<Vec<(String, u64)>>,
+}
+
 /// `/models` is mounted from the dm-verity mapping [`crate::verity::NAME`] over a models slot
 /// (`models_a` or `models_b`) the booted system believes (`crate::models_slot::trust`: the
-/// factory slot its manifest names, or one signed by a key its update keyring trusts). `Ok`:
-/// the evidence, the live check of the mapping (its table must be that slot's verity parameters
-/// and its status say no corrupted block was read), and the files the slot says it holds.
-#[allow(clippy::type_complexity)]
-fn verity_mapping(
-    ctx: &Ctx,
-    manifest: &Path,
-    models_dir: &Path,
-) -> Result<(Vec<String>, Result<Vec<String>, String>, Vec<(String, u64)>), String> {
-    use super::known;
+/// factory slot its manifest names, or one signed by a key its update keyring trusts), whose
+/// live table (read from the kernel) is that slot's verity parameters and whose status says no
+/// corrupted block was read. A slot whose own description is damaged FAILs here by name; its
+/// mapping (init's, with the manifest's `models_verity`) is still checked, so a corrupted block
+/// is named too.
+fn verity_mapping(ctx: &Ctx, manifest: &Path, models_dir: &Path) -> Result<Mapping, String> {
+    use super::known::{self, View};
     use crate::models_slot::trust::Basis;
     let slot = known::mapped_slot(ctx, models_dir)?;
     let m: serde_json::Value = std::fs::read(manifest)
         .ok()
         .and_then(|b| serde_json::from_slice(&b).ok())
         .ok_or_else(|| format!("{}: not readable JSON", manifest.display()))?;
-    let t = known::trusted(ctx, &m, &slot.part)?;
-    let want = &t.slot.meta.verity;
-    if t.basis == Basis::Factory {
-        // The factory slot's parameters are the manifest's too.
-        let named = crate::verity::Params::from_manifest(manifest)?;
-        if &named != want {
-            return Err(format!(
-                "/dev/{}: its kiln-models.json gives other verity parameters than the \
-                 manifest's models_verity (root {} vs {})",
-                slot.part, want.root_hash, named.root_hash
+    let mut out = Mapping {
+        ok: Vec::new(),
+        bad: Vec::new(),
+        files: None,
+    };
+    let want = match known::view(ctx, &m, &slot.part)? {
+        View::Trusted(t) => {
+            if t.basis == Basis::Factory {
+                // The factory slot's parameters are the manifest's too.
+                let named = crate::verity::Params::from_manifest(manifest)?;
+                if named != t.slot.meta.verity {
+                    return Err(format!(
+                        "/dev/{}: its kiln-models.json gives other verity parameters than the \
+                         manifest's models_verity (root {} vs {})",
+                        slot.part, t.slot.meta.verity.root_hash, named.root_hash
+                    ));
+                }
+            }
+            out.ok.push(format!(
+                "/dev/{} describes itself: {}",
+                slot.part,
+                t.describe()
             ));
+            out.files = Some(
+                t.slot
+                    .meta
+                    .models
+                    .iter()
+                    .map(|x| (x.name.clone(), x.size))
+                    .collect(),
+            );
+            t.slot.meta.verity.clone()
         }
+        View::Damaged(why) => {
+            out.bad.push(format!(
+                "/dev/{}: its own description is damaged: {why}",
+                slot.part
+            ));
+            crate::verity::Params::from_manifest(manifest)?
+        }
+    };
+    out.ok.push(format!(
+        "{} mounted from {} ({}) over /dev/{} (PARTNAME={}: models slot {})",
+        models_dir.display(),
+        slot.dev,
+        crate::verity::NAME,
+        slot.part,
+        slot.partname,
+        slot.letter()
+    ));
+    match crate::verity::check(&ctx.paths.dev.join("mapper/control"), &want, &slot.part_dev) {
+        Ok(l) => out.ok.extend(l),
+        Err(why) => out.bad.push(why),
     }
-    let lines = vec![
-        format!("/dev/{} describes itself: {}", slot.part, t.describe()),
-        format!(
-            "{} mounted from {} ({}) over /dev/{} (PARTNAME={}: models slot {})",
-            models_dir.display(),
-            slot.dev,
-            crate::verity::NAME,
-            slot.part,
-            slot.partname,
-            slot.letter()
-        ),
-    ];
-    let live = crate::verity::check(&ctx.paths.dev.join("mapper/control"), want, &slot.part_dev);
-    let files = t
-        .slot
-        .meta
-        .models
-        .iter()
-        .map(|x| (x.name.clone(), x.size))
-        .collect();
-    Ok((lines, live, files))
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -716,6 +745,26 @@ mod tests {
             )),
             "{o:?}"
         );
+        // A damaged description (one byte of its kiln-models.json): named, and the mapping
+        // (init's, with the manifest's parameters) is still checked.
+        let mut damaged = std::fs::read(root.join("dev/vda4")).unwrap();
+        let footer = crate::models_slot::Footer::decode(
+            &damaged[damaged.len() - 4096..],
+            damaged.len() as u64,
+        )
+        .unwrap()
+        .unwrap();
+        damaged[(footer.meta_off + footer.meta_len / 2) as usize] ^= 1;
+        let good = root.file("dev/vda4", &damaged);
+        let r = reason(&root);
+        assert!(
+            r.contains("/dev/vda4: its own description is damaged")
+                && r.contains("does not match the sha256 its footer gives")
+                && r.contains("device-mapper table read of kiln-models"),
+            "{r}"
+        );
+        damaged[(footer.meta_off + footer.meta_len / 2) as usize] ^= 1;
+        std::fs::write(good, &damaged).unwrap();
         // The files are the slot's list: one of another size, then one missing, are named.
         root.file("models/model.gguf", b"other weights, longer");
         let r = reason(&root);

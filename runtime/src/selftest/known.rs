@@ -90,18 +90,31 @@ pub fn mapped_slot(ctx: &Ctx, models_dir: &Path) -> Result<MappedSlot, String> {
     })
 }
 
-/// The slot on `/dev/{part}` as the booted system believes it (`manifest`: its JSON), or why
-/// not.
-pub fn trusted(ctx: &Ctx, manifest: &serde_json::Value, part: &str) -> Result<Trusted, String> {
+/// What the booted system makes of the slot on `/dev/{part}`.
+pub enum View {
+    /// Believed (`crate::models_slot::trust`).
+    Trusted(Box<Trusted>),
+    /// Its description (footer, `kiln-models.json`) is damaged: init mapped it with the
+    /// manifest's `models_verity` (the factory data the manifest proves by itself), and
+    /// `image.manifest` FAILs naming the damage.
+    Damaged(String),
+}
+
+/// The slot on `/dev/{part}` as the booted system (`manifest`: its JSON) sees it, or why it is
+/// refused (empty, unsigned and not named, a signature refused, no answers, another format).
+pub fn view(ctx: &Ctx, manifest: &serde_json::Value, part: &str) -> Result<View, String> {
     let dev = ctx.paths.dev.join(part);
-    let slot = crate::models_slot::read(&dev)
-        .map_err(|e| format!("{e:#}"))?
-        .ok_or_else(|| {
-            format!(
+    let slot = match crate::models_slot::read(&dev) {
+        Ok(Some(s)) => s,
+        Ok(None) => {
+            return Err(format!(
                 "{}: holds no kiln-models.json (an empty models slot)",
                 dev.display()
-            )
-        })?;
+            ))
+        }
+        Err(e) if std::fs::metadata(&dev).is_err() => return Err(format!("{e:#}")),
+        Err(e) => return Ok(View::Damaged(format!("{e:#}"))),
+    };
     let keyring = ctx.paths.root.join(trust::KEYRING.trim_start_matches('/'));
     trust::trust(
         slot,
@@ -109,6 +122,7 @@ pub fn trusted(ctx: &Ctx, manifest: &serde_json::Value, part: &str) -> Result<Tr
         &keyring,
         &dev.display().to_string(),
     )
+    .map(|t| View::Trusted(Box::new(t)))
     .map_err(|e| format!("{e:#}"))
 }
 
@@ -152,8 +166,22 @@ pub fn answers(ctx: &Ctx) -> Result<Known, Outcome> {
     }
     let dir = models_dir(ctx);
     let slot = mapped_slot(ctx, &dir).map_err(|e| Outcome::fail(e, vec![]))?;
-    let t = trusted(ctx, &m, &slot.part)
-        .map_err(|e| Outcome::fail(format!("models slot {}: {e}", slot.letter()), vec![]))?;
+    let t = match view(ctx, &m, &slot.part) {
+        Ok(View::Trusted(t)) => t,
+        Ok(View::Damaged(why)) => {
+            return Ok(from_manifest(&format!(
+                "models slot {}'s own description is damaged ({why}): init mapped it with the \
+                 manifest's models_verity, so the manifest's answers",
+                slot.letter()
+            )))
+        }
+        Err(e) => {
+            return Err(Outcome::fail(
+                format!("models slot {}: {e}", slot.letter()),
+                vec![],
+            ))
+        }
+    };
     if t.has_answers() {
         return Ok(Known {
             answers: serde_json::Value::Object(t.slot.meta.known_answers.clone()),
@@ -273,6 +301,23 @@ mod tests {
         assert_eq!(k.answers, theirs);
         assert!(
             k.source.contains("is the factory slot it names"),
+            "{}",
+            k.source
+        );
+        // A damaged description: init mapped it with the manifest's parameters; the manifest's
+        // answers (image.manifest FAILs on the damage).
+        let (mut bytes, sha) = slot(serde_json::json!({}), None);
+        let n = bytes.len();
+        let f = ms::Footer::decode(&bytes[n - 4096..], n as u64)
+            .unwrap()
+            .unwrap();
+        bytes[(f.meta_off + f.meta_len / 2) as usize] ^= 1;
+        let (root, ctx) = board(&sha, theirs.clone());
+        root.file("dev/vda5", &bytes);
+        let k = answers(&ctx).map_err(|o| format!("{o:?}")).unwrap();
+        assert_eq!(k.answers, theirs);
+        assert!(
+            k.source.contains("own description is damaged"),
             "{}",
             k.source
         );

@@ -161,10 +161,26 @@ pub fn trusted_slot(
 }
 
 /// Map `part` through dm-verity as [`NAME`] with the verity parameters of the models slot on it,
-/// once it is believed ([`trusted_slot`]).
+/// once it is believed ([`trusted_slot`]). A slot whose own description (footer,
+/// `kiln-models.json`) is damaged is mapped with the manifest's `models_verity`: the factory data
+/// the measured manifest proves by itself (any other data then reads as I/O errors), so the
+/// self-check still names what it reads, and FAILs naming the damage. A slot that is readable but
+/// not believed is not mapped.
 pub fn map(manifest: &Path, part: &Path, keyring: &Path, control: &Path) -> Result<Mapped, String> {
-    let t = trusted_slot(manifest, part, keyring)?;
-    let p = &t.slot.meta.verity;
+    let (params, why) = match crate::models_slot::read(part) {
+        Err(e) if std::fs::metadata(part).is_ok() => (
+            Params::from_manifest(manifest)?,
+            format!(
+                "its own description is damaged ({e:#}): mapped with the manifest's \
+                 models_verity, the factory data it proves; the self-check FAILs on the damage"
+            ),
+        ),
+        _ => {
+            let t = trusted_slot(manifest, part, keyring)?;
+            (t.slot.meta.verity.clone(), t.describe())
+        }
+    };
+    let p = &params;
     let devno = devno(part)?;
     let size = std::fs::File::open(part)
         .and_then(|mut f| std::io::Seek::seek(&mut f, std::io::SeekFrom::End(0)))
@@ -194,7 +210,7 @@ pub fn map(manifest: &Path, part: &Path, keyring: &Path, control: &Path) -> Resu
             part.display(),
             p.root_hash,
             p.data_blocks,
-            t.describe()
+            why
         ),
     })
 }
