@@ -134,3 +134,32 @@ fn verified(slot: &Slot, keyring: &Path) -> Result<()> {
     }
     Ok(())
 }
+
+/// What a system makes of the slot on `dev`: believed ([`trust`]), or its own description
+/// (footer, `kiln-models.json`) damaged. Init maps a damaged one with the manifest's
+/// `models_verity` (the factory data the measured manifest proves by itself) and the self-check
+/// FAILs naming the damage; a readable slot that is not believed is an error (never mapped).
+pub enum View {
+    Trusted(Box<Trusted>),
+    Damaged(String),
+}
+
+/// [`View`] of the slot on `dev` for a system whose manifest names `factory` and whose update
+/// keyring is `keyring`; an error for an empty slot, a device that cannot be opened, or a slot
+/// that is refused.
+pub fn view(dev: &Path, factory: Option<&str>, keyring: &Path) -> Result<View, String> {
+    let what = dev.display().to_string();
+    let slot = match super::read(dev) {
+        Ok(Some(s)) => s,
+        Ok(None) => {
+            return Err(format!(
+                "{what}: holds no kiln-models.json (an empty models slot)"
+            ))
+        }
+        Err(e) if std::fs::metadata(dev).is_err() => return Err(format!("{e:#}")),
+        Err(e) => return Ok(View::Damaged(format!("{e:#}"))),
+    };
+    trust(slot, factory, keyring, &what)
+        .map(|t| View::Trusted(Box::new(t)))
+        .map_err(|e| format!("{e:#}"))
+}

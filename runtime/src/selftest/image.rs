@@ -466,7 +466,6 @@ struct Mapping {
 /// is named too.
 fn verity_mapping(ctx: &Ctx, manifest: &Path, models_dir: &Path) -> Result<Mapping, String> {
     use super::known::{self, View};
-    use crate::models_slot::trust::Basis;
     let slot = known::mapped_slot(ctx, models_dir)?;
     let m: serde_json::Value = std::fs::read(manifest)
         .ok()
@@ -479,17 +478,7 @@ fn verity_mapping(ctx: &Ctx, manifest: &Path, models_dir: &Path) -> Result<Mappi
     };
     let want = match known::view(ctx, &m, &slot.part)? {
         View::Trusted(t) => {
-            if t.basis == Basis::Factory {
-                // The factory slot's parameters are the manifest's too.
-                let named = crate::verity::Params::from_manifest(manifest)?;
-                if named != t.slot.meta.verity {
-                    return Err(format!(
-                        "/dev/{}: its kiln-models.json gives other verity parameters than the \
-                         manifest's models_verity (root {} vs {})",
-                        slot.part, t.slot.meta.verity.root_hash, named.root_hash
-                    ));
-                }
-            }
+            crate::verity::checked(manifest, &t, &format!("/dev/{}", slot.part))?;
             out.ok.push(format!(
                 "/dev/{} describes itself: {}",
                 slot.part,

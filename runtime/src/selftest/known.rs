@@ -4,7 +4,7 @@
 //! for models it does not name.
 
 use super::{Ctx, Outcome};
-use crate::models_slot::trust::{self, Trusted};
+use crate::models_slot::trust;
 use std::path::{Path, PathBuf};
 
 /// The models slot `/models` is mapped from.
@@ -90,40 +90,17 @@ pub fn mapped_slot(ctx: &Ctx, models_dir: &Path) -> Result<MappedSlot, String> {
     })
 }
 
-/// What the booted system makes of the slot on `/dev/{part}`.
-pub enum View {
-    /// Believed (`crate::models_slot::trust`).
-    Trusted(Box<Trusted>),
-    /// Its description (footer, `kiln-models.json`) is damaged: init mapped it with the
-    /// manifest's `models_verity` (the factory data the manifest proves by itself), and
-    /// `image.manifest` FAILs naming the damage.
-    Damaged(String),
-}
+pub use crate::models_slot::trust::View;
 
-/// The slot on `/dev/{part}` as the booted system (`manifest`: its JSON) sees it, or why it is
-/// refused (empty, unsigned and not named, a signature refused, no answers, another format).
+/// [`View`] of the slot on `/dev/{part}` for the booted system (`manifest`: its JSON) and its
+/// update keyring.
 pub fn view(ctx: &Ctx, manifest: &serde_json::Value, part: &str) -> Result<View, String> {
-    let dev = ctx.paths.dev.join(part);
-    let slot = match crate::models_slot::read(&dev) {
-        Ok(Some(s)) => s,
-        Ok(None) => {
-            return Err(format!(
-                "{}: holds no kiln-models.json (an empty models slot)",
-                dev.display()
-            ))
-        }
-        Err(e) if std::fs::metadata(&dev).is_err() => return Err(format!("{e:#}")),
-        Err(e) => return Ok(View::Damaged(format!("{e:#}"))),
-    };
     let keyring = ctx.paths.root.join(trust::KEYRING.trim_start_matches('/'));
-    trust::trust(
-        slot,
+    trust::view(
+        &ctx.paths.dev.join(part),
         trust::factory_sha(manifest),
         &keyring,
-        &dev.display().to_string(),
     )
-    .map(|t| View::Trusted(Box::new(t)))
-    .map_err(|e| format!("{e:#}"))
 }
 
 /// The known answers the `model.*` checks compare with, and where they came from.

@@ -123,6 +123,36 @@ pub struct Mapped {
     pub line: String,
 }
 
+fn manifest_json(manifest: &Path) -> Result<serde_json::Value, String> {
+    std::fs::read(manifest)
+        .map_err(|e| format!("{}: {e}", manifest.display()))
+        .and_then(|b| {
+            serde_json::from_slice(&b).map_err(|e| format!("{}: not JSON: {e}", manifest.display()))
+        })
+}
+
+/// A believed slot's verity parameters are what kiln maps, and the factory slot's are the
+/// manifest's too (the self-check holds them equal).
+pub fn checked(
+    manifest: &Path,
+    t: &crate::models_slot::trust::Trusted,
+    what: &str,
+) -> Result<(), String> {
+    let v = &t.slot.meta.verity;
+    v.valid(&format!("{what}: kiln-models.json's verity"))?;
+    if t.basis == crate::models_slot::trust::Basis::Factory {
+        let want = Params::from_manifest(manifest)?;
+        if &want != v {
+            return Err(format!(
+                "{what}: its kiln-models.json gives other verity parameters than the manifest's \
+                 models_verity (root {} vs {})",
+                v.root_hash, want.root_hash
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// The slot on `part`, believed by the system whose manifest is `manifest` and whose update
 /// keyring is `keyring` (`crate::models_slot::trust`), with its verity parameters checked.
 pub fn trusted_slot(
@@ -130,53 +160,36 @@ pub fn trusted_slot(
     part: &Path,
     keyring: &Path,
 ) -> Result<crate::models_slot::trust::Trusted, String> {
-    use crate::models_slot::{self as ms, trust};
-    let m: serde_json::Value = std::fs::read(manifest)
-        .map_err(|e| format!("{}: {e}", manifest.display()))
-        .and_then(|b| {
-            serde_json::from_slice(&b).map_err(|e| format!("{}: not JSON: {e}", manifest.display()))
-        })?;
-    let what = part.display().to_string();
-    let slot = ms::read(part)
-        .map_err(|e| format!("{e:#}"))?
-        .ok_or_else(|| format!("{what} holds no models (an empty models slot)"))?;
-    let t =
-        trust::trust(slot, trust::factory_sha(&m), keyring, &what).map_err(|e| format!("{e:#}"))?;
-    t.slot
-        .meta
-        .verity
-        .valid(&format!("{what}: kiln-models.json's verity"))?;
-    if t.basis == trust::Basis::Factory {
-        // The factory slot's parameters are the manifest's too (the self-check holds them equal).
-        let want = Params::from_manifest(manifest)?;
-        if want != t.slot.meta.verity {
-            return Err(format!(
-                "{what}: its kiln-models.json gives verity root {}, the manifest's models_verity \
-                 {}",
-                t.slot.meta.verity.root_hash, want.root_hash
-            ));
+    use crate::models_slot::trust::{self, View};
+    let m = manifest_json(manifest)?;
+    match trust::view(part, trust::factory_sha(&m), keyring)? {
+        View::Trusted(t) => {
+            checked(manifest, &t, &part.display().to_string())?;
+            Ok(*t)
         }
+        View::Damaged(e) => Err(e),
     }
-    Ok(t)
 }
 
 /// Map `part` through dm-verity as [`NAME`] with the verity parameters of the models slot on it,
-/// once it is believed ([`trusted_slot`]). A slot whose own description (footer,
-/// `kiln-models.json`) is damaged is mapped with the manifest's `models_verity`: the factory data
-/// the measured manifest proves by itself (any other data then reads as I/O errors), so the
-/// self-check still names what it reads, and FAILs naming the damage. A slot that is readable but
-/// not believed is not mapped.
+/// once it is believed ([`crate::models_slot::trust::view`]). A slot whose own description
+/// (footer, `kiln-models.json`) is damaged is mapped with the manifest's `models_verity`: the
+/// factory data the measured manifest proves by itself (any other data then reads as I/O
+/// errors), so the self-check still names what it reads, and FAILs naming the damage. A slot
+/// that is readable but not believed is not mapped.
 pub fn map(manifest: &Path, part: &Path, keyring: &Path, control: &Path) -> Result<Mapped, String> {
-    let (params, why) = match crate::models_slot::read(part) {
-        Err(e) if std::fs::metadata(part).is_ok() => (
+    use crate::models_slot::trust::{self, View};
+    let m = manifest_json(manifest)?;
+    let (params, why) = match trust::view(part, trust::factory_sha(&m), keyring)? {
+        View::Damaged(e) => (
             Params::from_manifest(manifest)?,
             format!(
-                "its own description is damaged ({e:#}): mapped with the manifest's \
+                "its own description is damaged ({e}): mapped with the manifest's \
                  models_verity, the factory data it proves; the self-check FAILs on the damage"
             ),
         ),
-        _ => {
-            let t = trusted_slot(manifest, part, keyring)?;
+        View::Trusted(t) => {
+            checked(manifest, &t, &part.display().to_string())?;
             (t.slot.meta.verity.clone(), t.describe())
         }
     };
