@@ -8,7 +8,7 @@
 
 use hawkbit::ddi::{Execution as HbExec, Finished as HbFin, Type};
 use hawkbit_mock::ddi::{ChunkProtocol, DeploymentBuilder, Server, ServerBuilder, Target};
-use kiln_runtime::fleet::action::{self, Phase, Verdict};
+use kiln_runtime::fleet::action::{self, Kind, Phase, Verdict};
 use kiln_runtime::fleet::board::Board;
 use kiln_runtime::fleet::config::Config;
 use kiln_runtime::fleet::ddi::{Artifact, Ddi, DownloadError};
@@ -30,8 +30,16 @@ struct Seen {
 struct FakeBoard {
     running: Slot,
     boot: u32,
+    /// Each boot slot's `report.json`.
     reports: [Option<Verdict>; 2],
+    /// Other reports in a boot slot's `kiln` folder (the kept `report-models-b.json`).
+    kept: Vec<(Slot, String, Verdict)>,
     manifest_after_install: Option<String>,
+    /// What `rauc info` says the bundle is for, or its refusal.
+    kind: Result<Kind, String>,
+    /// The models slot mapped now, and the `kiln-models.json` RAUC writes.
+    models: Option<Slot>,
+    models_json_after_install: Option<String>,
     rauc_refuses: Option<String>,
     seen: Rc<RefCell<Seen>>,
 }
@@ -43,8 +51,22 @@ impl Board for FakeBoard {
     fn boot_id(&self) -> String {
         format!("boot-{}", self.boot)
     }
-    fn verdict(&self, slot: Slot) -> anyhow::Result<Option<Verdict>> {
-        Ok(self.reports[slot as usize].clone())
+    fn running_models(&self) -> Option<Slot> {
+        self.models
+    }
+    fn report(&self, slot: Slot, name: &str) -> anyhow::Result<Option<Verdict>> {
+        if name == "report.json" {
+            return Ok(self.reports[slot as usize].clone());
+        }
+        Ok(self
+            .kept
+            .iter()
+            .find(|(s, n, _)| *s == slot && n == name)
+            .map(|(_, _, v)| v.clone()))
+    }
+    fn bundle_kind(&self, bundle: &Path) -> Result<Kind, String> {
+        assert!(bundle.exists(), "rauc info on a bundle that is not there");
+        self.kind.clone()
     }
     fn install(&mut self, bundle: &Path) -> Result<(), String> {
         assert!(bundle.exists(), "installing a bundle that is not there");
@@ -56,6 +78,9 @@ impl Board for FakeBoard {
     }
     fn manifest_of(&self, _: Slot) -> anyhow::Result<Option<String>> {
         Ok(self.manifest_after_install.clone())
+    }
+    fn models_json_of(&self, _: Slot) -> anyhow::Result<Option<String>> {
+        Ok(self.models_json_after_install.clone())
     }
     fn reboot(&mut self) -> anyhow::Result<()> {
         self.seen.borrow_mut().reboots += 1;
@@ -105,7 +130,11 @@ fn board(seen: &Rc<RefCell<Seen>>) -> FakeBoard {
         running: Slot::A,
         boot: 1,
         reports: [None, None],
+        kept: vec![],
         manifest_after_install: Some("m2".into()),
+        kind: Ok(Kind::System),
+        models: Some(Slot::A),
+        models_json_after_install: Some("j2".into()),
         rauc_refuses: None,
         seen: seen.clone(),
     }
@@ -212,6 +241,7 @@ fn success_is_reported_only_after_the_new_slot_passed() {
         pass: true,
         manifest: Some("m2".into()),
         failed: vec![],
+        ..Verdict::default()
     });
     c.step().unwrap();
     assert_eq!(success.calls(), 1);
@@ -256,6 +286,7 @@ fn a_failed_self_check_is_reported_by_the_slot_that_fell_back() {
         pass: false,
         manifest: Some("m2".into()),
         failed: vec!["model.nll.cpu".into(), "report.required".into()],
+        ..Verdict::default()
     });
     c.step().unwrap();
     assert_eq!(failure.calls(), 1);
@@ -298,6 +329,7 @@ fn a_slot_that_never_reached_a_verdict_is_a_failure() {
         pass: true,
         manifest: Some("m1".into()),
         failed: vec![],
+        ..Verdict::default()
     });
     c.step().unwrap();
     assert_eq!(failure.calls(), 1);
@@ -325,6 +357,149 @@ fn a_bundle_rauc_refuses_is_a_failure_with_rauc_s_reason() {
     let mut c = client(&l, b);
     c.step().unwrap();
     assert_eq!(failure.calls(), 1);
+    assert_eq!(seen.borrow().reboots, 0);
+}
+
+/// A models verdict as a report gives it.
+fn models_verdict(pass: bool, slot: Slot, json: &str, failed: &[&str]) -> Verdict {
+    Verdict {
+        pass,
+        manifest: Some("m1".into()),
+        failed: failed.iter().map(|s| s.to_string()).collect(),
+        models_slot: Some(slot.name().into()),
+        models_json: Some(json.into()),
+        ..Verdict::default()
+    }
+}
+
+/// A models bundle (issue 38): RAUC writes the models slot not in use, the reboot maps it and
+/// this boot's self-check of it decides; the system slot stays.
+#[test]
+fn a_models_bundle_succeeds_when_the_boot_that_maps_it_passes() {
+    let l = lab();
+    let t = l.server.add_target(NAME);
+    let (d, _) = bundle(&l, "20", b"models bundle", None);
+    t.push_deployment(d);
+    let installing = expect(
+        &t,
+        "20",
+        HbExec::Proceeding,
+        HbFin::None,
+        vec!["installing v2.raucb into models slot B"],
+    );
+    let installed = expect(
+        &t,
+        "20",
+        HbExec::Proceeding,
+        HbFin::None,
+        vec!["installed into models slot B; rebooting to map it: the self-check decides"],
+    );
+    let success = expect(
+        &t,
+        "20",
+        HbExec::Closed,
+        HbFin::Success,
+        vec![
+            "self-check PASS on models slot B",
+            "kiln-models.json sha256 j2",
+        ],
+    );
+    let seen = Rc::new(RefCell::new(Seen::default()));
+    let mut b = board(&seen);
+    b.kind = Ok(Kind::Models);
+    let mut c = client(&l, b);
+    c.step().unwrap();
+    assert_eq!((installing.calls(), installed.calls()), (1, 1));
+    assert_eq!(seen.borrow().reboots, 1);
+    let a = state(&l);
+    assert_eq!(a.kind, Kind::Models);
+    assert!(
+        matches!(&a.phase, Phase::Installed { from, target, written, .. }
+            if from == "A" && target == "B" && written.as_deref() == Some("j2")),
+        "{a:?}"
+    );
+    // The reboot: the same system (A), models slot B mapped. The old report of boot slot B
+    // (another system) says nothing of it.
+    c.board.boot = 2;
+    c.board.models = Some(Slot::B);
+    c.board.reports[Slot::B as usize] = Some(models_verdict(false, Slot::B, "j0", &["x"]));
+    c.board.reports[Slot::A as usize] = Some(models_verdict(true, Slot::B, "j2", &[]));
+    c.step().unwrap();
+    assert_eq!(success.calls(), 1);
+    assert_eq!(state(&l).phase, Phase::Done { success: true });
+}
+
+/// A models slot blamed on its first boot: marked bad, and the same system booted again on the
+/// other models slot, whose PASS replaced `report.json`. The failure names the checks from the
+/// FAIL kept beside it; a kept FAIL of an older install of that slot (another
+/// `kiln-models.json`) is no verdict of this one.
+#[test]
+fn a_blamed_models_slot_is_a_failure_from_its_kept_report() {
+    for (kept_json, want) in [
+        (
+            "j2",
+            vec![
+                "self-check FAIL on models slot B: model.nll.cpu",
+                "models slot A runs",
+            ],
+        ),
+        (
+            "j0",
+            vec![
+                "models slot B never reached a self-check verdict of the new models",
+                "models slot A runs",
+            ],
+        ),
+    ] {
+        let l = lab();
+        let t = l.server.add_target(NAME);
+        let (d, _) = bundle(&l, "21", b"models bundle", None);
+        t.push_deployment(d);
+        let failure = expect(&t, "21", HbExec::Closed, HbFin::Failure, want.clone());
+        let seen = Rc::new(RefCell::new(Seen::default()));
+        let mut b = board(&seen);
+        b.kind = Ok(Kind::Models);
+        let mut c = client(&l, b);
+        c.step().unwrap();
+        c.board.boot = 3;
+        c.board.models = Some(Slot::A);
+        c.board.reports[Slot::A as usize] = Some(models_verdict(true, Slot::A, "j1", &[]));
+        c.board.kept.push((
+            Slot::A,
+            "report-models-b.json".into(),
+            models_verdict(false, Slot::B, kept_json, &["model.nll.cpu"]),
+        ));
+        c.step().unwrap();
+        assert_eq!(failure.calls(), 1, "want {want:?}");
+        assert_eq!(state(&l).phase, Phase::Done { success: false });
+    }
+}
+
+/// `rauc info` refuses the bundle (its signature): a failure with RAUC's reason, nothing
+/// installed, no reboot.
+#[test]
+fn a_bundle_rauc_info_refuses_is_never_installed() {
+    let l = lab();
+    let t = l.server.add_target(NAME);
+    let (d, _) = bundle(&l, "22", b"signed by someone else", None);
+    t.push_deployment(d);
+    let failure = expect(
+        &t,
+        "22",
+        HbExec::Closed,
+        HbFin::Failure,
+        vec![
+            "RAUC refused v2.raucb: signature verification failed (rauc info exited 1)",
+            "slot A runs",
+        ],
+    );
+    let seen = Rc::new(RefCell::new(Seen::default()));
+    let mut b = board(&seen);
+    b.kind = Err("signature verification failed (rauc info exited 1)".into());
+    let mut c = client(&l, b);
+    c.step().unwrap();
+    assert_eq!(failure.calls(), 1);
+    assert!(seen.borrow().installs.is_empty());
     assert_eq!(seen.borrow().reboots, 0);
 }
 

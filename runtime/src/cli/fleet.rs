@@ -24,6 +24,13 @@ pub struct Args {
     /// Slot B's boot partition.
     #[arg(long)]
     boot_b: PathBuf,
+    /// Models slot A's partition (its `kiln-models.json` is read in place after a models
+    /// install).
+    #[arg(long, default_value = "/dev/disk/by-partlabel/models_a")]
+    models_a: PathBuf,
+    /// Models slot B's partition.
+    #[arg(long, default_value = "/dev/disk/by-partlabel/models_b")]
+    models_b: PathBuf,
     /// Where the booted slot (`rauc.slot=`) is read from.
     #[arg(long, default_value = "/proc/cmdline")]
     cmdline: PathBuf,
@@ -62,6 +69,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         running,
         boot_a: a.boot_a,
         boot_b: a.boot_b,
+        models_a: a.models_a,
+        models_b: a.models_b,
         report_dir: a.report_dir,
     };
     let mut c = fleet::Client::new(cfg, ddi, board)?;

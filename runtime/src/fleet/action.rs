@@ -12,6 +12,14 @@
 //!   `target`: its own report decides (PASS → success). Another boot on `from`: the new slot
 //!   failed its self-check, or never reached one and U-Boot fell back: failure, naming the failed
 //!   checks from the new slot's report (its manifest sha256 says the report is of the new system).
+//!
+//! A models bundle (issue 38, `docs/models-slots.md`) goes through the same phases with the
+//! models slots in place of the boot slots: RAUC writes the models slot not in use, its hook puts
+//! it first with one try, the reboot maps it, and the self-check of that boot decides. A FAIL
+//! blamed on it marks it bad and boots the same system again on the other models slot, whose
+//! report replaces `report.json`: the blamed one is kept as `report-models-<slot>.json`, and the
+//! action is judged by whichever report names the new slot's `kiln-models.json`
+//! ([`pick_models`], [`judge_models`]).
 //! - `Final { finished, details }`: decided, the feedback not yet acknowledged: sent again at each
 //!   poll while the server still offers the action, then `Done`.
 
@@ -31,7 +39,57 @@ pub struct Action {
     pub size: u64,
     pub sha256: String,
     pub installs: u32,
+    /// Which slot pair the bundle is for (`rauc info`), known once the install starts; states
+    /// written before models bundles existed are of systems.
+    #[serde(default)]
+    pub kind: Kind,
     pub phase: Phase,
+}
+
+/// The slot pair a bundle is for, from the slot class of its image.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Kind {
+    /// A system (`boot` image): into the other boot slot, judged by the boot of that slot.
+    #[default]
+    System,
+    /// A models slot (`models` image): into the models slot not in use, judged by the boot that
+    /// maps it.
+    Models,
+}
+
+impl Kind {
+    /// How the feedback names a slot of this pair: `slot`, `models slot`.
+    pub fn word(self) -> &'static str {
+        match self {
+            Kind::System => "slot",
+            Kind::Models => "models slot",
+        }
+    }
+
+    /// The kind of a bundle from `rauc info --output-format=json` (its `images`, each an object
+    /// keyed by slot class). A bundle for both pairs, or for none, is refused: kiln installs one
+    /// slot per action and judges it.
+    pub fn from_rauc_info(json: &[u8]) -> std::result::Result<Kind, String> {
+        let v: serde_json::Value = serde_json::from_slice(json)
+            .map_err(|e| format!("rauc info's JSON is not readable: {e}"))?;
+        let classes: Vec<&str> = v["images"]
+            .as_array()
+            .ok_or("rauc info names no images")?
+            .iter()
+            .filter_map(|i| i.as_object())
+            .flat_map(|o| o.keys().map(String::as_str))
+            .collect();
+        match classes.as_slice() {
+            [] => Err("the bundle has no image".into()),
+            c if c.iter().all(|c| *c == "models") => Ok(Kind::Models),
+            c if c.iter().all(|c| *c != "models") => Ok(Kind::System),
+            c => Err(format!(
+                "the bundle has images for slot classes {c:?}: kiln installs a system or a \
+                 models slot per action, not both"
+            )),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -45,7 +103,10 @@ pub enum Phase {
     Installed {
         from: String,
         target: String,
-        manifest: Option<String>,
+        /// What was written, by sha256: the new system's `kiln/manifest.json`, or the new models
+        /// slot's `kiln-models.json`.
+        #[serde(alias = "manifest")]
+        written: Option<String>,
         boot_id: String,
     },
     Final {
@@ -65,6 +126,7 @@ impl Action {
             size: a.size,
             sha256: a.sha256.clone(),
             installs: 0,
+            kind: Kind::System,
             phase: Phase::Downloading,
         }
     }
@@ -102,20 +164,34 @@ pub fn save(dir: &Path, a: &Action) -> Result<()> {
 }
 
 /// What a report says of one system, reduced to what the fleet hears.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct Verdict {
     pub pass: bool,
     pub manifest: Option<String>,
     pub failed: Vec<String>,
+    /// The models slot the checks read and its `kiln-models.json` sha256 (the report's
+    /// `slot.models_slot`/`slot.models_json`).
+    pub models_slot: Option<String>,
+    pub models_json: Option<String>,
+    /// Read from this boot's `report.json` (not a kept or another slot's report).
+    pub current: bool,
 }
 
 impl Verdict {
     pub fn from_report_json(bytes: &[u8], what: &str) -> Result<Verdict> {
         let r: crate::selftest::report::Report =
             serde_json::from_slice(bytes).with_context(|| format!("{what}: not a kiln report"))?;
+        let (models_slot, models_json) = r
+            .slot
+            .as_ref()
+            .map(|d| (d.models_slot.clone(), d.models_json.clone()))
+            .unwrap_or_default();
         Ok(Verdict {
             pass: r.verdict == crate::selftest::report::Verdict::Pass,
             manifest: r.manifest,
+            models_slot,
+            models_json,
+            current: false,
             failed: r
                 .checks
                 .iter()
@@ -139,6 +215,8 @@ pub enum Next {
     Fail(String),
 }
 
+/// `running`: the slot of the action's pair that runs now (the boot slot, or the models slot
+/// mapped).
 pub fn next(a: &Action, running: Slot, boot_id: &str) -> Option<Next> {
     match &a.phase {
         Phase::Installing { from, boot_id: b } => {
@@ -151,8 +229,9 @@ pub fn next(a: &Action, running: Slot, boot_id: &str) -> Option<Next> {
             }
             if a.installs >= MAX_INSTALLS {
                 return Some(Next::Fail(format!(
-                    "the install was interrupted {} times (power cuts?): given up, slot {} runs",
+                    "the install was interrupted {} times (power cuts?): given up, {} {} runs",
                     a.installs,
+                    a.kind.word(),
                     running.name()
                 )));
             }
@@ -226,6 +305,74 @@ pub fn judge(
     }
 }
 
+/// The report that judges new models slot `target` (its `kiln-models.json` sha256 `expected`,
+/// when it could be read after the install) among `candidates`: the first that names that slot
+/// and that file. Without `expected`, only this boot's report, and only on the new slot (RAUC
+/// activated it before the state could record its file).
+pub fn pick_models(
+    expected: Option<&str>,
+    target: Slot,
+    on_new: bool,
+    candidates: Vec<Verdict>,
+) -> Option<Verdict> {
+    candidates.into_iter().find(|v| {
+        v.models_slot.as_deref() == Some(target.name())
+            && match (expected, v.models_json.as_deref()) {
+                (Some(e), Some(m)) => e == m,
+                (None, _) => on_new && v.current,
+                _ => false,
+            }
+    })
+}
+
+/// The final feedback of a models action once [`pick_models`] chose its report (`v`, or none).
+/// `on_new`: models slot `target` is mapped now; `running`: the models slot mapped now.
+pub fn judge_models(
+    target: Slot,
+    running: Option<Slot>,
+    on_new: bool,
+    v: Option<&Verdict>,
+) -> (bool, Vec<String>) {
+    let t = target.name();
+    let runs = match running {
+        Some(r) => format!("models slot {} runs", r.name()),
+        None => "no models slot is mapped".into(),
+    };
+    match v {
+        Some(v) if v.pass && on_new && v.current => (
+            true,
+            vec![
+                format!("self-check PASS on models slot {t}"),
+                format!(
+                    "kiln-models.json sha256 {}",
+                    v.models_json.as_deref().unwrap_or("unknown")
+                ),
+            ],
+        ),
+        Some(v) if !v.pass => (
+            false,
+            vec![
+                format!(
+                    "self-check FAIL on models slot {t}: {}",
+                    if v.failed.is_empty() {
+                        "no failed check named".to_string()
+                    } else {
+                        v.failed.join(", ")
+                    }
+                ),
+                runs,
+            ],
+        ),
+        _ => (
+            false,
+            vec![
+                format!("models slot {t} never reached a self-check verdict of the new models"),
+                runs,
+            ],
+        ),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -237,6 +384,7 @@ mod tests {
             size: 1,
             sha256: "a".repeat(64),
             installs,
+            kind: Kind::System,
             phase,
         }
     }
@@ -262,7 +410,7 @@ mod tests {
         let done = |b: &str| Phase::Installed {
             from: "A".into(),
             target: "B".into(),
-            manifest: Some("m".into()),
+            written: Some("m".into()),
             boot_id: b.into(),
         };
         assert_eq!(next(&act(done("1"), 1), Slot::A, "1"), Some(Next::Reboot));
@@ -289,6 +437,7 @@ mod tests {
             pass,
             manifest: Some(m.into()),
             failed: failed.iter().map(|s| s.to_string()).collect(),
+            ..Verdict::default()
         };
         let (ok, d) = judge(
             Some("m2"),
@@ -329,6 +478,76 @@ mod tests {
             Some(&v(true, "m2", &[])),
         );
         assert!(!ok);
+    }
+
+    #[test]
+    fn a_bundle_s_kind_from_rauc_info() {
+        let info = |classes: &[&str]| {
+            let images: Vec<_> = classes
+                .iter()
+                .map(|c| serde_json::json!({ *c: {"filename": "x.img"} }))
+                .collect();
+            serde_json::to_vec(
+                &serde_json::json!({"compatible": "kiln-qemu-virt", "images": images}),
+            )
+            .unwrap()
+        };
+        assert_eq!(Kind::from_rauc_info(&info(&["boot"])), Ok(Kind::System));
+        assert_eq!(Kind::from_rauc_info(&info(&["models"])), Ok(Kind::Models));
+        assert!(Kind::from_rauc_info(&info(&["boot", "models"]))
+            .unwrap_err()
+            .contains("not both"));
+        assert!(Kind::from_rauc_info(&info(&[])).is_err());
+        assert!(Kind::from_rauc_info(b"rauc-Message: x").is_err());
+    }
+
+    #[test]
+    fn an_old_state_reads_as_a_system_action() {
+        let old = br#"{"id":"7","filename":"u.raucb","size":1,"sha256":"a","installs":1,
+            "phase":{"phase":"installed","from":"A","target":"B","manifest":"m","boot_id":"1"}}"#;
+        let a: Action = serde_json::from_slice(old).unwrap();
+        assert_eq!(a.kind, Kind::System);
+        assert!(matches!(a.phase, Phase::Installed { written: Some(w), .. } if w == "m"));
+    }
+
+    #[test]
+    fn models_verdicts() {
+        let v = |pass, slot: &str, json: &str, current| Verdict {
+            pass,
+            failed: if pass {
+                vec![]
+            } else {
+                vec!["model.nll.cpu".into()]
+            },
+            models_slot: Some(slot.into()),
+            models_json: Some(json.into()),
+            current,
+            ..Verdict::default()
+        };
+        // This boot's PASS on the new slot.
+        let p = pick_models(Some("j2"), Slot::B, true, vec![v(true, "B", "j2", true)]);
+        let (ok, d) = judge_models(Slot::B, Some(Slot::B), true, p.as_ref());
+        assert!(ok, "{d:?}");
+        // Fell back: this boot's report is of A; the kept FAIL of B decides.
+        let cands = vec![v(true, "A", "j1", true), v(false, "B", "j2", false)];
+        let p = pick_models(Some("j2"), Slot::B, false, cands);
+        let (ok, d) = judge_models(Slot::B, Some(Slot::A), false, p.as_ref());
+        assert!(!ok);
+        assert_eq!(
+            d,
+            [
+                "self-check FAIL on models slot B: model.nll.cpu",
+                "models slot A runs"
+            ]
+        );
+        // A kept PASS of B while A runs is no success (never: a PASS marks B good and keeps it).
+        let p = pick_models(Some("j2"), Slot::B, false, vec![v(true, "B", "j2", false)]);
+        assert!(!judge_models(Slot::B, Some(Slot::A), false, p.as_ref()).0);
+        // Without the written file's sha256, only this boot's report on the new slot counts.
+        assert!(pick_models(None, Slot::B, false, vec![v(false, "B", "j2", false)]).is_none());
+        assert!(pick_models(None, Slot::B, true, vec![v(true, "B", "j9", true)]).is_some());
+        let (ok, d) = judge_models(Slot::B, None, false, None);
+        assert!(!ok && d[1] == "no models slot is mapped", "{d:?}");
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! What the fleet client does to the board: which slot runs, the slots' self-check reports,
 //! `rauc install`, reboot, the facts sent as `configData`.
 
-use super::action::Verdict;
+use super::action::{Kind, Verdict};
 use crate::slot::Slot;
 use anyhow::{bail, Context, Result};
 use serde_json::{Map, Value};
@@ -12,12 +12,20 @@ pub trait Board {
     fn running(&self) -> Slot;
     /// Changes at every boot (`/proc/sys/kernel/random/boot_id`).
     fn boot_id(&self) -> String;
-    /// The self-check report of `slot`'s system, if it wrote one.
-    fn verdict(&self, slot: Slot) -> Result<Option<Verdict>>;
+    /// The models slot mapped on `/models` now (through the kernel), if any.
+    fn running_models(&self) -> Option<Slot>;
+    /// A self-check report in the `kiln` folder of `slot`'s boot partition (`report.json`, or
+    /// a kept [`crate::selftest::report::models_report_name`]), if it is there.
+    fn report(&self, slot: Slot, name: &str) -> Result<Option<Verdict>>;
+    /// Which slot pair `bundle` is for (`rauc info`, which checks its signature); `Err` is
+    /// RAUC's reason for refusing it.
+    fn bundle_kind(&self, bundle: &Path) -> std::result::Result<Kind, String>;
     /// `rauc install`; `Err` is RAUC's reason.
     fn install(&mut self, bundle: &Path) -> std::result::Result<(), String>;
     /// sha256 of `slot`'s `kiln/manifest.json`.
     fn manifest_of(&self, slot: Slot) -> Result<Option<String>>;
+    /// sha256 of models slot `slot`'s `kiln-models.json` (its trailer, read in place).
+    fn models_json_of(&self, slot: Slot) -> Result<Option<String>>;
     fn reboot(&mut self) -> Result<()>;
     fn facts(&self) -> Map<String, Value>;
 }
@@ -29,6 +37,8 @@ pub struct SystemBoard {
     pub running: Slot,
     pub boot_a: PathBuf,
     pub boot_b: PathBuf,
+    pub models_a: PathBuf,
+    pub models_b: PathBuf,
     pub report_dir: PathBuf,
 }
 
@@ -87,13 +97,52 @@ impl Board for SystemBoard {
             .unwrap_or_default()
     }
 
-    fn verdict(&self, slot: Slot) -> Result<Option<Verdict>> {
+    fn running_models(&self) -> Option<Slot> {
+        match crate::selftest::known::mapped(&crate::selftest::Paths::default()) {
+            Ok((s, _)) => Some(s),
+            Err(e) => {
+                super::log(&format!("no models slot mapped: {e}"));
+                None
+            }
+        }
+    }
+
+    fn report(&self, slot: Slot, name: &str) -> Result<Option<Verdict>> {
         self.with_slot(slot, |k| {
-            let p = k.join("report.json");
+            let p = k.join(name);
             read_opt(&p)?
                 .map(|b| Verdict::from_report_json(&b, &p.display().to_string()))
                 .transpose()
         })
+    }
+
+    fn bundle_kind(&self, bundle: &Path) -> std::result::Result<Kind, String> {
+        // The configuration init started RAUC with (the keyring; decision 5's slots).
+        let mut cmd = Command::new("rauc");
+        let conf = Path::new("/run/kiln/system.conf");
+        if conf.exists() {
+            cmd.arg(format!("--conf={}", conf.display()));
+        }
+        let out = cmd
+            .args(["info", "--output-format=json"])
+            .arg(bundle)
+            .output()
+            .map_err(|e| format!("cannot run rauc info: {e}"))?;
+        if !out.status.success() {
+            let err = String::from_utf8_lossy(&out.stderr);
+            let reason = err
+                .lines()
+                .rev()
+                .find(|l| !l.trim().is_empty() && !l.contains("rauc-Message"))
+                .unwrap_or("no message")
+                .trim()
+                .to_string();
+            return Err(format!(
+                "{reason} (rauc info exited {})",
+                out.status.code().unwrap_or(-1)
+            ));
+        }
+        Kind::from_rauc_info(&out.stdout)
     }
 
     fn install(&mut self, bundle: &Path) -> std::result::Result<(), String> {
@@ -158,6 +207,14 @@ impl Board for SystemBoard {
         })
     }
 
+    fn models_json_of(&self, slot: Slot) -> Result<Option<String>> {
+        let dev = match slot {
+            Slot::A => &self.models_a,
+            Slot::B => &self.models_b,
+        };
+        Ok(crate::models_slot::read(dev)?.map(|s| s.meta_sha256()))
+    }
+
     fn reboot(&mut self) -> Result<()> {
         // busybox `reboot` signals /init, which stops serving, unmounts and syncs first.
         let st = Command::new("reboot").status().context("running reboot")?;
@@ -184,6 +241,14 @@ impl Board for SystemBoard {
                 }
                 if let Some(x) = r.board {
                     m.insert("board".into(), x.into());
+                }
+                if let Some(d) = r.slot {
+                    if let Some(x) = d.models_slot {
+                        m.insert("models_slot".into(), x.into());
+                    }
+                    if let Some(x) = d.models_json {
+                        m.insert("models_json_sha256".into(), x.into());
+                    }
                 }
             }
         }

@@ -4,7 +4,10 @@
 //! reboots into it, and reports success only after the new slot's self-check said PASS; a FAIL,
 //! or a slot that never reached a verdict (U-Boot fell back), is reported as a failure by the slot
 //! that runs, naming the failed checks. The action's state is on `data` ([`action`]): exactly one
-//! final feedback per action, whatever reboots and power cuts come between.
+//! final feedback per action, whatever reboots and power cuts come between. `rauc info` says what
+//! a bundle is for: a system goes to the other boot slot; a models slot (issue 38) to the models
+//! slot not in use, judged by the report of the boot that mapped it, or by the FAIL the self-check
+//! kept when it blamed that slot (`report-models-<slot>.json`).
 //!
 //! [`ddi`] is the protocol, [`config`] the recipe's `[fleet]` table and the token, [`board`] what
 //! the client does to the board (RAUC, the slots' reports, reboot).
@@ -14,7 +17,8 @@ pub mod board;
 pub mod config;
 pub mod ddi;
 
-use action::{Action, Next, Phase};
+use crate::slot::Slot;
+use action::{Action, Kind, Next, Phase, Verdict};
 use anyhow::{Context, Result};
 use board::Board;
 use ddi::{Ddi, DownloadError, Execution, Finished};
@@ -69,8 +73,9 @@ impl<B: Board> Client<B> {
         } else if let Some(url) = &poll.deployment {
             self.deploy(url)?;
         } else if let Some(a) = action::load(&self.dir)? {
-            if matches!(a.phase, Phase::Installing { .. } | Phase::Installed { .. }) {
-                log(&format!("action {} is no longer offered by the server, but slot {} was written for it: the next action's install overwrites it", a.id, self.board.running().other().name()));
+            if let Phase::Installing { from, .. } | Phase::Installed { from, .. } = &a.phase {
+                let written = Slot::parse(from).map(|s| s.other().name()).unwrap_or("?");
+                log(&format!("action {} is no longer offered by the server, but {} {written} was written for it: the next action's install overwrites it", a.id, a.kind.word()));
             }
         }
         Ok(poll.sleep)
@@ -204,7 +209,23 @@ impl<B: Board> Client<B> {
                     }
                 }
                 Phase::Installing { .. } | Phase::Installed { .. } => {
-                    let running = self.board.running();
+                    let running = match a.kind {
+                        Kind::System => self.board.running(),
+                        Kind::Models => match self.board.running_models() {
+                            Some(m) => m,
+                            None => {
+                                a.decide(
+                                    false,
+                                    vec![format!(
+                                        "no models slot is mapped on this boot (slot {} runs): \
+                                         the models update cannot be judged",
+                                        self.board.running().name()
+                                    )],
+                                );
+                                continue;
+                            }
+                        },
+                    };
                     let boot_id = self.board.boot_id();
                     match action::next(&a, running, &boot_id) {
                         Some(Next::Install) => self.install(&mut a)?,
@@ -214,26 +235,30 @@ impl<B: Board> Client<B> {
                         }
                         Some(Next::Judge { slot, on_new }) => {
                             let expected = match &a.phase {
-                                Phase::Installed { manifest, .. } => manifest.clone(),
+                                Phase::Installed { written, .. } => written.clone(),
                                 _ => None,
                             };
-                            let v = match self.board.verdict(slot) {
-                                Ok(v) => v,
-                                Err(e) => {
-                                    log(&format!(
-                                        "slot {}'s report unreadable: {e:#}",
-                                        slot.name()
-                                    ));
-                                    None
+                            let (ok, details) = match a.kind {
+                                Kind::System => {
+                                    let v = self.report(slot, "report.json");
+                                    action::judge(
+                                        expected.as_deref(),
+                                        slot,
+                                        running,
+                                        on_new,
+                                        v.as_ref(),
+                                    )
+                                }
+                                Kind::Models => {
+                                    let v = action::pick_models(
+                                        expected.as_deref(),
+                                        slot,
+                                        on_new,
+                                        self.models_reports(slot),
+                                    );
+                                    action::judge_models(slot, Some(running), on_new, v.as_ref())
                                 }
                             };
-                            let (ok, details) = action::judge(
-                                expected.as_deref(),
-                                slot,
-                                running,
-                                on_new,
-                                v.as_ref(),
-                            );
                             a.decide(ok, details);
                         }
                         Some(Next::Fail(m)) => a.decide(false, vec![m]),
@@ -299,8 +324,87 @@ impl<B: Board> Client<B> {
         }
     }
 
+    /// A report of boot slot `slot` (`name` in its `kiln` folder), or `None` with the reason
+    /// logged; this boot's `report.json` is marked `current`.
+    fn report(&self, slot: Slot, name: &str) -> Option<Verdict> {
+        match self.board.report(slot, name) {
+            Ok(v) => v.map(|mut v| {
+                v.current = slot == self.board.running() && name == "report.json";
+                v
+            }),
+            Err(e) => {
+                log(&format!("slot {}'s {name} unreadable: {e:#}", slot.name()));
+                None
+            }
+        }
+    }
+
+    /// The reports that may judge new models slot `m`, this boot's first: its `report.json`,
+    /// the FAIL kept when `m` was blamed (the same system booted again on the other models slot
+    /// and replaced `report.json`), then the other boot slot's (a FAIL that marked the system
+    /// bad and fell back).
+    fn models_reports(&self, m: Slot) -> Vec<Verdict> {
+        let kept = crate::selftest::report::models_report_name(m);
+        let (run, other) = (self.board.running(), self.board.running().other());
+        [
+            (run, "report.json"),
+            (run, kept.as_str()),
+            (other, "report.json"),
+            (other, kept.as_str()),
+        ]
+        .into_iter()
+        .filter_map(|(s, n)| self.report(s, n))
+        .collect()
+    }
+
     fn install(&mut self, a: &mut Action) -> Result<()> {
-        let from = self.board.running();
+        let bundle = self.bundle_path(a);
+        let system = self.board.running();
+        // What the bundle is for decides which slot it goes to and how it is judged; a bundle
+        // RAUC will not read is refused before anything is written.
+        a.kind = match self.board.bundle_kind(&bundle) {
+            Ok(k) => k,
+            Err(reason) => {
+                let _ = std::fs::remove_file(&bundle);
+                a.decide(
+                    false,
+                    vec![
+                        format!("RAUC refused {}: {reason}", a.filename),
+                        format!("slot {} runs", system.name()),
+                    ],
+                );
+                return Ok(());
+            }
+        };
+        log(&format!(
+            "action {}: {} is a {} bundle (rauc info: signature verified)",
+            a.id,
+            a.filename,
+            match a.kind {
+                Kind::System => "system",
+                Kind::Models => "models",
+            }
+        ));
+        let from = match a.kind {
+            Kind::System => system,
+            Kind::Models => match self.board.running_models() {
+                Some(m) => m,
+                None => {
+                    let _ = std::fs::remove_file(&bundle);
+                    a.decide(
+                        false,
+                        vec![format!(
+                            "{} is a models bundle, and no models slot is mapped on this boot \
+                             (slot {} runs): not installed",
+                            a.filename,
+                            system.name()
+                        )],
+                    );
+                    return Ok(());
+                }
+            },
+        };
+        let word = a.kind.word();
         let target = from.other();
         a.installs += 1;
         a.phase = Phase::Installing {
@@ -310,9 +414,8 @@ impl<B: Board> Client<B> {
         self.save(a)?;
         self.proceeding(
             a,
-            format!("installing {} into slot {}", a.filename, target.name()),
+            format!("installing {} into {word} {}", a.filename, target.name()),
         );
-        let bundle = self.bundle_path(a);
         match self.board.install(&bundle) {
             Err(reason) => {
                 let _ = std::fs::remove_file(&bundle);
@@ -320,15 +423,19 @@ impl<B: Board> Client<B> {
                     false,
                     vec![
                         format!("RAUC refused {}: {reason}", a.filename),
-                        format!("slot {} runs", from.name()),
+                        format!("{word} {} runs", from.name()),
                     ],
                 );
                 Ok(())
             }
             Ok(()) => {
-                let manifest = self.board.manifest_of(target).unwrap_or_else(|e| {
+                let written = match a.kind {
+                    Kind::System => self.board.manifest_of(target),
+                    Kind::Models => self.board.models_json_of(target),
+                }
+                .unwrap_or_else(|e| {
                     log(&format!(
-                        "slot {}'s manifest unreadable after the install: {e:#}",
+                        "what was written to {word} {} is unreadable after the install: {e:#}",
                         target.name()
                     ));
                     None
@@ -336,16 +443,23 @@ impl<B: Board> Client<B> {
                 a.phase = Phase::Installed {
                     from: from.name().into(),
                     target: target.name().into(),
-                    manifest,
+                    written,
                     boot_id: self.board.boot_id(),
                 };
                 self.save(a)?;
                 self.proceeding(
                     a,
-                    format!(
-                        "installed into slot {}; rebooting into it: its self-check decides",
-                        target.name()
-                    ),
+                    match a.kind {
+                        Kind::System => format!(
+                            "installed into slot {}; rebooting into it: its self-check decides",
+                            target.name()
+                        ),
+                        Kind::Models => format!(
+                            "installed into models slot {}; rebooting to map it: the self-check \
+                             decides",
+                            target.name()
+                        ),
+                    },
                 );
                 Ok(())
             }

@@ -69,7 +69,12 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
             .checks
             .iter()
             .any(|c| c.id.starts_with("model.") && c.status == crate::selftest::Status::Fail);
-        let d = crate::slot::judge(env, &cmdline, pass, models, models_failed);
+        let mut d = crate::slot::judge(env, &cmdline, pass, models, models_failed);
+        if models.is_some() {
+            if let Ok((m, json)) = super::known::mapped(&ctx.paths) {
+                (d.models_slot, d.models_json) = (Some(m.name().into()), json);
+            }
+        }
         if let Some(f) = &a.slot_action {
             let what = match (&d.reboot_into, &d.remap_models) {
                 (Some(s), _) => format!("reboot {s}\n"),
@@ -82,7 +87,26 @@ pub fn run(a: Args) -> anyhow::Result<i32> {
         }
         report.slot = Some(d);
     }
-    let written = a.report_dir.as_deref().map(|dir| report.write_to(dir));
+    let written = a.report_dir.as_deref().map(|dir| {
+        report.write_to(dir)?;
+        // The same system boots again at once on the other models slot and its report replaces
+        // this one: the FAIL that blamed the models slot is kept beside it, for the fleet client
+        // to report (a later FAIL of the same slot replaces it).
+        if let Some(m) = report
+            .slot
+            .as_ref()
+            .filter(|d| d.remap_models.is_some())
+            .and_then(|d| d.models_slot.as_deref())
+            .and_then(|m| crate::slot::Slot::parse(m).ok())
+        {
+            crate::selftest::report::write_atomic(
+                dir,
+                &crate::selftest::report::models_report_name(m),
+                report.to_json_pretty().as_bytes(),
+            )?;
+        }
+        anyhow::Ok(())
+    });
     match a.console {
         Console::Json => print!("{}", report.console()),
         Console::Text => print!("{}", report.to_text()),

@@ -466,7 +466,7 @@ struct Mapping {
 /// is named too.
 fn verity_mapping(ctx: &Ctx, manifest: &Path, models_dir: &Path) -> Result<Mapping, String> {
     use super::known::{self, View};
-    let slot = known::mapped_slot(ctx, models_dir)?;
+    let slot = known::mapped_slot(&ctx.paths, models_dir)?;
     let m: serde_json::Value = std::fs::read(manifest)
         .ok()
         .and_then(|b| serde_json::from_slice(&b).ok())

@@ -3,7 +3,7 @@
 //! signed with it; the factory slot's are in the manifest that names it. Never the manifest's
 //! for models it does not name.
 
-use super::{Ctx, Outcome};
+use super::{Ctx, Outcome, Paths};
 use crate::models_slot::trust;
 use std::path::{Path, PathBuf};
 
@@ -27,22 +27,26 @@ impl MappedSlot {
 
 /// The folder the models are read from (`/models`).
 pub fn models_dir(ctx: &Ctx) -> PathBuf {
-    ctx.paths
+    models_dir_in(&ctx.paths)
+}
+
+fn models_dir_in(paths: &Paths) -> PathBuf {
+    paths
         .models
         .first()
         .cloned()
-        .unwrap_or_else(|| ctx.paths.root.join("models"))
+        .unwrap_or_else(|| paths.root.join("models"))
 }
 
 /// The models slot `models_dir` is mounted from through the dm-verity mapping
 /// [`crate::verity::NAME`], found through the kernel (mountinfo, sysfs), or why not.
-pub fn mapped_slot(ctx: &Ctx, models_dir: &Path) -> Result<MappedSlot, String> {
+pub fn mapped_slot(paths: &Paths, models_dir: &Path) -> Result<MappedSlot, String> {
     use crate::verity;
-    let mountinfo = ctx.paths.proc.join("self/mountinfo");
+    let mountinfo = paths.proc.join("self/mountinfo");
     let mnt = models_dir.display().to_string();
     let dev = verity::mounted_from(&mountinfo, &mnt)
         .ok_or_else(|| format!("{mnt} is not mounted (models partition not mapped?)"))?;
-    let sys = |rel: String| std::fs::read_to_string(ctx.paths.sys.join(rel));
+    let sys = |rel: String| std::fs::read_to_string(paths.sys.join(rel));
     let name = sys(format!("dev/block/{dev}/dm/name")).unwrap_or_default();
     if name.trim() != verity::NAME {
         return Err(format!(
@@ -52,12 +56,11 @@ pub fn mapped_slot(ctx: &Ctx, models_dir: &Path) -> Result<MappedSlot, String> {
         ));
     }
     // The one device beneath the mapping must be one of the GPT partitions of the models slots.
-    let slaves: Vec<String> =
-        std::fs::read_dir(ctx.paths.sys.join(format!("dev/block/{dev}/slaves")))
-            .map_err(|e| format!("{} beneath {dev}: {e}", verity::NAME))?
-            .flatten()
-            .filter_map(|e| e.file_name().to_str().map(str::to_string))
-            .collect();
+    let slaves: Vec<String> = std::fs::read_dir(paths.sys.join(format!("dev/block/{dev}/slaves")))
+        .map_err(|e| format!("{} beneath {dev}: {e}", verity::NAME))?
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().map(str::to_string))
+        .collect();
     let [part] = slaves.as_slice() else {
         return Err(format!(
             "{} maps {} devices ({slaves:?}), 1 expected",
@@ -88,6 +91,18 @@ pub fn mapped_slot(ctx: &Ctx, models_dir: &Path) -> Result<MappedSlot, String> {
         dev,
         part_dev,
     })
+}
+
+/// The models slot `/models` is mapped from now (`A`/`B`) and the sha256 of its
+/// `kiln-models.json` (`None` when its trailer cannot be read), or why none is.
+pub fn mapped(paths: &Paths) -> Result<(crate::slot::Slot, Option<String>), String> {
+    let ms = mapped_slot(paths, &models_dir_in(paths))?;
+    let slot = crate::slot::Slot::parse(&ms.letter()).map_err(|e| format!("{e:#}"))?;
+    let json = crate::models_slot::read(&paths.dev.join(&ms.part))
+        .ok()
+        .flatten()
+        .map(|s| s.meta_sha256());
+    Ok((slot, json))
 }
 
 pub use crate::models_slot::trust::View;
@@ -142,7 +157,7 @@ pub fn answers(ctx: &Ctx) -> Result<Known, Outcome> {
         return Ok(from_manifest("no mapped models slot to take them from"));
     }
     let dir = models_dir(ctx);
-    let slot = mapped_slot(ctx, &dir).map_err(|e| Outcome::fail(e, vec![]))?;
+    let slot = mapped_slot(&ctx.paths, &dir).map_err(|e| Outcome::fail(e, vec![]))?;
     let t = match view(ctx, &m, &slot.part) {
         Ok(View::Trusted(t)) => t,
         Ok(View::Damaged(why)) => {
@@ -259,9 +274,16 @@ mod tests {
         let mine = serde_json::json!({"nll": ["the bundle's"]});
         let theirs = serde_json::json!({"nll": ["the manifest's"]});
         // A signed bundle slot: its own answers, whatever the manifest says.
-        let (bytes, _) = slot(mine.clone(), Some("dev"));
+        let (bytes, sha) = slot(mine.clone(), Some("dev"));
         let (root, ctx) = board(&"00".repeat(32), theirs.clone());
+        assert_eq!(
+            mapped(&ctx.paths),
+            Ok((crate::slot::Slot::B, None)),
+            "no trailer yet"
+        );
         root.file("dev/vda5", &bytes);
+        // What the report's `slot.models_slot`/`models_json` record for the fleet client.
+        assert_eq!(mapped(&ctx.paths), Ok((crate::slot::Slot::B, Some(sha))));
         let k = answers(&ctx).map_err(|o| format!("{o:?}")).unwrap();
         assert_eq!(k.answers, mine);
         assert!(

@@ -333,6 +333,12 @@ impl Report {
     }
 }
 
+/// The report kept beside `report.json` when a FAIL blamed models slot `m` (init boots the same
+/// system again at once, whose report replaces `report.json`): `report-models-b.json`.
+pub fn models_report_name(m: crate::slot::Slot) -> String {
+    format!("report-models-{}.json", m.name().to_lowercase())
+}
+
 /// Temp file in the same folder, fsync, rename over the target, fsync the folder.
 pub fn write_atomic(dir: &Path, name: &str, bytes: &[u8]) -> Result<()> {
     let tmp = dir.join(format!(".{name}.tmp"));

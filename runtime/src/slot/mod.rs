@@ -453,6 +453,14 @@ pub struct Decision {
     /// the other one good): init reboots into the same system.
     #[serde(default)]
     pub remap_models: Option<String>,
+    /// The models slot the checks read (`A`/`B`, found through the kernel: the partition beneath
+    /// the dm-verity mapping of `/models`) and the sha256 of its `kiln-models.json`: which models
+    /// this verdict is about (the fleet client judges a models update by them). `null` when
+    /// `/models` is not mapped from a models slot.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub models_slot: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub models_json: Option<String>,
 }
 
 impl State {
@@ -511,6 +519,8 @@ pub fn judge(
         no_good_slot: false,
         models: None,
         remap_models: None,
+        models_slot: None,
+        models_json: None,
     };
     let Some(booted) = Slot::from_cmdline(cmdline) else {
         d.action = "nothing marked: no rauc.slot= on the kernel command line (not booted through boot.scr)".into();

@@ -8,10 +8,19 @@
 //!    B (the next boot, on A, installs again); then it installs and reboots, B boots and passes,
 //!    and only then `closed`/`success` with B's manifest sha256, exactly once. The DDI server is
 //!    asked at the reboot whether a success came already (it must not have).
-//! 2. A bundle signed by another key, to the board now on B: RAUC refuses it; `closed`/`failure`
-//!    with RAUC's reason; both slots' bytes unchanged.
+//! 2. A bundle signed by another key, to the board now on B: RAUC refuses it (`rauc info`, before
+//!    any install); `closed`/`failure` with RAUC's reason; both slots' bytes unchanged.
 //! 3. v3 (`v3-fails.raucb`, signed, installable, its manifest records another `/Image` hash): A
 //!    boots and FAILs, falls back to B, and B sends `closed`/`failure` naming A's failed check.
+//! 4. A models bundle (`models.raucb`, issue 38: a second model with its own signed known
+//!    answers): RAUC writes `models_b`, the same system boots again mapping it, passes, serves the
+//!    second model (`kiln.probe=models`), and only then `closed`/`success` naming models slot B
+//!    and its `kiln-models.json`; the boot slots' systems and `models_a` untouched.
+//! 5. A models bundle whose signed known answer is wrong (`models-wrong-answer.raucb`), with one
+//!    bit of the llama fixture flipped in it before its first boot: RAUC writes the slot not in
+//!    use (`models_a` now), the boot that maps it FAILs `model.nll` naming both, marks it bad
+//!    (not the system) and boots again on `models_b`, which passes and serves; that boot sends
+//!    `closed`/`failure` naming the checks from the FAIL report kept beside its own.
 
 use super::{boots_of, part_of, show, Machine};
 use crate::boot_test::{console_reader, pflash_with, qemu_command};
@@ -240,20 +249,37 @@ fn failure_of(
     what: &str,
     check: impl Fn(&[String]) -> Result<()>,
 ) -> Result<(String, Vec<String>)> {
-    let mut failure = None;
+    final_as(m, pflash, ddi, id, "failure", what, check)
+}
+
+/// [`failure_of`] for a final feedback `want` (`success` or `failure`; the other is refused
+/// as soon as the console shows it).
+fn final_as(
+    m: &Machine,
+    pflash: &Path,
+    ddi: &mut StandIn,
+    id: &str,
+    want: &str,
+    what: &str,
+    check: impl Fn(&[String]) -> Result<()>,
+) -> Result<(String, Vec<String>)> {
+    let mut fin = None;
+    let other = if want == "success" {
+        "failure"
+    } else {
+        "success"
+    };
     let c = boot(m, pflash, what, Duration::from_secs(600), |c| {
         ensure!(
-            !c.contains(&format!("kiln-fleet: action {id}: success")),
-            "action {id} was reported as a success"
+            !c.contains(&format!("kiln-fleet: action {id}: {other}")),
+            "action {id} was reported as a {other}: {:?}",
+            final_of(c, id).map(|f| f.1)
         );
-        if failure.is_none() {
+        if fin.is_none() {
             if let Some((word, details)) = final_of(c, id) {
-                ensure!(
-                    word == "failure",
-                    "action {id} reported as {word}: {details:?}"
-                );
+                ensure!(word == want, "action {id} reported as {word}: {details:?}");
                 check(&details)?;
-                failure = Some((ddi.expect(id, "closed", "failure", &details)?, details));
+                fin = Some((ddi.expect(id, "closed", want, &details)?, details));
             }
         }
         Ok(c.contains(&format!(
@@ -261,10 +287,10 @@ fn failure_of(
         )))
     })?;
     let (k, details) =
-        failure.with_context(|| format!("no final feedback for action {id} on the console"))?;
+        fin.with_context(|| format!("no final feedback for action {id} on the console"))?;
     ensure!(
         ddi.calls(k)? == 1,
-        "action {id}'s failure did not reach the server once"
+        "action {id}'s {want} did not reach the server once"
     );
     Ok((c, details))
 }
@@ -372,17 +398,7 @@ pub fn scenario(work: &Path, image: &Path, bundles: &Path) -> Result<()> {
     )?;
     // Deploy a bundle as action `id`: the DDI server offers it (its sha256 and size), nginx
     // serves it. Its size.
-    let deploy = |ddi: &mut StandIn, id: &str, name: &str| -> Result<u64> {
-        let p = bundles.join(name);
-        let b = std::fs::read(&p).with_context(|| format!("reading {}", p.display()))?;
-        let sha = crate::pins::Sha256::of_bytes(&b);
-        ddi.ask(&format!(
-            "deploy {id} {} {sha} http://10.0.2.2:{}/{name}",
-            p.display(),
-            nginx.port
-        ))?;
-        Ok(b.len() as u64)
-    };
+    let deploy = |ddi: &mut StandIn, id: &str, name: &str| deploy(ddi, bundles, &nginx, id, name);
 
     // 1. v2: success only after B's verdict.
     let manifest = {
@@ -528,20 +544,18 @@ pub fn scenario(work: &Path, image: &Path, bundles: &Path) -> Result<()> {
     // untouched.
     let before = m.part_sha("boot_a")?;
     let size = deploy(&mut ddi, "2", "other-key.raucb")?;
-    let steps = [
-        ddi.expect(
-            "2",
-            "proceeding",
-            "none",
-            &s(&[&format!("downloading other-key.raucb ({size} bytes)")]),
-        )?,
-        ddi.expect(
-            "2",
-            "proceeding",
-            "none",
-            &s(&["installing other-key.raucb into slot A"]),
-        )?,
-    ];
+    let downloading = ddi.expect(
+        "2",
+        "proceeding",
+        "none",
+        &s(&[&format!("downloading other-key.raucb ({size} bytes)")]),
+    )?;
+    let installing = ddi.expect(
+        "2",
+        "proceeding",
+        "none",
+        &s(&["installing other-key.raucb into slot A"]),
+    )?;
     let t1 = Instant::now();
     let (c, details) =
         failure_of(&m, &pflash, &mut ddi, "2", "2-other-key", |details| {
@@ -555,16 +569,20 @@ pub fn scenario(work: &Path, image: &Path, bundles: &Path) -> Result<()> {
         })?;
     let boots = boots_of(&c);
     ensure!(
-        boots.len() == 1 && boots[0].slot == "B" && c.contains("rauc: "),
+        boots.len() == 1 && boots[0].slot == "B",
         "action 2: boots {}",
         show(&boots)
     );
-    for k in steps {
-        ensure!(
-            ddi.calls(k)? == 1,
-            "proceeding feedback {k} of action 2 did not come once"
-        );
-    }
+    // `rauc info` refused it (its signature) before anything was written: no install at all.
+    ensure!(
+        details[0].contains("(rauc info exited") && !c.contains("kiln-fleet: rauc: "),
+        "action 2 was refused by `rauc install`, not before it by `rauc info`: {details:?}"
+    );
+    ensure!(
+        ddi.calls(downloading)? == 1 && ddi.calls(installing)? == 0,
+        "action 2: the download's proceeding feedback did not come once, or an install was \
+         announced for a bundle RAUC refused"
+    );
     let after = m.part_sha("boot_a")?;
     ensure!(
         before == after,
@@ -603,6 +621,303 @@ pub fn scenario(work: &Path, image: &Path, bundles: &Path) -> Result<()> {
         show(&boots),
         details[0],
         t2.elapsed().as_secs_f64()
+    );
+    models(&m, &dir, &mut ddi, bundles, &nginx)
+}
+
+/// Offer bundle `name` as action `id`: the DDI server gives its sha256 and size, nginx serves it.
+/// Its size.
+fn deploy(ddi: &mut StandIn, bundles: &Path, nginx: &Nginx, id: &str, name: &str) -> Result<u64> {
+    let p = bundles.join(name);
+    let b = std::fs::read(&p).with_context(|| format!("reading {}", p.display()))?;
+    let sha = crate::pins::Sha256::of_bytes(&b);
+    ddi.ask(&format!(
+        "deploy {id} {} {sha} http://10.0.2.2:{}/{name}",
+        p.display(),
+        nginx.port
+    ))?;
+    Ok(b.len() as u64)
+}
+
+/// The models slot on `part` of `m`'s card, as its trailer describes it.
+fn slot_on(m: &Machine, part: &str) -> Result<kiln_runtime::models_slot::Slot> {
+    let dir = tempfile::tempdir_in(&m.dir)?;
+    let f = dir.path().join(part);
+    std::fs::write(&f, m.read_part(part)?)?;
+    kiln_runtime::models_slot::read(&f)?.with_context(|| format!("{part} holds no models slot"))
+}
+
+/// The console from the line `after` on, and a lookup of its lines holding a needle.
+fn after<'a>(c: &'a str, marker: &str) -> &'a str {
+    c.split(marker).nth(1).unwrap_or("")
+}
+
+fn lines_with(text: &str, needle: &str) -> String {
+    text.lines()
+        .filter(|l| l.contains(needle))
+        .collect::<Vec<_>>()
+        .join(" | ")
+}
+
+/// Steps 4 and 5 of [`scenario`]: models bundles through the fleet client, on the board the
+/// system steps left on B.
+fn models(m: &Machine, dir: &Path, ddi: &mut StandIn, bundles: &Path, nginx: &Nginx) -> Result<()> {
+    use kiln_runtime::slot::Class;
+    const SECOND: &str = super::SECOND_MODEL;
+    let id_second = format!("\"id\":\"{}\"", SECOND.trim_end_matches(".gguf"));
+    std::fs::create_dir_all(dir.join("flash-probe"))?;
+    let pflash = pflash_with(
+        &dir.join("flash-probe"),
+        &format!(
+            "kiln.fleet.server=http://10.0.2.2:{} kiln.fleet.poll_max=2 kiln.probe=models",
+            ddi.port()?
+        ),
+    )?;
+    let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+
+    // 4. The second model: success only after the boot that maps models_b passed.
+    let t0 = Instant::now();
+    let untouched = [m.part_sha("boot_a")?, m.part_sha("models_a")?];
+    let systems = m.state()?.describe();
+    let size = deploy(ddi, bundles, nginx, "4", "models.raucb")?;
+    let steps = [
+        ddi.expect(
+            "4",
+            "proceeding",
+            "none",
+            &s(&[&format!("downloading models.raucb ({size} bytes)")]),
+        )?,
+        ddi.expect(
+            "4",
+            "proceeding",
+            "none",
+            &s(&["installing models.raucb into models slot B"]),
+        )?,
+        ddi.expect(
+            "4",
+            "proceeding",
+            "none",
+            &s(&["installed into models slot B; rebooting to map it: the self-check decides"]),
+        )?,
+    ];
+    let (c, details) = final_as(m, &pflash, ddi, "4", "success", "4-models", |_| Ok(()))?;
+    let boots = boots_of(&c);
+    ensure!(
+        show(&boots) == "B:PASS -> B:PASS",
+        "action 4: boots {}, want B:PASS -> B:PASS (the same system, the new models)",
+        show(&boots)
+    );
+    for k in steps {
+        ensure!(
+            ddi.calls(k)? == 1,
+            "proceeding feedback {k} of action 4 did not come once"
+        );
+    }
+    let sb = slot_on(m, "models_b")?;
+    ensure!(
+        details
+            == [
+                "self-check PASS on models slot B".to_string(),
+                format!("kiln-models.json sha256 {}", sb.meta_sha256()),
+            ],
+        "action 4's success does not name models slot B and what RAUC wrote there: {details:?}"
+    );
+    let second = after(&c, "kiln-fleet: action 4: installed; rebooting into it");
+    ensure!(
+        second.contains("models slot B) on /models")
+            && second.contains("is signed: its")
+            && second.contains("known answers from models slot B's kiln-models.json")
+            && second.contains(&format!("{SECOND} [cpu]: ")),
+        "the boot after the models install did not map models_b, believe it by its signature \
+         and judge it by its own answers: {}",
+        lines_with(second, "models")
+    );
+    let probe = lines_with(second, "kiln-probe /v1/models:");
+    ensure!(
+        probe.contains(&id_second),
+        "the board does not serve the second model after action 4: {probe:?}"
+    );
+    let verdict_at = second
+        .rfind(kiln_runtime::selftest::report::VERDICT_PREFIX)
+        .unwrap_or(usize::MAX);
+    ensure!(
+        verdict_at < second.find("kiln-fleet: action 4: success").unwrap_or(0),
+        "the success of action 4 precedes the verdict of the boot on models_b"
+    );
+    ensure!(
+        [m.part_sha("boot_a")?, m.part_sha("models_a")?] == untouched,
+        "a models bundle changed boot_a or the factory models slot"
+    );
+    let st = m.state()?;
+    ensure!(
+        st.order_of(Class::Models)? == vec![Slot::B, Slot::A]
+            && st.left_of(Class::Models, Slot::B)? == 3
+            && st.describe() == systems,
+        "after action 4: {}, {} (before: {systems}), not models B first and marked good with the \
+         systems' counters as they were",
+        st.describe_of(Class::Models),
+        st.describe()
+    );
+    ensure!(
+        !sb.signature.is_empty()
+            && sb.meta.models.iter().any(|x| x.name == SECOND)
+            && sb.meta.known_answers["nll"]
+                .as_array()
+                .is_some_and(|a| a.iter().any(|x| x["model"] == SECOND)),
+        "models_b is not the bundle's signed slot of the second model with its answers"
+    );
+    let lines = crate::report::models_lines(&m.disk);
+    ensure!(
+        lines.len() == 3
+            && lines[0].ends_with("init maps B next")
+            && lines[1].contains("the factory models of boot slot")
+            && lines[1].ends_with("; unsigned")
+            && lines[2].contains(&format!("kiln-models.json {}", &sb.meta_sha256()[..12]))
+            && lines[2].contains(SECOND)
+            && lines[2].ends_with(&format!(
+                "signed ({}-byte CMS signature)",
+                sb.signature.len()
+            )),
+        "cargo xtask report does not tell the models slots as they are: {lines:#?}"
+    );
+    println!(
+        "ab-test: fleet: a models bundle of {SECOND}: RAUC wrote models_b (signed \
+         kiln-models.json {}), {}: mapped, judged by its own answers, served; success {:?} after \
+         that verdict; boot_a and models_a untouched ({:.0} s)",
+        &sb.meta_sha256()[..12],
+        show(&boots),
+        details[0],
+        t0.elapsed().as_secs_f64()
+    );
+
+    // 5. A wrong signed answer, and a flipped bit, into the slot not in use (models_a now): the
+    // boot that maps it FAILs, blames it, and the same system boots again on models_b.
+    let t1 = Instant::now();
+    deploy(ddi, bundles, nginx, "5", "models-wrong-answer.raucb")?;
+    boot(
+        m,
+        &pflash,
+        "5a-models-install",
+        Duration::from_secs(300),
+        |c| {
+            ensure!(
+                final_of(c, "5").is_none(),
+                "action 5 ended before its slot was booted: {:?}",
+                final_of(c, "5")
+            );
+            // Cut at the reboot: the bit is flipped in what RAUC wrote before its first boot.
+            Ok(c.contains("kiln-fleet: action 5: installed; rebooting into it"))
+        },
+    )?;
+    let st = m.state()?;
+    ensure!(
+        st.order_of(Class::Models)? == vec![Slot::A, Slot::B]
+            && st.left_of(Class::Models, Slot::A)? == 1,
+        "after installing the wrong-answer bundle: {}, not models A first with one try",
+        st.describe_of(Class::Models)
+    );
+    let sa = slot_on(m, "models_a")?;
+    let fixture = kiln_runtime::model::fixture::gguf()?;
+    let block = 4096usize;
+    let at_file = fixture.len() / 2 / block * block;
+    let needle = &fixture[at_file..at_file + block];
+    let mut part = m.read_part("models_a")?;
+    let data_end = usize::try_from(sa.meta.verity.data_blocks * 4096)?;
+    let hits: Vec<usize> = (0..data_end.saturating_sub(block))
+        .step_by(block)
+        .filter(|&o| &part[o..o + block] == needle)
+        .collect();
+    ensure!(
+        hits.len() == 1,
+        "the llama fixture's block at offset {at_file} is {} times in models_a (want once)",
+        hits.len()
+    );
+    part[hits[0] + block / 2] ^= 0x10;
+    m.write_part("models_a", &part)?;
+    let (c, details) = failure_of(m, &pflash, ddi, "5", "5-models-blamed", |d| {
+        ensure!(
+            d.first()
+                .is_some_and(|x| x.starts_with("self-check FAIL on models slot A: ")
+                    && x.contains("model.nll"))
+                && d.get(1).map(String::as_str) == Some("models slot B runs"),
+            "action 5's failure does not name models slot A's failed model.nll, from models \
+             slot B: {d:?}"
+        );
+        Ok(())
+    })?;
+    let boots = boots_of(&c);
+    ensure!(
+        show(&boots) == "B:FAIL -> B:PASS",
+        "action 5: boots {}, want B:FAIL -> B:PASS (the models slot blamed, not the system)",
+        show(&boots)
+    );
+    // init's line (the report's own header says the same words earlier, before its table).
+    let blamed = "self-check FAILED on models slot A: marked bad, the system not; rebooting to \
+                  map models slot B";
+    ensure!(
+        c.contains(blamed),
+        "init did not say models slot A was blamed and models slot B is mapped next"
+    );
+    // The report's table (text on this console): the second model's NLL against its wrong signed
+    // answer, and dm-verity's I/O error naming the fixture.
+    let fail = c.split(blamed).next().unwrap_or("");
+    let wrong = lines_with(fail, &format!("{SECOND} [cpu]: "));
+    ensure!(
+        wrong.contains("mean NLL")
+            && wrong.contains("vs recorded")
+            && fail.contains("I/O error reading /models/kiln-llama-fixture.gguf"),
+        "the FAIL does not name both the second model's wrong known answer and the fixture with \
+         the flipped bit: {wrong:?}"
+    );
+    let again = after(&c, blamed);
+    let probe = lines_with(again, "kiln-probe /v1/models:");
+    ensure!(
+        again.contains("models slot B) on /models") && probe.contains(&id_second),
+        "after the blamed slot, the board does not map models_b and serve the second model again: \
+         {probe:?}"
+    );
+    let st = m.state()?;
+    ensure!(
+        st.order_of(Class::Models)? == vec![Slot::B]
+            && st.left_of(Class::Models, Slot::A)? == 0
+            && st.describe() == systems,
+        "after the blamed models slot: {}, {} (before: {systems}), not MODELS_ORDER 'B' with A \
+         marked bad and the systems as they were",
+        st.describe_of(Class::Models),
+        st.describe()
+    );
+    // The FAIL the client reported from: kept beside the PASS that replaced report.json.
+    let p = m.part(part_of(Slot::B))?;
+    let kept = crate::disk::fat::read_file(
+        &m.disk,
+        p.start_bytes(),
+        p.size_bytes(),
+        "kiln/report-models-a.json",
+    )
+    .context("boot_b holds no kiln/report-models-a.json")?;
+    let kept: kiln_runtime::selftest::report::Report = serde_json::from_slice(&kept)?;
+    let d = kept.slot.context("the kept report has no slot decision")?;
+    ensure!(
+        kept.verdict == kiln_runtime::selftest::report::Verdict::Fail
+            && d.models_slot.as_deref() == Some("A")
+            && d.models_json.as_deref() == Some(sa.meta_sha256().as_str()),
+        "kiln/report-models-a.json is not the FAIL of models slot A's kiln-models.json {}",
+        &sa.meta_sha256()[..12]
+    );
+    let lines = crate::report::models_lines(&m.disk);
+    ensure!(
+        lines
+            .first()
+            .is_some_and(|l| l.ends_with("init maps B next")),
+        "cargo xtask report does not say models slot B is mapped next: {lines:#?}"
+    );
+    println!(
+        "ab-test: fleet: a models bundle with a wrong (signed) known answer and a flipped bit: \
+         {}; failure {:?} from the kept report, once; models_a marked bad, the systems not; \
+         models_b served again ({:.0} s)",
+        show(&boots),
+        details[0],
+        t1.elapsed().as_secs_f64()
     );
     Ok(())
 }
