@@ -719,6 +719,16 @@ pub fn run(args: Args) -> Result<()> {
         "MISSING  (resolved on first cross build: rustup target add)".to_string()
     };
     println!("{:<28} {std_line}", format!("rust std {AARCH64}"));
+    // What a build as an ordinary user will need (docs/rootless.md; not built yet: builds run
+    // as root today), as this host and user stand.
+    println!("\nfor builds as an ordinary user (docs/rootless.md, not built yet):");
+    if is_root() {
+        println!("  (root builds as today: run `cargo xtask doctor` as the user who is to build)");
+    } else {
+        for l in crate::userns::lines(&crate::userns::report(&crate::userns::Host::this())) {
+            println!("  {l}");
+        }
+    }
     if args.check {
         if !missing.is_empty() {
             bail!("{} tool(s) missing", missing.len());

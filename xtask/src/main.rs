@@ -34,6 +34,7 @@ mod test;
 #[cfg(test)]
 mod tidy;
 mod tools_root;
+mod userns;
 
 use clap::Parser;
 

@@ -11,7 +11,9 @@ use std::path::{Path, PathBuf};
 pub const LAYERS: &[(&str, &[&str])] = &[
     (
         "ground",
-        &["paths", "civil", "atomic", "archive", "doctor", "apt"],
+        &[
+            "paths", "civil", "atomic", "archive", "doctor", "apt", "userns",
+        ],
     ),
     ("inputs", &["pins"]),
     (

@@ -14,8 +14,9 @@
 //!   status must list exactly the pinned packages at their pinned versions. Kept in the user's
 //!   cache (`~/.cache/kiln/tools-root/<key>/`), so every checkout shares it.
 //! - Running: as root, `unshare --mount` + bind mounts of the checkout and `target/` at the same
-//!   paths + `chroot`, with an empty environment plus what the caller passes. Non-root is not
-//!   supported (a user namespace could do it; not done).
+//!   paths + `chroot`, with an empty environment plus what the caller passes. An ordinary user is
+//!   refused by name, with what the host lacks for the user-namespace design of
+//!   `docs/rootless.md` (not built).
 
 use crate::apt::Apt;
 use crate::pins::{self, Cache, Input, Sha256, Snapshot, Source};
@@ -157,6 +158,13 @@ fn checkout_dir() -> PathBuf {
 /// The tools root of the committed pin list: reused when made and still matching its pins,
 /// else made now (every pin resolved and verified first; `offline`: from the cache alone).
 pub fn ensure(offline: bool) -> Result<ToolsRoot> {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!(
+            "{}",
+            refusal(&crate::userns::report(&crate::userns::Host::this()))
+        );
+    }
     let inputs = inputs()?;
     let key = key_of(&inputs);
     let packages: BTreeMap<String, String> = inputs
@@ -183,6 +191,26 @@ pub fn ensure(offline: bool) -> Result<ToolsRoot> {
     make(&root, &inputs, offline)?;
     root.verify()?;
     Ok(root)
+}
+
+/// Why an ordinary user cannot build yet, with what this host has for the day it can
+/// (`docs/rootless.md`): one line.
+fn refusal(f: &[crate::userns::Finding]) -> String {
+    let missing: Vec<String> = f
+        .iter()
+        .filter(|x| !x.ok)
+        .map(|x| format!("{}: {}", x.what, x.detail))
+        .collect();
+    format!(
+        "the tools root is made and entered as root (debootstrap, unshare --mount, chroot): run \
+         this as root (`sudo -E cargo xtask …`). Builds as an ordinary user are designed in \
+         docs/rootless.md, not built; for them this host {}",
+        if missing.is_empty() {
+            "has every prerequisite (`cargo xtask doctor` lists them)".to_string()
+        } else {
+            format!("lacks: {}", missing.join("; "))
+        }
+    )
 }
 
 /// `Package: … / Version: … / Status: …` of a dpkg status file.
@@ -819,6 +847,26 @@ mod tests {
             key_of(&[a.clone(), b.clone()]),
             key_of(&[mk("make", "4.3", &h2), b])
         );
+    }
+
+    #[test]
+    fn an_ordinary_user_is_refused_with_what_the_host_lacks() {
+        use crate::userns::Finding;
+        let f = |ok, what| Finding {
+            what,
+            ok,
+            detail: format!("{what} detail"),
+        };
+        let m = refusal(&[
+            f(true, "user namespaces"),
+            f(false, "newuidmap and newgidmap"),
+        ]);
+        assert!(m.contains("run this as root"), "{m}");
+        assert!(
+            m.ends_with("lacks: newuidmap and newgidmap: newuidmap and newgidmap detail"),
+            "{m}"
+        );
+        assert!(refusal(&[f(true, "user namespaces")]).contains("has every prerequisite"));
     }
 
     #[test]

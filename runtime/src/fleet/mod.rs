@@ -365,15 +365,7 @@ impl<B: Board> Client<B> {
         a.kind = match self.board.bundle_kind(&bundle) {
             Ok(k) => k,
             Err(reason) => {
-                let _ = std::fs::remove_file(&bundle);
-                a.decide(
-                    false,
-                    vec![
-                        format!("RAUC refused {}: {reason}", a.filename),
-                        format!("slot {} runs", system.name()),
-                    ],
-                );
-                return Ok(());
+                return refuse(a, &bundle, &reason, format!("slot {} runs", system.name()))
             }
         };
         log(&format!(
@@ -417,17 +409,7 @@ impl<B: Board> Client<B> {
             format!("installing {} into {word} {}", a.filename, target.name()),
         );
         match self.board.install(&bundle) {
-            Err(reason) => {
-                let _ = std::fs::remove_file(&bundle);
-                a.decide(
-                    false,
-                    vec![
-                        format!("RAUC refused {}: {reason}", a.filename),
-                        format!("{word} {} runs", from.name()),
-                    ],
-                );
-                Ok(())
-            }
+            Err(reason) => refuse(a, &bundle, &reason, format!("{word} {} runs", from.name())),
             Ok(()) => {
                 let written = match a.kind {
                     Kind::System => self.board.manifest_of(target),
@@ -494,6 +476,17 @@ impl<B: Board> Client<B> {
             std::thread::sleep(jitter(wait));
         }
     }
+}
+
+/// RAUC refused the bundle (`rauc info` or `rauc install`): it is deleted and the action fails
+/// with RAUC's reason and what runs.
+fn refuse(a: &mut Action, bundle: &std::path::Path, reason: &str, runs: String) -> Result<()> {
+    let _ = std::fs::remove_file(bundle);
+    a.decide(
+        false,
+        vec![format!("RAUC refused {}: {reason}", a.filename), runs],
+    );
+    Ok(())
 }
 
 fn fin_word(success: bool) -> &'static str {
