@@ -475,6 +475,83 @@ fn a_blamed_models_slot_is_a_failure_from_its_kept_report() {
     }
 }
 
+/// A power cut while RAUC writes a models slot (the state says `Installing`, from models slot A,
+/// on an earlier boot): the boot after it maps A again, so the bundle is installed again; had
+/// RAUC finished and its hook put B first before the cut, the boot maps B and its report
+/// decides, without a second install.
+#[test]
+fn a_models_install_cut_by_the_power_goes_by_the_models_slot_mapped_after_it() {
+    for (mapped, installs, want) in [
+        (Slot::A, 1, None),
+        (
+            Slot::B,
+            0,
+            Some(vec![
+                "self-check PASS on models slot B",
+                "kiln-models.json sha256 j2",
+            ]),
+        ),
+    ] {
+        let l = lab();
+        let t = l.server.add_target(NAME);
+        let (d, sum) = bundle(&l, "23", b"models bundle", None);
+        t.push_deployment(d);
+        let success = want
+            .clone()
+            .map(|w| expect(&t, "23", HbExec::Closed, HbFin::Success, w));
+        let seen = Rc::new(RefCell::new(Seen::default()));
+        let mut b = board(&seen);
+        b.kind = Ok(Kind::Models);
+        b.boot = 2;
+        b.models = Some(mapped);
+        b.reports[Slot::A as usize] = Some(Verdict {
+            pass: true,
+            models_slot: Some(mapped.name().into()),
+            models_json: Some("j2".into()),
+            ..Verdict::default()
+        });
+        let mut c = client(&l, b);
+        let mut a = action::Action::new(
+            "23",
+            &Artifact {
+                filename: "v2.raucb".into(),
+                size: 13,
+                sha256: sum.clone(),
+                url: String::new(),
+            },
+        );
+        a.kind = Kind::Models;
+        a.installs = 1;
+        a.phase = Phase::Installing {
+            from: "A".into(),
+            boot_id: "boot-1".into(),
+        };
+        std::fs::create_dir_all(&c.cfg.state_dir).unwrap();
+        std::fs::write(
+            c.cfg.state_dir.join(format!("{sum}.raucb")),
+            b"models bundle",
+        )
+        .unwrap();
+        action::save(&c.cfg.state_dir, &a).unwrap();
+        c.step().unwrap();
+        assert_eq!(seen.borrow().installs.len(), installs, "mapped {mapped:?}");
+        match success {
+            None => {
+                assert_eq!(seen.borrow().reboots, 1);
+                assert!(
+                    matches!(&state(&l).phase, Phase::Installed { target, .. } if target == "B"),
+                    "{:?}",
+                    state(&l)
+                );
+            }
+            Some(m) => {
+                assert_eq!(m.calls(), 1);
+                assert_eq!(state(&l).phase, Phase::Done { success: true });
+            }
+        }
+    }
+}
+
 /// `rauc info` refuses the bundle (its signature): a failure with RAUC's reason, nothing
 /// installed, no reboot.
 #[test]
