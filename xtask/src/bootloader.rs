@@ -144,7 +144,18 @@ fn unpack_source(tools: &ToolsRoot, file: &Path, sha: &Sha256) -> Result<PathBuf
             [0xfd, b'7', b'z'] => "-xJf",
             _ => "-xf",
         };
-        let mut c = tools.command(&tmp, &[], &["tar".into(), flag.into(), "-".into()]);
+        // Owned by whoever builds (a user namespace maps the tarball's owners to subordinate ids
+        // the user could not remove).
+        let mut c = tools.command(
+            &tmp,
+            &[],
+            &[
+                "tar".into(),
+                "--no-same-owner".into(),
+                flag.into(),
+                "-".into(),
+            ],
+        );
         c.stdin(std::fs::File::open(file)?);
         let out = c
             .output()

@@ -300,14 +300,13 @@ pub const DEBOOTSTRAP: Tool = Tool {
 pub const FOR_BUILD: &[&Tool] = &[&CROSS_GCC];
 pub const FOR_PINS: &[&Tool] = &[&APT_DOWNLOAD, &APT_HELPER, &DEBIAN_KEYRING];
 /// The image needs no kernel build tool and no mkfs of the host's: those run in the tools root,
-/// which the host makes with debootstrap (and apt for the pinned packages).
+/// which kiln makes itself from the pinned packages (`tools_root::make`; apt fetches them).
 pub const FOR_IMAGE: &[&Tool] = &[
     &GIT,
     &APT_DOWNLOAD,
     &APT_HELPER,
     &DEBIAN_KEYRING,
     &CROSS_GCC,
-    &DEBOOTSTRAP,
 ];
 pub const FOR_BOOT: &[&Tool] = &[&QEMU_SYSTEM_AARCH64, &UBOOT_QEMU, &UBOOT_TOOLS];
 pub const FOR_FLASH: &[&Tool] = &[&LSBLK];

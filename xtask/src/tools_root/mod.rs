@@ -6,25 +6,27 @@
 //! - The pin list `images/tools-root.toml` is the full closure (name, version, sha256, snapshot)
 //!   of a minimal root plus [`TOOLS`], written by `cargo xtask pins update-tools-root` from kiln's
 //!   private apt lists and changed only deliberately.
-//! - Building: every pin resolved like any input (cache → live archive → snapshot, sha256
-//!   verified), a local `file:` repository of exactly those .debs (Packages from their own
-//!   control files, a Release over it), then `debootstrap --variant=minbase` from it, so nothing
-//!   unpinned can enter. Keyed by [`key`] (the hash
+//! - Building ([`make`]): every pin resolved like any input (cache → live archive → snapshot,
+//!   sha256 verified), unpacked by kiln, then installed by the root's own dpkg inside it: no
+//!   debootstrap, apt or dpkg of the host's, and nothing unpinned can enter. Keyed by [`key`] (the hash
 //!   of the pin list's packages), and checked at every use against the pins: the root's dpkg
 //!   status must list exactly the pinned packages at their pinned versions. Kept in the user's
 //!   cache (`~/.cache/kiln/tools-root/<key>/`), so every checkout shares it.
-//! - Running: as root, `unshare --mount` + bind mounts of the checkout and `target/` at the same
-//!   paths + `chroot`, with an empty environment plus what the caller passes. An ordinary user is
-//!   refused by name, with what the host lacks for the user-namespace design of
-//!   `docs/rootless.md` (not built).
+//! - Running ([`enter`]): as root, `unshare --mount`; as an ordinary user, a user namespace with
+//!   its subordinate ids (`docs/rootless.md`); then bind mounts of the checkout and `target/` at
+//!   the same paths + `chroot`, with an empty environment plus what the caller passes. A user
+//!   whose host cannot map it is refused by name, with what to enable.
+
+pub mod enter;
+pub mod make;
 
 use crate::apt::Apt;
 use crate::pins::{self, Cache, Input, Sha256, Snapshot, Source};
 use anyhow::{bail, ensure, Context, Result};
+use enter::{quote, Entry};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
-use xshell::cmd;
 
 /// The pin list, relative to the checkout.
 pub const PINS: &str = "images/tools-root.toml";
@@ -101,6 +103,7 @@ fn pins_path() -> PathBuf {
 }
 
 /// A made tools root.
+#[derive(Clone)]
 pub struct ToolsRoot {
     pub dir: PathBuf,
     pub key: Sha256,
@@ -108,6 +111,8 @@ pub struct ToolsRoot {
     pub packages: BTreeMap<String, String>,
     /// The pins themselves (package, version, arch, the .deb's sha256), in pin-list order.
     pub pins: Vec<Input>,
+    /// How this process enters it (root, or a user through a user namespace).
+    pub entry: Entry,
 }
 
 /// The key of a pin list: its packages, versions and hashes (comments and order do not count).
@@ -158,13 +163,7 @@ fn checkout_dir() -> PathBuf {
 /// The tools root of the committed pin list: reused when made and still matching its pins,
 /// else made now (every pin resolved and verified first; `offline`: from the cache alone).
 pub fn ensure(offline: bool) -> Result<ToolsRoot> {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
-        bail!(
-            "{}",
-            refusal(&crate::userns::report(&crate::userns::Host::this()))
-        );
-    }
+    let entry = Entry::this()?;
     let inputs = inputs()?;
     let key = key_of(&inputs);
     let packages: BTreeMap<String, String> = inputs
@@ -177,6 +176,7 @@ pub fn ensure(offline: bool) -> Result<ToolsRoot> {
         key,
         packages,
         pins: inputs.clone(),
+        entry,
     };
     if root.dir.join(".kiln-tools-root").exists() {
         root.verify()?;
@@ -188,29 +188,9 @@ pub fn ensure(offline: bool) -> Result<ToolsRoot> {
         root.verify()?;
         return Ok(root);
     }
-    make(&root, &inputs, offline)?;
+    make::make(&root, &inputs, offline)?;
     root.verify()?;
     Ok(root)
-}
-
-/// Why an ordinary user cannot build yet, with what this host has for the day it can
-/// (`docs/rootless.md`): one line.
-fn refusal(f: &[crate::userns::Finding]) -> String {
-    let missing: Vec<String> = f
-        .iter()
-        .filter(|x| !x.ok)
-        .map(|x| format!("{}: {}", x.what, x.detail))
-        .collect();
-    format!(
-        "the tools root is made and entered as root (debootstrap, unshare --mount, chroot): run \
-         this as root (`sudo -E cargo xtask …`). Builds as an ordinary user are designed in \
-         docs/rootless.md, not built; for them this host {}",
-        if missing.is_empty() {
-            "has every prerequisite (`cargo xtask doctor` lists them)".to_string()
-        } else {
-            format!("lacks: {}", missing.join("; "))
-        }
-    )
 }
 
 /// `Package: … / Version: … / Status: …` of a dpkg status file.
@@ -263,8 +243,8 @@ impl ToolsRoot {
         Ok(())
     }
 
-    /// A command run inside the root: `unshare --mount` (private mounts), the checkout and
-    /// `target/` bound at their own paths, `/proc` mounted, then `chroot` with only `env` set
+    /// A command run inside the root ([`enter`]): its namespaces, the checkout and `target/`
+    /// bound at their own paths, the device nodes and `/proc`, then `chroot` with only `env` set
     /// (plus `PATH`), in `cwd`.
     pub fn command(
         &self,
@@ -272,27 +252,11 @@ impl ToolsRoot {
         env: &[(&str, String)],
         argv: &[String],
     ) -> std::process::Command {
-        let r = self.dir.display().to_string();
-        let mut binds = vec![crate::paths::project_root(), crate::paths::target_dir()];
-        binds.sort();
-        binds.dedup();
-        let binds: Vec<PathBuf> = binds
-            .iter()
-            .filter(|b| !binds.iter().any(|o| o != *b && b.starts_with(o)))
-            .cloned()
-            .collect();
-        // `unshare --mount` makes every mount private; in a chroot, `/` must be a mount point for
-        // that (the fresh-machine stage binds its root onto itself).
-        let mut script = String::from("set -e; ");
-        for b in &binds {
-            let b = quote(&b.display().to_string());
-            let r = quote(&r);
-            script.push_str(&format!("mkdir -p {r}{b}; mount --bind {b} {r}{b}; "));
-        }
-        script.push_str(&format!("mount -t proc proc {}/proc; ", quote(&r)));
+        let binds = [crate::paths::project_root(), crate::paths::target_dir()];
+        let mut script = enter::mounts(&self.dir, &binds);
         script.push_str(&format!(
             "exec chroot {} /usr/bin/env -i -C {} PATH=/usr/bin:/bin:/usr/sbin:/sbin HOME=/root",
-            quote(&r),
+            quote(&self.dir.display().to_string()),
             quote(&cwd.display().to_string())
         ));
         for (k, v) in env {
@@ -303,9 +267,7 @@ impl ToolsRoot {
             script.push(' ');
             script.push_str(&quote(a));
         }
-        let mut c = std::process::Command::new("unshare");
-        c.args(["--mount", "--fork", "--", "sh", "-c", &script]);
-        c
+        self.entry.command(&["sh", "-c", &script])
     }
 
     /// Run a command inside the root; its output must be success. Stdout is returned.
@@ -338,37 +300,30 @@ impl ToolsRoot {
     /// [`ToolsRoot::linker`] for any of the root's tools (`aarch64-linux-gnu-ar` for the C of
     /// crates such as ring, which the image's `kiln` links: its objects are image bytes too).
     pub fn tool(&self, rust_sysroot: &Path, cargo_home: &Path, tool: &str) -> Result<PathBuf> {
-        let r = self.dir.display().to_string();
-        let mut binds = vec![
+        let binds = [
             crate::paths::project_root(),
             crate::paths::target_dir(),
             rust_sysroot.to_path_buf(),
             cargo_home.to_path_buf(),
             PathBuf::from("/tmp"),
         ];
-        binds.sort();
-        binds.dedup();
-        let mut inner = String::from("set -e\n");
-        for b in binds.iter().filter(|b| b.is_dir()) {
-            let b = quote(&b.display().to_string());
-            let rq = quote(&r);
-            inner.push_str(&format!("mkdir -p {rq}{b}\nmount --bind {b} {rq}{b}\n"));
-        }
+        let r = quote(&self.dir.display().to_string());
+        let mut inner = enter::mounts(&self.dir, &binds);
         inner.push_str(&format!(
-            "mount -t proc proc {}/proc\nd=\"$1\"; shift\nexec chroot {} /usr/bin/env -i -C \"$d\" \
-             PATH=/usr/bin:/bin LC_ALL=C TZ=UTC {tool} \"$@\"\n",
-            quote(&r),
-            quote(&r)
+            "d=\"$1\"; shift\nexec chroot {r} /usr/bin/env -i -C \"$d\" \
+             PATH=/usr/bin:/bin LC_ALL=C TZ=UTC {tool} \"$@\"\n"
         ));
         let base = checkout_dir();
         let inner_path = base.join(format!("{}-{tool}.sh", self.key.short()));
         // Named `…-gcc`: rustc infers the linker flavor from the name.
         let outer_path = base.join(format!("{}-{tool}", self.key.short()));
         crate::atomic::write_atomic(&inner_path, inner.as_bytes())?;
+        let unshare: Vec<String> = self.entry.unshare().iter().map(|a| quote(a)).collect();
         let outer = format!(
-            "#!/bin/sh\n# {tool} of the kiln tools root {}\nexec unshare --mount \
-             --fork -- sh {} \"$PWD\" \"$@\"\n",
+            "#!/bin/sh\n# {tool} of the kiln tools root {}, entered as {}\nexec {} -- sh {} \"$PWD\" \"$@\"\n",
             self.key,
+            self.entry.describe(),
+            unshare.join(" "),
             quote(&inner_path.display().to_string())
         );
         crate::atomic::write_atomic(&outer_path, outer.as_bytes())?;
@@ -421,143 +376,6 @@ impl ToolsRoot {
             }).collect::<Vec<_>>(),
         })
     }
-}
-
-/// Single-quote for `sh`.
-fn quote(s: &str) -> String {
-    format!("'{}'", s.replace('\'', "'\\''"))
-}
-
-/// Make the root: resolve every pin, lay out a local repository, debootstrap from it.
-fn make(root: &ToolsRoot, inputs: &[Input], offline: bool) -> Result<()> {
-    crate::doctor::ensure(&[&crate::doctor::DEBOOTSTRAP])?;
-    let t0 = Instant::now();
-    println!(
-        "tools root: making {} ({} pinned packages of {PINS}; once per pin list)",
-        root.key.short(),
-        inputs.len()
-    );
-    let cache = Cache::user()?;
-    let all: Vec<&Input> = inputs.iter().collect();
-    let mut debs = Vec::new();
-    let mut missing = Vec::new();
-    let got = pins::resolve_all(&cache, &all, offline, &pins::apt_fetch, pins::FETCH_JOBS);
-    for (i, r) in inputs.iter().zip(got) {
-        match r {
-            Ok(p) => debs.push((i, p)),
-            Err(e) => missing.push(format!("{e:#}")),
-        }
-    }
-    if !missing.is_empty() {
-        bail!(
-            "cannot make the tools root: {} package(s) missing:\n  - {}",
-            missing.len(),
-            missing.join("\n  - ")
-        );
-    }
-    println!(
-        "tools root: {} packages resolved and verified in {:.1} s",
-        debs.len(),
-        t0.elapsed().as_secs_f64()
-    );
-    let base = root_dir()?;
-    std::fs::create_dir_all(&base)?;
-    let repo = base.join(format!(".repo-{}", root.key.short()));
-    let tmp = base.join(format!(".{}.tmp", root.key.short()));
-    for d in [&repo, &tmp] {
-        if d.exists() {
-            remove_tree(d)?;
-        }
-    }
-    let pool = repo.join("pool");
-    std::fs::create_dir_all(&pool)?;
-    let mut packages = String::new();
-    for (i, p) in &debs {
-        let file = format!(
-            "{}_{}.deb",
-            i.name,
-            i.sha256.map(|h| h.short()).unwrap_or_default()
-        );
-        let dst = pool.join(&file);
-        if std::fs::hard_link(p, &dst).is_err() {
-            std::fs::copy(p, &dst).with_context(|| format!("copying {}", p.display()))?;
-        }
-        let control = check_control(p, &i.name, &i.version).with_context(|| {
-            format!(
-                "the tools root's pin {} in {}",
-                i.name,
-                pins_path().display()
-            )
-        })?;
-        let size = std::fs::metadata(p)?.len();
-        packages.push_str(control.trim_end());
-        packages.push_str(&format!(
-            "\nFilename: pool/{file}\nSize: {size}\nSHA256: {}\n\n",
-            i.sha256.map(|h| h.to_string()).unwrap_or_default()
-        ));
-    }
-    let bin = repo.join(format!("dists/{SUITE}/main/binary-{ARCH}"));
-    std::fs::create_dir_all(&bin)?;
-    std::fs::write(bin.join("Packages"), &packages)?;
-    let release = format!(
-        "Origin: kiln\nLabel: kiln tools root\nSuite: {SUITE}\nCodename: {SUITE}\n\
-         Architectures: {ARCH}\nComponents: main\nSHA256:\n {} {} main/binary-{ARCH}/Packages\n",
-        Sha256::of_bytes(packages.as_bytes()),
-        packages.len()
-    );
-    std::fs::write(repo.join(format!("dists/{SUITE}/Release")), release)?;
-
-    let names: Vec<&str> = inputs.iter().map(|i| i.name.as_str()).collect();
-    let include = format!("--include={}", names.join(","));
-    let arch = format!("--arch={ARCH}");
-    let mirror = format!("file://{}", repo.display());
-    println!(
-        "tools root: debootstrap {SUITE} from the pinned packages into {}",
-        tmp.display()
-    );
-    let sh = xshell::Shell::new()?;
-    sh.set_var("LC_ALL", "C");
-    cmd!(
-        sh,
-        "debootstrap --variant=minbase --no-check-gpg {arch} --components=main {include} {SUITE} {tmp} {mirror}"
-    )
-    .quiet()
-    .run()
-    .with_context(|| {
-        format!(
-            "debootstrap of the tools root failed (its log: {}/debootstrap/debootstrap.log)",
-            tmp.display()
-        )
-    })?;
-    let archives = tmp.join("var/cache/apt/archives");
-    if archives.is_dir() {
-        for e in std::fs::read_dir(&archives)? {
-            let p = e?.path();
-            if p.extension().is_some_and(|x| x == "deb") {
-                std::fs::remove_file(&p)?;
-            }
-        }
-    }
-    std::fs::write(tmp.join(".kiln-tools-root"), format!("{}\n", root.key))?;
-    if root.dir.exists() {
-        remove_tree(&root.dir)?;
-    }
-    std::fs::rename(&tmp, &root.dir)
-        .with_context(|| format!("renaming into {}", root.dir.display()))?;
-    remove_tree(&repo)?;
-    println!(
-        "tools root: made {} in {:.0} s",
-        root.dir.display(),
-        t0.elapsed().as_secs_f64()
-    );
-    Ok(())
-}
-
-fn remove_tree(d: &Path) -> Result<()> {
-    let sh = xshell::Shell::new()?;
-    cmd!(sh, "rm -rf --one-file-system {d}")
-        .run()
-        .with_context(|| format!("removing {}", d.display()))
 }
 
 /// The control file of `deb`, which must be the package `name` at `version`: a pin whose sha256
@@ -745,6 +563,7 @@ mod tests {
             key: Sha256::of_bytes(b"k"),
             packages,
             pins: Vec::new(),
+            entry: Entry::Root,
         };
         (d, r)
     }
@@ -847,26 +666,6 @@ mod tests {
             key_of(&[a.clone(), b.clone()]),
             key_of(&[mk("make", "4.3", &h2), b])
         );
-    }
-
-    #[test]
-    fn an_ordinary_user_is_refused_with_what_the_host_lacks() {
-        use crate::userns::Finding;
-        let f = |ok, what| Finding {
-            what,
-            ok,
-            detail: format!("{what} detail"),
-        };
-        let m = refusal(&[
-            f(true, "user namespaces"),
-            f(false, "newuidmap and newgidmap"),
-        ]);
-        assert!(m.contains("run this as root"), "{m}");
-        assert!(
-            m.ends_with("lacks: newuidmap and newgidmap: newuidmap and newgidmap detail"),
-            "{m}"
-        );
-        assert!(refusal(&[f(true, "user namespaces")]).contains("has every prerequisite"));
     }
 
     #[test]
