@@ -7,7 +7,7 @@
 //! copy's boot partition (read in-process, GPT + FAT), and it names this image's manifest.
 
 use crate::disk::fat;
-use crate::doctor;
+
 use anyhow::{bail, ensure, Context, Result};
 pub use kiln_runtime::selftest::report::Verdict;
 use kiln_runtime::selftest::report::{Report, VERDICT_PREFIX};
@@ -52,7 +52,6 @@ pub struct Args {
 /// The prompt of `kiln.run` (the same text is in `rootfs/overlay/init`).
 pub const RUN_PROMPT: &str = "The capital of France is";
 
-pub const UBOOT_BIN: &str = "/usr/lib/u-boot/qemu_arm64/u-boot.bin";
 /// CONFIG_ENV_SIZE of U-Boot's qemu_arm64 build: the env sits at the start of pflash unit 1.
 const ENV_SIZE: usize = 0x40000;
 /// QEMU's virt machine wants each pflash unit to be exactly 64 MiB.
@@ -157,7 +156,8 @@ fn write_pflash(dir: &Path, env_txt: &str) -> Result<PathBuf> {
 /// The pflash unit U-Boot reads its environment from: the default env with `kiln_args` (see
 /// [`boot_env`]), written under `dir`. Shared by `boot-test` and `qemu`.
 pub fn pflash_with(dir: &Path, kiln_args: &str) -> Result<PathBuf> {
-    let uboot = std::fs::read(UBOOT_BIN).with_context(|| format!("reading {UBOOT_BIN}"))?;
+    let q = crate::tools_root::qemu_virt()?;
+    let uboot = std::fs::read(&q.uboot).with_context(|| format!("reading {}", q.uboot.display()))?;
     write_pflash(dir, &boot_env(default_env(&uboot)?, kiln_args))
 }
 
@@ -192,9 +192,10 @@ pub fn ensure_image(
 /// The qemu-system-aarch64 command line of a qemu-virt boot through U-Boot from `disk` alone
 /// (no `-kernel`), the serial console on stdio (`-nographic`: `mon:stdio`, Ctrl-A X quits),
 /// `nic` the network (`-nic none` or user networking). Shared by `boot-test` and `qemu`.
-pub fn qemu_command(pflash: &Path, disk: &Path, nic: &str, extra: &[&str]) -> Vec<String> {
-    let mut a: Vec<String> = [
-        "qemu-system-aarch64",
+pub fn qemu_command(pflash: &Path, disk: &Path, nic: &str, extra: &[&str]) -> Result<Vec<String>> {
+    let q = crate::tools_root::qemu_virt()?;
+    let mut a: Vec<String> = vec![q.qemu.display().to_string()];
+    a.extend([
         "-M",
         "virt",
         "-cpu",
@@ -212,12 +213,11 @@ pub fn qemu_command(pflash: &Path, disk: &Path, nic: &str, extra: &[&str]) -> Ve
         "virtio-net-pci.romfile=",
     ]
     .iter()
-    .map(|s| s.to_string())
-    .collect();
+    .map(|s| s.to_string()));
     a.extend(extra.iter().map(|s| s.to_string()));
     a.extend([
         "-bios".into(),
-        UBOOT_BIN.into(),
+        q.uboot.display().to_string(),
         "-drive".into(),
         format!(
             "if=pflash,unit=1,format=raw,file={},readonly=on",
@@ -228,7 +228,7 @@ pub fn qemu_command(pflash: &Path, disk: &Path, nic: &str, extra: &[&str]) -> Ve
         "-device".into(),
         "virtio-blk-pci,drive=d0".into(),
     ]);
-    a
+    Ok(a)
 }
 
 pub use crate::disk::copy_image;
@@ -403,11 +403,6 @@ pub fn boot_with(args: &Args, probe: Option<&Probe>) -> Result<Boot> {
         "boot-test can only emulate qemu-virt (asked for {})",
         args.board
     );
-    doctor::ensure(&[
-        &doctor::QEMU_SYSTEM_AARCH64,
-        &doctor::UBOOT_QEMU,
-        &doctor::UBOOT_TOOLS,
-    ])?;
     let image = ensure_image(
         &args.board,
         args.image.as_deref(),
@@ -445,7 +440,7 @@ pub fn boot_with(args: &Args, probe: Option<&Probe>) -> Result<Boot> {
         }
         None => "none".into(),
     };
-    let argv = qemu_command(&pflash, &copy, &nic, &["-no-reboot"]);
+    let argv = qemu_command(&pflash, &copy, &nic, &["-no-reboot"])?;
     println!("boot-test: {}", argv.join(" "));
     println!(
         "boot-test: kernel command line gets `{}`",
@@ -675,11 +670,7 @@ mod tests {
 
     #[test]
     fn env_from_the_real_u_boot() {
-        let Ok(bin) = std::fs::read(UBOOT_BIN) else {
-            // doctor installs u-boot-qemu for the boot stages; this unit test only reads it.
-            eprintln!("{UBOOT_BIN} not installed; covered by the boot-test stages");
-            return;
-        };
+        let bin = std::fs::read(crate::tools_root::qemu_virt().unwrap().uboot).unwrap();
         let env = boot_env(
             default_env(&bin).unwrap(),
             "kiln.mode=test kiln.inject=stale",

@@ -180,20 +180,6 @@ pub const LOSETUP: Tool = Tool {
     apt: &["mount"],
 };
 
-pub const QEMU_SYSTEM_AARCH64: Tool = Tool {
-    name: "qemu-system-aarch64",
-    why: "boots images (U-Boot distro boot, the kernel) in tests",
-    probe: || version_of("qemu-system-aarch64", &["--version"]),
-    apt: &["qemu-system-arm"],
-};
-
-pub const UBOOT_QEMU: Tool = Tool {
-    name: "u-boot qemu_arm64",
-    why: "the bootloader qemu-virt images boot through (-bios)",
-    probe: || file_exists("/usr/lib/u-boot/qemu_arm64/u-boot.bin"),
-    apt: &["u-boot-qemu"],
-};
-
 pub const CPIO: Tool = Tool {
     name: "cpio",
     why: "reads our initramfs back independently in tests",
@@ -300,15 +286,15 @@ pub const DEBOOTSTRAP: Tool = Tool {
 pub const FOR_BUILD: &[&Tool] = &[&CROSS_GCC];
 pub const FOR_PINS: &[&Tool] = &[&APT_DOWNLOAD, &APT_HELPER, &DEBIAN_KEYRING];
 /// The image needs no kernel build tool and no mkfs of the host's: those run in the tools root,
-/// which kiln makes itself from the pinned packages (`tools_root::make`; apt fetches them).
-pub const FOR_IMAGE: &[&Tool] = &[
-    &GIT,
-    &APT_DOWNLOAD,
-    &APT_HELPER,
-    &DEBIAN_KEYRING,
-    &CROSS_GCC,
-];
-pub const FOR_BOOT: &[&Tool] = &[&QEMU_SYSTEM_AARCH64, &UBOOT_QEMU, &UBOOT_TOOLS];
+/// which kiln makes itself from the pinned packages (`tools_root::make`). They are fetched through
+/// kiln's private apt configuration where the host has apt ([`FOR_APT`], asked for then), else
+/// directly (`http`).
+pub const FOR_IMAGE: &[&Tool] = &[&GIT];
+/// What kiln's private apt configuration needs, on a host that has apt.
+pub const FOR_APT: &[&Tool] = &[&APT_DOWNLOAD, &APT_HELPER, &DEBIAN_KEYRING];
+/// None of the host's: the qemu-virt board's QEMU and U-Boot are the tools root's
+/// (`tools_root::qemu_virt`), pinned like every tool.
+pub const FOR_BOOT: &[&Tool] = &[];
 pub const FOR_FLASH: &[&Tool] = &[&LSBLK];
 pub const FOR_BENCH_FLASH: &[&Tool] = &[&BMAPTOOL, &LOSETUP, &LSBLK];
 /// Building llama-server (only when it is not in the cache yet).
@@ -348,8 +334,6 @@ pub fn all_tools() -> Vec<&'static Tool> {
         &LOSETUP,
         &BMAPTOOL,
         &LSBLK,
-        &QEMU_SYSTEM_AARCH64,
-        &UBOOT_QEMU,
         &UBOOT_TOOLS,
         &FW_PRINTENV,
         &RAUC,
@@ -646,8 +630,10 @@ pub fn cross_toolchain() -> Result<CrossToolchain> {
     Ok(tc)
 }
 
+/// The aarch64 linker is not checked here: the image's builds link with the tools root's
+/// ([`link_with`]); what links with the host's asks for [`CROSS_GCC`] itself ([`FOR_BUILD`], the
+/// qemu-user tests).
 fn find_cross_toolchain() -> Result<CrossToolchain> {
-    ensure(&[&CROSS_GCC])?;
     let rustc_version = ensure_pinned_rustc()?;
     let rustup_cargo = || -> PathBuf {
         std::env::var_os("CARGO")

@@ -28,8 +28,23 @@ use xshell::cmd;
 
 /// What a fresh machine has besides Debian's minimal base: what `cargo` itself needs before any
 /// `cargo xtask` can run (a C linker for build scripts and the final link, git to clone, CA
-/// certificates for crates.io over HTTPS). Everything else is installed by the doctor.
-pub const FRESH_PACKAGES: &str = "ca-certificates,gcc,libc6-dev,git";
+/// certificates for crates.io over HTTPS), and `newuidmap`/`newgidmap` (`uidmap`), through which
+/// an ordinary user's namespace gets its subordinate ids (`docs/rootless.md`). Nothing else: apt,
+/// dpkg and debootstrap are removed before the user builds ([`REMOVED`]).
+pub const FRESH_PACKAGES: &str = "ca-certificates,gcc,libc6-dev,git,uidmap";
+
+/// The user the README's commands run as: not root, no sudo (the root has none), not in the
+/// `disk` group; subordinate ids 100000–165535.
+const USER: &str = "kiln";
+const UID: u32 = 1000;
+
+/// Removed from the root once it is made, so that nothing of the build can lean on them: every
+/// Debian package kiln needs comes pinned, fetched and unpacked by kiln itself.
+const REMOVED: &str = "/usr/bin/apt /usr/bin/apt-get /usr/bin/apt-cache /usr/bin/apt-config \
+    /usr/bin/apt-mark /usr/bin/apt-key /usr/lib/apt /usr/bin/dpkg /usr/bin/dpkg-deb \
+    /usr/bin/dpkg-query /usr/bin/dpkg-split /usr/bin/dpkg-divert /usr/bin/dpkg-trigger \
+    /usr/bin/dpkg-statoverride /usr/bin/dpkg-realpath /usr/bin/dpkg-maintscript-helper \
+    /usr/sbin/debootstrap /usr/share/debootstrap";
 
 /// The commands run inside the root, as the README writes them.
 const README_FIRST: &str = "cargo xtask image";
@@ -155,6 +170,22 @@ pub fn inside() -> Result<()> {
         sh.change_dir(&src);
         cmd!(sh, "git checkout -q --detach {head}").run()?;
     }
+    // The user, with its subordinate ids; its home (the clone) is its own.
+    {
+        let r = root.display().to_string();
+        let uid = UID.to_string();
+        cmd!(
+            sh,
+            "chroot {r} useradd --no-create-home --home-dir /home/{USER} --shell /bin/sh --uid {uid} --user-group {USER}"
+        )
+        .quiet()
+        .run()
+        .context("adding the fresh machine's user")?;
+        for f in ["etc/subuid", "etc/subgid"] {
+            std::fs::write(root.join(f), format!("{USER}:100000:65536\n"))
+                .with_context(|| format!("writing {f} in the root"))?;
+        }
+    }
 
     // The toolchain, read-only; nothing else of the host's.
     let home = PathBuf::from(std::env::var_os("HOME").context("HOME is not set")?);
@@ -183,6 +214,14 @@ pub fn inside() -> Result<()> {
             if t.is_absolute() && t.is_dir() {
                 let inside = root.join(t.strip_prefix("/").unwrap_or(&t));
                 std::fs::create_dir_all(&inside)?;
+                // The user must reach it: every folder on the way (`/root` is 0700) searchable.
+                let mut up = inside.parent();
+                while let Some(d) = up.filter(|d| d.starts_with(&root) && *d != root) {
+                    use std::os::unix::fs::PermissionsExt;
+                    let mode = std::fs::metadata(d)?.permissions().mode();
+                    std::fs::set_permissions(d, std::fs::Permissions::from_mode(mode | 0o011))?;
+                    up = d.parent();
+                }
                 extra_binds.push_str(&format!(
                     "mount --bind '{t}' '{i}'\nmount -o remount,bind,ro '{i}'\n",
                     t = t.display(),
@@ -223,6 +262,8 @@ pub fn inside() -> Result<()> {
         }
     };
     let r = root.display().to_string();
+    let owner = format!("{UID}:{UID}");
+    cmd!(sh, "chown -R {owner} {r}/home/{USER}").run()?;
     let show_default = if other_default {
         "echo \"fresh-machine: inside: default $(cd /home/kiln && rustc --version), in the \
          checkout $(rustc --version)\" && "
@@ -230,11 +271,15 @@ pub fn inside() -> Result<()> {
         ""
     };
     let inside = format!(
-        "umask 077 && cd /home/kiln/src/kiln && {show_default}\
+        "umask 077 && cd /home/{USER}/src/kiln && echo \"fresh-machine: inside as $(id)\" && \
+         test \"$(id -u)\" != 0 && {show_default}\
          echo \"fresh-machine: inside: $ {README_FIRST}\" && \
          {README_FIRST} && echo \"fresh-machine: inside: $ {THEN}\" && {THEN}"
     );
-    // A private mount namespace: every mount goes away with the last process in it.
+    // A private mount namespace: every mount goes away with the last process in it. The root
+    // becomes the namespace's own (`pivot_root`), not a chroot: a process in a chroot may not
+    // make a user namespace, and the user's build makes one.
+    std::fs::create_dir_all(root.join(".old-root"))?;
     let script = format!(
         "set -e\n\
          mount --make-rprivate /\n\
@@ -242,15 +287,23 @@ pub fn inside() -> Result<()> {
          mount -t proc proc '{r}/proc'\n\
          mount -t sysfs sys '{r}/sys'\n\
          mount --rbind /dev '{r}/dev'\n\
-         mount --bind '{ru}' '{r}/home/kiln/.rustup'\n\
-         mount -o remount,bind,ro '{r}/home/kiln/.rustup'\n\
-         mount --bind '{cb}' '{r}/home/kiln/.cargo/bin'\n\
-         mount -o remount,bind,ro '{r}/home/kiln/.cargo/bin'\n\
-         mount --bind '{kc}' '{r}/home/kiln/.cache/kiln/sha256'\n\
-         mount -o remount,bind,ro '{r}/home/kiln/.cache/kiln/sha256'\n\
+         mount --bind '{ru}' '{r}/home/{USER}/.rustup'\n\
+         mount -o remount,bind,ro '{r}/home/{USER}/.rustup'\n\
+         mount --bind '{cb}' '{r}/home/{USER}/.cargo/bin'\n\
+         mount -o remount,bind,ro '{r}/home/{USER}/.cargo/bin'\n\
+         mount --bind '{kc}' '{r}/home/{USER}/.cache/kiln/sha256'\n\
+         mount -o remount,bind,ro '{r}/home/{USER}/.cache/kiln/sha256'\n\
          {extra_binds}\
-         exec chroot '{r}' /usr/bin/env -i HOME=/home/kiln \
-           PATH=/home/kiln/.cargo/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+         cd '{r}'\n\
+         pivot_root . .old-root\n\
+         umount -l /.old-root\n\
+         rmdir /.old-root\n\
+         cd /\n\
+         rm -rf {REMOVED}\n\
+         for p in apt apt-get dpkg dpkg-deb debootstrap; do if command -v $p; then echo \"fresh-machine: $p is still here\"; exit 1; fi; done\n\
+         echo 'fresh-machine: apt, dpkg and debootstrap removed from the root'\n\
+         exec setpriv --reuid={UID} --regid={UID} --clear-groups /usr/bin/env -i HOME=/home/{USER} \
+           USER={USER} PATH=/home/{USER}/.cargo/bin:/usr/local/bin:/usr/bin:/bin \
            TZ=CHAST-12:45CHADT LANG=C.UTF-8 TERM=dumb /bin/sh -c '{inside}'\n",
         ru = rustup.display(),
         cb = cargo_bin.display(),

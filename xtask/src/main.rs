@@ -17,6 +17,7 @@ mod doctor;
 mod farm;
 mod flash;
 mod fresh_machine;
+mod http;
 mod image;
 mod kernel;
 mod kernel_modules;

@@ -461,6 +461,10 @@ impl DebSource {
             bail!("{} is supplied by the user, not downloaded", input.name);
         };
         let spec = format!("{package}:{arch}={}", input.version);
+        if !crate::http::host_has_apt() {
+            return self.fetch_without_apt(input, &spec, dir);
+        }
+        crate::doctor::ensure(crate::doctor::FOR_APT)?;
         self.apt.ensure_lists(&[&input.file])?;
         println!("pins: downloading {spec}");
         let t = std::time::Instant::now();
@@ -517,6 +521,45 @@ impl DebSource {
         Ok(deb)
     }
 
+    /// On a host without apt: the pool path the pin records, from the live archive, then from
+    /// the snapshot service at the pin's timestamp (the caller verifies the sha256).
+    fn fetch_without_apt(&self, input: &Input, spec: &str, dir: &Path) -> Result<PathBuf> {
+        let Some(sn) = &input.snapshot else {
+            bail!(
+                "{spec}: this host has no apt, and {} records no archive path for it                  (`snapshot_path`): `cargo xtask pins update` on a host with apt records one",
+                input.file.display()
+            );
+        };
+        let name = sn.pool.rsplit('/').next().unwrap_or("input.deb");
+        let dest = dir.join(name);
+        let live = crate::apt::ARCHIVES
+            .iter()
+            .find(|a| a.name == sn.archive)
+            .map(|a| format!("{}/{}", a.url, sn.pool));
+        let mut tried = Vec::new();
+        for url in live.into_iter().chain([sn.url(&self.snapshot_base)]) {
+            let t = std::time::Instant::now();
+            match crate::http::download(&url, &dest) {
+                Ok(n) => {
+                    println!(
+                        "pins: downloaded {name} from {url} ({:.1} MiB in {:.1} s; no apt on this host)",
+                        n as f64 / 1048576.0,
+                        t.elapsed().as_secs_f64()
+                    );
+                    return Ok(dest);
+                }
+                Err(e) => tried.push(format!("{e:#}")),
+            }
+        }
+        bail!(
+            "{spec} (sha256 {}) is not served: {}. Remedies: build with `--offline` from a \
+             download cache that holds it, or change the pins deliberately with `cargo xtask pins \
+             update`",
+            input.sha256.map(|h| h.to_string()).unwrap_or_default(),
+            tried.join("; ")
+        )
+    }
+
     /// The version is served neither live nor by the snapshot: what the archive serves now and
     /// both remedies.
     fn not_served(&self, input: &Input, spec: &str, apt_says: &str, snapshot: &str) -> String {
@@ -561,7 +604,12 @@ pub fn fetch_url(input: &Input, url: &str, dir: &Path) -> Result<PathBuf> {
     let dest = dir.join(name);
     println!("pins: downloading {} from {url}", input.name);
     let t = std::time::Instant::now();
-    Apt::kiln().fetch_url(url, &dest)?;
+    if crate::http::host_has_apt() {
+        crate::doctor::ensure(&[&crate::doctor::APT_HELPER])?;
+        Apt::kiln().fetch_url(url, &dest)?;
+    } else {
+        crate::http::download(url, &dest)?;
+    }
     let size = std::fs::metadata(&dest)
         .with_context(|| format!("{}", dest.display()))?
         .len();

@@ -67,11 +67,6 @@ pub fn command(args: &Args) -> Result<Vec<String>> {
         "qemu can only emulate qemu-virt (asked for {})",
         args.board
     );
-    crate::doctor::ensure(&[
-        &crate::doctor::QEMU_SYSTEM_AARCH64,
-        &crate::doctor::UBOOT_QEMU,
-        &crate::doctor::UBOOT_TOOLS,
-    ])?;
     let nic = nic(&args.port_forwards)?;
     let image = boot_test::ensure_image(
         &args.board,
@@ -90,7 +85,7 @@ pub fn command(args: &Args) -> Result<Vec<String>> {
         boot_test::copy_image(&image, &copy)?;
         copy
     };
-    Ok(boot_test::qemu_command(&pflash, &disk, &nic, &[]))
+    boot_test::qemu_command(&pflash, &disk, &nic, &[])
 }
 
 /// A `std::process::Command` of an argv.

@@ -211,8 +211,6 @@ fn stage_tools(stage: &str) -> (Vec<&'static doctor::Tool>, bool) {
                 &MKE2FS,
                 &LOSETUP,
                 &LSBLK,
-                &QEMU_SYSTEM_AARCH64,
-                &UBOOT_QEMU,
                 &APT_HELPER,
                 // runtime/tests/slot_tools.rs: the references for kiln/abstate.env.
                 &FW_PRINTENV,
@@ -337,7 +335,11 @@ fn build_standins(target: Option<&str>) -> Result<(PathBuf, PathBuf)> {
 /// RK3588's big cores are: every test but [`HOST_REFERENCE_TESTS`]) and one without (cortex-a72: the CPU backend's tests and
 /// the architecture check, which is what differs there), so both kernels of the CPU backend run.
 fn aarch64_tests(cpu: &str, dotprod: bool) -> Result<()> {
-    doctor::ensure(&[&doctor::QEMU_USER, &doctor::AARCH64_SYSROOT])?;
+    doctor::ensure(&[
+        &doctor::QEMU_USER,
+        &doctor::AARCH64_SYSROOT,
+        &doctor::CROSS_GCC,
+    ])?;
     let tc = doctor::cross_toolchain()?;
     let sh = crate::paths::shell()?;
     let runner = format!("qemu-aarch64-static -cpu {cpu} -L {}", doctor::SYSROOT);

@@ -12,7 +12,7 @@ pub const LAYERS: &[(&str, &[&str])] = &[
     (
         "ground",
         &[
-            "paths", "civil", "atomic", "archive", "doctor", "apt", "userns",
+            "paths", "civil", "atomic", "archive", "doctor", "apt", "userns", "http",
         ],
     ),
     ("inputs", &["pins"]),

@@ -316,7 +316,7 @@ fn boot_nic(
     limit: Duration,
     mut watch: impl FnMut(&str) -> Result<bool>,
 ) -> Result<String> {
-    let argv = qemu_command(pflash, &m.disk, nic, &[]);
+    let argv = qemu_command(pflash, &m.disk, nic, &[])?;
     let mut child = Command::new(&argv[0])
         .args(&argv[1..])
         .stdin(Stdio::null())

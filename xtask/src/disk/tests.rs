@@ -1002,7 +1002,7 @@ fn copy_sparse_keeps_every_byte_at_unaligned_offsets() {
 #[test]
 fn uboot_distro_boot_follows_the_bootable_attribute_into_our_fat() {
     tools();
-    doctor::ensure(&[&doctor::QEMU_SYSTEM_AARCH64, &doctor::UBOOT_QEMU]).unwrap();
+ let q = crate::tools_root::qemu_virt().unwrap();
     let t = tempfile::tempdir().unwrap();
     let dir = t.path();
     let boot = dir.join("boot.vfat");
@@ -1036,10 +1036,11 @@ fn uboot_distro_boot_follows_the_bootable_attribute_into_our_fat() {
         "if=none,id=d0,file={},format=raw,snapshot=on",
         img.display()
     );
-    let bios = UBOOT_QEMU_BIN;
+    let bios = &q.uboot;
+    let qemu_bin = &q.qemu;
     let mut qemu: std::process::Command = cmd!(
         sh,
-        "qemu-system-aarch64 -M virt -cpu cortex-a76 -m 512 -nographic -no-reboot -nic none
+        "{qemu_bin} -M virt -cpu cortex-a76 -m 512 -nographic -no-reboot -nic none
          -bios {bios} -drive {drive} -device virtio-blk-pci,drive=d0"
     )
     .into();
@@ -1088,4 +1089,3 @@ fn uboot_distro_boot_follows_the_bootable_attribute_into_our_fat() {
     assert!(log.contains("Found /extlinux/extlinux.conf"), "{log}");
 }
 
-const UBOOT_QEMU_BIN: &str = "/usr/lib/u-boot/qemu_arm64/u-boot.bin";

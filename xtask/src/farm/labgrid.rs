@@ -169,8 +169,9 @@ pub fn suite(args: &Args) -> Result<Outcome> {
             crate::boot_test::pflash_with(&work, "")?.into(),
         ));
         vars.push(("LG_KILN_DISK", work.join("disk.img").into()));
-        vars.push(("LG_UBOOT", crate::boot_test::UBOOT_BIN.into()));
-        vars.push(("LG_QEMU_BIN", which("qemu-system-aarch64")?.into()));
+        let q = crate::tools_root::qemu_virt()?;
+        vars.push(("LG_UBOOT", q.uboot.into()));
+        vars.push(("LG_QEMU_BIN", q.qemu.into()));
     }
     let junit = work.join("junit.xml");
     let log = work.join("log");
@@ -221,15 +222,6 @@ pub fn suite(args: &Args) -> Result<Outcome> {
     })?;
     outcome.farm = farm_note;
     Ok(outcome)
-}
-
-fn which(tool: &str) -> Result<PathBuf> {
-    std::env::var_os("PATH")
-        .iter()
-        .flat_map(std::env::split_paths)
-        .map(|d| d.join(tool))
-        .find(|p| p.is_file())
-        .with_context(|| format!("{tool} is not on PATH"))
 }
 
 /// The tests of a JUnit XML file (pytest's `--junitxml`) by outcome.

@@ -170,7 +170,7 @@ impl Farm {
                 "-serial",
                 "chardev:console",
             ],
-        );
+        )?;
         // QEMU joins the farm's process group: the watchdog kills it with the rest.
         let state = serde_json::json!({
             "argv": argv,

@@ -672,7 +672,7 @@ fn emulated_boot(
         .collect::<Vec<_>>()
         .join(" ");
     let started = std::time::Instant::now();
-    let mut child = std::process::Command::new("qemu-system-aarch64")
+    let mut child = std::process::Command::new(crate::tools_root::qemu_virt()?.qemu)
         .args([
             "-M",
             "virt",

@@ -139,7 +139,8 @@ pub fn mounts(root: &Path, binds: &[PathBuf]) -> String {
         .filter(|b| !binds.iter().any(|o| o != *b && b.starts_with(o)))
         .collect();
     let r = quote(&root.display().to_string());
-    let mut s = String::from("set -e\n");
+    // `chroot` is in sbin, which an ordinary user's PATH may not name.
+    let mut s = String::from("set -e\nPATH=\"/usr/sbin:/sbin:$PATH\"\n");
     for b in outer {
         let b = quote(&b.display().to_string());
         s.push_str(&format!("mkdir -p {r}{b}\nmount --bind {b} {r}{b}\n"));

@@ -74,6 +74,11 @@ pub const TOOLS: &[&str] = &[
     // is a squashfs made by mksquashfs.
     "rauc",
     "squashfs-tools",
+    // The qemu-virt board's machine and firmware (`cargo xtask qemu`, `boot-test`, the boot
+    // stages): run from the root ([`ToolsRoot::qemu_virt`]), so every host boots with the same
+    // QEMU and U-Boot, whatever its distribution ships.
+    "qemu-system-arm",
+    "u-boot-qemu",
 ];
 
 /// The programs whose versions the manifest records, with the package that provides each.
@@ -96,6 +101,8 @@ pub const RECORDED: &[(&str, &str)] = &[
     ("swig (U-Boot's pylibfdt)", "swig"),
     ("rauc", "rauc"),
     ("mksquashfs", "squashfs-tools"),
+    ("qemu-system-aarch64 (the boot stages)", "qemu-system-arm"),
+    ("U-Boot qemu_arm64 (the boot stages)", "u-boot-qemu"),
 ];
 
 fn pins_path() -> PathBuf {
@@ -113,6 +120,36 @@ pub struct ToolsRoot {
     pub pins: Vec<Input>,
     /// How this process enters it (root, or a user through a user namespace).
     pub entry: Entry,
+}
+
+/// QEMU and U-Boot of the qemu-virt board, from the tools root ([`ToolsRoot::qemu_virt`]).
+#[derive(Clone, Debug)]
+pub struct QemuVirt {
+    /// Runs the root's `qemu-system-aarch64` (a script: give it to anything that wants a path).
+    pub qemu: PathBuf,
+    /// The root's `u-boot.bin` (Debian's `qemu_arm64` build).
+    pub uboot: PathBuf,
+    pub qemu_version: String,
+    pub uboot_version: String,
+}
+
+/// The qemu-virt board's QEMU and U-Boot of the committed pin list (the root made first if it
+/// is not yet), found once per process.
+pub fn qemu_virt() -> Result<QemuVirt> {
+    static FOUND: std::sync::Mutex<Option<QemuVirt>> = std::sync::Mutex::new(None);
+    let mut found = FOUND.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(q) = found.as_ref() {
+        return Ok(q.clone());
+    }
+    let q = ensure(false)?.qemu_virt()?;
+    println!(
+        "qemu-virt: QEMU {} and U-Boot {} of the tools root ({})",
+        q.qemu_version,
+        q.uboot_version,
+        q.qemu.display()
+    );
+    *found = Some(q.clone());
+    Ok(q)
 }
 
 /// The key of a pin list: its packages, versions and hashes (comments and order do not count).
@@ -330,6 +367,50 @@ impl ToolsRoot {
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(&outer_path, std::fs::Permissions::from_mode(0o755))?;
         Ok(outer_path)
+    }
+
+    /// The qemu-virt board's QEMU and U-Boot, pinned in the root (`qemu-system-arm`,
+    /// `u-boot-qemu`) and run from it without entering it: `qemu-system-aarch64` is a script
+    /// (`target/kiln/tools-root/<key>-qemu-system-aarch64`) that starts the root's binary with the
+    /// root's own dynamic loader and libraries and its data files (`-L`), so it needs no
+    /// namespace, sees every host path the caller names (disks, sockets, pflash) and runs the
+    /// same on every host; U-Boot is the root's `u-boot.bin`, read where it lies.
+    pub fn qemu_virt(&self) -> Result<QemuVirt> {
+        let r = &self.dir;
+        let loader = r.join("usr/lib64/ld-linux-x86-64.so.2");
+        let bin = r.join("usr/bin/qemu-system-aarch64");
+        let uboot = r.join("usr/lib/u-boot/qemu_arm64/u-boot.bin");
+        for p in [&loader, &bin, &uboot] {
+            ensure!(
+                p.exists(),
+                "the tools root {} has no {}: is {PINS} without qemu-system-arm and u-boot-qemu?",
+                r.display(),
+                p.display()
+            );
+        }
+        let libs = r.join("usr/lib/x86_64-linux-gnu");
+        let script = format!(
+            "#!/bin/sh\n# qemu-system-aarch64 {} of the kiln tools root {}, run by the root's own \
+             loader and libraries\nexec {} --library-path {} --argv0 qemu-system-aarch64 {} -L {} \"$@\"\n",
+            self.packages.get("qemu-system-arm").map(String::as_str).unwrap_or("?"),
+            self.key,
+            quote(&loader.display().to_string()),
+            quote(&libs.display().to_string()),
+            quote(&bin.display().to_string()),
+            quote(&r.join("usr/share/qemu").display().to_string()),
+        );
+        let path = checkout_dir().join(format!("{}-qemu-system-aarch64", self.key.short()));
+        if std::fs::read_to_string(&path).ok().as_deref() != Some(script.as_str()) {
+            crate::atomic::write_atomic(&path, script.as_bytes())?;
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755))?;
+        }
+        Ok(QemuVirt {
+            qemu: path,
+            uboot,
+            qemu_version: self.packages.get("qemu-system-arm").cloned().unwrap_or_default(),
+            uboot_version: self.packages.get("u-boot-qemu").cloned().unwrap_or_default(),
+        })
     }
 
     /// Link every later aarch64 build of this process with the root's cross gcc
