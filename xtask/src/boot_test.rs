@@ -157,7 +157,8 @@ fn write_pflash(dir: &Path, env_txt: &str) -> Result<PathBuf> {
 /// [`boot_env`]), written under `dir`. Shared by `boot-test` and `qemu`.
 pub fn pflash_with(dir: &Path, kiln_args: &str) -> Result<PathBuf> {
     let q = crate::tools_root::qemu_virt()?;
-    let uboot = std::fs::read(&q.uboot).with_context(|| format!("reading {}", q.uboot.display()))?;
+    let uboot =
+        std::fs::read(&q.uboot).with_context(|| format!("reading {}", q.uboot.display()))?;
     write_pflash(dir, &boot_env(default_env(&uboot)?, kiln_args))
 }
 
@@ -195,25 +196,27 @@ pub fn ensure_image(
 pub fn qemu_command(pflash: &Path, disk: &Path, nic: &str, extra: &[&str]) -> Result<Vec<String>> {
     let q = crate::tools_root::qemu_virt()?;
     let mut a: Vec<String> = vec![q.qemu.display().to_string()];
-    a.extend([
-        "-M",
-        "virt",
-        "-cpu",
-        "cortex-a76",
-        "-m",
-        "2048",
-        "-smp",
-        "2",
-        "-nographic",
-        "-nic",
-        nic,
-        // No PXE option ROM for a virtio NIC: U-Boot boots from the disk, and the ROM file
-        // (efi-virtio.rom) is in a package (ipxe-qemu) that nothing else needs.
-        "-global",
-        "virtio-net-pci.romfile=",
-    ]
-    .iter()
-    .map(|s| s.to_string()));
+    a.extend(
+        [
+            "-M",
+            "virt",
+            "-cpu",
+            "cortex-a76",
+            "-m",
+            "2048",
+            "-smp",
+            "2",
+            "-nographic",
+            "-nic",
+            nic,
+            // No PXE option ROM for a virtio NIC: U-Boot boots from the disk, and the ROM file
+            // (efi-virtio.rom) is in a package (ipxe-qemu) that nothing else needs.
+            "-global",
+            "virtio-net-pci.romfile=",
+        ]
+        .iter()
+        .map(|s| s.to_string()),
+    );
     a.extend(extra.iter().map(|s| s.to_string()));
     a.extend([
         "-bios".into(),

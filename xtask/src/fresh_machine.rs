@@ -1,20 +1,23 @@
-//! The `fresh-machine` test stage, the cross-distribution proof: the README's first command on a
-//! machine of another Debian release than the tools root's, with only what the README says a
-//! fresh machine needs. A minimal Debian 13 (trixie) root is bootstrapped (`debootstrap
-//! --variant=minbase`, plus the prerequisites of running `cargo` at all: a C linker, git and CA
-//! certificates); the doctor inside installs the rest from trixie's own apt (debootstrap, qemu, …).
-//! Bind-mounted read-only: the Rust toolchain (`~/.rustup`, `~/.cargo/bin`) and the download
-//! cache (`~/.cache/kiln/sha256`, content-addressed and re-verified on every use: sharing it saves
+//! The `fresh-machine` test stage, the cross-distribution and rootless proof: the README's
+//! commands on a machine of another Debian release than the tools root's, as an ordinary user,
+//! with only what the README says a fresh machine needs. A minimal Debian 13 (trixie) root is
+//! bootstrapped (`debootstrap --variant=minbase`, plus the prerequisites of running `cargo` at
+//! all: a C linker, git and CA certificates, and `uidmap` for the user's subordinate ids); the
+//! user `kiln` (uid 1000, subordinate ids 100000–165535, no sudo, not in `disk`) is added, and
+//! apt, dpkg and debootstrap are removed before it builds ([`REMOVED`]). Bind-mounted read-only:
+//! the Rust toolchain (`~/.rustup`, `~/.cargo/bin`) and the download cache
+//! (`~/.cache/kiln/sha256`, content-addressed and re-verified on every use: sharing it saves
 //! downloads, it is not what the stage proves). No registry, no target dir, no tools root, no apt
-//! lists of the host. The commit is cloned to `/home/kiln/src/kiln` under another `$HOME`; inside, as
-//! root, `cargo xtask image` exactly as the README writes it (which makes the bookworm tools root
-//! inside trixie and builds the kernel in it), then `cargo xtask boot-test`. The image's sha256
-//! must equal the one built outside, in this checkout, and so must the bytes of the SBOMs beside
-//! it (`kiln-qemu-virt.{spdx,cdx}.json`: two builds from two clones, the same SBOMs): the same
-//! bytes across distribution releases, host compilers, paths, time zones
-//! (`TZ=CHAST-12:45CHADT`), umasks (077), times
-//! and the user's default Rust toolchain (inside, rustup's default is another release than the
-//! pinned one when the host has a second toolchain: `rust-toolchain.toml` must win).
+//! lists of the host. The commit is cloned to `/home/kiln/src/kiln`; the root becomes a private
+//! mount namespace's own (`pivot_root`: a chrooted process may not make the user namespace the
+//! build needs), and as `kiln`, `cargo xtask image` exactly as the README writes it (which makes
+//! the bookworm tools root inside trixie through a user namespace and builds the kernel in it),
+//! then `cargo xtask boot-test` (the tools root's QEMU and U-Boot). The image's sha256 must equal
+//! the one root builds outside, in this checkout, and so must the bytes of the SBOMs beside it
+//! (`kiln-qemu-virt.{spdx,cdx}.json`): the same bytes across users, distribution releases, host
+//! compilers, paths, time zones (`TZ=CHAST-12:45CHADT`), umasks (077), times and the user's
+//! default Rust toolchain (inside, rustup's default is another release than the pinned one when
+//! the host has a second toolchain: `rust-toolchain.toml` must win).
 //!
 //! In the whole suite the root's half runs in the background from the start ([`Background`]);
 //! `--stage fresh-machine` alone runs both halves in the foreground ([`stage`]).

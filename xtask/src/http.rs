@@ -40,8 +40,8 @@ pub fn download(url: &str, dest: &Path) -> Result<u64> {
         bail!("fetching {url}: the server answered {status}");
     }
     let part = dest.with_extension("part");
-    let mut f = std::fs::File::create(&part)
-        .with_context(|| format!("creating {}", part.display()))?;
+    let mut f =
+        std::fs::File::create(&part).with_context(|| format!("creating {}", part.display()))?;
     let mut body = resp.body_mut().with_config().limit(u64::MAX).reader();
     let n = std::io::copy(&mut body, &mut f).with_context(|| format!("fetching {url}"))?;
     f.flush()?;

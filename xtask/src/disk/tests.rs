@@ -1002,7 +1002,7 @@ fn copy_sparse_keeps_every_byte_at_unaligned_offsets() {
 #[test]
 fn uboot_distro_boot_follows_the_bootable_attribute_into_our_fat() {
     tools();
- let q = crate::tools_root::qemu_virt().unwrap();
+    let q = crate::tools_root::qemu_virt().unwrap();
     let t = tempfile::tempdir().unwrap();
     let dir = t.path();
     let boot = dir.join("boot.vfat");
@@ -1088,4 +1088,3 @@ fn uboot_distro_boot_follows_the_bootable_attribute_into_our_fat() {
     );
     assert!(log.contains("Found /extlinux/extlinux.conf"), "{log}");
 }
-

@@ -12,7 +12,7 @@
 //!   kills the command (a linker, a QEMU).
 //!
 //! Either way the same script runs inside the namespace: the binds (the checkout, `target/`,
-//! what the caller adds) at their own paths, the host's `/dev/null`, `zero`, `full`, `random`,
+//! what the caller adds) at their own paths, recursively, the host's `/dev/null`, `zero`, `full`, `random`,
 //! `urandom` and `tty` onto the root's placeholders (a user cannot make device nodes; root
 //! binds the same), `/proc`, then `chroot` with an empty environment plus what the caller
 //! passes.
@@ -100,6 +100,16 @@ impl Entry {
         c
     }
 
+    /// The command that removes `dir` by hand: plain `rm -rf` for root; for a user, inside the
+    /// namespace, where the subordinate ids dpkg gave files are the user's.
+    pub fn removal(&self, dir: &Path) -> String {
+        let rm = format!("rm -rf {}", quote(&dir.display().to_string()));
+        match self {
+            Entry::Root => rm,
+            Entry::User { .. } => format!("{} -- {rm}", self.unshare().join(" ")),
+        }
+    }
+
     /// For the manifest and logs.
     pub fn describe(&self) -> String {
         match self {
@@ -141,9 +151,12 @@ pub fn mounts(root: &Path, binds: &[PathBuf]) -> String {
     let r = quote(&root.display().to_string());
     // `chroot` is in sbin, which an ordinary user's PATH may not name.
     let mut s = String::from("set -e\nPATH=\"/usr/sbin:/sbin:$PATH\"\n");
+    // Recursive: a folder with a mount below it (a read-only bind of `~/.cargo/bin`, as the
+    // fresh-machine stage makes) cannot be bound alone in a user namespace (EINVAL: its
+    // submount is locked).
     for b in outer {
         let b = quote(&b.display().to_string());
-        s.push_str(&format!("mkdir -p {r}{b}\nmount --bind {b} {r}{b}\n"));
+        s.push_str(&format!("mkdir -p {r}{b}\nmount --rbind {b} {r}{b}\n"));
     }
     s.push_str(&format!(
         "for n in {}; do if [ -e {r}/dev/$n ] && [ -e /dev/$n ]; then mount --bind /dev/$n \
@@ -181,6 +194,17 @@ mod tests {
             assert!(u.iter().any(|a| a == want), "{want}: {u:?}");
         }
         assert!(!Entry::Root.unshare().iter().any(|a| a == "--user"));
+        let user = Entry::User {
+            subuid: 100000,
+            subgid: 200000,
+        };
+        assert!(
+            user.removal(Path::new("/c/r"))
+                .starts_with("unshare --user --map-root-user --map-users=100000,1,65535"),
+            "{}",
+            user.removal(Path::new("/c/r"))
+        );
+        assert_eq!(Entry::Root.removal(Path::new("/c/r")), "rm -rf '/c/r'");
     }
 
     #[test]
@@ -192,9 +216,9 @@ mod tests {
             Path::new("/r"),
             &[a.join("b"), a.clone(), d.path().join("missing")],
         );
-        assert_eq!(s.matches("mount --bind '").count(), 1, "{s}");
+        assert_eq!(s.matches("mount --rbind '").count(), 1, "{s}");
         assert!(
-            s.contains(&format!("mount --bind '{}' '/r'", a.display())),
+            s.contains(&format!("mount --rbind '{}' '/r'", a.display())),
             "{s}"
         );
         assert!(

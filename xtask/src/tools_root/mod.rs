@@ -270,11 +270,10 @@ impl ToolsRoot {
         }
         if !wrong.is_empty() {
             bail!(
-                "tools root {} does not match {PINS}: {}; remove it (`rm -rf {}`) and it is made \
-                 again",
+                "tools root {} does not match {PINS}: {}; remove it (`{}`) and it is made again",
                 self.dir.display(),
                 wrong.join("; "),
-                self.dir.display()
+                self.entry.removal(&self.dir)
             );
         }
         Ok(())
@@ -408,8 +407,16 @@ impl ToolsRoot {
         Ok(QemuVirt {
             qemu: path,
             uboot,
-            qemu_version: self.packages.get("qemu-system-arm").cloned().unwrap_or_default(),
-            uboot_version: self.packages.get("u-boot-qemu").cloned().unwrap_or_default(),
+            qemu_version: self
+                .packages
+                .get("qemu-system-arm")
+                .cloned()
+                .unwrap_or_default(),
+            uboot_version: self
+                .packages
+                .get("u-boot-qemu")
+                .cloned()
+                .unwrap_or_default(),
         })
     }
 
