@@ -130,23 +130,37 @@ pub fn boot_env(default: Vec<(String, String)>, kiln_args: &str) -> String {
     env.iter().map(|(k, v)| format!("{k}={v}\n")).collect()
 }
 
-/// `mkenvimage -s 0x40000` of the env, padded with erased-flash bytes to a 64 MiB pflash image.
-fn write_pflash(dir: &Path, env_txt: &str) -> Result<PathBuf> {
-    let txt = dir.join("uboot-env.txt");
-    let bin = dir.join("uboot-env.bin");
-    std::fs::write(&txt, env_txt).with_context(|| format!("writing {}", txt.display()))?;
-    let sh = crate::paths::shell()?;
-    let size = format!("{ENV_SIZE:#x}");
-    cmd!(sh, "mkenvimage -s {size} -o {bin} {txt}")
-        .quiet()
-        .run()
-        .context("mkenvimage")?;
-    let mut flash = std::fs::read(&bin).with_context(|| format!("reading {}", bin.display()))?;
+/// U-Boot's binary environment of `env_txt` (`name=value` lines) in `size` bytes, as
+/// `mkenvimage -s SIZE` writes it (the test holds it to mkenvimage's bytes): a little-endian
+/// CRC32 of the data area, then `name=value\0` records, an empty record, zeros to the end. By
+/// hand, not mkenvimage: a host needs no u-boot-tools to boot (the same format as the runtime's
+/// `slot::env`, at U-Boot's qemu_arm64 size instead of `abstate.env`'s).
+fn env_image(env_txt: &str, size: usize) -> Result<Vec<u8>> {
+    let mut data = vec![0u8; 4];
+    for line in env_txt.lines().filter(|l| !l.is_empty()) {
+        ensure!(
+            line.contains('=') && !line.contains('\0'),
+            "U-Boot environment line {line:?} is not name=value"
+        );
+        data.extend_from_slice(line.as_bytes());
+        data.push(0);
+    }
+    data.push(0);
     ensure!(
-        flash.len() == ENV_SIZE,
-        "mkenvimage wrote {} bytes",
-        flash.len()
+        data.len() <= size,
+        "the U-Boot environment needs {} bytes, more than {size:#x}",
+        data.len()
     );
+    data.resize(size, 0);
+    let crc = crc32fast::hash(&data[4..]);
+    data[..4].copy_from_slice(&crc.to_le_bytes());
+    Ok(data)
+}
+
+/// The env ([`env_image`] at `CONFIG_ENV_SIZE`), padded with erased-flash bytes to a 64 MiB
+/// pflash image.
+fn write_pflash(dir: &Path, env_txt: &str) -> Result<PathBuf> {
+    let mut flash = env_image(env_txt, ENV_SIZE)?;
     flash.resize(PFLASH_SIZE, 0xff);
     let out = dir.join("pflash1.img");
     std::fs::write(&out, flash).with_context(|| format!("writing {}", out.display()))?;
@@ -670,6 +684,31 @@ pub fn run(args: Args) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The pflash environment is byte for byte what u-boot-tools' `mkenvimage -s 0x40000`
+    /// writes from the same text (the reference; the host-tests stage installs it).
+    #[test]
+    fn env_image_is_what_mkenvimage_writes() {
+        crate::doctor::ensure(&[&crate::doctor::UBOOT_TOOLS]).expect("mkenvimage (u-boot-tools)");
+        let d = tempfile::tempdir().unwrap();
+        let txt = d.path().join("env.txt");
+        let bin = d.path().join("env.bin");
+        let env = "boot_targets=virtio0\nbootcmd=run distro_bootcmd\nbootdelay=0\n\
+                   kiln_args=kiln.mode=test kiln.inject=stale\n";
+        std::fs::write(&txt, env).unwrap();
+        let sh = xshell::Shell::new().unwrap();
+        let size = format!("{ENV_SIZE:#x}");
+        cmd!(sh, "mkenvimage -s {size} -o {bin} {txt}")
+            .quiet()
+            .run()
+            .unwrap();
+        assert_eq!(
+            env_image(env, ENV_SIZE).unwrap(),
+            std::fs::read(&bin).unwrap()
+        );
+        assert!(env_image("no equals sign\n", ENV_SIZE).is_err());
+        assert!(env_image(&"a=b\n".repeat(ENV_SIZE / 4), ENV_SIZE).is_err());
+    }
 
     #[test]
     fn env_from_the_real_u_boot() {

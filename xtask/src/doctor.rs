@@ -203,8 +203,8 @@ pub const APT_DOWNLOAD: Tool = Tool {
 
 pub const UBOOT_TOOLS: Tool = Tool {
     name: "mkenvimage",
-    why: "writes the boot test's U-Boot environment (pflash); mkenvimage is a reference for the \
-          A/B counters file in the slot tests",
+    why: "the reference (host tests) for the boot test's pflash environment, which kiln writes, \
+          and for the A/B counters file in the slot tests; mkimage for boot.scr",
     probe: || version_of("mkenvimage", &["-V"]),
     apt: &["u-boot-tools"],
 };
