@@ -132,7 +132,8 @@ pub fn boot_env(default: Vec<(String, String)>, kiln_args: &str) -> String {
 
 /// U-Boot's binary environment of `env_txt` (`name=value` lines) in `size` bytes, as
 /// `mkenvimage -s SIZE` writes it (the test holds it to mkenvimage's bytes): a little-endian
-/// CRC32 of the data area, then `name=value\0` records, an empty record, zeros to the end. By
+/// CRC32 of the data area, then `name=value\0` records, an empty record, erased-flash bytes
+/// (0xff, mkenvimage's default padding) to the end. By
 /// hand, not mkenvimage: a host needs no u-boot-tools to boot (the same format as the runtime's
 /// `slot::env`, at U-Boot's qemu_arm64 size instead of `abstate.env`'s).
 fn env_image(env_txt: &str, size: usize) -> Result<Vec<u8>> {
@@ -151,7 +152,7 @@ fn env_image(env_txt: &str, size: usize) -> Result<Vec<u8>> {
         "the U-Boot environment needs {} bytes, more than {size:#x}",
         data.len()
     );
-    data.resize(size, 0);
+    data.resize(size, 0xff);
     let crc = crc32fast::hash(&data[4..]);
     data[..4].copy_from_slice(&crc.to_le_bytes());
     Ok(data)
@@ -702,10 +703,13 @@ mod tests {
             .quiet()
             .run()
             .unwrap();
-        assert_eq!(
+        let (ours, theirs) = (
             env_image(env, ENV_SIZE).unwrap(),
-            std::fs::read(&bin).unwrap()
+            std::fs::read(&bin).unwrap(),
         );
+        assert_eq!(ours.len(), theirs.len());
+        let first = ours.iter().zip(&theirs).position(|(a, b)| a != b);
+        assert_eq!(first, None, "first difference at byte {first:?}");
         assert!(env_image("no equals sign\n", ENV_SIZE).is_err());
         assert!(env_image(&"a=b\n".repeat(ENV_SIZE / 4), ENV_SIZE).is_err());
     }

@@ -307,7 +307,7 @@ mod tests {
     /// entry for `./lib64/`, a hard link and a symlink.
     fn deb(dir: &Path) -> PathBuf {
         let mut t = tar::Builder::new(Vec::new());
-        let mut add_dir = |t: &mut tar::Builder<Vec<u8>>, p: &str| {
+        let add_dir = |t: &mut tar::Builder<Vec<u8>>, p: &str| {
             let mut h = tar::Header::new_gnu();
             h.set_entry_type(tar::EntryType::Directory);
             h.set_mode(0o755);

@@ -376,7 +376,10 @@ impl ToolsRoot {
     /// same on every host; U-Boot is the root's `u-boot.bin`, read where it lies.
     pub fn qemu_virt(&self) -> Result<QemuVirt> {
         let r = &self.dir;
-        let loader = r.join("usr/lib64/ld-linux-x86-64.so.2");
+        // The loader itself, not `usr/lib64/ld-linux-x86-64.so.2`: that is a link to an absolute
+        // path, which would be the host's loader (on Debian 13, glibc 2.41's, with the root's
+        // 2.36 libc: "stack smashing detected" before main).
+        let loader = r.join("usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2");
         let bin = r.join("usr/bin/qemu-system-aarch64");
         let uboot = r.join("usr/lib/u-boot/qemu_arm64/u-boot.bin");
         for p in [&loader, &bin, &uboot] {
@@ -387,6 +390,11 @@ impl ToolsRoot {
                 p.display()
             );
         }
+        ensure!(
+            std::fs::symlink_metadata(&loader).is_ok_and(|m| m.file_type().is_file()),
+            "{} is not a file of the root (a link would be resolved on the host)",
+            loader.display()
+        );
         let libs = r.join("usr/lib/x86_64-linux-gnu");
         let script = format!(
             "#!/bin/sh\n# qemu-system-aarch64 {} of the kiln tools root {}, run by the root's own \
