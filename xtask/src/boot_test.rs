@@ -7,7 +7,6 @@
 //! copy's boot partition (read in-process, GPT + FAT), and it names this image's manifest.
 
 use crate::disk::fat;
-
 use anyhow::{bail, ensure, Context, Result};
 pub use kiln_runtime::selftest::report::Verdict;
 use kiln_runtime::selftest::report::{Report, VERDICT_PREFIX};
@@ -131,11 +130,11 @@ pub fn boot_env(default: Vec<(String, String)>, kiln_args: &str) -> String {
 }
 
 /// U-Boot's binary environment of `env_txt` (`name=value` lines) in `size` bytes, as
-/// `mkenvimage -s SIZE` writes it (the test holds it to mkenvimage's bytes): a little-endian
+/// `mkenvimage -s SIZE` writes it (a host test holds it to mkenvimage's bytes): a little-endian
 /// CRC32 of the data area, then `name=value\0` records, an empty record, erased-flash bytes
-/// (0xff, mkenvimage's default padding) to the end. By
-/// hand, not mkenvimage: a host needs no u-boot-tools to boot (the same format as the runtime's
-/// `slot::env`, at U-Boot's qemu_arm64 size instead of `abstate.env`'s).
+/// (0xff, mkenvimage's default padding) to the end. By hand, not mkenvimage: a host needs no
+/// u-boot-tools to boot (the runtime's `slot::env` is the same format, zero-padded, at
+/// `abstate.env`'s size).
 fn env_image(env_txt: &str, size: usize) -> Result<Vec<u8>> {
     let mut data = vec![0u8; 4];
     for line in env_txt.lines().filter(|l| !l.is_empty()) {
