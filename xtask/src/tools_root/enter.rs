@@ -167,6 +167,33 @@ pub fn mounts(root: &Path, binds: &[PathBuf]) -> String {
     s
 }
 
+/// `argv` run in the root at `root` through `entry`: [`mounts`] with `binds`, then `chroot` with
+/// an empty environment but `PATH`, `HOME=/root` and `env`, in `cwd` (a path inside the root).
+pub fn chroot_command(
+    entry: &Entry,
+    root: &Path,
+    binds: &[PathBuf],
+    cwd: &Path,
+    env: &[(&str, String)],
+    argv: &[String],
+) -> std::process::Command {
+    let mut script = mounts(root, binds);
+    script.push_str(&format!(
+        "exec chroot {} /usr/bin/env -i -C {} PATH=/usr/bin:/bin:/usr/sbin:/sbin HOME=/root",
+        quote(&root.display().to_string()),
+        quote(&cwd.display().to_string())
+    ));
+    for (k, v) in env {
+        script.push(' ');
+        script.push_str(&quote(&format!("{k}={v}")));
+    }
+    for a in argv {
+        script.push(' ');
+        script.push_str(&quote(a));
+    }
+    entry.command(&["sh", "-c", &script])
+}
+
 /// Single-quote for `sh`.
 pub fn quote(s: &str) -> String {
     format!("'{}'", s.replace('\'', "'\\''"))

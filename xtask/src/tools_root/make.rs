@@ -15,7 +15,7 @@
 //!
 //! Made in `.<key>.tmp` beside the roots and renamed into place when whole.
 
-use super::enter::{quote, Entry, DEVICES};
+use super::enter::{Entry, DEVICES};
 use super::{root_dir, ToolsRoot, PINS};
 use crate::pins::{self, Cache, Input};
 use anyhow::{bail, Context, Result};
@@ -102,9 +102,9 @@ pub fn make(root: &ToolsRoot, inputs: &[Input], offline: bool) -> Result<()> {
     }
     let t = Instant::now();
     let env = [
-        ("DEBIAN_FRONTEND", "noninteractive"),
-        ("DEBCONF_NONINTERACTIVE_SEEN", "true"),
-        ("LC_ALL", "C"),
+        ("DEBIAN_FRONTEND", "noninteractive".to_string()),
+        ("DEBCONF_NONINTERACTIVE_SEEN", "true".into()),
+        ("LC_ALL", "C".into()),
     ];
     let mut unpack_argv = vec![
         "dpkg".to_string(),
@@ -161,25 +161,11 @@ pub fn make(root: &ToolsRoot, inputs: &[Input], offline: bool) -> Result<()> {
 fn dpkg(
     entry: &Entry,
     root: &Path,
-    env: &[(&str, &str)],
+    env: &[(&str, String)],
     argv: &[String],
     what: &str,
 ) -> Result<()> {
-    let mut script = super::enter::mounts(root, &[]);
-    script.push_str(&format!(
-        "exec chroot {} /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root",
-        quote(&root.display().to_string())
-    ));
-    for (k, v) in env {
-        script.push(' ');
-        script.push_str(&quote(&format!("{k}={v}")));
-    }
-    for a in argv {
-        script.push(' ');
-        script.push_str(&quote(a));
-    }
-    let out = entry
-        .command(&["sh", "-c", &script])
+    let out = super::enter::chroot_command(entry, root, &[], Path::new("/"), env, argv)
         .output()
         .with_context(|| format!("running {what} in the tools root being made"))?;
     if !out.status.success() {

@@ -289,21 +289,7 @@ impl ToolsRoot {
         argv: &[String],
     ) -> std::process::Command {
         let binds = [crate::paths::project_root(), crate::paths::target_dir()];
-        let mut script = enter::mounts(&self.dir, &binds);
-        script.push_str(&format!(
-            "exec chroot {} /usr/bin/env -i -C {} PATH=/usr/bin:/bin:/usr/sbin:/sbin HOME=/root",
-            quote(&self.dir.display().to_string()),
-            quote(&cwd.display().to_string())
-        ));
-        for (k, v) in env {
-            script.push(' ');
-            script.push_str(&quote(&format!("{k}={v}")));
-        }
-        for a in argv {
-            script.push(' ');
-            script.push_str(&quote(a));
-        }
-        self.entry.command(&["sh", "-c", &script])
+        enter::chroot_command(&self.entry, &self.dir, &binds, cwd, env, argv)
     }
 
     /// Run a command inside the root; its output must be success. Stdout is returned.
