@@ -96,6 +96,15 @@ fn snapshot_tree(root: &Path, input: &Input, bytes: &[u8]) {
     std::fs::write(p, bytes).unwrap();
 }
 
+/// A source whose snapshot service is a local server keeping `bytes` for `pin` under `dir`.
+fn snapshot_source(dir: &Path, pin: &Input, bytes: &[u8]) -> DebSource {
+    snapshot_tree(&dir.join("snap"), pin, bytes);
+    DebSource {
+        apt: shared_apt(),
+        snapshot_base: serve(dir.join("snap")),
+    }
+}
+
 fn resolve_with(src: &DebSource, cache: &Cache, input: &Input) -> Result<PathBuf> {
     resolve(cache, input, false, &|i: &Input, d: &Path| src.fetch(i, d))
 }
@@ -147,11 +156,7 @@ fn dropped_version_comes_from_the_snapshot_and_is_verified() {
     let tmp = tempfile::tempdir().unwrap();
     let bytes = b"the pinned package, as the snapshot service keeps it".to_vec();
     let pin = dropped_pin(Sha256::of_bytes(&bytes));
-    snapshot_tree(&tmp.path().join("snap"), &pin, &bytes);
-    let src = DebSource {
-        apt: shared_apt(),
-        snapshot_base: serve(tmp.path().join("snap")),
-    };
+    let src = snapshot_source(tmp.path(), &pin, &bytes);
     let cache = temp_cache(tmp.path());
     let p = resolve_with(&src, &cache, &pin).unwrap();
     assert_eq!(std::fs::read(&p).unwrap(), bytes);
@@ -166,11 +171,7 @@ fn snapshot_serving_other_bytes_is_refused_naming_both_hashes() {
     let good = b"the pinned package".to_vec();
     let evil = b"not the pinned package".to_vec();
     let pin = dropped_pin(Sha256::of_bytes(&good));
-    snapshot_tree(&tmp.path().join("snap"), &pin, &evil);
-    let src = DebSource {
-        apt: shared_apt(),
-        snapshot_base: serve(tmp.path().join("snap")),
-    };
+    let src = snapshot_source(tmp.path(), &pin, &evil);
     let cache = temp_cache(tmp.path());
     let err = format!("{:#}", resolve_with(&src, &cache, &pin).unwrap_err());
     assert!(
@@ -412,22 +413,14 @@ fn without_apt_a_dropped_version_comes_from_the_snapshot_or_is_refused_by_name()
     let tmp = tempfile::tempdir().unwrap();
     let bytes = b"the pinned package, as the snapshot service keeps it".to_vec();
     let pin = dropped_pin(Sha256::of_bytes(&bytes));
-    snapshot_tree(&tmp.path().join("snap"), &pin, &bytes);
-    let src = DebSource {
-        apt: shared_apt(),
-        snapshot_base: serve(tmp.path().join("snap")),
-    };
+    let src = snapshot_source(tmp.path(), &pin, &bytes);
     let cache = temp_cache(tmp.path());
     let p = resolve_without_apt(&src, &cache, &pin).unwrap();
     assert_eq!(std::fs::read(&p).unwrap(), bytes);
 
     let evil = b"not the pinned package".to_vec();
     let other = tempfile::tempdir().unwrap();
-    snapshot_tree(&other.path().join("snap"), &pin, &evil);
-    let src = DebSource {
-        apt: shared_apt(),
-        snapshot_base: serve(other.path().join("snap")),
-    };
+    let src = snapshot_source(other.path(), &pin, &evil);
     let cache = temp_cache(other.path());
     let err = format!("{:#}", resolve_without_apt(&src, &cache, &pin).unwrap_err());
     assert!(
