@@ -284,7 +284,8 @@ pub const DEBOOTSTRAP: Tool = Tool {
 
 /// The tools of each command that needs host tools, resolved by [`prepare`] before it runs.
 pub const FOR_BUILD: &[&Tool] = &[&CROSS_GCC];
-pub const FOR_PINS: &[&Tool] = &[&APT_DOWNLOAD, &APT_HELPER, &DEBIAN_KEYRING];
+/// `pins …` resolves through kiln's private apt configuration.
+pub const FOR_PINS: &[&Tool] = FOR_APT;
 /// The image needs no kernel build tool and no mkfs of the host's: those run in the tools root,
 /// which kiln makes itself from the pinned packages (`tools_root::make`). They are fetched through
 /// kiln's private apt configuration where the host has apt ([`FOR_APT`], asked for then), else

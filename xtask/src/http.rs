@@ -58,6 +58,12 @@ mod tests {
 
     /// A one-request HTTP server on loopback answering `status` with `body`.
     fn serve(status: &'static str, body: &'static [u8]) -> String {
+        serve_cut(status, body, body.len())
+    }
+
+    /// [`serve`] announcing `announced` bytes of body and closing after `body`: a connection
+    /// cut mid-file when `announced` is larger.
+    fn serve_cut(status: &'static str, body: &'static [u8], announced: usize) -> String {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap();
         std::thread::spawn(move || {
@@ -71,8 +77,7 @@ mod tests {
             }
             write!(
                 s,
-                "HTTP/1.1 {status}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-                body.len()
+                "HTTP/1.1 {status}\r\nContent-Length: {announced}\r\nConnection: close\r\n\r\n"
             )
             .unwrap();
             s.write_all(body).unwrap();
@@ -91,5 +96,17 @@ mod tests {
         let e = format!("{:#}", download(&url, &d.path().join("y.deb")).unwrap_err());
         assert!(e.contains(&url) && e.contains("404"), "{e}");
         assert!(!d.path().join("y.deb").exists());
+    }
+
+    /// A connection cut before the announced length is an error, and nothing is left under the
+    /// file's name (a later build would otherwise find half a file there).
+    #[test]
+    fn a_cut_download_is_an_error_and_leaves_no_file() {
+        let d = tempfile::tempdir().unwrap();
+        let dest = d.path().join("x.deb");
+        let url = serve_cut("200 OK", b"01234", 10);
+        let e = format!("{:#}", download(&url, &dest).unwrap_err());
+        assert!(e.contains(&url), "{e}");
+        assert!(!dest.exists());
     }
 }

@@ -464,7 +464,12 @@ impl DebSource {
         if !crate::http::host_has_apt() {
             return self.fetch_without_apt(input, &spec, dir);
         }
-        crate::doctor::ensure(crate::doctor::FOR_APT)?;
+        // Once per process, not per package (each ask runs the tools' probes).
+        static APT_READY: std::sync::OnceLock<()> = std::sync::OnceLock::new();
+        if APT_READY.get().is_none() {
+            crate::doctor::ensure(crate::doctor::FOR_APT)?;
+            let _ = APT_READY.set(());
+        }
         self.apt.ensure_lists(&[&input.file])?;
         println!("pins: downloading {spec}");
         let t = std::time::Instant::now();

@@ -4,8 +4,8 @@
 //! enable; the sysctls say why a namespace cannot be made, and only making one (with the
 //! mapping) says that it can.
 //!
-//! Builds as an ordinary user are not done yet: the tools root refuses a user by name with these
-//! findings ([`crate::tools_root::ensure`]), and `cargo xtask doctor` lists them.
+//! The tools root decides with these how an ordinary user enters it, and refuses a user whose
+//! host lacks one, naming it (`tools_root::enter::Entry::this`); `cargo xtask doctor` lists them.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};

@@ -40,8 +40,18 @@ pub enum Entry {
 impl Entry {
     /// This process's entry: root, or the user when the host has every prerequisite (the
     /// findings of [`userns::report`], a live namespace among them); otherwise refused, naming
-    /// what the host lacks and what to enable.
+    /// what the host lacks and what to enable. Decided once per process (every
+    /// `tools_root::ensure` asks, and the decision makes a namespace).
     pub fn this() -> Result<Entry> {
+        static FOUND: std::sync::OnceLock<Entry> = std::sync::OnceLock::new();
+        if let Some(e) = FOUND.get() {
+            return Ok(e.clone());
+        }
+        let e = Self::decide()?;
+        Ok(FOUND.get_or_init(|| e).clone())
+    }
+
+    fn decide() -> Result<Entry> {
         // SAFETY: geteuid has no preconditions and cannot fail.
         if unsafe { libc::geteuid() } == 0 {
             return Ok(Entry::Root);

@@ -38,7 +38,7 @@ pub const ARCH: &str = "amd64";
 /// The packages the root exists for (their dependencies and a minimal root come along): every
 /// external tool whose version shapes the image bytes.
 pub const TOOLS: &[&str] = &[
-    // debootstrap's merged-/usr root asks for it (else apt picks `usrmerge`, which it cannot use).
+    // The merged-/usr layout `make` lays out asks for it (else apt's closure picks `usrmerge`).
     "usr-is-merged",
     "gcc-aarch64-linux-gnu",
     // The aarch64 glibc headers, crt objects and libc.so the link of `kiln` needs; the kernel's
