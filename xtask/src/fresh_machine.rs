@@ -100,13 +100,9 @@ pub fn stage() -> Result<()> {
 /// The root's half of the stage: bootstrap the root, clone HEAD into it and run the README's
 /// commands inside. Leaves the root for [`compare`].
 pub fn inside() -> Result<()> {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        bail!(
-            "the fresh-machine stage needs root (debootstrap, chroot, mounts): run `sudo cargo \
-             xtask test --stage fresh-machine`"
-        );
-    }
+    crate::test::need_root(
+        "the fresh-machine stage makes a Debian root (debootstrap) and a user of its own in it",
+    )?;
     doctor::ensure(&[&doctor::DEBOOTSTRAP, &doctor::DEBIAN_KEYRING, &doctor::GIT])?;
     let t_all = Instant::now();
     let proot = crate::paths::project_root();

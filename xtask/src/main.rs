@@ -89,6 +89,10 @@ enum Cli {
 /// An expected error (a missing tool, a wrong pin) is one line: the cause chain and the remedy,
 /// never a backtrace. Backtraces are for bugs: panics keep theirs.
 fn main() {
+    // Before any thread exists: what this process runs inherits it.
+    if let Some(p) = std::env::var_os("PATH").and_then(|p| paths::with_sbin(&p)) {
+        std::env::set_var("PATH", p);
+    }
     if let Err(e) = dispatch(Cli::parse()) {
         eprintln!("error: {e:#}");
         std::process::exit(1);

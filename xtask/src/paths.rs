@@ -97,3 +97,47 @@ mod tests {
         assert!(got.load(Ordering::SeqCst));
     }
 }
+
+/// Debian gives an ordinary user a PATH without `/usr/sbin` and `/sbin` (`ENV_PATH` in
+/// `login.defs`), where `sfdisk`, `mke2fs`, `fsck.*` and `losetup` live; on files they work for
+/// any user, and the test suite's references are among them. A PATH that has `/usr/bin` but not
+/// these gets them appended, for this process and what it runs; a PATH without `/usr/bin` was
+/// narrowed on purpose (the doctor's tests hide one tool that way) and is kept as it is.
+pub fn with_sbin(path: &std::ffi::OsStr) -> Option<std::ffi::OsString> {
+    let dirs: Vec<PathBuf> = std::env::split_paths(path).collect();
+    if !dirs.iter().any(|d| d == Path::new("/usr/bin")) {
+        return None;
+    }
+    let missing: Vec<PathBuf> = ["/usr/sbin", "/sbin"]
+        .iter()
+        .map(PathBuf::from)
+        .filter(|s| !dirs.contains(s))
+        .collect();
+    if missing.is_empty() {
+        return None;
+    }
+    std::env::join_paths(dirs.into_iter().chain(missing)).ok()
+}
+
+#[cfg(test)]
+mod sbin_tests {
+    use super::with_sbin;
+    use std::ffi::OsStr;
+
+    #[test]
+    fn a_users_path_gets_sbin_and_a_narrowed_one_is_kept() {
+        assert_eq!(
+            with_sbin(OsStr::new(
+                "/home/u/.cargo/bin:/usr/local/bin:/usr/bin:/bin"
+            ))
+            .unwrap(),
+            "/home/u/.cargo/bin:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"
+        );
+        assert_eq!(
+            with_sbin(OsStr::new("/usr/sbin:/usr/bin:/bin")).unwrap(),
+            "/usr/sbin:/usr/bin:/bin:/sbin"
+        );
+        assert!(with_sbin(OsStr::new("/usr/sbin:/usr/bin:/sbin:/bin")).is_none());
+        assert!(with_sbin(OsStr::new("/tmp/only-these-tools")).is_none());
+    }
+}

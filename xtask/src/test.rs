@@ -23,6 +23,46 @@ pub struct Args {
 
 type StageFn = fn(&Args) -> Result<()>;
 
+/// What a stage returns (as its error) when this process is not root and the stage's checks need
+/// root by their nature: loop devices, or a fresh machine's root and another user inside it. The
+/// suite counts it as SKIPPED, names it and the reason in its summary, and still exits 0: an
+/// ordinary user runs every other stage. As root (CI) a stage never says this.
+#[derive(Debug)]
+pub struct NeedsRoot(pub String);
+
+impl std::fmt::Display for NeedsRoot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "needs root: {}", self.0)
+    }
+}
+
+impl std::error::Error for NeedsRoot {}
+
+/// The stages that say [`NeedsRoot`] when this process is not root: their tools are not asked
+/// for then, and the fresh machine's root does not start in the background.
+const ROOT_ONLY: &[&str] = &["flash", "fresh-machine"];
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// [`NeedsRoot`] unless this process is root.
+pub fn need_root(why: &str) -> Result<()> {
+    if is_root() {
+        return Ok(());
+    }
+    Err(NeedsRoot(why.to_string()).into())
+}
+
+/// How a stage ended.
+#[derive(Clone, Copy, PartialEq)]
+enum Outcome {
+    Pass,
+    Fail,
+    Skipped,
+}
+
 // Every `cargo test` here selects `--workspace` (and filters by target): `-p` resolves another
 // feature set for the shared dependencies (syn's, so every proc macro and all that uses them),
 // and each set is a full compile of its own, minutes on 2 cores.
@@ -104,7 +144,7 @@ pub fn run(args: Args) -> Result<()> {
     // With other stages to run, the fresh machine's root builds in the background from the
     // start (see `fresh_machine::Background`); alone, it runs in the foreground.
     let mut background = None;
-    if names.len() > 1 && names.contains(&"fresh-machine") {
+    if names.len() > 1 && names.contains(&"fresh-machine") && is_root() {
         match crate::fresh_machine::Background::start() {
             Ok(b) => background = Some(b),
             Err(e) => println!(
@@ -124,24 +164,51 @@ pub fn run(args: Args) -> Result<()> {
             }
         };
         let secs = t.elapsed().as_secs_f64();
-        match &r {
-            Ok(()) => println!("<== stage {name}: PASS ({secs:.1} s)"),
-            Err(e) => println!("<== stage {name}: FAIL ({secs:.1} s): {e:#}"),
-        }
-        results.push((*name, r.is_ok(), secs));
-        record_stage(name, r.is_ok(), secs);
+        let outcome = match &r {
+            Ok(()) => {
+                println!("<== stage {name}: PASS ({secs:.1} s)");
+                Outcome::Pass
+            }
+            Err(e) if e.downcast_ref::<NeedsRoot>().is_some() => {
+                println!("<== stage {name}: SKIPPED ({e:#})");
+                Outcome::Skipped
+            }
+            Err(e) => {
+                println!("<== stage {name}: FAIL ({secs:.1} s): {e:#}");
+                Outcome::Fail
+            }
+        };
+        let why = r.err().map(|e| format!("{e:#}"));
+        results.push((*name, outcome, secs, why));
+        record_stage(name, outcome, secs);
     }
     println!("\nstage summary:");
-    for (name, ok, secs) in &results {
-        println!(
-            "  {:<28} {} {secs:>7.1} s",
-            name,
-            if *ok { "PASS" } else { "FAIL" }
-        );
+    for (name, outcome, secs, why) in &results {
+        match outcome {
+            Outcome::Skipped => {
+                println!("  {:<28} SKIPPED ({})", name, why.as_deref().unwrap_or(""))
+            }
+            o => println!(
+                "  {:<28} {} {secs:>7.1} s",
+                name,
+                if *o == Outcome::Pass { "PASS" } else { "FAIL" }
+            ),
+        }
     }
-    let passed = results.iter().filter(|r| r.1).count();
-    let failed = results.len() - passed;
-    println!("{passed} passed, {failed} failed");
+    let count = |o: Outcome| results.iter().filter(|r| r.1 == o).count();
+    let (passed, failed, skipped) = (
+        count(Outcome::Pass),
+        count(Outcome::Fail),
+        count(Outcome::Skipped),
+    );
+    if skipped > 0 {
+        println!(
+            "{passed} passed, {failed} failed, {skipped} skipped (they need root: \
+             `sudo cargo xtask test --stage NAME` runs one; CI runs them all as root)"
+        );
+    } else {
+        println!("{passed} passed, {failed} failed");
+    }
     if failed > 0 {
         bail!("{failed} stage(s) failed");
     }
@@ -151,7 +218,7 @@ pub fn run(args: Args) -> Result<()> {
 /// One line per finished stage in `~/.cache/kiln/test-stages.log` (UTC time, commit, stage,
 /// PASS/FAIL, seconds): the stage times of earlier runs, clean clones among them, outlive their
 /// checkouts, so a run's cost can be read back stage by stage. A failure to record is only said.
-fn record_stage(name: &str, ok: bool, secs: f64) {
+fn record_stage(name: &str, outcome: Outcome, secs: f64) {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs() as i64)
@@ -171,7 +238,11 @@ fn record_stage(name: &str, ok: bool, secs: f64) {
         t / 3600,
         t / 60 % 60,
         t % 60,
-        if ok { "PASS" } else { "FAIL" }
+        match outcome {
+            Outcome::Pass => "PASS",
+            Outcome::Fail => "FAIL",
+            Outcome::Skipped => "SKIPPED",
+        }
     );
     let write = || -> Result<()> {
         use std::io::Write;
@@ -220,6 +291,16 @@ fn stage_tools(stage: &str) -> (Vec<&'static doctor::Tool>, bool) {
             (t, false)
         }
         "gguf-reference" | "npu-plan-smollm2" | "serve" => (vec![&PYTHON_VENV], false),
+        // llama-cpp-python compiles llama.cpp on its first install; the image's `kiln` is
+        // cross-built for the qemu-aarch64 comparison.
+        "llama-cpp" => (
+            [
+                &[&PYTHON_VENV, &QEMU_USER, &AARCH64_SYSROOT][..],
+                FOR_LLAMA_SERVER_BUILD,
+            ]
+            .concat(),
+            true,
+        ),
         "sbom" => ([FOR_IMAGE, &[&PYTHON_VENV]].concat(), true),
         s if s.starts_with("aarch64-tests") => (vec![&QEMU_USER, &AARCH64_SYSROOT], true),
         // boot-qemu-ab's fleet scenario serves the bundles with nginx; labgrid --remote exports
@@ -243,6 +324,9 @@ fn prepare_stages(names: &[&str]) -> Result<()> {
     let mut tools: Vec<&doctor::Tool> = Vec::new();
     let mut cross = false;
     for n in names {
+        if ROOT_ONLY.contains(n) && !is_root() {
+            continue;
+        }
         let (t, c) = stage_tools(n);
         for t in t {
             if !tools.iter().any(|k| k.name == t.name) {
@@ -1482,12 +1566,7 @@ pub(crate) fn gemma3_model(python: &std::path::Path) -> Result<std::path::PathBu
 /// `cargo xtask flash` and the bmap module: unit tests (lsblk fixtures, bmaptool agreement) and
 /// the end-to-end tests on loop devices, which need root and are `#[ignore]`d in host-tests.
 fn flash(_: &Args) -> Result<()> {
-    if doctor::version_of("id", &["-u"]).as_deref() != Some("0") {
-        bail!(
-            "the flash stage needs root: it makes loop devices, partitions and mounts one \
-             (run `sudo cargo xtask test --stage flash`)"
-        );
-    }
+    need_root("the flash stage makes loop devices, partitions and mounts one")?;
     doctor::ensure(&[
         &doctor::BMAPTOOL,
         &doctor::LSBLK,
