@@ -132,29 +132,17 @@ pub fn boot_env(default: Vec<(String, String)>, kiln_args: &str) -> String {
 /// U-Boot's binary environment of `env_txt` (`name=value` lines) in `size` bytes, as
 /// `mkenvimage -s SIZE` writes it (a host test holds it to mkenvimage's bytes): a little-endian
 /// CRC32 of the data area, then `name=value\0` records, an empty record, erased-flash bytes
-/// (0xff, mkenvimage's default padding) to the end. By hand, not mkenvimage: a host needs no
-/// u-boot-tools to boot (the runtime's `slot::env` is the same format, zero-padded, at
-/// `abstate.env`'s size).
+/// (0xff, mkenvimage's default padding) to the end: the runtime's encoder of `abstate.env`
+/// (`slot::env`), not mkenvimage, so a host needs no u-boot-tools to boot.
 fn env_image(env_txt: &str, size: usize) -> Result<Vec<u8>> {
-    let mut data = vec![0u8; 4];
+    let mut records = Vec::new();
     for line in env_txt.lines().filter(|l| !l.is_empty()) {
-        ensure!(
-            line.contains('=') && !line.contains('\0'),
-            "U-Boot environment line {line:?} is not name=value"
-        );
-        data.extend_from_slice(line.as_bytes());
-        data.push(0);
+        let r = line
+            .split_once('=')
+            .with_context(|| format!("U-Boot environment line {line:?} is not name=value"))?;
+        records.push(r);
     }
-    data.push(0);
-    ensure!(
-        data.len() <= size,
-        "the U-Boot environment needs {} bytes, more than {size:#x}",
-        data.len()
-    );
-    data.resize(size, 0xff);
-    let crc = crc32fast::hash(&data[4..]);
-    data[..4].copy_from_slice(&crc.to_le_bytes());
-    Ok(data)
+    kiln_runtime::slot::env::encode_records(records, size, 0xff)
 }
 
 /// The env ([`env_image`] at `CONFIG_ENV_SIZE`), padded with erased-flash bytes to a 64 MiB

@@ -50,28 +50,11 @@ impl Env {
 
     /// Encode to exactly [`SIZE`] bytes, padded with zeros as `env export -c` does.
     pub fn encode(&self) -> Result<Vec<u8>> {
-        let mut data = Vec::with_capacity(SIZE);
-        data.extend_from_slice(&[0; 4]);
-        for (k, v) in &self.vars {
-            ensure!(
-                !k.is_empty() && !k.contains(['=', '\0']) && !v.contains('\0'),
-                "environment variable {k:?}={v:?} cannot be stored"
-            );
-            data.extend_from_slice(k.as_bytes());
-            data.push(b'=');
-            data.extend_from_slice(v.as_bytes());
-            data.push(0);
-        }
-        data.push(0);
-        ensure!(
-            data.len() <= SIZE,
-            "the environment needs {} bytes, more than 0x{SIZE:x}",
-            data.len()
-        );
-        data.resize(SIZE, 0);
-        let crc = crc32fast::hash(&data[4..]);
-        data[..4].copy_from_slice(&crc.to_le_bytes());
-        Ok(data)
+        encode_records(
+            self.vars.iter().map(|(k, v)| (k.as_str(), v.as_str())),
+            SIZE,
+            0,
+        )
     }
 
     pub fn get(&self, k: &str) -> Option<&str> {
@@ -81,6 +64,38 @@ impl Env {
     pub fn set(&mut self, k: &str, v: impl Into<String>) {
         self.vars.insert(k.to_string(), v.into());
     }
+}
+
+/// `name=value` records, in the order given, as an environment of `size` bytes whose unused
+/// tail is `pad`: `0` as U-Boot's `env export -c` writes it, `0xff` (erased flash) as
+/// `mkenvimage` does for a flash image (the QEMU board's pflash env, `cargo xtask boot-test`).
+pub fn encode_records<'a>(
+    records: impl IntoIterator<Item = (&'a str, &'a str)>,
+    size: usize,
+    pad: u8,
+) -> Result<Vec<u8>> {
+    let mut data = Vec::with_capacity(size);
+    data.extend_from_slice(&[0; 4]);
+    for (k, v) in records {
+        ensure!(
+            !k.is_empty() && !k.contains(['=', '\0']) && !v.contains('\0'),
+            "environment variable {k:?}={v:?} cannot be stored"
+        );
+        data.extend_from_slice(k.as_bytes());
+        data.push(b'=');
+        data.extend_from_slice(v.as_bytes());
+        data.push(0);
+    }
+    data.push(0);
+    ensure!(
+        data.len() <= size,
+        "the environment needs {} bytes, more than 0x{size:x}",
+        data.len()
+    );
+    data.resize(size, pad);
+    let crc = crc32fast::hash(&data[4..]);
+    data[..4].copy_from_slice(&crc.to_le_bytes());
+    Ok(data)
 }
 
 #[cfg(test)]

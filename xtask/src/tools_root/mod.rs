@@ -650,6 +650,30 @@ mod tests {
         (d, r)
     }
 
+    /// QEMU runs through the root's own loader: a root whose loader is a link (an absolute one
+    /// would be resolved on the host: another glibc than the root's libraries) or without
+    /// U-Boot is refused, naming the file, before any wrapper is written.
+    #[test]
+    fn qemu_virt_refuses_a_loader_link_and_a_missing_u_boot() {
+        let (d, r) = root_with(OK);
+        let lib = d.path().join("usr/lib/x86_64-linux-gnu");
+        std::fs::create_dir_all(&lib).unwrap();
+        std::fs::create_dir_all(d.path().join("usr/bin")).unwrap();
+        std::fs::write(d.path().join("usr/bin/qemu-system-aarch64"), b"elf").unwrap();
+        let loader = lib.join("ld-linux-x86-64.so.2");
+        std::os::unix::fs::symlink("/lib64/ld-linux-x86-64.so.2", &loader).unwrap();
+        let e = format!("{:#}", r.qemu_virt().unwrap_err());
+        assert!(e.contains("u-boot.bin"), "{e}");
+        let uboot = d.path().join("usr/lib/u-boot/qemu_arm64");
+        std::fs::create_dir_all(&uboot).unwrap();
+        std::fs::write(uboot.join("u-boot.bin"), b"u-boot").unwrap();
+        let e = format!("{:#}", r.qemu_virt().unwrap_err());
+        assert!(
+            e.contains("ld-linux-x86-64.so.2 is not a file of the root"),
+            "{e}"
+        );
+    }
+
     const OK: &str = "Package: make\nStatus: install ok installed\nVersion: 4.3-4.1\n\n\
                       Package: erofs-utils\nStatus: install ok installed\nVersion: 1.5-1\n";
 
