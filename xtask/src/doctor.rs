@@ -349,9 +349,32 @@ pub fn all_tools() -> Vec<&'static Tool> {
     ]
 }
 
-fn is_root() -> bool {
+pub fn is_root() -> bool {
     // SAFETY: geteuid has no preconditions and cannot fail.
     unsafe { libc::geteuid() == 0 }
+}
+
+/// What a test stage returns (as its error) when this process is not root and the stage's checks
+/// need root by their nature: loop devices, or a fresh machine's root and another user inside
+/// it. `cargo xtask test` counts it as SKIPPED, names it and the reason in its summary, and still
+/// exits 0: an ordinary user runs every other stage. As root (CI) a stage never says this.
+#[derive(Debug)]
+pub struct NeedsRoot(pub String);
+
+impl std::fmt::Display for NeedsRoot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "needs root: {}", self.0)
+    }
+}
+
+impl std::error::Error for NeedsRoot {}
+
+/// [`NeedsRoot`] unless this process is root.
+pub fn need_root(why: &str) -> Result<()> {
+    if is_root() {
+        return Ok(());
+    }
+    Err(NeedsRoot(why.to_string()).into())
 }
 
 /// Whether this process may install host packages: root on an apt-based system, unless

@@ -100,7 +100,7 @@ pub fn stage() -> Result<()> {
 /// The root's half of the stage: bootstrap the root, clone HEAD into it and run the README's
 /// commands inside. Leaves the root for [`compare`].
 pub fn inside() -> Result<()> {
-    crate::test::need_root(
+    doctor::need_root(
         "the fresh-machine stage makes a Debian root (debootstrap) and a user of its own in it",
     )?;
     doctor::ensure(&[&doctor::DEBOOTSTRAP, &doctor::DEBIAN_KEYRING, &doctor::GIT])?;

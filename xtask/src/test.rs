@@ -1,7 +1,7 @@
 //! `cargo xtask test`: the one test command. Stages run in order; each prints its result and
 //! time, a failed stage does not stop the next, and the last line counts them.
 
-use crate::doctor;
+use crate::doctor::{self, is_root, need_root, NeedsRoot};
 use anyhow::{bail, ensure, Context, Result};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -23,37 +23,9 @@ pub struct Args {
 
 type StageFn = fn(&Args) -> Result<()>;
 
-/// What a stage returns (as its error) when this process is not root and the stage's checks need
-/// root by their nature: loop devices, or a fresh machine's root and another user inside it. The
-/// suite counts it as SKIPPED, names it and the reason in its summary, and still exits 0: an
-/// ordinary user runs every other stage. As root (CI) a stage never says this.
-#[derive(Debug)]
-pub struct NeedsRoot(pub String);
-
-impl std::fmt::Display for NeedsRoot {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "needs root: {}", self.0)
-    }
-}
-
-impl std::error::Error for NeedsRoot {}
-
 /// The stages that say [`NeedsRoot`] when this process is not root: their tools are not asked
 /// for then, and the fresh machine's root does not start in the background.
 const ROOT_ONLY: &[&str] = &["flash", "fresh-machine"];
-
-fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    unsafe { libc::geteuid() == 0 }
-}
-
-/// [`NeedsRoot`] unless this process is root.
-pub fn need_root(why: &str) -> Result<()> {
-    if is_root() {
-        return Ok(());
-    }
-    Err(NeedsRoot(why.to_string()).into())
-}
 
 /// How a stage ended.
 #[derive(Clone, Copy, PartialEq)]
