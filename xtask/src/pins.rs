@@ -901,8 +901,6 @@ pub fn rewrite_pin(file: &Path, name: &str, version: Option<&str>, sha: &Sha256)
 }
 
 pub fn update() -> Result<()> {
-    let cache = Cache::user()?;
-    let src = DebSource::kiln();
     let root = crate::paths::project_root();
     let mut files = vec![root.join("rootfs/packages.toml")];
     for e in std::fs::read_dir(root.join("kernel-config"))? {
@@ -911,13 +909,34 @@ pub fn update() -> Result<()> {
             files.push(p);
         }
     }
-    let mut changed = 0;
+    update_files(&files, &Cache::user()?, &DebSource::kiln())?;
+    Ok(())
+}
+
+/// [`update`] of `files`: how many pins were rewritten and how many of another Debian release
+/// were kept.
+fn update_files(files: &[PathBuf], cache: &Cache, src: &DebSource) -> Result<(usize, usize)> {
+    let (mut changed, mut kept) = (0, 0);
     for f in files {
-        for input in read_inputs(&f)? {
+        let f = f.as_path();
+        for input in read_inputs(f)? {
             let Source::Deb { package, arch } = &input.source else {
                 continue;
             };
-            src.apt.ensure_lists(&[&f])?;
+            // kiln's lists are bookworm's: a package of another release (rock-5b's trixie
+            // kernel) has no candidate in them, and asking stopped the whole update.
+            if let Some(d) = input.distro.as_deref().filter(|d| *d != DEFAULT_DISTRO) {
+                println!(
+                    "pins: {} {} kept: it is from {d}, and kiln's apt lists are {DEFAULT_DISTRO}'s; \
+                     re-pin it by hand in {} (version, sha256, snapshot, snapshot_path)",
+                    input.name,
+                    input.version,
+                    f.display()
+                );
+                kept += 1;
+                continue;
+            }
+            src.apt.ensure_lists(&[f])?;
             let now = src.apt.candidate(package, arch)?;
             let mut fresh = input.clone();
             fresh.version = now.clone();
@@ -939,7 +958,7 @@ pub fn update() -> Result<()> {
                         input.name,
                         snap.url(&src.snapshot_base)
                     );
-                    rewrite_snapshot(&f, &input.name, &snap)?;
+                    rewrite_snapshot(f, &input.name, &snap)?;
                     changed += 1;
                 } else {
                     println!("pins: {} {} unchanged", input.name, now);
@@ -955,13 +974,13 @@ pub fn update() -> Result<()> {
             println!("+  version = {now:?}");
             println!("+  sha256 = {:?}", sha.to_string());
             println!("+  snapshot = {:?}", snap.timestamp);
-            rewrite_pin(&f, &input.name, Some(&now), &sha)?;
-            rewrite_snapshot(&f, &input.name, &snap)?;
+            rewrite_pin(f, &input.name, Some(&now), &sha)?;
+            rewrite_snapshot(f, &input.name, &snap)?;
             changed += 1;
         }
     }
-    println!("pins: {changed} pin(s) rewritten");
-    Ok(())
+    println!("pins: {changed} pin(s) rewritten, {kept} of another Debian release kept as pinned");
+    Ok((changed, kept))
 }
 
 /// Check a supplied file's identity, lock its sha256 (on first supply) and cache it.
@@ -1143,6 +1162,32 @@ mod tests {
             distro: Some(DEFAULT_DISTRO.into()),
             file: PathBuf::from("rootfs/packages.toml"),
         }
+    }
+
+    /// kiln's lists are bookworm's: `pins update` keeps a pin of another release as it is,
+    /// saying so, instead of asking apt for a candidate it cannot have (rock-5b's trixie kernel
+    /// stopped the whole update: "Debian's archive offers no candidate"). The apt here has no
+    /// lists and no sources: asking it would fail.
+    #[test]
+    fn update_keeps_a_pin_of_another_release_without_asking_apt() {
+        let d = tempfile::tempdir().unwrap();
+        let pins = d.path().join("pins.toml");
+        let text = "[[input]]\nname = \"linux-image-arm64\"\nversion = \"6.12.118-1\"\n\
+                    kind = \"deb\"\npackage = \"linux-image-6.12.118+deb13-arm64\"\n\
+                    arch = \"arm64\"\ndistro = \"debian-13\"\nsha256 = \"e4326441e404a21af104a07bf207090737c1a276a30c67413c3548b764e4c050\"\n";
+        std::fs::write(&pins, text).unwrap();
+        let src = DebSource {
+            apt: Apt::at(d.path().join("apt")),
+            snapshot_base: "http://127.0.0.1:9".into(),
+        };
+        let cache = Cache {
+            dir: d.path().join("cache"),
+        };
+        assert_eq!(
+            update_files(std::slice::from_ref(&pins), &cache, &src).unwrap(),
+            (0, 1)
+        );
+        assert_eq!(std::fs::read_to_string(&pins).unwrap(), text);
     }
 
     #[test]
