@@ -83,8 +83,17 @@ const STAGES: &[(&str, StageFn)] = &[
     }),
     ("flash", flash),
     ("image-checks", |_| {
-        crate::image::checks::stage()?;
-        crate::bundle::models_stage()
+        // As a user the checks end in `NeedsRoot` (the loop device) after all the rest ran;
+        // the models bundle's checks run all the same.
+        let checks = crate::image::checks::stage();
+        if checks
+            .as_ref()
+            .is_err_and(|e| e.downcast_ref::<NeedsRoot>().is_none())
+        {
+            return checks;
+        }
+        crate::bundle::models_stage()?;
+        checks
     }),
     ("u-boot", |_| crate::image::loader::stage()),
     ("pins-archive", pins_archive),
