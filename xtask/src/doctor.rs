@@ -779,6 +779,22 @@ pub fn pinned_venv(name: &str, pins: &str) -> Result<std::path::PathBuf> {
 mod tests {
     use super::removals;
 
+    /// Only a process that is not root is told a stage needs root, and the suite recognises the
+    /// error as such through a context a stage may add: as root (CI) nothing can be SKIPPED.
+    #[test]
+    fn needs_root_only_when_not_root_and_is_found_under_context() {
+        use anyhow::Context as _;
+        let r = super::need_root("loop devices").context("the flash stage");
+        assert_eq!(r.is_ok(), super::is_root());
+        if let Err(e) = r {
+            assert!(e.downcast_ref::<super::NeedsRoot>().is_some(), "{e:#}");
+            assert!(
+                format!("{e:#}").contains("needs root: loop devices"),
+                "{e:#}"
+            );
+        }
+    }
+
     #[test]
     fn removals_are_read_from_apt_simulation() {
         // apt-get -s install qemu-system-arm on a host with backports' qemu-utils (the case seen).
