@@ -100,9 +100,9 @@ pub fn stage() -> Result<()> {
 /// The root's half of the stage: bootstrap the root, clone HEAD into it and run the README's
 /// commands inside. Leaves the root for [`compare`].
 pub fn inside() -> Result<()> {
-    doctor::need_root(
-        "the fresh-machine stage makes a Debian root (debootstrap) and a user of its own in it",
-    )?;
+    // Reached as a user only through the internal `--fresh-machine-root` (the suite does not
+    // run this stage as a user).
+    doctor::need_root("the fresh-machine stage makes a Debian root and a user of its own in it")?;
     doctor::ensure(&[&doctor::DEBOOTSTRAP, &doctor::DEBIAN_KEYRING, &doctor::GIT])?;
     let t_all = Instant::now();
     let proot = crate::paths::project_root();

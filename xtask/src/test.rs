@@ -1,7 +1,7 @@
 //! `cargo xtask test`: the one test command. Stages run in order; each prints its result and
 //! time, a failed stage does not stop the next, and the last line counts them.
 
-use crate::doctor::{self, is_root, need_root, NeedsRoot};
+use crate::doctor::{self, is_root, NeedsRoot};
 use anyhow::{bail, ensure, Context, Result};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -23,9 +23,28 @@ pub struct Args {
 
 type StageFn = fn(&Args) -> Result<()>;
 
-/// The stages that say [`NeedsRoot`] when this process is not root: their tools are not asked
-/// for then, and the fresh machine's root does not start in the background.
-const ROOT_ONLY: &[&str] = &["flash", "fresh-machine"];
+/// The stages that need root by their nature, and why. When this process is not root, the suite
+/// does not run them: it says [`NeedsRoot`] for them, does not ask for their tools, and does not
+/// start the fresh machine's root in the background.
+const ROOT_ONLY: &[(&str, &str)] = &[
+    (
+        "flash",
+        "the flash stage makes loop devices, partitions and mounts one",
+    ),
+    (
+        "fresh-machine",
+        "the fresh-machine stage makes a Debian root (debootstrap) and a user of its own in it",
+    ),
+];
+
+/// Why stage `name` cannot run in this process, if it is root's and this process is not.
+fn root_only(name: &str) -> Option<&'static str> {
+    ROOT_ONLY
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, why)| *why)
+        .filter(|_| !is_root())
+}
 
 /// How a stage ended.
 #[derive(Clone, Copy, PartialEq)]
@@ -125,7 +144,7 @@ pub fn run(args: Args) -> Result<()> {
     // With other stages to run, the fresh machine's root builds in the background from the
     // start (see `fresh_machine::Background`); alone, it runs in the foreground.
     let mut background = None;
-    if names.len() > 1 && names.contains(&"fresh-machine") && is_root() {
+    if names.len() > 1 && names.contains(&"fresh-machine") && root_only("fresh-machine").is_none() {
         match crate::fresh_machine::Background::start() {
             Ok(b) => background = Some(b),
             Err(e) => println!(
@@ -141,7 +160,10 @@ pub fn run(args: Args) -> Result<()> {
             ("fresh-machine", Some(b)) => b.finish(),
             (_, b) => {
                 background = b;
-                f(&args)
+                match root_only(name) {
+                    Some(why) => Err(NeedsRoot(why.to_string()).into()),
+                    None => f(&args),
+                }
             }
         };
         let secs = t.elapsed().as_secs_f64();
@@ -272,8 +294,9 @@ fn stage_tools(stage: &str) -> (Vec<&'static doctor::Tool>, bool) {
             (t, false)
         }
         "gguf-reference" | "npu-plan-smollm2" | "serve" => (vec![&PYTHON_VENV], false),
-        // llama-cpp-python compiles llama.cpp on its first install; the image's `kiln` is
-        // cross-built for the qemu-aarch64 comparison.
+        // llama-cpp-python compiles llama.cpp with CMake and g++ on its first install (the
+        // tools llama-server's build needs too); the image's `kiln` is cross-built for the
+        // qemu-aarch64 comparison.
         "llama-cpp" => (
             [
                 &[&PYTHON_VENV, &QEMU_USER, &AARCH64_SYSROOT][..],
@@ -305,7 +328,7 @@ fn prepare_stages(names: &[&str]) -> Result<()> {
     let mut tools: Vec<&doctor::Tool> = Vec::new();
     let mut cross = false;
     for n in names {
-        if ROOT_ONLY.contains(n) && !is_root() {
+        if root_only(n).is_some() {
             continue;
         }
         let (t, c) = stage_tools(n);
@@ -1547,7 +1570,6 @@ pub(crate) fn gemma3_model(python: &std::path::Path) -> Result<std::path::PathBu
 /// `cargo xtask flash` and the bmap module: unit tests (lsblk fixtures, bmaptool agreement) and
 /// the end-to-end tests on loop devices, which need root and are `#[ignore]`d in host-tests.
 fn flash(_: &Args) -> Result<()> {
-    need_root("the flash stage makes loop devices, partitions and mounts one")?;
     doctor::ensure(&[
         &doctor::BMAPTOOL,
         &doctor::LSBLK,

@@ -659,9 +659,11 @@ mod tests {
         let lib = d.path().join("usr/lib/x86_64-linux-gnu");
         std::fs::create_dir_all(&lib).unwrap();
         std::fs::create_dir_all(d.path().join("usr/bin")).unwrap();
-        std::fs::write(d.path().join("usr/bin/qemu-system-aarch64"), b"elf").unwrap();
+        let qemu = d.path().join("usr/bin/qemu-system-aarch64");
+        std::fs::write(&qemu, b"elf").unwrap();
+        // An absolute link to a file that exists, as the host's loader would be (but any host).
         let loader = lib.join("ld-linux-x86-64.so.2");
-        std::os::unix::fs::symlink("/lib64/ld-linux-x86-64.so.2", &loader).unwrap();
+        std::os::unix::fs::symlink(&qemu, &loader).unwrap();
         let e = format!("{:#}", r.qemu_virt().unwrap_err());
         assert!(e.contains("u-boot.bin"), "{e}");
         let uboot = d.path().join("usr/lib/u-boot/qemu_arm64");
