@@ -488,7 +488,12 @@ pub fn ensure(tools: &[&Tool]) -> Result<()> {
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct CrossToolchain {
     /// How the aarch64 std was found: `rustup (target already installed)`, `rustup target add`.
+    /// Said in the build's log, never in the image: it does not shape the bytes.
     pub source: String,
+    /// The aarch64 std's bytes: sha256 over the sorted `<sha256>  <path>` lines of every file
+    /// under the sysroot's `lib/rustlib/aarch64-unknown-linux-gnu/` (what the manifest records:
+    /// the same whether the std came with the toolchain or was added later).
+    pub std_sha256: String,
     /// `RUSTC` for cargo, when it is not the one on PATH.
     pub rustc: Option<PathBuf>,
     /// The cargo to run for cross builds.
@@ -568,6 +573,40 @@ pub fn rust_sysroot() -> Result<PathBuf> {
         .context("`rustc --print sysroot` failed in the project root")
 }
 
+/// sha256 over the sorted `<sha256>  <relative path>` lines of every file below `dir`.
+pub fn tree_sha256(dir: &Path) -> Result<String> {
+    fn walk(base: &Path, dir: &Path, out: &mut Vec<String>) -> Result<()> {
+        for e in std::fs::read_dir(dir).with_context(|| format!("listing {}", dir.display()))? {
+            let p = e?.path();
+            let m = std::fs::symlink_metadata(&p)?;
+            if m.is_dir() {
+                walk(base, &p, out)?;
+            } else {
+                let bytes =
+                    std::fs::read(&p).with_context(|| format!("reading {}", p.display()))?;
+                let rel = p.strip_prefix(base).unwrap_or(&p);
+                out.push(format!("{}  {}\n", sha256_hex(&bytes), rel.display()));
+            }
+        }
+        Ok(())
+    }
+    let mut lines = Vec::new();
+    walk(dir, dir, &mut lines)?;
+    lines.sort();
+    Ok(sha256_hex(lines.concat().as_bytes()))
+}
+
+fn sha256_hex(b: &[u8]) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(b))
+}
+
+/// The aarch64 std's folder in the pinned toolchain's sysroot.
+fn aarch64_std_dir() -> Option<PathBuf> {
+    let sysroot = rustc_in_project(&["--print", "sysroot"])?;
+    Some(Path::new(&sysroot).join("lib/rustlib").join(AARCH64))
+}
+
 fn rustup_has_target() -> bool {
     let Some(sysroot) = rustc_in_project(&["--print", "sysroot"]) else {
         return false;
@@ -590,6 +629,15 @@ fn rustc_in_project(args: &[&str]) -> Option<String> {
     out.status
         .success()
         .then(|| String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+/// The host's target triple, as the pinned rustc names it (`rustc -vV`'s `host:`).
+pub fn host_triple() -> Result<String> {
+    let v = rustc_in_project(&["-vV"]).context("rustc -vV failed")?;
+    v.lines()
+        .find_map(|l| l.strip_prefix("host: "))
+        .map(|h| h.trim().to_string())
+        .context("rustc -vV names no host")
 }
 
 /// The Rust release `rust-toolchain.toml` pins (its `toolchain.channel`).
@@ -667,6 +715,7 @@ fn find_cross_toolchain() -> Result<CrossToolchain> {
     let tc = if rustup_has_target() {
         CrossToolchain {
             source: "rustup (target already installed)".into(),
+            std_sha256: String::new(),
             rustc: None,
             cargo: rustup_cargo(),
             rustc_version,
@@ -678,12 +727,19 @@ fn find_cross_toolchain() -> Result<CrossToolchain> {
     } {
         CrossToolchain {
             source: "rustup target add".into(),
+            std_sha256: String::new(),
             rustc: None,
             cargo: rustup_cargo(),
             rustc_version,
         }
     } else {
         bail!("no aarch64 Rust std: run `rustup target add {AARCH64}`");
+    };
+    let std_dir = aarch64_std_dir().context("rustc --print sysroot failed")?;
+    let tc = CrossToolchain {
+        std_sha256: tree_sha256(&std_dir)
+            .with_context(|| format!("hashing the aarch64 std in {}", std_dir.display()))?,
+        ..tc
     };
     let rec = toolchain_record();
     if let Some(dir) = rec.parent() {
@@ -693,8 +749,8 @@ fn find_cross_toolchain() -> Result<CrossToolchain> {
     let prev = std::fs::read_to_string(&rec).ok();
     if prev.as_deref() != Some(json.as_str()) {
         println!(
-            "doctor: aarch64 std from {} ({})",
-            tc.source, tc.rustc_version
+            "doctor: aarch64 std from {} ({}, files sha256 {})",
+            tc.source, tc.rustc_version, tc.std_sha256
         );
         let tmp = rec.with_extension("json.tmp");
         std::fs::write(&tmp, &json).with_context(|| format!("writing {}", tmp.display()))?;

@@ -4,8 +4,10 @@
 //! bootstrapped (`debootstrap --variant=minbase`, plus the prerequisites of running `cargo` at
 //! all: a C linker, git and CA certificates, and `uidmap` for the user's subordinate ids); the
 //! user `kiln` (uid 1000, subordinate ids 100000–165535, no sudo, not in `disk`) is added, and
-//! apt, dpkg and debootstrap are removed before it builds ([`REMOVED`]). Bind-mounted read-only:
-//! the Rust toolchain (`~/.rustup`, `~/.cargo/bin`) and the download cache
+//! apt, dpkg and debootstrap are removed before it builds ([`REMOVED`]). The user's rustup holds
+//! the pinned toolchain copied *without* its aarch64 std, so the build adds it as on a new
+//! machine, and the image must not show it ([`user_rustup`]). Bind-mounted read-only: rustup's
+//! proxies (`~/.cargo/bin`), another toolchain as the user's default, and the download cache
 //! (`~/.cache/kiln/sha256`, content-addressed and re-verified on every use: sharing it saves
 //! downloads, it is not what the stage proves). No registry, no target dir, no tools root, no apt
 //! lists of the host. The commit is cloned to `/home/kiln/src/kiln`; the root becomes a private
@@ -24,7 +26,7 @@
 
 use crate::doctor;
 use crate::pins::Sha256;
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use xshell::cmd;
@@ -186,84 +188,29 @@ pub fn inside() -> Result<()> {
         }
     }
 
-    // The toolchain, read-only; nothing else of the host's.
+    // The toolchain: the pinned one copied without its aarch64 std, as a new machine's rustup
+    // has it (the build must `rustup target add` it, and the image must not say so); any other
+    // toolchain read-only, as the user's default. Nothing else of the host's.
     let home = PathBuf::from(std::env::var_os("HOME").context("HOME is not set")?);
     let rustup = home.join(".rustup");
     let cargo_bin = home.join(".cargo/bin");
     for p in [&rustup, &cargo_bin] {
         if !p.is_dir() {
             bail!(
-                "{} is missing: the fresh-machine stage bind-mounts a rustup toolchain",
+                "{} is missing: the fresh-machine stage copies a rustup toolchain",
                 p.display()
             );
         }
     }
-    std::fs::create_dir_all(root.join("home/kiln/.rustup"))?;
     std::fs::create_dir_all(root.join("home/kiln/.cargo/bin"))?;
     let cache = crate::pins::Cache::user()?;
     std::fs::create_dir_all(&cache.dir)?;
     std::fs::create_dir_all(root.join("home/kiln/.cache/kiln/sha256"))?;
-    // rustup may keep a toolchain as a symlink to an absolute path under the host's home (e.g.
-    // `1.95.0-… -> /root/.rustup/toolchains/stable-…`): bind each such target read-only at its
-    // own path too, or the toolchain is missing inside and rustup tries to download it.
-    let mut extra_binds = String::new();
-    for e in std::fs::read_dir(rustup.join("toolchains"))? {
-        let p = e?.path();
-        if let Ok(t) = std::fs::read_link(&p) {
-            if t.is_absolute() && t.is_dir() {
-                let inside = root.join(t.strip_prefix("/").unwrap_or(&t));
-                std::fs::create_dir_all(&inside)?;
-                // The user must reach it: every folder on the way (`/root` is 0700) searchable.
-                let mut up = inside.parent();
-                while let Some(d) = up.filter(|d| d.starts_with(&root) && *d != root) {
-                    use std::os::unix::fs::PermissionsExt;
-                    let mode = std::fs::metadata(d)?.permissions().mode();
-                    std::fs::set_permissions(d, std::fs::Permissions::from_mode(mode | 0o011))?;
-                    up = d.parent();
-                }
-                extra_binds.push_str(&format!(
-                    "mount --bind '{t}' '{i}'\nmount -o remount,bind,ro '{i}'\n",
-                    t = t.display(),
-                    i = inside.display()
-                ));
-            }
-        }
-    }
-    // The user's default toolchain inside is another Rust release than the pinned one (when the
-    // host has one): rust-toolchain.toml must win, so the image must still be the same.
-    let settings = root.join("home/kiln/rustup-settings.toml");
-    let other_default = match other_toolchain(&rustup)? {
-        Some((name, version)) => {
-            std::fs::write(
-                &settings,
-                format!(
-                    "version = \"12\"\ndefault_toolchain = \"{name}\"\nprofile = \"minimal\"\n\
-                     auto_self_update = \"disable\"\n\n[overrides]\n"
-                ),
-            )
-            .with_context(|| format!("writing {}", settings.display()))?;
-            extra_binds.push_str(&format!(
-                "mount --bind '{s}' '{r}/home/kiln/.rustup/settings.toml'\n",
-                s = settings.display(),
-                r = root.display()
-            ));
-            println!("fresh-machine: the user's default toolchain inside is {name} ({version})");
-            true
-        }
-        None => {
-            println!(
-                "fresh-machine: no second Rust toolchain in {}: the default toolchain inside is \
-                 the host's (install another, e.g. `rustup toolchain install nightly --profile \
-                 minimal`, to vary it too)",
-                rustup.display()
-            );
-            false
-        }
-    };
+    let extra_binds = user_rustup(&sh, &rustup, &root.join("home/kiln/.rustup"))?;
     let r = root.display().to_string();
     let owner = format!("{UID}:{UID}");
     cmd!(sh, "chown -R {owner} {r}/home/{USER}").run()?;
-    let show_default = if other_default {
+    let show_default = if extra_binds.other_default {
         "echo \"fresh-machine: inside: default $(cd /home/kiln && rustc --version), in the \
          checkout $(rustc --version)\" && "
     } else {
@@ -286,13 +233,11 @@ pub fn inside() -> Result<()> {
          mount -t proc proc '{r}/proc'\n\
          mount -t sysfs sys '{r}/sys'\n\
          mount --rbind /dev '{r}/dev'\n\
-         mount --bind '{ru}' '{r}/home/{USER}/.rustup'\n\
-         mount -o remount,bind,ro '{r}/home/{USER}/.rustup'\n\
          mount --bind '{cb}' '{r}/home/{USER}/.cargo/bin'\n\
          mount -o remount,bind,ro '{r}/home/{USER}/.cargo/bin'\n\
          mount --bind '{kc}' '{r}/home/{USER}/.cache/kiln/sha256'\n\
          mount -o remount,bind,ro '{r}/home/{USER}/.cache/kiln/sha256'\n\
-         {extra_binds}\
+         {binds}\
          cd '{r}'\n\
          pivot_root . .old-root\n\
          umount -l /.old-root\n\
@@ -304,8 +249,8 @@ pub fn inside() -> Result<()> {
          exec setpriv --reuid={UID} --regid={UID} --clear-groups /usr/bin/env -i HOME=/home/{USER} \
            USER={USER} PATH=/home/{USER}/.cargo/bin:/usr/local/bin:/usr/bin:/bin \
            TZ=CHAST-12:45CHADT LANG=C.UTF-8 TERM=dumb /bin/sh -c '{inside}'\n",
-        ru = rustup.display(),
         cb = cargo_bin.display(),
+        binds = extra_binds.binds,
         kc = cache.dir.display(),
     );
     let t = Instant::now();
@@ -399,6 +344,85 @@ pub fn compare() -> Result<()> {
     }
     clean(&base)?;
     Ok(())
+}
+
+/// What [`user_rustup`] leaves to mount inside, and whether the user's default toolchain is
+/// another release than the pinned one.
+struct UserRustup {
+    binds: String,
+    other_default: bool,
+}
+
+/// The user's `~/.rustup` at `to`: the pinned toolchain (rust-toolchain.toml) copied from the
+/// host's `rustup` and its aarch64 std removed by rustup itself (checked gone), so the build
+/// inside starts as on a new machine; another toolchain of the host's, if any, bound read-only
+/// (the lines returned) and made the user's default, so `rust-toolchain.toml` must win.
+fn user_rustup(sh: &xshell::Shell, rustup: &Path, to: &Path) -> Result<UserRustup> {
+    let pinned = doctor::pinned_rust()?;
+    let host = doctor::host_triple()?;
+    let name = format!("{pinned}-{host}");
+    let from = rustup.join("toolchains").join(&name);
+    let from = std::fs::canonicalize(&from).with_context(|| {
+        format!(
+            "the pinned toolchain {} (run `rustup toolchain install {pinned}`)",
+            from.display()
+        )
+    })?;
+    let into = to.join("toolchains").join(&name);
+    std::fs::create_dir_all(&into)?;
+    cmd!(sh, "cp -a {from}/. {into}/")
+        .run()
+        .context("copying the pinned toolchain")?;
+    std::fs::write(
+        to.join("settings.toml"),
+        format!(
+            "version = \"12\"\ndefault_toolchain = \"{name}\"\nprofile = \"minimal\"\n\
+             auto_self_update = \"disable\"\n\n[overrides]\n"
+        ),
+    )?;
+    let target = doctor::AARCH64;
+    cmd!(sh, "rustup target remove --toolchain {name} {target}")
+        .env("RUSTUP_HOME", to)
+        .run()
+        .context("removing the aarch64 std from the fresh machine's toolchain")?;
+    let std_dir = into.join("lib/rustlib").join(target);
+    ensure!(
+        !std_dir.exists(),
+        "{} is still there after `rustup target remove`",
+        std_dir.display()
+    );
+    println!("fresh-machine: the user's {name} has no aarch64 std: the build must add it");
+    let mut out = UserRustup {
+        binds: String::new(),
+        other_default: false,
+    };
+    if let Some((other, version)) = other_toolchain(rustup)? {
+        let src = std::fs::canonicalize(rustup.join("toolchains").join(&other))?;
+        let at = to.join("toolchains").join(&other);
+        std::fs::create_dir_all(&at)?;
+        out.binds = format!(
+            "mount --bind '{s}' '{a}'\nmount -o remount,bind,ro '{a}'\n",
+            s = src.display(),
+            a = at.display()
+        );
+        std::fs::write(
+            to.join("settings.toml"),
+            format!(
+                "version = \"12\"\ndefault_toolchain = \"{other}\"\nprofile = \"minimal\"\n\
+                 auto_self_update = \"disable\"\n\n[overrides]\n"
+            ),
+        )?;
+        println!("fresh-machine: the user's default toolchain inside is {other} ({version})");
+        out.other_default = true;
+    } else {
+        println!(
+            "fresh-machine: no second Rust toolchain in {}: the default toolchain inside is the \
+             pinned one (install another, e.g. `rustup toolchain install nightly --profile \
+             minimal`, to vary it too)",
+            rustup.display()
+        );
+    }
+    Ok(out)
 }
 
 /// A toolchain of `rustup`'s other than the pinned release (`rust-toolchain.toml`): its name and

@@ -1001,7 +1001,8 @@ pub fn manifest(ctx: &Ctx, m: &ManifestOf) -> Result<Value> {
         "crates": m.runtime.crates.iter().map(|c| c.to_json()).collect::<Vec<_>>(),
         "npu_runtime": npu.as_ref().map(|(b, o)| json!({"path": "/usr/lib/librknnrt.so", "from": o, "sha256": Sha256::of_bytes(b)})),
         "toolchain": {
-            "rust": toolchain.rustc_version, "rust_std_from": toolchain.source, "cross_gcc": k.toolchain,
+            "rust": toolchain.rustc_version, "cross_gcc": k.toolchain,
+            "rust_std": {"target": crate::doctor::AARCH64, "files_sha256": toolchain.std_sha256},
             "linker": "aarch64-linux-gnu-gcc of the tools root",
         },
         "tools_root": ctx.tools.describe(),

@@ -1,355 +1,24 @@
-//! `cargo xtask test`: the one test command. Stages run in order; each prints its result and
-//! time, a failed stage does not stop the next, and the last line counts them.
+//! What each stage of `cargo xtask test` does. The table of stages (tier, what each guards,
+//! when a change must run it) is in `mod.rs`; a stage here only does its work and returns.
 
-use crate::doctor::{self, is_root, NeedsRoot};
+use super::times::cargo_test;
+use crate::doctor::{self, NeedsRoot};
 use anyhow::{bail, ensure, Context, Result};
 use std::path::PathBuf;
-use std::time::Instant;
 use xshell::cmd;
-
-#[derive(clap::Args)]
-pub struct Args {
-    /// Run only the stages whose name contains one of these words (e.g. `--stage aarch64`).
-    #[arg(long)]
-    pub stage: Vec<String>,
-    /// List the stages and exit.
-    #[arg(long)]
-    pub list: bool,
-    /// Internal: the fresh-machine stage's root half alone, as the suite runs it in the
-    /// background.
-    #[arg(long, hide = true)]
-    pub fresh_machine_root: bool,
-}
-
-type StageFn = fn(&Args) -> Result<()>;
-
-/// The stages that need root by their nature, and why. When this process is not root, the suite
-/// does not run them: it says [`NeedsRoot`] for them, does not ask for their tools, and does not
-/// start the fresh machine's root in the background.
-const ROOT_ONLY: &[(&str, &str)] = &[
-    (
-        "flash",
-        "the flash stage makes loop devices, partitions and mounts one",
-    ),
-    (
-        "fresh-machine",
-        "the fresh-machine stage makes a Debian root (debootstrap) and a user of its own in it",
-    ),
-];
-
-/// Why stage `name` cannot run in this process, if it is root's and this process is not.
-fn root_only(name: &str) -> Option<&'static str> {
-    ROOT_ONLY
-        .iter()
-        .find(|(n, _)| *n == name)
-        .map(|(_, why)| *why)
-        .filter(|_| !is_root())
-}
-
-/// How a stage ended.
-#[derive(Clone, Copy, PartialEq)]
-enum Outcome {
-    Pass,
-    Fail,
-    Skipped,
-}
 
 // Every `cargo test` here selects `--workspace` (and filters by target): `-p` resolves another
 // feature set for the shared dependencies (syn's, so every proc macro and all that uses them),
 // and each set is a full compile of its own, minutes on 2 cores.
 
-/// Every stage of the suite, in order.
-const STAGES: &[(&str, StageFn)] = &[
-    ("fmt", fmt),
-    ("clippy", clippy),
-    ("host-tests", host_tests),
-    ("gguf-reference", gguf_reference),
-    ("llama-cpp", llama_cpp),
-    ("npu-plan-smollm2", npu_plan_smollm2),
-    ("serve", serve),
-    ("aarch64-tests-cortex-a76", |_| {
-        aarch64_tests("cortex-a76", true)
-    }),
-    ("aarch64-tests-cortex-a72", |_| {
-        aarch64_tests("cortex-a72", false)
-    }),
-    ("boot-qemu-clean", boot_qemu_clean),
-    ("sbom", sbom),
-    ("boot-qemu-npu-fault", boot_qemu_npu_fault),
-    ("boot-qemu-faults", boot_qemu_faults),
-    ("boot-qemu-ab", |_| {
-        crate::ab_test::run(crate::ab_test::Args {
-            // The four milestone cuts (each a boot chain, ~45 s; labgrid's suite below cuts the
-            // power once more), no seeded moments: a fixed seed is a fixed moment, and CI's two
-            // landed in phases the milestones cut anyway (init before the verdict; the verdict's
-            // mark-good write) at the price of three chains (the uncut span and two cuts).
-            // Random moments: `cargo xtask ab-test --seeds N` outside CI.
-            seeds: 0,
-            first_seed: 1,
-            cuts_only: false,
-            models_cuts: false,
-            fleet_only: false,
-            boards: None,
-            image: None,
-        })?;
-        // labgrid's suite on the same image, updating with the stage's own `v2.raucb`.
-        crate::farm::labgrid::stage(
-            &crate::boot_test::image_path("qemu-virt"),
-            &crate::ab_test::v2_bundle(),
-        )?;
-        // A fleet's own keys (`cargo xtask keys`) against the board's RAUC.
-        crate::keys::stage()
-    }),
-    ("flash", flash),
-    ("image-checks", |_| {
-        // As a user the checks end in `NeedsRoot` (the loop device) after all the rest ran;
-        // the models bundle's checks run all the same.
-        let checks = crate::image::checks::stage();
-        if checks
-            .as_ref()
-            .is_err_and(|e| e.downcast_ref::<NeedsRoot>().is_none())
-        {
-            return checks;
-        }
-        crate::bundle::models_stage()?;
-        checks
-    }),
-    ("u-boot", |_| crate::image::loader::stage()),
-    ("pins-archive", pins_archive),
-    ("fresh-machine", |_| crate::fresh_machine::stage()),
-];
-
-pub fn run(args: Args) -> Result<()> {
-    if args.fresh_machine_root {
-        return crate::fresh_machine::inside();
-    }
-    if args.list {
-        for (name, _) in STAGES {
-            println!("{name}");
-        }
-        return Ok(());
-    }
-    let chosen: Vec<&(&str, StageFn)> = STAGES
-        .iter()
-        .filter(|(name, _)| args.stage.is_empty() || args.stage.iter().any(|s| name.contains(s)))
-        .collect();
-    if chosen.is_empty() {
-        bail!(
-            "no stage matches {:?}; `cargo xtask test --list` names them",
-            args.stage
-        );
-    }
-    let names: Vec<&str> = chosen.iter().map(|(n, _)| *n).collect();
-    prepare_stages(&names)?;
-    // With other stages to run, the fresh machine's root builds in the background from the
-    // start (see `fresh_machine::Background`); alone, it runs in the foreground.
-    let mut background = None;
-    if names.len() > 1 && names.contains(&"fresh-machine") && root_only("fresh-machine").is_none() {
-        match crate::fresh_machine::Background::start() {
-            Ok(b) => background = Some(b),
-            Err(e) => println!(
-                "fresh-machine: not started in the background ({e:#}): it runs at its turn"
-            ),
-        }
-    }
-    let mut results = Vec::new();
-    for (name, f) in chosen {
-        println!("\n==> stage {name}");
-        let t = Instant::now();
-        let r = match (*name, background.take()) {
-            ("fresh-machine", Some(b)) => b.finish(),
-            (_, b) => {
-                background = b;
-                match root_only(name) {
-                    Some(why) => Err(NeedsRoot(why.to_string()).into()),
-                    None => f(&args),
-                }
-            }
-        };
-        let secs = t.elapsed().as_secs_f64();
-        let outcome = match &r {
-            Ok(()) => {
-                println!("<== stage {name}: PASS ({secs:.1} s)");
-                Outcome::Pass
-            }
-            Err(e) if e.downcast_ref::<NeedsRoot>().is_some() => {
-                println!("<== stage {name}: SKIPPED ({e:#})");
-                Outcome::Skipped
-            }
-            Err(e) => {
-                println!("<== stage {name}: FAIL ({secs:.1} s): {e:#}");
-                Outcome::Fail
-            }
-        };
-        let why = r.err().map(|e| format!("{e:#}"));
-        results.push((*name, outcome, secs, why));
-        record_stage(name, outcome, secs);
-    }
-    println!("\nstage summary:");
-    for (name, outcome, secs, why) in &results {
-        match outcome {
-            Outcome::Skipped => {
-                println!("  {:<28} SKIPPED ({})", name, why.as_deref().unwrap_or(""))
-            }
-            o => println!(
-                "  {:<28} {} {secs:>7.1} s",
-                name,
-                if *o == Outcome::Pass { "PASS" } else { "FAIL" }
-            ),
-        }
-    }
-    let count = |o: Outcome| results.iter().filter(|r| r.1 == o).count();
-    let (passed, failed, skipped) = (
-        count(Outcome::Pass),
-        count(Outcome::Fail),
-        count(Outcome::Skipped),
-    );
-    if skipped > 0 {
-        println!(
-            "{passed} passed, {failed} failed, {skipped} skipped (they need root: \
-             `sudo cargo xtask test --stage NAME` runs one; CI runs them all as root)"
-        );
-    } else {
-        println!("{passed} passed, {failed} failed");
-    }
-    if failed > 0 {
-        bail!("{failed} stage(s) failed");
-    }
-    Ok(())
-}
-
-/// One line per finished stage in `~/.cache/kiln/test-stages.log` (UTC time, commit, stage,
-/// PASS/FAIL, seconds): the stage times of earlier runs, clean clones among them, outlive their
-/// checkouts, so a run's cost can be read back stage by stage. A failure to record is only said.
-fn record_stage(name: &str, outcome: Outcome, secs: f64) {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs() as i64)
-        .unwrap_or(0);
-    let (y, mo, d) = crate::civil::civil_from_days(now.div_euclid(86400));
-    let t = now.rem_euclid(86400);
-    let commit = std::process::Command::new("git")
-        .args(["rev-parse", "--short=12", "HEAD"])
-        .current_dir(crate::paths::project_root())
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .unwrap_or_else(|| "-".into());
-    let line = format!(
-        "{y:04}-{mo:02}-{d:02}T{:02}:{:02}:{:02}Z {commit} {name} {} {secs:.1}\n",
-        t / 3600,
-        t / 60 % 60,
-        t % 60,
-        match outcome {
-            Outcome::Pass => "PASS",
-            Outcome::Fail => "FAIL",
-            Outcome::Skipped => "SKIPPED",
-        }
-    );
-    let write = || -> Result<()> {
-        use std::io::Write;
-        let p = crate::paths::user_cache()?.join("test-stages.log");
-        std::fs::create_dir_all(p.parent().unwrap_or(std::path::Path::new(".")))?;
-        let mut f = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&p)?;
-        f.write_all(line.as_bytes())?;
-        Ok(())
-    };
-    if let Err(e) = write() {
-        println!("test: could not record the stage's time: {e:#}");
-    }
-}
-
-/// The host tools a stage needs and whether it cross-builds Rust for aarch64. A stage not named
-/// here gets every tool the doctor knows.
-fn stage_tools(stage: &str) -> (Vec<&'static doctor::Tool>, bool) {
-    use doctor::*;
-    let judges: &[&Tool] = &[
-        &SFDISK,
-        &FSCK_VFAT,
-        &FSCK_EROFS,
-        &E2FSCK,
-        &MTOOLS,
-        &CPIO,
-        &BMAPTOOL,
-    ];
-    match stage {
-        "fmt" | "clippy" => (vec![], false),
-        "host-tests" => {
-            let mut t = judges.to_vec();
-            t.extend([
-                &MKFS_EROFS,
-                &MKE2FS,
-                &LOSETUP,
-                &LSBLK,
-                &APT_HELPER,
-                // runtime/tests/slot_tools.rs: the references for kiln/abstate.env.
-                &FW_PRINTENV,
-                &RAUC,
-                &UBOOT_TOOLS,
-            ]);
-            (t, false)
-        }
-        "gguf-reference" | "npu-plan-smollm2" | "serve" => (vec![&PYTHON_VENV], false),
-        // llama-cpp-python compiles llama.cpp with CMake and g++ on its first install (the
-        // tools llama-server's build needs too); the image's `kiln` is cross-built for the
-        // qemu-aarch64 comparison.
-        "llama-cpp" => (
-            [
-                &[&PYTHON_VENV, &QEMU_USER, &AARCH64_SYSROOT][..],
-                FOR_LLAMA_SERVER_BUILD,
-            ]
-            .concat(),
-            true,
-        ),
-        "sbom" => ([FOR_IMAGE, &[&PYTHON_VENV]].concat(), true),
-        s if s.starts_with("aarch64-tests") => (vec![&QEMU_USER, &AARCH64_SYSROOT], true),
-        // boot-qemu-ab's fleet scenario serves the bundles with nginx; labgrid --remote exports
-        // the board's console through ser2net.
-        "boot-qemu-ab" => (
-            [FOR_IMAGE, FOR_BOOT, &[&PYTHON_VENV, &NGINX, &SER2NET]].concat(),
-            true,
-        ),
-        s if s.starts_with("boot-qemu") => ([FOR_IMAGE, FOR_BOOT, &[&PYTHON_VENV]].concat(), true),
-        "flash" => (vec![&BMAPTOOL, &LSBLK, &LOSETUP, &MKE2FS, &SFDISK], false),
-        "image-checks" => ([FOR_IMAGE, judges].concat(), true),
-        "u-boot" => ([FOR_IMAGE, &[&SFDISK, &BMAPTOOL, &LSBLK]].concat(), false),
-        "pins-archive" => (FOR_PINS.to_vec(), false),
-        "fresh-machine" => ([FOR_IMAGE, FOR_BOOT, &[&DEBOOTSTRAP]].concat(), true),
-        _ => (all_tools(), true),
-    }
-}
-
-/// Resolve, before the first stage runs, every tool the chosen stages need.
-fn prepare_stages(names: &[&str]) -> Result<()> {
-    let mut tools: Vec<&doctor::Tool> = Vec::new();
-    let mut cross = false;
-    for n in names {
-        if root_only(n).is_some() {
-            continue;
-        }
-        let (t, c) = stage_tools(n);
-        for t in t {
-            if !tools.iter().any(|k| k.name == t.name) {
-                tools.push(t);
-            }
-        }
-        cross |= c;
-    }
-    doctor::prepare("test", &tools, cross)
-}
-
-fn fmt(_: &Args) -> Result<()> {
+pub(super) fn fmt() -> Result<()> {
     let sh = crate::paths::shell()?;
     cmd!(sh, "cargo fmt --all -- --check")
         .run()
         .context("cargo fmt found unformatted code (run `cargo fmt --all`)")
 }
 
-fn clippy(_: &Args) -> Result<()> {
+pub(super) fn clippy() -> Result<()> {
     let sh = crate::paths::shell()?;
     cmd!(
         sh,
@@ -359,17 +28,19 @@ fn clippy(_: &Args) -> Result<()> {
     .context("clippy")
 }
 
-fn host_tests(_: &Args) -> Result<()> {
+pub(super) fn host_tests() -> Result<()> {
     let sh = crate::paths::shell()?;
     let (standin, abi1) = build_standins(None)?;
     // The slot tests' references (fw_printenv, mkenvimage, rauc) are resolved by the doctor for
     // this stage: here a missing one is a failure, not a skip.
-    cmd!(sh, "cargo test --locked --workspace")
-        .env("KILN_REQUIRE_TOOLS", "1")
-        .env("KILN_RKNN_STANDIN", standin)
-        .env("KILN_RKNN_STANDIN_ABI1", abi1)
-        .run()
-        .context("host tests")
+    // --no-fail-fast: one failing test binary must not hide what the others would say.
+    cargo_test(
+        cmd!(sh, "cargo test --locked --workspace --no-fail-fast")
+            .env("KILN_REQUIRE_TOOLS", "1")
+            .env("KILN_RKNN_STANDIN", standin)
+            .env("KILN_RKNN_STANDIN_ABI1", abi1),
+    )
+    .context("host tests")
 }
 
 /// Build rknn-standin (the librknnrt stand-in the NPU tests load) for `target` (None: the
@@ -422,7 +93,7 @@ fn build_standins(target: Option<&str>) -> Result<(PathBuf, PathBuf)> {
 /// The runtime's tests as aarch64 code under qemu-user, on a CPU with dotprod (cortex-a76, what
 /// RK3588's big cores are: every test but [`HOST_REFERENCE_TESTS`]) and one without (cortex-a72: the CPU backend's tests and
 /// the architecture check, which is what differs there), so both kernels of the CPU backend run.
-fn aarch64_tests(cpu: &str, dotprod: bool) -> Result<()> {
+pub(super) fn aarch64_tests(cpu: &str, dotprod: bool) -> Result<()> {
     doctor::ensure(&[
         &doctor::QEMU_USER,
         &doctor::AARCH64_SYSROOT,
@@ -439,25 +110,26 @@ fn aarch64_tests(cpu: &str, dotprod: bool) -> Result<()> {
             .map(String::from)
             .to_vec()
     };
-    tc.cargo(&sh)
-        .args([
-            "test",
-            "--locked",
-            "--no-fail-fast",
-            "-p",
-            "kiln-runtime",
-            "--target",
-            doctor::AARCH64,
-        ])
-        .env("CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER", runner)
-        .env("KILN_EXPECT_ARCH", "aarch64")
-        .env("KILN_UNDER_QEMU_USER", "1")
-        .env("KILN_EXPECT_DOTPROD", if dotprod { "1" } else { "0" })
-        .env("KILN_RKNN_STANDIN", standin)
-        .env("KILN_RKNN_STANDIN_ABI1", abi1)
-        .args(targets)
-        .run()
-        .with_context(|| format!("aarch64 tests under qemu-aarch64-static -cpu {cpu}"))
+    cargo_test(
+        tc.cargo(&sh)
+            .args([
+                "test",
+                "--locked",
+                "--no-fail-fast",
+                "-p",
+                "kiln-runtime",
+                "--target",
+                doctor::AARCH64,
+            ])
+            .env("CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER", runner)
+            .env("KILN_EXPECT_ARCH", "aarch64")
+            .env("KILN_UNDER_QEMU_USER", "1")
+            .env("KILN_EXPECT_DOTPROD", if dotprod { "1" } else { "0" })
+            .env("KILN_RKNN_STANDIN", standin)
+            .env("KILN_RKNN_STANDIN_ABI1", abi1)
+            .args(targets),
+    )
+    .with_context(|| format!("aarch64 tests under qemu-aarch64-static -cpu {cpu}"))
 }
 
 /// The runtime's test files whose every test needs an x86 reference (llama.cpp, gguf-py, the
@@ -552,7 +224,7 @@ const SMOLLM2_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 /// The image boots through U-Boot under QEMU with SmolLM2 on the models partition, its
 /// self-check passes (known answers of SmolLM2's weights included), and the report on the disk
 /// equals the console's (all checked inside `boot_test::boot`).
-fn boot_qemu_clean(_: &Args) -> Result<()> {
+pub(super) fn boot_qemu_clean() -> Result<()> {
     let model = smollm2_for_boot()?;
     let args = crate::boot_test::Args {
         models: vec![model.clone()],
@@ -827,7 +499,7 @@ fn board_serve_expect(model: &std::path::Path) -> Result<serde_json::Value> {
 /// The same boot keeps the board up with `kiln serve` (`kiln.mode=test-serve`): after the FAIL,
 /// `/health` and the /v1 endpoints answer 503 naming the failed checks (the openai client, over
 /// QEMU's forwarded port), and `/kiln/report` is the card's report, byte for byte.
-fn boot_qemu_npu_fault(_: &Args) -> Result<()> {
+pub(super) fn boot_qemu_npu_fault() -> Result<()> {
     let args = boot_args(Some("untouched"));
     // `boot_with` fills in the failed checks from the console's report.
     let probe = crate::boot_test::Probe {
@@ -868,18 +540,19 @@ pub(crate) const SMOLLM2_SHA256: &str =
 /// kiln's GGUF reader against gguf-py (files it writes, its reader, its dequantizer) and the
 /// SmolLM2 model: the `#[ignore]`d tests of `runtime/tests/gguf_reference.rs`, with
 /// `KILN_GGUF_PY` and `KILN_SMOLLM2` naming what this stage prepared.
-fn gguf_reference(_: &Args) -> Result<()> {
+pub(super) fn gguf_reference() -> Result<()> {
     doctor::ensure(&[&doctor::PYTHON_VENV])?;
     let python = gguf_py_venv()?;
     let model = smollm2_model(&python)?;
     let sh = crate::paths::shell()?;
-    cmd!(
-        sh,
-        "cargo test --locked --workspace --test gguf_reference -- --ignored"
+    cargo_test(
+        cmd!(
+            sh,
+            "cargo test --locked --workspace --test gguf_reference -- --ignored"
+        )
+        .env("KILN_GGUF_PY", &python)
+        .env("KILN_SMOLLM2", &model),
     )
-    .env("KILN_GGUF_PY", &python)
-    .env("KILN_SMOLLM2", &model)
-    .run()
     .context("gguf reference tests")
 }
 
@@ -892,7 +565,7 @@ pub(crate) const LLAMA_CPP_PINS: &[&str] =
 /// `KILN_LLAMA_PY` (the venv's python), `KILN_SMOLLM2` and `KILN_GEMMA3` set; and the aarch64 release build of
 /// `kiln` under qemu-aarch64 (cortex-a76: the NEON/dotprod path) on the paragraph test's inputs
 /// (`KILN_AARCH64_KILN`, `KILN_AARCH64_RUNNER`): the same token ids, the NLL within rounding.
-fn llama_cpp(_: &Args) -> Result<()> {
+pub(super) fn llama_cpp() -> Result<()> {
     doctor::ensure(&[
         &doctor::PYTHON_VENV,
         &doctor::QEMU_USER,
@@ -907,16 +580,17 @@ fn llama_cpp(_: &Args) -> Result<()> {
     crate::tools_root::ensure(false)?.link_cross_builds()?;
     let a64 = crate::build::build_runtime(true).context("building kiln for aarch64 (release)")?;
     let runner = format!("qemu-aarch64-static -cpu cortex-a76 -L {}", doctor::SYSROOT);
-    cmd!(
-        sh,
-        "cargo test --locked --workspace --tests -- --ignored llama_cpp_"
+    cargo_test(
+        cmd!(
+            sh,
+            "cargo test --locked --workspace --tests -- --ignored llama_cpp_"
+        )
+        .env("KILN_LLAMA_PY", &python)
+        .env("KILN_SMOLLM2", &model)
+        .env("KILN_GEMMA3", &gemma3)
+        .env("KILN_AARCH64_KILN", &a64)
+        .env("KILN_AARCH64_RUNNER", runner),
     )
-    .env("KILN_LLAMA_PY", &python)
-    .env("KILN_SMOLLM2", &model)
-    .env("KILN_GEMMA3", &gemma3)
-    .env("KILN_AARCH64_KILN", &a64)
-    .env("KILN_AARCH64_RUNNER", runner)
-    .run()
     .context("kiln against llama.cpp")
 }
 
@@ -1041,20 +715,21 @@ pub(crate) fn llama_cpp_venv() -> Result<std::path::PathBuf> {
 
 /// `kiln plan` on the SmolLM2 model with rknn-standin as the NPU: the `#[ignore]`d test of
 /// `runtime/tests/kiln_plan.rs`, with `KILN_SMOLLM2` and `KILN_RKNN_STANDIN` set.
-fn npu_plan_smollm2(_: &Args) -> Result<()> {
+pub(super) fn npu_plan_smollm2() -> Result<()> {
     doctor::ensure(&[&doctor::PYTHON_VENV])?;
     let python = gguf_py_venv()?;
     let model = smollm2_model(&python)?;
     let (standin, abi1) = build_standins(None)?;
     let sh = crate::paths::shell()?;
-    cmd!(
-        sh,
-        "cargo test --locked --workspace --test kiln_plan -- --ignored"
+    cargo_test(
+        cmd!(
+            sh,
+            "cargo test --locked --workspace --test kiln_plan -- --ignored"
+        )
+        .env("KILN_SMOLLM2", &model)
+        .env("KILN_RKNN_STANDIN", standin)
+        .env("KILN_RKNN_STANDIN_ABI1", abi1),
     )
-    .env("KILN_SMOLLM2", &model)
-    .env("KILN_RKNN_STANDIN", standin)
-    .env("KILN_RKNN_STANDIN_ABI1", abi1)
-    .run()
     .context("kiln plan on SmolLM2")
 }
 
@@ -1086,18 +761,19 @@ fn openai_python() -> Result<PathBuf> {
     Ok(python)
 }
 
-fn serve(_: &Args) -> Result<()> {
+pub(super) fn serve() -> Result<()> {
     doctor::ensure(&[&doctor::PYTHON_VENV])?;
     let model = smollm2_model(&gguf_py_venv()?)?;
     let python = openai_python()?;
     let sh = crate::paths::shell()?;
-    cmd!(
-        sh,
-        "cargo test --locked --workspace --test serve_openai -- --ignored --nocapture"
+    cargo_test(
+        cmd!(
+            sh,
+            "cargo test --locked --workspace --test serve_openai -- --ignored --nocapture"
+        )
+        .env("KILN_OPENAI_PY", &python)
+        .env("KILN_SMOLLM2", &model),
     )
-    .env("KILN_OPENAI_PY", &python)
-    .env("KILN_SMOLLM2", &model)
-    .run()
     .context("kiln serve against the openai client")
 }
 
@@ -1107,7 +783,7 @@ const SBOM_PINS: &str = "spdx-tools==0.8.3 cyclonedx-python-lib[json-validation]
 /// the official validators: `pyspdxtools -i` (SPDX 2.3) and cyclonedx-python-lib's strict JSON
 /// schema (CycloneDX 1.6). Broken copies (a package without its downloadLocation, a component without its
 /// required `name`) must fail them, or the stage fails.
-fn sbom(_: &Args) -> Result<()> {
+pub(super) fn sbom() -> Result<()> {
     let images = crate::paths::target_dir().join("images");
     let manifest = images.join("manifest.json");
     let board = "qemu-virt";
@@ -1569,7 +1245,7 @@ pub(crate) fn gemma3_model(python: &std::path::Path) -> Result<std::path::PathBu
 
 /// `cargo xtask flash` and the bmap module: unit tests (lsblk fixtures, bmaptool agreement) and
 /// the end-to-end tests on loop devices, which need root and are `#[ignore]`d in host-tests.
-fn flash(_: &Args) -> Result<()> {
+pub(super) fn flash() -> Result<()> {
     doctor::ensure(&[
         &doctor::BMAPTOOL,
         &doctor::LSBLK,
@@ -1578,17 +1254,15 @@ fn flash(_: &Args) -> Result<()> {
         &doctor::SFDISK,
     ])?;
     let sh = crate::paths::shell()?;
-    cmd!(
+    cargo_test(cmd!(
         sh,
         "cargo test --locked --workspace --bin xtask -- bmap:: flash::"
-    )
-    .run()
+    ))
     .context("bmap and flash unit tests")?;
-    cmd!(
+    cargo_test(cmd!(
         sh,
         "cargo test --locked --workspace --test flash -- --include-ignored"
-    )
-    .run()
+    ))
     .context("flash end-to-end tests (loop devices)")
 }
 
@@ -1596,22 +1270,22 @@ fn flash(_: &Args) -> Result<()> {
 /// refreshed, the snapshot fallback against a local server (`pins::archive_tests`); the doctor
 /// as the one entry to prerequisites (`tests/doctor_path.rs`); and, as root, an empty host
 /// sources list (`tests/pins_host_sources.rs`).
-fn pins_archive(_: &Args) -> Result<()> {
+pub(super) fn pins_archive() -> Result<()> {
     let sh = crate::paths::shell()?;
-    cmd!(
+    cargo_test(cmd!(
         sh,
         "cargo test --locked --workspace --bin xtask -- --include-ignored apt:: pins::"
-    )
-    .run()
+    ))
     .context("pins and apt tests (Debian's archive, local snapshot server)")?;
-    cmd!(sh, "cargo test --locked --workspace --test doctor_path")
-        .run()
-        .context("every command with one of its tools removed from PATH")?;
-    cmd!(
+    cargo_test(cmd!(
+        sh,
+        "cargo test --locked --workspace --test doctor_path"
+    ))
+    .context("every command with one of its tools removed from PATH")?;
+    cargo_test(cmd!(
         sh,
         "cargo test --locked --workspace --test pins_host_sources -- --include-ignored"
-    )
-    .run()
+    ))
     .context("pins with an empty host sources list")
 }
 
@@ -1628,7 +1302,7 @@ fn pins_archive(_: &Args) -> Result<()> {
 /// The npu=true stand-in, the pinned governor without cpufreq, the `not set` option that is set
 /// and the report missing a required check are shown by host tests with real inputs
 /// (`selftest::npu`, `selftest::cpu`, `selftest::kernel`, `xtask report`).
-fn boot_qemu_faults(_: &Args) -> Result<()> {
+pub(super) fn boot_qemu_faults() -> Result<()> {
     use crate::disk::{fat, gpt};
     doctor::ensure(&[&doctor::MTOOLS])?;
     let model = smollm2_for_boot()?;
@@ -2077,4 +1751,105 @@ mod tests {
         );
         assert_eq!(ggml_x86_without_amx("no flags line\n"), None);
     }
+}
+
+/// A/B with real U-Boot and RAUC on the qemu-virt image: the scenarios, the fleet over DDI and
+/// the four milestone power cuts (`ab_test`), then labgrid's suite updating with the run's own
+/// `v2.raucb`, then a fleet's own keys against the board's RAUC.
+pub(super) fn boot_qemu_ab() -> Result<()> {
+    super::times::part("ab-test (scenarios, fleet, milestone cuts)", || {
+        crate::ab_test::run(crate::ab_test::Args {
+            // The four milestone cuts (each a boot chain, ~45 s; labgrid's suite below cuts the
+            // power once more), no seeded moments: those are the long proof `ab-seeded-cuts`.
+            seeds: 0,
+            first_seed: 1,
+            cuts_only: false,
+            models_cuts: false,
+            fleet_only: false,
+            boards: None,
+            image: None,
+        })
+    })?;
+    super::times::part("labgrid suite", || {
+        crate::farm::labgrid::stage(
+            &crate::boot_test::image_path("qemu-virt"),
+            &crate::ab_test::v2_bundle(),
+        )
+    })?;
+    super::times::part("a fleet's own keys", crate::keys::stage)
+}
+
+/// The long proofs of the A/B area, each a mode of `cargo xtask ab-test`.
+#[derive(Clone, Copy)]
+pub(super) enum AbLong {
+    /// Power cut at 12 seeded moments of the update chain (beside the milestones).
+    SeededCuts,
+    /// Power cuts during a models install.
+    ModelsCuts,
+    /// N boards polling one DDI server.
+    Boards(usize),
+}
+
+pub(super) fn ab_long(which: AbLong) -> Result<()> {
+    let mut args = crate::ab_test::Args {
+        seeds: 0,
+        first_seed: 1,
+        cuts_only: true,
+        models_cuts: false,
+        fleet_only: false,
+        boards: None,
+        image: None,
+    };
+    match which {
+        AbLong::SeededCuts => args.seeds = 12,
+        AbLong::ModelsCuts => args.models_cuts = true,
+        AbLong::Boards(n) => {
+            args.cuts_only = false;
+            args.boards = Some(n);
+        }
+    }
+    crate::ab_test::run(args)
+}
+
+/// rock-5b's image booted under QEMU and the image checks; as a user they end in `NeedsRoot`
+/// (the loop device) after all the rest ran; the models bundle's checks run all the same.
+pub(super) fn image_checks() -> Result<()> {
+    let checks = super::times::part("image checks", crate::image::checks::stage);
+    if checks
+        .as_ref()
+        .is_err_and(|e| e.downcast_ref::<NeedsRoot>().is_none())
+    {
+        return checks;
+    }
+    super::times::part("models bundle", crate::bundle::models_stage)?;
+    checks
+}
+
+/// The long half of the `llama-cpp` stage: Gemma 3's real file with its sliding window off
+/// (`KILN_GEMMA3_FAULTS`) must land more than twice the bound from llama.cpp past the window.
+pub(super) fn llama_cpp_long() -> Result<()> {
+    doctor::ensure(&[&doctor::PYTHON_VENV])?;
+    let python = llama_cpp_venv()?;
+    let model = smollm2_model(&python)?;
+    let gemma3 = gemma3_model(&python)?;
+    let sh = crate::paths::shell()?;
+    cargo_test(
+        cmd!(
+            sh,
+            "cargo test --locked --workspace --test llama_cpp_model -- --ignored llama_cpp_gemma3_long_text_nll_greedy"
+        )
+        .env("KILN_LLAMA_PY", &python)
+        .env("KILN_SMOLLM2", &model)
+        .env("KILN_GEMMA3", &gemma3)
+        .env("KILN_GEMMA3_FAULTS", "1"),
+    )
+    .context("Gemma 3's real file with its window off against llama.cpp")
+}
+
+/// `cargo xtask soak serve --minutes 30`: its own verdict (flat RSS, descriptors, threads and
+/// latency; every valid request answered, every invalid one refused).
+pub(super) fn soak_serve() -> Result<()> {
+    crate::soak::run(crate::soak::Args {
+        what: crate::soak::What::Serve(crate::soak::ServeArgs::for_minutes(30.0)?),
+    })
 }
