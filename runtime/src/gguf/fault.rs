@@ -9,33 +9,153 @@
 //! - **stops** (every other command): it writes one line naming the file and the offset and
 //!   exits with 74 (`EX_IOERR`) — never a result computed from bytes that were not read.
 //!
+//! The table is a chain of segments of [`SLOTS`] slots each: the first is static, the others
+//! are allocated by [`watch`] (normal context) when every slot before them is taken, published
+//! with an atomic pointer and never freed, so every mapping is watched however many are live,
+//! and the handler walks the chain with atomic loads only (no lock, no allocation).
+//!
 //! A `SIGBUS` outside every model mapping gets the default action, as before.
 
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Once;
 
+/// Slots per segment of the table.
 const SLOTS: usize = 64;
 const PATH_MAX: usize = 240;
 
-#[allow(clippy::declare_interior_mutable_const)]
-const ZERO: AtomicUsize = AtomicUsize::new(0);
-/// Start address of each live mapping (0: free slot); written last on register, first on drop.
-static START: [AtomicUsize; SLOTS] = [ZERO; SLOTS];
-static LEN: [AtomicUsize; SLOTS] = [ZERO; SLOTS];
-/// Pages replaced in each mapping, and the first faulting offset + 1.
-static FAULTS: [AtomicUsize; SLOTS] = [ZERO; SLOTS];
-static FIRST: [AtomicUsize; SLOTS] = [ZERO; SLOTS];
-/// Each slot's path, for the handler's message (written before START publishes the slot).
-static mut PATHS: [[u8; PATH_MAX]; SLOTS] = [[0; PATH_MAX]; SLOTS];
-static PATH_LEN: [AtomicUsize; SLOTS] = [ZERO; SLOTS];
+/// One live mapping's entry. Every field is atomic: the handler reads it while other threads
+/// claim and release slots.
+struct Slot {
+    /// Start address of the mapping (0: free, 1: being filled or released); written last on
+    /// register, first on drop.
+    start: AtomicUsize,
+    len: AtomicUsize,
+    /// Pages replaced in the mapping, and the first faulting offset + 1.
+    faults: AtomicUsize,
+    first: AtomicUsize,
+    /// Faults already handed out by [`take`].
+    reported: AtomicUsize,
+    /// The path, for the handler's message (written before `start` publishes the slot).
+    path: [AtomicU8; PATH_MAX],
+    path_len: AtomicUsize,
+}
+
+impl Slot {
+    const fn new() -> Slot {
+        #[allow(clippy::declare_interior_mutable_const)]
+        const B: AtomicU8 = AtomicU8::new(0);
+        Slot {
+            start: AtomicUsize::new(0),
+            len: AtomicUsize::new(0),
+            faults: AtomicUsize::new(0),
+            first: AtomicUsize::new(0),
+            reported: AtomicUsize::new(0),
+            path: [B; PATH_MAX],
+            path_len: AtomicUsize::new(0),
+        }
+    }
+
+    /// The live mapping's start and length, when the slot holds one.
+    fn live(&self) -> Option<(usize, usize)> {
+        let s = self.start.load(Ordering::Acquire);
+        let l = self.len.load(Ordering::Acquire);
+        (s > 1).then_some((s, l))
+    }
+
+    /// The path's bytes into `buf` (no allocation: signal context).
+    fn path_into<'b>(&self, buf: &'b mut [u8; PATH_MAX]) -> &'b [u8] {
+        let n = self.path_len.load(Ordering::Acquire).min(PATH_MAX);
+        for (b, a) in buf.iter_mut().zip(&self.path[..n]) {
+            *b = a.load(Ordering::Relaxed);
+        }
+        &buf[..n]
+    }
+
+    fn path(&self) -> std::path::PathBuf {
+        let mut buf = [0u8; PATH_MAX];
+        let name = self.path_into(&mut buf);
+        std::path::PathBuf::from(String::from_utf8_lossy(name).into_owned())
+    }
+
+    /// This slot's faults: how many pages, and the first faulting offset.
+    fn faults(&self) -> Option<(usize, usize)> {
+        let n = self.faults.load(Ordering::Acquire);
+        (n > 0).then(|| (n, self.first.load(Ordering::Acquire).saturating_sub(1)))
+    }
+
+    /// This slot's faults as an error naming `path`.
+    fn error(&self, path: &Path) -> Option<String> {
+        self.faults().map(|(n, off)| {
+            format!(
+                "I/O error reading {}: {n} page(s) could not be read, the first at byte offset \
+                 {off} (the storage or dm-verity refused the block: its bytes do not match the \
+                 image's root hash, or the medium failed)",
+                path.display()
+            )
+        })
+    }
+}
+
+/// [`SLOTS`] slots and the next segment (null until one is needed; never freed once published).
+struct Segment {
+    slots: [Slot; SLOTS],
+    next: AtomicPtr<Segment>,
+}
+
+impl Segment {
+    const fn new() -> Segment {
+        #[allow(clippy::declare_interior_mutable_const)]
+        const S: Slot = Slot::new();
+        Segment {
+            slots: [S; SLOTS],
+            next: AtomicPtr::new(std::ptr::null_mut()),
+        }
+    }
+
+    fn next(&self) -> Option<&'static Segment> {
+        // SAFETY: a non-null `next` was leaked from a Box (so lives for ever) and published with
+        // Release after it was fully built; this Acquire load sees it built.
+        unsafe { self.next.load(Ordering::Acquire).as_ref() }
+    }
+
+    /// The next segment, adding one when there is none yet (normal context only: allocates).
+    fn next_or_grow(&self) -> &'static Segment {
+        if let Some(n) = self.next() {
+            return n;
+        }
+        let new = Box::into_raw(Box::new(Segment::new()));
+        match self.next.compare_exchange(
+            std::ptr::null_mut(),
+            new,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        ) {
+            // SAFETY: just leaked from a Box, published above, never freed.
+            Ok(_) => unsafe { &*new },
+            Err(other) => {
+                // Another thread published one first: ours was never seen by anyone.
+                // SAFETY: `new` came from Box::into_raw above and was not published.
+                drop(unsafe { Box::from_raw(new) });
+                // SAFETY: `other` is non-null (the exchange from null failed) and published.
+                unsafe { &*other }
+            }
+        }
+    }
+}
+
+/// The first segment of the table; the chain grows from it.
+static TABLE: Segment = Segment::new();
 static PAGE: AtomicUsize = AtomicUsize::new(4096);
-/// Faults already handed out by [`take`], per live slot.
-static REPORTED: [AtomicUsize; SLOTS] = [ZERO; SLOTS];
 /// Faults of mappings since closed, not yet handed out by [`take`].
 static CLOSED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
 static RECOVER: AtomicBool = AtomicBool::new(false);
 static INSTALL: Once = Once::new();
+
+/// Every slot of the table, segment by segment: atomic loads only, safe in the handler.
+fn slots() -> impl Iterator<Item = &'static Slot> {
+    std::iter::successors(Some(&TABLE), |s| s.next()).flat_map(|s| s.slots.iter())
+}
 
 /// Recover from read errors in model mappings (zero pages, counted) instead of stopping: for a
 /// process that reports each mapping's faults itself (the self-check).
@@ -45,72 +165,59 @@ pub fn set_recover(on: bool) {
 
 /// While it lives, faults inside its mapping are caught and counted.
 pub struct FaultGuard {
-    slot: Option<usize>,
+    slot: Option<&'static Slot>,
 }
 
-/// Watch the mapping `bytes` of `path` (installs the handler on first use). With more than 64
-/// live mappings the extra ones are not watched (the default action applies to them).
+/// Watch the mapping `bytes` of `path` (installs the handler on first use). Every non-empty
+/// mapping is watched: when every slot is taken the table grows by a segment.
 pub fn watch(bytes: &[u8], path: &Path) -> FaultGuard {
     INSTALL.call_once(install);
-    let start = bytes.as_ptr() as usize;
     if bytes.is_empty() {
         return FaultGuard { slot: None };
     }
-    for i in 0..SLOTS {
-        // Claim the slot with a placeholder start (1), fill it, then publish the real start.
-        if START[i]
-            .compare_exchange(0, 1, Ordering::AcqRel, Ordering::Relaxed)
-            .is_ok()
-        {
-            let p = path.as_os_str().as_encoded_bytes();
-            let n = p.len().min(PATH_MAX);
-            // SAFETY: slot i is ours (claimed above); the handler reads PATHS[i] only while
-            // START[i] holds a real start, which is published below, after this write.
-            unsafe {
-                let dst = std::ptr::addr_of_mut!(PATHS[i]) as *mut u8;
-                std::ptr::copy_nonoverlapping(p.as_ptr(), dst, n);
+    let mut seg: &'static Segment = &TABLE;
+    loop {
+        for slot in &seg.slots {
+            // Claim the slot with a placeholder start (1), fill it, then publish the real start.
+            if slot
+                .start
+                .compare_exchange(0, 1, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+            {
+                fill(slot, bytes, path);
+                return FaultGuard { slot: Some(slot) };
             }
-            PATH_LEN[i].store(n, Ordering::Release);
-            FAULTS[i].store(0, Ordering::Release);
-            FIRST[i].store(0, Ordering::Release);
-            REPORTED[i].store(0, Ordering::Release);
-            LEN[i].store(bytes.len(), Ordering::Release);
-            START[i].store(start, Ordering::Release);
-            return FaultGuard { slot: Some(i) };
         }
+        seg = seg.next_or_grow();
     }
-    FaultGuard { slot: None }
+}
+
+/// Fill the claimed `slot` for `bytes` of `path` and publish it (its start, last).
+fn fill(slot: &Slot, bytes: &[u8], path: &Path) {
+    let p = path.as_os_str().as_encoded_bytes();
+    let n = p.len().min(PATH_MAX);
+    for (a, b) in slot.path.iter().zip(&p[..n]) {
+        a.store(*b, Ordering::Relaxed);
+    }
+    slot.path_len.store(n, Ordering::Release);
+    slot.faults.store(0, Ordering::Release);
+    slot.first.store(0, Ordering::Release);
+    slot.reported.store(0, Ordering::Release);
+    slot.len.store(bytes.len(), Ordering::Release);
+    slot.start.store(bytes.as_ptr() as usize, Ordering::Release);
 }
 
 impl FaultGuard {
     /// Pages of this mapping that could not be read (replaced by zeros), and the first
     /// faulting offset in the file.
     pub fn faults(&self) -> Option<(usize, usize)> {
-        slot_faults(self.slot?)
+        self.slot?.faults()
     }
 
     /// An error naming `path` when any page of it could not be read.
     pub fn error(&self, path: &Path) -> Option<String> {
-        self.slot.and_then(|i| slot_error(i, path))
+        self.slot?.error(path)
     }
-}
-
-/// Slot `i`'s faults: how many pages, and the first faulting offset.
-fn slot_faults(i: usize) -> Option<(usize, usize)> {
-    let n = FAULTS[i].load(Ordering::Acquire);
-    (n > 0).then(|| (n, FIRST[i].load(Ordering::Acquire).saturating_sub(1)))
-}
-
-/// Slot `i`'s faults as an error naming `path`.
-fn slot_error(i: usize, path: &Path) -> Option<String> {
-    slot_faults(i).map(|(n, off)| {
-        format!(
-            "I/O error reading {}: {n} page(s) could not be read, the first at byte offset \
-             {off} (the storage or dm-verity refused the block: its bytes do not match the \
-             image's root hash, or the medium failed)",
-            path.display()
-        )
-    })
 }
 
 /// The read errors recovered since the last call, each naming its file: of mappings closed
@@ -119,37 +226,30 @@ fn slot_error(i: usize, path: &Path) -> Option<String> {
 pub fn take() -> Vec<String> {
     let mut out: Vec<String> =
         std::mem::take(&mut *CLOSED.lock().unwrap_or_else(|e| e.into_inner()));
-    for i in 0..SLOTS {
-        if START[i].load(Ordering::Acquire) <= 1 {
+    for slot in slots() {
+        if slot.live().is_none() {
             continue;
         }
-        let n = FAULTS[i].load(Ordering::Acquire);
-        if n > REPORTED[i].swap(n, Ordering::AcqRel) {
-            out.extend(slot_error(i, &slot_path(i)));
+        let n = slot.faults.load(Ordering::Acquire);
+        if n > slot.reported.swap(n, Ordering::AcqRel) {
+            out.extend(slot.error(&slot.path()));
         }
     }
     out
 }
 
-fn slot_path(i: usize) -> std::path::PathBuf {
-    let n = PATH_LEN[i].load(Ordering::Acquire);
-    // SAFETY: read in normal context while the slot is live; written only when claimed.
-    let name: &[u8; PATH_MAX] = unsafe { &*std::ptr::addr_of!(PATHS[i]) };
-    std::path::PathBuf::from(String::from_utf8_lossy(&name[..n]).into_owned())
-}
-
 impl Drop for FaultGuard {
     fn drop(&mut self) {
-        if let Some(i) = self.slot {
-            let n = FAULTS[i].load(Ordering::Acquire);
-            if n > REPORTED[i].load(Ordering::Acquire) {
-                if let Some(e) = self.error(&slot_path(i)) {
+        if let Some(slot) = self.slot {
+            let n = slot.faults.load(Ordering::Acquire);
+            if n > slot.reported.load(Ordering::Acquire) {
+                if let Some(e) = slot.error(&slot.path()) {
                     CLOSED.lock().unwrap_or_else(|e| e.into_inner()).push(e);
                 }
             }
-            START[i].store(1, Ordering::Release);
-            LEN[i].store(0, Ordering::Release);
-            START[i].store(0, Ordering::Release);
+            slot.start.store(1, Ordering::Release);
+            slot.len.store(0, Ordering::Release);
+            slot.start.store(0, Ordering::Release);
         }
     }
 }
@@ -191,43 +291,45 @@ fn decimal(mut n: usize, buf: &mut [u8; 24]) -> &[u8] {
     }
 }
 
+/// Replace the page holding `addr` with a zero page (signal context): whether it was.
+fn zero_page(addr: usize) -> bool {
+    let page = PAGE.load(Ordering::Relaxed);
+    let at = addr & !(page - 1);
+    // SAFETY: the caller found the page inside a live read-only model mapping of ours; a
+    // private anonymous zero page in its place changes only what later reads of it see.
+    let r = unsafe {
+        libc::mmap(
+            at as *mut libc::c_void,
+            page,
+            libc::PROT_READ,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
+            -1,
+            0,
+        )
+    };
+    r != libc::MAP_FAILED
+}
+
 extern "C" fn handler(_sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mut libc::c_void) {
     // SAFETY: the kernel passes a valid siginfo_t for SA_SIGINFO handlers.
     let addr = unsafe { (*info).si_addr() } as usize;
-    for i in 0..SLOTS {
-        let s = START[i].load(Ordering::Acquire);
-        let l = LEN[i].load(Ordering::Acquire);
-        if s <= 1 || addr < s || addr >= s + l {
+    for slot in slots() {
+        let Some((s, l)) = slot.live() else { continue };
+        if addr < s || addr - s >= l {
             continue;
         }
         let off = addr - s;
-        if RECOVER.load(Ordering::SeqCst) {
-            let page = PAGE.load(Ordering::Relaxed);
-            let at = addr & !(page - 1);
-            // SAFETY: the page lies inside a live read-only model mapping of ours; a private
-            // anonymous zero page in its place changes only what later reads of it see.
-            let r = unsafe {
-                libc::mmap(
-                    at as *mut libc::c_void,
-                    page,
-                    libc::PROT_READ,
-                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
-                    -1,
-                    0,
-                )
-            };
-            if r != libc::MAP_FAILED {
-                FAULTS[i].fetch_add(1, Ordering::AcqRel);
-                let _ = FIRST[i].compare_exchange(0, off + 1, Ordering::AcqRel, Ordering::Relaxed);
-                return;
-            }
+        if RECOVER.load(Ordering::SeqCst) && zero_page(addr) {
+            slot.faults.fetch_add(1, Ordering::AcqRel);
+            let _ = slot
+                .first
+                .compare_exchange(0, off + 1, Ordering::AcqRel, Ordering::Relaxed);
+            return;
         }
-        let n = PATH_LEN[i].load(Ordering::Acquire);
+        let mut name = [0u8; PATH_MAX];
         let mut digits = [0u8; 24];
         write_stderr(b"kiln: I/O error reading ");
-        // SAFETY: slot i is live (START checked above) and its path was written before.
-        let name: &[u8; PATH_MAX] = unsafe { &*std::ptr::addr_of!(PATHS[i]) };
-        write_stderr(&name[..n]);
+        write_stderr(slot.path_into(&mut name));
         write_stderr(b" at byte offset ");
         write_stderr(decimal(off, &mut digits));
         write_stderr(
@@ -249,11 +351,19 @@ mod tests {
     use super::*;
     use std::io::Write;
 
+    /// The tests that fault on purpose, one at a time: [`take`] hands out every mapping's faults.
+    static FAULTING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    fn faulting() -> std::sync::MutexGuard<'static, ()> {
+        FAULTING.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// A mapped file truncated under the mapping faults with SIGBUS past its end, as an
     /// unreadable block does: in recover mode the read completes with zeros and the guard
     /// names the file and the offset.
     #[test]
     fn a_fault_in_a_watched_mapping_is_counted_and_named() {
+        let _one_at_a_time = faulting();
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("m.gguf");
         let mut f = std::fs::File::create(&p).unwrap();
@@ -290,6 +400,56 @@ mod tests {
         assert!(take().is_empty());
     }
 
+    /// With more live mappings than a segment has slots (130: the first segment full, a
+    /// second full, a third begun), a read error in the 65th and in the last is recovered,
+    /// counted and named as in the first, not the default SIGBUS action.
+    #[test]
+    fn every_live_mapping_is_watched_past_the_first_64() {
+        let _one_at_a_time = faulting();
+        const PAGE: usize = 65536;
+        let dir = tempfile::tempdir().unwrap();
+        let mut live = Vec::new();
+        for i in 0..130 {
+            let p = dir.path().join(format!("many-{i}.gguf"));
+            std::fs::write(&p, vec![7u8; 2 * PAGE]).unwrap();
+            let f = std::fs::File::open(&p).unwrap();
+            // SAFETY: the test truncates files on purpose to provoke faults.
+            let map = unsafe { memmap2::Mmap::map(&f) }.unwrap();
+            let g = watch(&map, &p);
+            live.push((p, map, g));
+        }
+        set_recover(true);
+        take();
+        for i in [0, 64, 129] {
+            let (p, map, g) = &live[i];
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(p)
+                .unwrap()
+                .set_len(PAGE as u64)
+                .unwrap();
+            let at = PAGE + 100 + i;
+            // SAFETY: inside the mapping; the read faults and is recovered.
+            let v = unsafe { std::ptr::read_volatile(map.as_ptr().add(at)) };
+            assert_eq!(v, 0, "mapping {i}");
+            assert_eq!(
+                map[10], 7,
+                "mapping {i}: pages before the fault keep their bytes"
+            );
+            assert_eq!(g.faults(), Some((1, at)), "mapping {i}");
+            let e = g.error(p).unwrap();
+            assert!(
+                e.contains(&format!("reading {}:", p.display()))
+                    && e.contains(&format!("offset {at}")),
+                "{e}"
+            );
+            assert_eq!(take(), std::slice::from_ref(&e), "mapping {i}");
+        }
+        for (_, _, g) in &live[1..64] {
+            assert!(g.faults().is_none());
+        }
+    }
+
     /// Outside the self-check (no recovery) a fault in a watched mapping stops the process
     /// with exit status 74 and one line naming the file and the offset. Run in a child: this
     /// test binary again, told by the environment to provoke the fault.
@@ -298,10 +458,38 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn without_recovery_the_process_stops_naming_the_file() {
+        stop_in_child("without_recovery_the_process_stops_naming_the_file", 0);
+    }
+
+    /// The same past the first segment of the table: with 64 other mappings live, the fault in
+    /// the 65th stops the process naming its file, not the default SIGBUS action.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn without_recovery_a_fault_in_the_65th_mapping_stops_naming_the_file() {
+        stop_in_child(
+            "without_recovery_a_fault_in_the_65th_mapping_stops_naming_the_file",
+            64,
+        );
+    }
+
+    /// Run test `name` in a child that holds `before` mappings of another file live, then maps
+    /// `stop.gguf`, truncates it and reads past the end; the child must exit 74 naming it.
+    #[cfg(target_arch = "x86_64")]
+    fn stop_in_child(name: &str, before: usize) {
         if let Ok(p) = std::env::var("KILN_FAULT_CHILD") {
             let p = std::path::PathBuf::from(p);
+            let other = p.with_file_name("other.gguf");
+            let f = std::fs::File::open(&other).unwrap();
+            let live: Vec<_> = (0..before)
+                .map(|_| {
+                    // SAFETY: nothing changes this file while it is mapped.
+                    let map = unsafe { memmap2::Mmap::map(&f) }.unwrap();
+                    let g = watch(&map, &other);
+                    (map, g)
+                })
+                .collect();
             let f = std::fs::File::open(&p).unwrap();
-            // SAFETY: the parent truncated the file on purpose to provoke the fault.
+            // SAFETY: the child truncates the file on purpose to provoke the fault.
             let map = unsafe { memmap2::Mmap::map(&f) }.unwrap();
             let _g = watch(&map, &p);
             set_recover(false);
@@ -313,15 +501,17 @@ mod tests {
                 .unwrap();
             // SAFETY: inside the mapping; the read faults and the handler exits.
             let v = unsafe { std::ptr::read_volatile(map.as_ptr().add(70_000)) };
+            drop(live);
             panic!("the read past the end returned {v} instead of stopping the process");
         }
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("stop.gguf");
         std::fs::write(&p, vec![1u8; 3 * 65536]).unwrap();
+        std::fs::write(dir.path().join("other.gguf"), vec![2u8; 65536]).unwrap();
         let out = std::process::Command::new(std::env::current_exe().unwrap())
             .args([
                 "--exact",
-                "gguf::fault::tests::without_recovery_the_process_stops_naming_the_file",
+                &format!("gguf::fault::tests::{name}"),
                 "--nocapture",
                 "--test-threads=1",
             ])
