@@ -11,10 +11,12 @@
 //! those are declines too, recorded with their reason, and the next backend takes the weight
 //! ([`plan`]) or the op ([`run_with_fallback`], counted in a [`RunLog`]).
 //!
-//! NPU memory policy: weights are prepared in the model's order (GGUF order: the embedding
-//! first, then layer by layer), and all of them stay prepared until the plan is complete, so
-//! each takes its converted bytes from what the earlier ones left; one that does not fit is
-//! declined with `NpuMemory { need, left }` and the next weight is tried.
+//! NPU memory policy: weights are prepared in the model's order, [`prepare_order`] (layer by
+//! layer, each layer's in the forward pass's order, then the LM head; not the order the file
+//! lists them in), and all of them stay prepared until the plan is complete, so each takes its
+//! converted bytes from what the earlier ones left; one that does not fit is declined with
+//! `NpuMemory { need, left }` and the next weight is tried. `kiln plan` and the model load both
+//! plan through [`plan`], which applies that order, so they decline the same weights.
 
 use crate::backend::{Backend, Capabilities, Decline, MatmulOp, PreparedWeight, Weight};
 use crate::ledger::{Arrival, Evidence, Ledger};
@@ -86,7 +88,50 @@ pub fn ledger_name(backend: &str) -> String {
     backend.to_uppercase()
 }
 
-/// Assign `weights` to `backends` (board order) for the row counts `ms`.
+/// The order in which [`plan`] prepares weights, as indices into `weights`: the order the NPU's
+/// budget is taken in (a weight that does not fit is declined `NpuMemory` and the next one is
+/// tried). It is the forward pass's: layer by layer by layer number (`blk.2` before `blk.10`),
+/// in each layer Q, K, V (or phi3's fused QKV), the attention output, the FFN's gate, up (or
+/// phi3's fused gate and up), down, then any other weight of the layer by name; then the
+/// weights outside the layers (the LM head: `output.weight`, or the tied `token_embd.weight`)
+/// by name. It does not depend on the order the file lists the tensors in, nor on the order a
+/// caller passes them in: `kiln plan` and the model load both plan through [`plan`], so at any
+/// budget they decline the same weights.
+pub fn prepare_order(weights: &[Weight<'_>]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..weights.len()).collect();
+    order.sort_by_key(|&i| order_key(weights[i].name));
+    order
+}
+
+/// A weight's place in [`prepare_order`]: `(0, layer, role, name)` for a layer's weight,
+/// `(1, 0, 0, name)` for any other.
+fn order_key(name: &str) -> (u8, u64, usize, &str) {
+    const ROLES: [&str; 8] = [
+        "attn_qkv",
+        "attn_q",
+        "attn_k",
+        "attn_v",
+        "attn_output",
+        "ffn_gate",
+        "ffn_up",
+        "ffn_down",
+    ];
+    let layer = name
+        .strip_prefix("blk.")
+        .and_then(|r| r.split_once('.'))
+        .and_then(|(l, tail)| Some((l.parse::<u64>().ok()?, tail)));
+    match layer {
+        Some((l, tail)) => {
+            let stem = tail.strip_suffix(".weight").unwrap_or(tail);
+            let role = ROLES.iter().position(|r| *r == stem).unwrap_or(ROLES.len());
+            (0, l, role, name)
+        }
+        None => (1, 0, 0, name),
+    }
+}
+
+/// Assign `weights` to `backends` (board order) for the row counts `ms`. The weights are
+/// prepared in [`prepare_order`]; the plan lists them in the order given.
 /// `keep_prepared`: keep each owner's prepared weight in [`Plan::prepared`] (else it is dropped
 /// once its arrival is recorded).
 pub fn plan<'w>(
@@ -107,99 +152,16 @@ pub fn plan<'w>(
         })
         .collect();
     let mut ledger = Ledger::new();
-    let mut out = Vec::with_capacity(weights.len());
-    let mut prepared = Vec::new();
-    for w in weights {
-        let mut wp = WeightPlan {
-            name: w.name.to_string(),
-            ty: w.ty.name().to_string(),
-            k: w.k,
-            n: w.n,
-            bytes: w.data.len() as u64,
-            owner: None,
-            converted_bytes: 0,
-            int8_requant_nmse: None,
-            declined: Vec::new(),
-            prepare_errors: Vec::new(),
-            at_m: Vec::new(),
-        };
-        let mut kept = None;
-        let mut prepare_declines: Vec<Declined> = Vec::new();
-        for b in backends {
-            if let Err(decline) = b.supports(&MatmulOp::for_weight(w, own_m)) {
-                wp.declined.push(Declined {
-                    backend: b.name().to_string(),
-                    decline,
-                });
-                continue;
-            }
-            let (prepared, measured) = crate::ledger::measure(|| b.prepare(w));
-            match prepared {
-                Ok(p) => {
-                    let arrival = p.arrival();
-                    let ev = Evidence {
-                        declared: arrival,
-                        reads: p.reads_from(),
-                        measured,
-                    };
-                    ledger.record(&ledger_name(b.name()), w.name, w.data.len() as u64, &ev);
-                    if let Arrival::Converted { bytes } = arrival {
-                        wp.converted_bytes = bytes;
-                    }
-                    wp.int8_requant_nmse = p
-                        .as_any()
-                        .downcast_ref::<crate::backend::npu::NpuPrepared>()
-                        .and_then(|n| n.requant_nmse());
-                    wp.owner = Some(b.name().to_string());
-                    kept = Some(p);
-                    break;
-                }
-                // A refusal found while preparing (budget, range, layout) is a decline.
-                Err(e) => match e.downcast_ref::<Decline>() {
-                    Some(d) => {
-                        let d = Declined {
-                            backend: b.name().to_string(),
-                            decline: d.clone(),
-                        };
-                        wp.declined.push(d.clone());
-                        prepare_declines.push(d);
-                    }
-                    None => wp
-                        .prepare_errors
-                        .push((b.name().to_string(), format!("{e:#}"))),
-                },
-            }
-        }
-        for &m in &ms {
-            let mut at = AtM {
-                m,
-                backend: None,
-                declined: Vec::new(),
-            };
-            for b in backends {
-                // A backend that refused the weight when preparing it cannot run its ops.
-                let at_prepare = prepare_declines.iter().find(|d| d.backend == b.name());
-                if let Some(d) = at_prepare {
-                    at.declined.push(d.clone());
-                    continue;
-                }
-                match b.supports(&MatmulOp::for_weight(w, m)) {
-                    Ok(()) => {
-                        at.backend = Some(b.name().to_string());
-                        break;
-                    }
-                    Err(decline) => at.declined.push(Declined {
-                        backend: b.name().to_string(),
-                        decline,
-                    }),
-                }
-            }
-            wp.at_m.push(at);
-        }
+    let mut out: Vec<Option<WeightPlan>> = vec![None; weights.len()];
+    let mut prepared: Vec<Owned<'w>> = weights.iter().map(|_| None).collect();
+    for i in prepare_order(weights) {
+        let w = &weights[i];
+        let (mut wp, kept, prepare_declines) = own(backends, w, own_m, &mut ledger);
+        wp.at_m = at_each_m(backends, w, &ms, &prepare_declines);
         // Kept until the plan is complete either way: a prepared weight holds its backend's
         // memory, and the next weight must see what is left.
-        prepared.push(kept);
-        out.push(wp);
+        prepared[i] = kept;
+        out[i] = Some(wp);
     }
     if !keep_prepared {
         prepared.clear();
@@ -208,12 +170,123 @@ pub fn plan<'w>(
         ms,
         backends: backends.iter().map(|b| b.name().to_string()).collect(),
         probes,
-        weights: out,
+        // Every index is in the order once: every weight has its plan.
+        weights: out.into_iter().flatten().collect(),
         ledger,
         npu_budget: None,
         runs: RunLog::default(),
         prepared,
     }
+}
+
+/// The owner's prepared weight, if a backend took it.
+type Owned<'w> = Option<Box<dyn PreparedWeight + 'w>>;
+
+/// The owner of `w` at `own_m`: the first backend that supports the op there and prepares the
+/// weight, its arrival recorded in `ledger`. Returns the weight's plan (without `at_m`), the
+/// owner's prepared weight, and the backends that refused it while preparing.
+fn own<'w>(
+    backends: &[&dyn Backend],
+    w: &Weight<'w>,
+    own_m: usize,
+    ledger: &mut Ledger,
+) -> (WeightPlan, Owned<'w>, Vec<Declined>) {
+    let mut wp = WeightPlan {
+        name: w.name.to_string(),
+        ty: w.ty.name().to_string(),
+        k: w.k,
+        n: w.n,
+        bytes: w.data.len() as u64,
+        owner: None,
+        converted_bytes: 0,
+        int8_requant_nmse: None,
+        declined: Vec::new(),
+        prepare_errors: Vec::new(),
+        at_m: Vec::new(),
+    };
+    let mut prepare_declines: Vec<Declined> = Vec::new();
+    for b in backends {
+        if let Err(decline) = b.supports(&MatmulOp::for_weight(w, own_m)) {
+            wp.declined.push(Declined {
+                backend: b.name().to_string(),
+                decline,
+            });
+            continue;
+        }
+        let (prepared, measured) = crate::ledger::measure(|| b.prepare(w));
+        match prepared {
+            Ok(p) => {
+                let arrival = p.arrival();
+                let ev = Evidence {
+                    declared: arrival,
+                    reads: p.reads_from(),
+                    measured,
+                };
+                ledger.record(&ledger_name(b.name()), w.name, w.data.len() as u64, &ev);
+                if let Arrival::Converted { bytes } = arrival {
+                    wp.converted_bytes = bytes;
+                }
+                wp.int8_requant_nmse = p
+                    .as_any()
+                    .downcast_ref::<crate::backend::npu::NpuPrepared>()
+                    .and_then(|n| n.requant_nmse());
+                wp.owner = Some(b.name().to_string());
+                return (wp, Some(p), prepare_declines);
+            }
+            // A refusal found while preparing (budget, range, layout) is a decline.
+            Err(e) => match e.downcast_ref::<Decline>() {
+                Some(d) => {
+                    let d = Declined {
+                        backend: b.name().to_string(),
+                        decline: d.clone(),
+                    };
+                    wp.declined.push(d.clone());
+                    prepare_declines.push(d);
+                }
+                None => wp
+                    .prepare_errors
+                    .push((b.name().to_string(), format!("{e:#}"))),
+            },
+        }
+    }
+    (wp, None, prepare_declines)
+}
+
+/// Who runs `w`'s op at each of `ms`: the first backend that supports it there, with the
+/// declines of those before it (a backend that refused the weight when preparing it cannot run
+/// its ops).
+fn at_each_m(
+    backends: &[&dyn Backend],
+    w: &Weight<'_>,
+    ms: &[usize],
+    prepare_declines: &[Declined],
+) -> Vec<AtM> {
+    let mut out = Vec::with_capacity(ms.len());
+    for &m in ms {
+        let mut at = AtM {
+            m,
+            backend: None,
+            declined: Vec::new(),
+        };
+        for b in backends {
+            if let Some(d) = prepare_declines.iter().find(|d| d.backend == b.name()) {
+                at.declined.push(d.clone());
+                continue;
+            }
+            match b.supports(&MatmulOp::for_weight(w, m)) {
+                Ok(()) => {
+                    at.backend = Some(b.name().to_string());
+                    break;
+                }
+                Err(decline) => at.declined.push(Declined {
+                    backend: b.name().to_string(),
+                    decline,
+                }),
+            }
+        }
+        out.push(at);
+    }
+    out
 }
 
 /// Run-time counts: ops each backend ran, and declines by backend and reason.
@@ -623,6 +696,63 @@ mod tests {
     use super::*;
     use crate::backend::cpu::CpuRefBackend;
     use crate::quant::GgmlType;
+
+    /// The order weights are prepared in (and the NPU's budget taken in): by layer number, the
+    /// forward pass's order within a layer, the LM head last; whatever order they come in.
+    #[test]
+    fn weights_are_prepared_layer_by_layer_then_the_head() {
+        let names = [
+            "token_embd.weight",
+            "blk.10.attn_q.weight",
+            "blk.2.ffn_up.weight",
+            "blk.2.attn_v.weight",
+            "blk.2.attn_k.weight",
+            "blk.2.ffn_down.weight",
+            "blk.2.attn_output.weight",
+            "blk.2.ffn_gate.weight",
+            "blk.2.attn_q.weight",
+            "blk.2.ssm_x.weight",
+            "blk.0.attn_qkv.weight",
+            "blk.0.ffn_up.weight",
+            "blk.x.attn_q.weight",
+        ];
+        let ws: Vec<Weight<'_>> = names
+            .iter()
+            .map(|&name| Weight {
+                name,
+                ty: GgmlType::F16,
+                k: 32,
+                n: 32,
+                data: &[],
+            })
+            .collect();
+        let order: Vec<&str> = prepare_order(&ws).iter().map(|&i| names[i]).collect();
+        assert_eq!(
+            order,
+            [
+                "blk.0.attn_qkv.weight",
+                "blk.0.ffn_up.weight",
+                "blk.2.attn_q.weight",
+                "blk.2.attn_k.weight",
+                "blk.2.attn_v.weight",
+                "blk.2.attn_output.weight",
+                "blk.2.ffn_gate.weight",
+                "blk.2.ffn_up.weight",
+                "blk.2.ffn_down.weight",
+                "blk.2.ssm_x.weight",
+                "blk.10.attn_q.weight",
+                "blk.x.attn_q.weight",
+                "token_embd.weight",
+            ]
+        );
+        let mut reversed = ws.clone();
+        reversed.reverse();
+        let again: Vec<&str> = prepare_order(&reversed)
+            .iter()
+            .map(|&i| reversed[i].name)
+            .collect();
+        assert_eq!(again, order, "the order does not depend on the order given");
+    }
 
     /// Without the NPU library every weight falls to the CPU, and every count still adds up.
     #[test]

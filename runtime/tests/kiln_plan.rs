@@ -1,10 +1,12 @@
 //! `kiln plan` and `kiln matmul` from outside, on a file written by kiln's GGUF writer and (with
 //! `KILN_SMOLLM2`, stage `npu-plan-smollm2`) on the SmolLM2 model; the NPU is rknn-standin.
+//! `kiln plan`'s NPU declines against what the NPU declines when the model is loaded on it.
 
 mod support;
 
 mod npu_common;
 
+use kiln_runtime::backend::{Backend, Capabilities, Decline, MatmulOp, PreparedWeight, Weight};
 use kiln_runtime::gguf::writer::GgufWriter;
 use kiln_runtime::gguf::{GgufFile, Value};
 use kiln_runtime::quant::{quantize_to_vec, GgmlType};
@@ -244,6 +246,158 @@ fn plan_with_no_npu_budget() {
     );
 }
 
+/// A loadable one-layer llama (embedding 512, FFN 1024, tied embeddings), every matmul weight
+/// F16, listed in an order that is not the forward pass's: the tied embedding first, then the
+/// layer's tensors by name (as converters often write them). Converted NPU bytes: Q, K, V and
+/// the attention output 0.5 MiB each, gate, up, down and the tied LM head 1 MiB each.
+fn loadable_model(dir: &Path) -> PathBuf {
+    let (e, ff, vocab) = (512usize, 1024usize, 1024usize);
+    let mut w = GgufWriter::new();
+    let u = |x: usize| Value::U32(x as u32);
+    w.add("general.architecture", Value::String("llama".into()))
+        .unwrap()
+        .add("llama.block_count", u(1))
+        .unwrap()
+        .add("llama.context_length", u(64))
+        .unwrap()
+        .add("llama.embedding_length", u(e))
+        .unwrap()
+        .add("llama.feed_forward_length", u(ff))
+        .unwrap()
+        .add("llama.attention.head_count", u(8))
+        .unwrap()
+        .add("llama.attention.head_count_kv", u(8))
+        .unwrap()
+        .add("llama.rope.dimension_count", u(64))
+        .unwrap()
+        .add("llama.rope.freq_base", Value::F32(10000.0))
+        .unwrap()
+        .add("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5))
+        .unwrap()
+        .add("llama.vocab_size", u(vocab))
+        .unwrap();
+    let mut seed = 100;
+    let mut f16 = |name: &str, k: usize, n: usize| {
+        seed += 1;
+        let b = weight(GgmlType::F16, k, n, seed).0;
+        w.tensor(name, GgmlType::F16, &[k as u64, n as u64], b)
+            .unwrap();
+    };
+    f16("token_embd.weight", e, vocab);
+    f16("blk.0.attn_k.weight", e, e);
+    f16("blk.0.attn_output.weight", e, e);
+    f16("blk.0.attn_q.weight", e, e);
+    f16("blk.0.attn_v.weight", e, e);
+    f16("blk.0.ffn_down.weight", ff, e);
+    f16("blk.0.ffn_gate.weight", e, ff);
+    f16("blk.0.ffn_up.weight", e, ff);
+    for n in ["blk.0.attn_norm", "blk.0.ffn_norm", "output_norm"] {
+        w.tensor_f32(format!("{n}.weight"), &[e as u64], &vec![1.0; e])
+            .unwrap();
+    }
+    let p = dir.join("loadable.gguf");
+    w.write(&p).unwrap();
+    p
+}
+
+/// The stand-in NPU backend, recording each weight it declines while preparing, and why.
+struct Recording {
+    npu: kiln_runtime::backend::npu::NpuBackend,
+    declined: std::sync::Arc<std::sync::Mutex<Vec<(String, String)>>>,
+}
+
+impl Backend for Recording {
+    fn name(&self) -> &'static str {
+        self.npu.name()
+    }
+    fn probe(&self) -> Result<Capabilities, Decline> {
+        self.npu.probe()
+    }
+    fn supports(&self, op: &MatmulOp) -> Result<(), Decline> {
+        self.npu.supports(op)
+    }
+    fn prepare<'w>(&self, w: &Weight<'w>) -> anyhow::Result<Box<dyn PreparedWeight + 'w>> {
+        let r = self.npu.prepare(w);
+        if let Some(d) = r.as_ref().err().and_then(|e| e.downcast_ref::<Decline>()) {
+            let mut v = self.declined.lock().unwrap();
+            v.push((w.name.to_string(), d.kind().to_string()));
+        }
+        r
+    }
+    fn run(
+        &self,
+        w: &Weight<'_>,
+        p: &dyn PreparedWeight,
+        a: &[f32],
+        m: usize,
+        c: &mut [f32],
+    ) -> anyhow::Result<()> {
+        self.npu.run(w, p, a, m, c)
+    }
+}
+
+/// At a budget where only some weights fit (3 MiB of the model's 6), the weights `kiln plan`
+/// declines as `NpuMemory` are the ones the NPU backend declines when the model is loaded on it
+/// with that budget: one order of preparation for both, whatever order the file lists them in.
+#[test]
+fn plan_declines_what_the_loaded_model_declines() {
+    use kiln_runtime::backend::cpu::CpuBackend;
+    use kiln_runtime::model::{Model, Options};
+    use std::collections::BTreeSet;
+    const MIB: u64 = 3;
+    let dir = scratch("plan-vs-load");
+    let file = loadable_model(&dir);
+    let j = plan_json_args(
+        &file,
+        &["--m", "1,512", "--npu-budget-mib", &MIB.to_string()],
+    );
+    check_counts(&j, 8, 2);
+    let planned: BTreeSet<String> = j["plan"]["weights"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|w| {
+            w["declined"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|d| d["backend"] == "npu" && d["decline"]["reason"] == "NpuMemory")
+        })
+        .map(|w| w["name"].as_str().unwrap().to_string())
+        .collect();
+    let npu_owned = j["table"]["coverage"]["npu"]["weights"].as_u64().unwrap();
+    assert!(
+        !planned.is_empty() && npu_owned > 0,
+        "only some weights fit in {MIB} MiB: {planned:?}, {npu_owned} on the NPU"
+    );
+
+    let declined = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let npu = Recording {
+        npu: backend_with("KILN_RKNN_STANDIN", |c| c.budget = MIB << 20),
+        declined: declined.clone(),
+    };
+    let f = GgufFile::open(&file).unwrap();
+    let opt = Options {
+        ubatch: 512,
+        threads: 1,
+        ..Options::default()
+    };
+    let backends: Vec<Box<dyn Backend>> = vec![Box::new(npu), Box::new(CpuBackend::new())];
+    let model = Model::load_with(&f, &opt, backends).unwrap();
+    let loaded: BTreeSet<String> = declined
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(_, why)| why == "NpuMemory")
+        .map(|(name, _)| name.clone())
+        .collect();
+    assert_eq!(
+        planned, loaded,
+        "kiln plan declines {planned:?}, the loaded model's NPU declined {loaded:?}\n{}",
+        model.plan_text
+    );
+}
+
 #[test]
 fn matmul_runs_on_the_named_backend_or_says_why_not() {
     let dir = scratch("matmul-cli");
@@ -434,7 +588,7 @@ fn plan_on_smollm2() {
 fn int8_accuracy_on_smollm2() {
     use kiln_runtime::backend::cpu::CpuRefBackend;
     use kiln_runtime::backend::npu::INT8_BAR;
-    use kiln_runtime::backend::{run_checked, Backend, Weight};
+    use kiln_runtime::backend::run_checked;
     let model = std::env::var_os("KILN_SMOLLM2")
         .map(PathBuf::from)
         .expect("KILN_SMOLLM2 is not set: run `cargo xtask test --stage npu-plan`");

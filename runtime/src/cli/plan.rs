@@ -12,8 +12,9 @@ pub struct Args {
     #[arg(long)]
     json: bool,
     /// NPU memory for converted weights, in MiB (default: `KILN_NPU_BUDGET_MIB`, else 1024;
-    /// capped at the 4096 MiB of one IOMMU domain). Weights that do not fit, in model order,
-    /// are declined as `NpuMemory`.
+    /// capped at the 4096 MiB of one IOMMU domain). Weights that do not fit, in model order
+    /// (layer by layer, then the LM head; as the model load reserves them), are declined as
+    /// `NpuMemory`.
     #[arg(long)]
     npu_budget_mib: Option<u64>,
 }

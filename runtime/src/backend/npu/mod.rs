@@ -11,7 +11,8 @@
 //! `rknn_matmul_set_io_mem`; contexts exist per M bucket (the next power of two of M + 1, the
 //! canary row), created lazily and at most [`MAX_CTXS`] per block. The NPU bytes of a weight (its
 //! converted B) are reserved against the budget ([`NpuConfig::budget`]) in the order weights are
-//! prepared; a weight that does not fit is declined with `NpuMemory { need, left }`.
+//! prepared ([`crate::sched::prepare_order`], the model load's and `kiln plan`'s alike); a
+//! weight that does not fit is declined with `NpuMemory { need, left }`.
 //!
 //! Layout: the tile used to convert B is the one the library reports in `io_attr.B.dims[2..4]`
 //! after `rknn_matmul_create`, and A, B and C's dims and types are checked against what kiln
