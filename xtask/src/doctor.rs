@@ -516,17 +516,45 @@ pub fn link_with(linker: PathBuf, ar: PathBuf) {
 }
 
 impl CrossToolchain {
-    /// A `cargo` command for aarch64 builds with the linker and (if needed) RUSTC set.
+    /// A `cargo` command for aarch64 builds with the linker and (if needed) RUSTC set: what goes
+    /// into an image. Built in this checkout's target/, never in the test suite's shared build
+    /// directory (`test::share_build_dir`), so where its build writes (OUT_DIR) and so the
+    /// image's bytes stay what they were.
     pub fn cargo<'a>(&self, sh: &'a xshell::Shell) -> xshell::Cmd<'a> {
-        let cargo = &self.cargo;
         // Paths that end up in the binary (panic locations, debug info) must not depend on where
         // the checkout or the user's cargo home is: the checkout becomes /kiln, the crates'
         // sources /cargo.
-        let remap = format!(
-            "--remap-path-prefix={}=/kiln --remap-path-prefix={}=/cargo",
-            crate::paths::project_root().display(),
-            cargo_home().display()
-        );
+        let (root, home) = (crate::paths::project_root(), cargo_home());
+        self.cargo_with(
+            sh,
+            Some(format!(
+                "--remap-path-prefix={}=/kiln --remap-path-prefix={}=/cargo",
+                root.display(),
+                home.display()
+            )),
+            Some(format!(
+                "-ffile-prefix-map={}=/kiln -ffile-prefix-map={}=/cargo",
+                root.display(),
+                home.display()
+            )),
+        )
+        .env_remove("CARGO_BUILD_BUILD_DIR")
+    }
+
+    /// [`CrossToolchain::cargo`] for what no image holds (the tests under qemu-user, the NPU
+    /// stand-in): no path remapping, so the flags, and with them the dependencies' builds, are
+    /// the same for every checkout (the suite shares them: `test::share_build_dir`).
+    pub fn cargo_for_tests<'a>(&self, sh: &'a xshell::Shell) -> xshell::Cmd<'a> {
+        self.cargo_with(sh, None, None)
+    }
+
+    fn cargo_with<'a>(
+        &self,
+        sh: &'a xshell::Shell,
+        remap: Option<String>,
+        cflags: Option<String>,
+    ) -> xshell::Cmd<'a> {
+        let cargo = &self.cargo;
         let root = CROSS_LINKER.lock().ok().and_then(|g| g.clone());
         let linker = root
             .as_ref()
@@ -534,17 +562,16 @@ impl CrossToolchain {
             .unwrap_or_else(|| PathBuf::from("aarch64-linux-gnu-gcc"));
         let mut c = cmd!(sh, "{cargo}")
             .env("CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER", &linker)
-            .env("CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUSTFLAGS", remap);
-        // C compiled for the board (ring): the same compiler as the link, and its paths mapped as
-        // rustc's are, so the objects do not depend on where the checkout or cargo's home is.
-        c = c.env("CC_aarch64_unknown_linux_gnu", &linker).env(
-            "CFLAGS_aarch64_unknown_linux_gnu",
-            format!(
-                "-ffile-prefix-map={}=/kiln -ffile-prefix-map={}=/cargo",
-                crate::paths::project_root().display(),
-                cargo_home().display()
-            ),
-        );
+            // C compiled for the board (ring): the same compiler as the link.
+            .env("CC_aarch64_unknown_linux_gnu", &linker);
+        // With its paths mapped as rustc's are, so the objects do not depend on where the
+        // checkout or cargo's home is.
+        if let Some(r) = remap {
+            c = c.env("CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUSTFLAGS", r);
+        }
+        if let Some(f) = cflags {
+            c = c.env("CFLAGS_aarch64_unknown_linux_gnu", f);
+        }
         if let Some((_, ar)) = &root {
             c = c.env("AR_aarch64_unknown_linux_gnu", ar);
         }

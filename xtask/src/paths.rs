@@ -157,20 +157,3 @@ pub fn size_of(p: &Path) -> u64 {
         .map(|e| size_of(&e.path()))
         .sum()
 }
-
-/// The newest modification time of `p` and what lies below it, `depth` levels down (a build
-/// directory's last use: cargo writes new entries into its folders).
-pub fn newest_mtime(p: &Path, depth: usize) -> std::time::SystemTime {
-    let own = std::fs::symlink_metadata(p)
-        .and_then(|m| m.modified())
-        .unwrap_or(std::time::UNIX_EPOCH);
-    if depth == 0 || !p.is_dir() {
-        return own;
-    }
-    std::fs::read_dir(p)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|e| newest_mtime(&e.path(), depth - 1))
-        .fold(own, std::cmp::max)
-}

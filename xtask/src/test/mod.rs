@@ -17,6 +17,7 @@ use anyhow::{bail, Context, Result};
 use std::path::PathBuf;
 use std::time::Instant;
 use times::{Outcome, StageTime};
+use xshell::cmd;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -363,7 +364,7 @@ pub fn run(args: Args) -> Result<()> {
         return Ok(());
     }
     let chosen = choose(&args)?;
-    prune_build_dirs(&doctor::cargo_home().join("kiln-build"), BUILD_DIRS_BOUND);
+    share_build_dir()?;
     let names: Vec<&str> = chosen.iter().map(|s| s.name).collect();
     prepare_stages(&names)?;
     // With other stages to run, the fresh machine's root builds in the background from the
@@ -529,43 +530,60 @@ fn table(write: bool) -> Result<()> {
     Ok(())
 }
 
-/// How large the build directories of every checkout (`.cargo/config.toml`'s `build-dir`) may
-/// grow before the least recently used go.
-const BUILD_DIRS_BOUND: u64 = 40 << 30;
+/// How large the suite's build directory may grow before it is emptied.
+const BUILD_DIR_BOUND: u64 = 40 << 30;
 
-/// Remove the least recently used checkouts' build directories under `$CARGO_HOME/kiln-build`
-/// (`<2 hex>/<rest of the path hash>`) while all of them together are larger than `bound`; the
-/// most recently used one (this checkout's, being built) always stays. Said, never failed.
-fn prune_build_dirs(root: &std::path::Path, bound: u64) {
-    let mut dirs: Vec<(std::time::SystemTime, u64, PathBuf)> = Vec::new();
-    for d in std::fs::read_dir(root).into_iter().flatten().flatten() {
-        for d in std::fs::read_dir(d.path()).into_iter().flatten().flatten() {
-            let p = d.path();
-            let used = crate::paths::newest_mtime(&p, 3);
-            dirs.push((used, crate::paths::size_of(&p), p));
-        }
+/// The suite's cargo builds (checks, tests, the NPU stand-ins; not the image's `kiln`, see
+/// `CrossToolchain::cargo`) put their intermediate artifacts in one build directory per user,
+/// `~/.cache/kiln/cargo-build`, shared by every checkout's runs: a clean clone (CI's is always
+/// one) compiles kiln's own crates, not its ~300 dependencies again for every profile and target
+/// (minutes on 2 cores). Cargo names a workspace crate's artifacts by its path inside the
+/// workspace and judges them by file times, so another checkout's build of kiln's crates could
+/// pass for this one's: when the directory was last used by another checkout, kiln's own crates
+/// are removed from it (`cargo clean -p`) first. Over its bound the whole directory goes.
+fn share_build_dir() -> Result<()> {
+    let dir = crate::paths::user_cache()?.join("cargo-build");
+    if crate::paths::size_of(&dir) > BUILD_DIR_BOUND {
+        println!(
+            "test: {} is over {} GiB: emptied",
+            dir.display(),
+            BUILD_DIR_BOUND >> 30
+        );
+        std::fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
     }
-    dirs.sort();
-    let mut total: u64 = dirs.iter().map(|d| d.1).sum();
-    for (_, size, p) in dirs.iter().take(dirs.len().saturating_sub(1)) {
-        if total <= bound {
-            break;
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let marker = dir.join("kiln-checkout");
+    let here = std::fs::canonicalize(crate::paths::project_root())?;
+    let last = std::fs::read_to_string(&marker).ok();
+    if last.as_deref() != Some(&*here.to_string_lossy()) {
+        let sh = crate::paths::shell()?;
+        for target in [None, Some(doctor::AARCH64)] {
+            let t = target.map(|t| format!("--target={t}"));
+            cmd!(
+                sh,
+                "cargo clean --quiet -p xtask -p kiln-runtime -p rknn-standin {t...}"
+            )
+            .env("CARGO_BUILD_BUILD_DIR", &dir)
+            .env("CARGO_TARGET_DIR", dir.join("artifacts"))
+            .run()
+            .with_context(|| {
+                format!(
+                    "removing another checkout's build of kiln from {}",
+                    dir.display()
+                )
+            })?;
         }
-        match std::fs::remove_dir_all(p) {
-            Ok(()) => {
-                total -= size;
-                println!(
-                    "test: removed the build directory {} ({} MiB, least recently used) to keep \
-                     {} under {} GiB",
-                    p.display(),
-                    size >> 20,
-                    root.display(),
-                    bound >> 30
-                );
-            }
-            Err(e) => println!("test: could not remove {}: {e}", p.display()),
+        if let Some(l) = &last {
+            println!(
+                "test: {} was last used by {l}: kiln's own crates removed from it",
+                dir.display()
+            );
         }
+        crate::atomic::write_atomic(&marker, here.to_string_lossy().as_bytes())?;
     }
+    // Set while this process has no other thread: every later child inherits it.
+    std::env::set_var("CARGO_BUILD_BUILD_DIR", &dir);
+    Ok(())
 }
 
 /// The host tools a stage needs and whether it cross-builds Rust for aarch64. A stage not named
@@ -722,28 +740,5 @@ mod tests {
         assert_eq!(full.len(), STAGES.len());
         assert_eq!(names(&args(false, &["fresh"])), ["fresh-machine"]);
         assert!(choose(&args(false, &["no-such-stage"])).is_err());
-    }
-
-    /// Over the bound, the least recently used checkouts' build directories go, oldest first,
-    /// and the newest stays even when it alone is over the bound.
-    #[test]
-    fn build_dirs_over_their_bound_lose_the_least_recently_used() {
-        let root = tempfile::tempdir().unwrap();
-        let sh = xshell::Shell::new().unwrap();
-        let dir = |name: &str, kib: usize, when: &str| {
-            let d = root.path().join(name);
-            std::fs::create_dir_all(&d).unwrap();
-            std::fs::write(d.join("f"), vec![0u8; kib << 10]).unwrap();
-            let f = d.join("f");
-            xshell::cmd!(sh, "touch -d {when} {f} {d}").run().unwrap();
-            d
-        };
-        let old = dir("ab/old", 64, "2026-01-01");
-        let mid = dir("ab/mid", 64, "2026-02-01");
-        let new = dir("cd/new", 64, "2026-03-01");
-        prune_build_dirs(root.path(), 150 << 10);
-        assert!(!old.exists() && mid.exists() && new.exists());
-        prune_build_dirs(root.path(), 1);
-        assert!(!mid.exists() && new.exists());
     }
 }

@@ -55,7 +55,7 @@ fn build_standins(target: Option<&str>) -> Result<(PathBuf, PathBuf)> {
     let mut out = Vec::new();
     for features in [None, Some("abi1")] {
         let mut c = match target {
-            Some(t) => doctor::cross_toolchain()?.cargo(&sh).args([
+            Some(t) => doctor::cross_toolchain()?.cargo_for_tests(&sh).args([
                 "build",
                 "--locked",
                 "-p",
@@ -111,7 +111,7 @@ pub(super) fn aarch64_tests(cpu: &str, dotprod: bool) -> Result<()> {
             .to_vec()
     };
     cargo_test(
-        tc.cargo(&sh)
+        tc.cargo_for_tests(&sh)
             .args([
                 "test",
                 "--locked",
