@@ -346,16 +346,22 @@ extern "C" fn handler(_sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mut 
     }
 }
 
+/// In tests, the tests that fault on purpose and every other caller of [`take`] (the self-check's
+/// `CheckResult::new`) one at a time: `take` hands out every mapping's faults, so a test running
+/// beside a faulting one would take its faults (and FAIL a check of its own with them).
+#[cfg(test)]
+pub(crate) fn test_serial() -> std::sync::MutexGuard<'static, ()> {
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::io::Write;
 
-    /// The tests that fault on purpose, one at a time: [`take`] hands out every mapping's faults.
-    static FAULTING: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
     fn faulting() -> std::sync::MutexGuard<'static, ()> {
-        FAULTING.lock().unwrap_or_else(|e| e.into_inner())
+        super::test_serial()
     }
 
     /// A mapped file truncated under the mapping faults with SIGBUS past its end, as an

@@ -194,6 +194,8 @@ impl CheckResult {
     /// A check during which a model page could not be read ([`crate::gguf::fault`]: the
     /// self-check recovers with zeros) FAILs with the read error first, whatever it computed.
     pub fn new(id: impl Into<String>, mut o: Outcome, duration_ms: f64) -> CheckResult {
+        #[cfg(test)]
+        let _serial = crate::gguf::fault::test_serial();
         let unread = crate::gguf::fault::take();
         if !unread.is_empty() {
             let mut why = unread.join("; ");
