@@ -58,8 +58,9 @@ pub const AARCH64_SYSROOT: Tool = Tool {
     why: "lets qemu-user run the dynamically linked runtime (-L /usr/aarch64-linux-gnu): glibc \
           and libgcc_s, which `kiln` links (a new machine without the cross gcc lacked it)",
     probe: || {
-        file_exists("/usr/aarch64-linux-gnu/lib/libgcc_s.so.1")
-            .and(file_exists("/usr/aarch64-linux-gnu/lib/ld-linux-aarch64.so.1"))
+        file_exists("/usr/aarch64-linux-gnu/lib/libgcc_s.so.1").and(file_exists(
+            "/usr/aarch64-linux-gnu/lib/ld-linux-aarch64.so.1",
+        ))
     },
     apt: &["libc6-arm64-cross", "libgcc-s1-arm64-cross"],
 };

@@ -250,11 +250,22 @@ pub(crate) const STAGES: &[Stage] = &[
     Stage {
         name: "u-boot",
         tier: Tier::Standard,
-        guards: "U-Boot for rock-5b built from the pinned source, placed at LBA 64",
+        guards: "U-Boot for rock-5b built from the pinned source: its RKNS header, FIT, BL31, \
+                 the SPI image, placed at LBA 64 and written by `cargo xtask flash`; each fault \
+                 named",
         run_when: ALWAYS,
-        secs: 85,
+        secs: 20,
         moved: None,
-        run: || crate::image::loader::stage(),
+        run: crate::image::loader::stage,
+    },
+    Stage {
+        name: "u-boot-twice",
+        tier: Tier::Full,
+        guards: "U-Boot for rock-5b built again from a clean tree gives the same bytes",
+        run_when: "a change to the bootloader build, its pins or the tools root",
+        secs: 90,
+        moved: Some("the second build was in `u-boot` until 2026-12-07"),
+        run: crate::image::loader::twice_stage,
     },
     Stage {
         name: "pins-archive",
@@ -643,7 +654,7 @@ fn stage_tools(stage: &str) -> (Vec<&'static doctor::Tool>, bool) {
         s if s.starts_with("boot-qemu") => ([FOR_IMAGE, FOR_BOOT, &[&PYTHON_VENV]].concat(), true),
         "flash" => (vec![&BMAPTOOL, &LSBLK, &LOSETUP, &MKE2FS, &SFDISK], false),
         "image-checks" => ([FOR_IMAGE, judges].concat(), true),
-        "u-boot" => ([FOR_IMAGE, &[&SFDISK, &BMAPTOOL, &LSBLK]].concat(), false),
+        "u-boot" | "u-boot-twice" => ([FOR_IMAGE, &[&SFDISK, &BMAPTOOL, &LSBLK]].concat(), false),
         "pins-archive" => (FOR_PINS.to_vec(), false),
         "fresh-machine" => ([FOR_IMAGE, FOR_BOOT, &[&DEBOOTSTRAP]].concat(), true),
         _ => (all_tools(), true),

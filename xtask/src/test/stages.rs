@@ -637,6 +637,13 @@ pub(crate) fn ggml_x86_without_amx(cpuinfo: &str) -> Option<String> {
     Some(args.join(" "))
 }
 
+/// The cores this machine has, for a build's parallelism.
+fn cores() -> String {
+    std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .to_string()
+}
+
 /// A virtualenv under `target/` with `LLAMA_CPP_PINS`; returns its python. On a CPU with AMX,
 /// llama.cpp is built without it ([`ggml_x86_without_amx`]): pip's wheel cache keys a wheel by
 /// its source only, not by `CMAKE_ARGS`, so that wheel is built here, once, into
@@ -694,6 +701,8 @@ pub(crate) fn llama_cpp_venv() -> Result<std::path::PathBuf> {
                 "{python} -m pip wheel --no-deps --no-cache-dir --disable-pip-version-check --progress-bar off -w {tmp} {llama}"
             )
             .env("CMAKE_ARGS", args)
+            // Every core: CMake's make generator builds one file at a time unless told.
+            .env("CMAKE_BUILD_PARALLEL_LEVEL", cores())
             .run()
             .with_context(|| format!("building the {llama} wheel (is g++ installed?)"))?;
             let _ = std::fs::remove_dir_all(&cache);
@@ -707,6 +716,7 @@ pub(crate) fn llama_cpp_venv() -> Result<std::path::PathBuf> {
         sh,
         "{python} -m pip install --disable-pip-version-check --progress-bar off {install...}"
     )
+    .env("CMAKE_BUILD_PARALLEL_LEVEL", cores())
     .run()
     .with_context(|| format!("pip install {pins} (a compiler error here: is g++ installed?)"))?;
     std::fs::write(&stamp, &pins).with_context(|| format!("writing {}", stamp.display()))?;
