@@ -698,7 +698,7 @@ mod tests {
     }
 
     #[test]
-    fn every_stage_is_named_once_and_knows_its_tools_and_budget() {
+    fn every_stage_is_named_once_and_knows_its_tools() {
         let mut names: Vec<&str> = STAGES.iter().map(|s| s.name).collect();
         names.sort_unstable();
         let n = names.len();
@@ -720,16 +720,6 @@ mod tests {
                 );
             }
         }
-        // The standard tier fits its budget by the measured times, with room for the margin.
-        let standard: u32 = STAGES
-            .iter()
-            .filter(|s| s.tier == Tier::Standard)
-            .map(|s| s.secs)
-            .sum();
-        assert!(
-            standard <= STANDARD_BUDGET_S,
-            "the standard tier's measured stages add up to {standard} s, over {STANDARD_BUDGET_S} s"
-        );
     }
 
     /// `--stage` picks from both tiers; no words: the standard tier, or both with `--full`.
