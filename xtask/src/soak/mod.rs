@@ -72,19 +72,6 @@ pub struct ServeArgs {
     pub rss_slack_mib: f64,
 }
 
-impl ServeArgs {
-    /// What `cargo xtask soak serve --minutes M` runs: every other option at its default.
-    pub fn for_minutes(minutes: f64) -> Result<ServeArgs> {
-        use clap::{Args as _, FromArgMatches as _};
-        let m = ServeArgs::augment_args(clap::Command::new("serve")).try_get_matches_from([
-            "serve",
-            "--minutes",
-            &minutes.to_string(),
-        ])?;
-        Ok(ServeArgs::from_arg_matches(&m)?)
-    }
-}
-
 pub fn run(a: Args) -> Result<()> {
     match a.what {
         What::Serve(s) => serve(&s),

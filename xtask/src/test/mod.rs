@@ -375,9 +375,9 @@ pub fn run(args: Args) -> Result<()> {
         return Ok(());
     }
     let chosen = choose(&args)?;
-    share_build_dir()?;
     let names: Vec<&str> = chosen.iter().map(|s| s.name).collect();
     prepare_stages(&names)?;
+    share_build_dir()?;
     // With other stages to run, the fresh machine's root builds in the background from the
     // start (see `fresh_machine::Background`); alone, it runs in the foreground.
     let mut background = None;
@@ -576,6 +576,7 @@ fn share_build_dir() -> Result<()> {
             )
             .env("CARGO_BUILD_BUILD_DIR", &dir)
             .env("CARGO_TARGET_DIR", dir.join("artifacts"))
+            .quiet()
             .run()
             .with_context(|| {
                 format!(

@@ -1857,9 +1857,13 @@ pub(super) fn llama_cpp_long() -> Result<()> {
 }
 
 /// `cargo xtask soak serve --minutes 30`: its own verdict (flat RSS, descriptors, threads and
-/// latency; every valid request answered, every invalid one refused).
+/// latency; every valid request answered, every invalid one refused). Run as its own process
+/// (this binary's `soak` command): the soak takes the suite's references from this module, so a
+/// call into it would close a circle of modules.
 pub(super) fn soak_serve() -> Result<()> {
-    crate::soak::run(crate::soak::Args {
-        what: crate::soak::What::Serve(crate::soak::ServeArgs::for_minutes(30.0)?),
-    })
+    let exe = std::env::current_exe().context("the path of this xtask binary")?;
+    let sh = crate::paths::shell()?;
+    cmd!(sh, "{exe} soak serve --minutes 30")
+        .run()
+        .context("cargo xtask soak serve --minutes 30")
 }
