@@ -373,13 +373,7 @@ fn user_rustup(sh: &xshell::Shell, rustup: &Path, to: &Path) -> Result<UserRustu
     cmd!(sh, "cp -a {from}/. {into}/")
         .run()
         .context("copying the pinned toolchain")?;
-    std::fs::write(
-        to.join("settings.toml"),
-        format!(
-            "version = \"12\"\ndefault_toolchain = \"{name}\"\nprofile = \"minimal\"\n\
-             auto_self_update = \"disable\"\n\n[overrides]\n"
-        ),
-    )?;
+    rustup_settings(to, &name)?;
     let target = doctor::AARCH64;
     cmd!(sh, "rustup target remove --toolchain {name} {target}")
         .env("RUSTUP_HOME", to)
@@ -405,13 +399,7 @@ fn user_rustup(sh: &xshell::Shell, rustup: &Path, to: &Path) -> Result<UserRustu
             s = src.display(),
             a = at.display()
         );
-        std::fs::write(
-            to.join("settings.toml"),
-            format!(
-                "version = \"12\"\ndefault_toolchain = \"{other}\"\nprofile = \"minimal\"\n\
-                 auto_self_update = \"disable\"\n\n[overrides]\n"
-            ),
-        )?;
+        rustup_settings(to, &other)?;
         println!("fresh-machine: the user's default toolchain inside is {other} ({version})");
         out.other_default = true;
     } else {
@@ -423,6 +411,19 @@ fn user_rustup(sh: &xshell::Shell, rustup: &Path, to: &Path) -> Result<UserRustu
         );
     }
     Ok(out)
+}
+
+/// rustup's `settings.toml` in `home` with `default` as the default toolchain.
+fn rustup_settings(home: &Path, default: &str) -> Result<()> {
+    let p = home.join("settings.toml");
+    std::fs::write(
+        &p,
+        format!(
+            "version = \"12\"\ndefault_toolchain = \"{default}\"\nprofile = \"minimal\"\n\
+             auto_self_update = \"disable\"\n\n[overrides]\n"
+        ),
+    )
+    .with_context(|| format!("writing {}", p.display()))
 }
 
 /// A toolchain of `rustup`'s other than the pinned release (`rust-toolchain.toml`): its name and
