@@ -260,6 +260,39 @@ fn success_is_reported_only_after_the_new_slot_passed() {
     );
 }
 
+/// The fault the A/B test injects to see its "no success before B's verdict" check fail
+/// (`kiln.inject=fleet-early-success`): the success reaches the server before the reboot, in
+/// the words the check expects. Unknown fault names are refused, none is the default.
+#[test]
+fn the_early_success_fault_reports_success_before_the_reboot() {
+    use kiln_runtime::fleet::Inject;
+    assert_eq!(Inject::parse("").unwrap(), Inject::default());
+    let err = Inject::parse("early-sucess").unwrap_err().to_string();
+    assert!(
+        err.contains("unknown fault") && err.contains(Inject::ENV),
+        "{err}"
+    );
+    let l = lab();
+    let t = l.server.add_target(NAME);
+    let (d, _) = bundle(&l, "11", &[7u8; 1000], None);
+    t.push_deployment(d);
+    let success = expect(
+        &t,
+        "11",
+        HbExec::Closed,
+        HbFin::Success,
+        vec!["self-check PASS on slot B", "manifest sha256 m2"],
+    );
+    let seen = Rc::new(RefCell::new(Seen::default()));
+    let mut c = client(&l, board(&seen));
+    assert_eq!(c.inject, Inject::default(), "a fault injected by default");
+    c.inject = Inject::parse("early-success").unwrap();
+    c.step().unwrap();
+    assert_eq!(seen.borrow().reboots, 1);
+    assert_eq!(success.calls(), 1, "no success before the reboot");
+    assert!(matches!(state(&l).phase, Phase::Installed { .. }));
+}
+
 #[test]
 fn a_failed_self_check_is_reported_by_the_slot_that_fell_back() {
     let l = lab();

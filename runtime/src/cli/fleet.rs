@@ -74,6 +74,14 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         report_dir: a.report_dir,
     };
     let mut c = fleet::Client::new(cfg, ddi, board)?;
+    c.inject = fleet::Inject::from_env()?;
+    if c.inject != fleet::Inject::default() {
+        fleet::log(&format!(
+            "test faults injected ({}): {:?}",
+            fleet::Inject::ENV,
+            c.inject
+        ));
+    }
     if a.once {
         c.step()?;
         return Ok(());

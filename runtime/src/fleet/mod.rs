@@ -29,10 +29,51 @@ pub fn log(msg: &str) {
     eprintln!("kiln-fleet: {msg}");
 }
 
+/// Faults `kiln fleet` can be told to inject (`KILN_FLEET_INJECT`, set by `/init` from
+/// `kiln.inject=fleet-NAME` on the kernel command line, as the self-check's are from
+/// `kiln.inject=NAME`), so that the A/B test sees the check that must catch each one fail.
+/// Without that word on the command line, none is injected.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Inject {
+    /// `early-success`: a system install's success is sent right after `rauc install`, before
+    /// the reboot and the new slot's verdict, in the words a PASS would give (a client that
+    /// trusts RAUC's exit status instead of the new slot's self-check).
+    pub early_success: bool,
+}
+
+impl Inject {
+    pub const ENV: &'static str = "KILN_FLEET_INJECT";
+
+    /// Parse a comma-separated list; unknown names are an error, so a typo in a test does not
+    /// silently inject nothing.
+    pub fn parse(s: &str) -> Result<Inject> {
+        let mut i = Inject::default();
+        for name in s.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+            match name {
+                "early-success" => i.early_success = true,
+                other => anyhow::bail!(
+                    "{}: unknown fault {other:?} (known: early-success)",
+                    Inject::ENV
+                ),
+            }
+        }
+        Ok(i)
+    }
+
+    pub fn from_env() -> Result<Inject> {
+        match std::env::var(Inject::ENV) {
+            Ok(s) => Inject::parse(&s),
+            Err(_) => Ok(Inject::default()),
+        }
+    }
+}
+
 pub struct Client<B: Board> {
     pub cfg: config::Config,
     pub ddi: Ddi,
     pub board: B,
+    /// Test faults ([`Inject`]); none unless the kernel command line asks.
+    pub inject: Inject,
     dir: PathBuf,
 }
 
@@ -44,6 +85,7 @@ impl<B: Board> Client<B> {
             cfg,
             ddi,
             board,
+            inject: Inject::default(),
             dir,
         })
     }
@@ -443,8 +485,36 @@ impl<B: Board> Client<B> {
                         ),
                     },
                 );
+                if self.inject.early_success && a.kind == Kind::System {
+                    self.early_success(a, target);
+                }
                 Ok(())
             }
+        }
+    }
+
+    /// The injected fault `early-success`: the success a PASS of `target` would give, sent now
+    /// (before the reboot and its verdict); the action goes on as if it had not been sent.
+    fn early_success(&self, a: &Action, target: Slot) {
+        let written = match &a.phase {
+            Phase::Installed { written, .. } => written.as_deref().unwrap_or("unknown"),
+            _ => "unknown",
+        };
+        let details = [
+            format!("self-check PASS on slot {}", target.name()),
+            format!("manifest sha256 {written}"),
+        ];
+        log(&format!(
+            "injected fault early-success: action {}: success {} before slot {}'s verdict",
+            a.id,
+            serde_json::to_string(&details).unwrap_or_default(),
+            target.name()
+        ));
+        if let Err(e) = self
+            .ddi
+            .feedback(&a.id, Execution::Closed, Finished::Success, &details)
+        {
+            log(&format!("injected fault early-success: not sent: {e:#}"));
         }
     }
 
