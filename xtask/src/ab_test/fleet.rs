@@ -9,7 +9,14 @@
 //!    and only then `closed`/`success` with B's manifest sha256, exactly once. The DDI server is
 //!    asked at the reboot whether a success came already (it must not have).
 //! 2. A bundle signed by another key, to the board now on B: RAUC refuses it (`rauc info`, before
-//!    any install); `closed`/`failure` with RAUC's reason; both slots' bytes unchanged.
+//!    any install); `closed`/`failure` with RAUC's reason; both slots' bytes unchanged. The
+//!    server expects the words the host's own `rauc info` (the board's release) gives for the
+//!    same file against the image's keyring, found before the board boots; the console says the
+//!    same.
+//!
+//! With `--fleet-fault NAME` the board's `kiln fleet` is given a fault (`kiln.inject=fleet-NAME`)
+//! and the scenario must fail on the check that catches it: `early-success` (success sent right
+//! after `rauc install`) at action 1's reboot, with [`super::EARLY_SUCCESS`].
 //! 3. v3 (`v3-fails.raucb`, signed, installable, its manifest records another `/Image` hash): A
 //!    boots and FAILs, falls back to B, and B sends `closed`/`failure` naming A's failed check.
 //! 4. A models bundle (`models.raucb`, issue 38: a second model with its own signed known
@@ -22,7 +29,7 @@
 //!    (not the system) and boots again on `models_b`, which passes and serves; that boot sends
 //!    `closed`/`failure` naming the checks from the FAIL report kept beside its own.
 
-use super::{boots_of, part_of, show, Machine};
+use super::{boots_of, part_of, show, Machine, EARLY_SUCCESS};
 use crate::boot_test::{console_reader, pflash_with, qemu_command};
 use anyhow::{ensure, Context, Result};
 use kiln_runtime::slot::Slot;
@@ -249,21 +256,28 @@ fn failure_of(
     what: &str,
     check: impl Fn(&[String]) -> Result<()>,
 ) -> Result<(String, Vec<String>)> {
-    final_as(m, pflash, ddi, id, "failure", what, check)
+    final_as(m, pflash, ddi, id, ("failure", None), what, check)
 }
 
-/// [`failure_of`] for a final feedback `want` (`success` or `failure`; the other is refused
-/// as soon as the console shows it).
+/// [`failure_of`] for a final feedback `want.0` (`success` or `failure`; the other is refused
+/// as soon as the console shows it). With `want.1`, the details are known before the boot (from
+/// a reference of the host's): the server expects them word for word from the start, and the
+/// console must say the same (a second witness); without, they are learned from the console.
 fn final_as(
     m: &Machine,
     pflash: &Path,
     ddi: &mut StandIn,
     id: &str,
-    want: &str,
+    (want, known): (&str, Option<&[String]>),
     what: &str,
     check: impl Fn(&[String]) -> Result<()>,
 ) -> Result<(String, Vec<String>)> {
-    let mut fin = None;
+    // Known before the boot: the server expects it before the board can send it.
+    let known = match known {
+        Some(d) => Some((ddi.expect(id, "closed", want, d)?, d)),
+        None => None,
+    };
+    let mut fin: Option<(usize, Vec<String>)> = None;
     let other = if want == "success" {
         "failure"
     } else {
@@ -278,8 +292,19 @@ fn final_as(
         if fin.is_none() {
             if let Some((word, details)) = final_of(c, id) {
                 ensure!(word == want, "action {id} reported as {word}: {details:?}");
+                let k = match known {
+                    Some((k, d)) => {
+                        ensure!(
+                            details == d,
+                            "action {id}'s {want} on the console is not what the host's \
+                             reference expects: the board says {details:?}, expected {d:?}"
+                        );
+                        k
+                    }
+                    None => ddi.expect(id, "closed", want, &details)?,
+                };
                 check(&details)?;
-                fin = Some((ddi.expect(id, "closed", want, &details)?, details));
+                fin = Some((k, details));
             }
         }
         Ok(c.contains(&format!(
@@ -288,11 +313,75 @@ fn final_as(
     })?;
     let (k, details) =
         fin.with_context(|| format!("no final feedback for action {id} on the console"))?;
+    let n = ddi.calls(k)?;
     ensure!(
-        ddi.calls(k)? == 1,
-        "action {id}'s {want} did not reach the server once"
+        n == 1,
+        "action {id}'s {want} {details:?} reached the server {n} times, not once"
     );
     Ok((c, details))
+}
+
+/// What the board's `kiln fleet` must report when RAUC refuses bundle `name` of `bundles` on a
+/// board where slot `runs`, found on the host before any boot: the host's own `rauc info`
+/// (Debian's, the release the board runs) on the same file, against the keyring the image
+/// trusts, under the image's own `system.conf` (its keyring and data directory moved to a
+/// temporary folder). RAUC's error (the one line of its stderr that is not a GLib message) and
+/// its exit status, in the client's words (`fleet::refuse`, `fleet::board::bundle_kind`).
+fn refusal_by_host_rauc(bundles: &Path, name: &str, runs: Slot) -> Result<Vec<String>> {
+    use crate::image::updates;
+    crate::doctor::ensure(&[&crate::doctor::RAUC])?;
+    let board = crate::image::board::Board::load("qemu-virt")?;
+    let (keyring, _) = updates::keyring_of(&board)?;
+    let tmp = tempfile::tempdir().context("a temporary folder for the host's rauc")?;
+    let ring = tmp.path().join("keyring.pem");
+    std::fs::write(&ring, &keyring)?;
+    let conf = updates::system_conf("qemu-virt", updates::has_crl(&keyring));
+    let (board_ring, board_data) = (
+        "path=/etc/rauc/keyring.pem\n",
+        "data-directory=/data/rauc\n",
+    );
+    ensure!(
+        conf.contains(board_ring) && conf.contains(board_data),
+        "the image's system.conf no longer names {board_ring:?} and {board_data:?}: {conf}"
+    );
+    let conf = conf
+        .replace(board_ring, &format!("path={}\n", ring.display()))
+        .replace(
+            board_data,
+            &format!("data-directory={}\n", tmp.path().join("data").display()),
+        );
+    let cf = tmp.path().join("system.conf");
+    std::fs::write(&cf, conf)?;
+    let bundle = bundles.join(name);
+    let out = Command::new("rauc")
+        .arg(format!("--conf={}", cf.display()))
+        .args(["info", "--output-format=json"])
+        .arg(&bundle)
+        .env("LC_ALL", "C")
+        .output()
+        .context("running the host's rauc info")?;
+    ensure!(
+        !out.status.success(),
+        "the host's rauc info accepts {}: the board would install it",
+        bundle.display()
+    );
+    let code = out
+        .status
+        .code()
+        .with_context(|| format!("the host's rauc info ended by a signal: {}", out.status))?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    let said: Vec<&str> = err
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with("rauc-Message:"))
+        .collect();
+    let [reason] = said[..] else {
+        anyhow::bail!("the host's rauc info on {name} said {said:?}, not one error line: {err}");
+    };
+    Ok(vec![
+        format!("RAUC refused {name}: {reason} (rauc info exited {code})"),
+        format!("slot {} runs", runs.name()),
+    ])
 }
 
 /// Boot `m` with `pflash` and user networking; `watch` sees the console after each new line and
@@ -376,10 +465,15 @@ fn final_of(console: &str, id: &str) -> Option<(String, Vec<String>)> {
     })
 }
 
-pub fn scenario(work: &Path, image: &Path, bundles: &Path) -> Result<()> {
+/// The scenario; with `fault` (`kiln fleet`'s, `kiln.inject=fleet-FAULT`), the check that must
+/// catch it fails it.
+pub fn scenario(work: &Path, image: &Path, bundles: &Path, fault: Option<&str>) -> Result<()> {
     let t0 = Instant::now();
     let dir = work.join("fleet");
     let m = Machine::new(&dir, image)?;
+    // Action 2's failure, as the host's own RAUC refuses the bundle, before the board boots at
+    // all: what the server expects is not learned from the board.
+    let refused = refusal_by_host_rauc(bundles, "other-key.raucb", Slot::B)?;
     // The board's token, written as `flash --fleet-token` does (hawkbit_mock's: Key<name>).
     crate::flash::key::provision_file(
         &m.disk,
@@ -392,15 +486,61 @@ pub fn scenario(work: &Path, image: &Path, bundles: &Path) -> Result<()> {
     let pflash = pflash_with(
         &dir.join("flash"),
         &format!(
-            "kiln.fleet.server=http://10.0.2.2:{} kiln.fleet.poll_max=2",
-            ddi.port()?
+            "kiln.fleet.server=http://10.0.2.2:{} kiln.fleet.poll_max=2{}",
+            ddi.port()?,
+            fault
+                .map(|f| format!(" kiln.inject=fleet-{f}"))
+                .unwrap_or_default()
         ),
     )?;
-    // Deploy a bundle as action `id`: the DDI server offers it (its sha256 and size), nginx
-    // serves it. Its size.
-    let deploy = |ddi: &mut StandIn, id: &str, name: &str| deploy(ddi, bundles, &nginx, id, name);
+    if let Some(f) = fault {
+        println!("ab-test: fleet: `kiln fleet` told to inject fault {f} (kiln.inject=fleet-{f})");
+    }
 
     // 1. v2: success only after B's verdict.
+    v2_after_verdict(&m, &pflash, &mut ddi, (&nginx, bundles), t0)?;
+    // 2. Signed by another key, to the board on B.
+    other_key(&m, &pflash, &mut ddi, (&nginx, bundles), &refused)?;
+    // 3. v3: signed and installable, but its system FAILs its self-check. RAUC writes A, A
+    // boots and FAILs, is marked bad and falls back to B; B (the good slot) reports `failure`
+    // naming the check from A's report — never a success.
+    deploy(&mut ddi, bundles, &nginx, "3", "v3-fails.raucb")?;
+    let t2 = Instant::now();
+    let (c, details) = failure_of(&m, &pflash, &mut ddi, "3", "3-v3-fails", |details| {
+        ensure!(
+            details
+                .first()
+                .is_some_and(|d| d.starts_with("self-check FAIL on slot A: ")
+                    && d.contains("image.manifest"))
+                && details.get(1).map(String::as_str) == Some("slot B runs"),
+            "action 3's failure does not name A's failed image.manifest, from B: {details:?}"
+        );
+        Ok(())
+    })?;
+    let boots = boots_of(&c);
+    ensure!(
+        show(&boots) == "B:PASS -> A:FAIL -> B:PASS",
+        "action 3: boots {}, want B:PASS -> A:FAIL -> B:PASS",
+        show(&boots)
+    );
+    println!(
+        "ab-test: fleet: v3 whose system FAILs: {}; failure {:?} sent from B, once ({:.0} s)",
+        show(&boots),
+        details[0],
+        t2.elapsed().as_secs_f64()
+    );
+    models(&m, &dir, &mut ddi, bundles, &nginx)
+}
+
+/// Step 1 of [`scenario`]: v2 to the board on A through two power cuts; `success` only after
+/// B's verdict, exactly once, never before the reboot.
+fn v2_after_verdict(
+    m: &Machine,
+    pflash: &Path,
+    ddi: &mut StandIn,
+    (nginx, bundles): (&Nginx, &Path),
+    t0: Instant,
+) -> Result<()> {
     let manifest = {
         let p = m.part(part_of(Slot::A))?;
         let b = crate::disk::fat::read_file(
@@ -411,75 +551,9 @@ pub fn scenario(work: &Path, image: &Path, bundles: &Path) -> Result<()> {
         )?;
         crate::pins::Sha256::of_bytes(&b).to_string()
     };
-    let size = deploy(&mut ddi, "1", "v2.raucb")?;
-    let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
-    let steps = [
-        ddi.expect(
-            "1",
-            "proceeding",
-            "none",
-            &s(&[&format!("downloading v2.raucb ({size} bytes)")]),
-        )?,
-        ddi.expect(
-            "1",
-            "proceeding",
-            "none",
-            &s(&["installing v2.raucb into slot B"]),
-        )?,
-        ddi.expect(
-            "1",
-            "proceeding",
-            "none",
-            &s(&["installed into slot B; rebooting into it: its self-check decides"]),
-        )?,
-    ];
-    let success = ddi.expect(
-        "1",
-        "closed",
-        "success",
-        &s(&[
-            "self-check PASS on slot B",
-            &format!("manifest sha256 {manifest}"),
-        ]),
-    )?;
-    // The power is cut twice on the way: during the download (the next boot resumes it with a
-    // Range request) and while RAUC writes B (the next boot, on A, installs again).
-    let no_failure = |c: &str| -> Result<()> {
-        ensure!(
-            !c.contains("kiln-fleet: action 1: failure"),
-            "the board reported action 1 as a failure"
-        );
-        Ok(())
-    };
-    boot(
-        &m,
-        &pflash,
-        "1a-cut-download",
-        Duration::from_secs(300),
-        |c| {
-            no_failure(c)?;
-            // The third progress line: at least 6 MiB, past the 4 MiB the client syncs at.
-            Ok(c.matches("kiln-fleet: downloaded ").count() >= 3)
-        },
-    )?;
-    boot(
-        &m,
-        &pflash,
-        "1b-cut-install",
-        Duration::from_secs(300),
-        |c| {
-            no_failure(c)?;
-            Ok(c.contains("Copying image to boot.1"))
-        },
-    )?;
-    let mut at_reboot = None;
-    let c = boot(&m, &pflash, "1c-v2", Duration::from_secs(420), |c| {
-        if at_reboot.is_none() && c.contains("kiln-fleet: action 1: installed; rebooting into it") {
-            at_reboot = Some(ddi.calls(success)?);
-        }
-        no_failure(c)?;
-        Ok(c.contains("kiln-fleet: action 1: final feedback acknowledged by the server"))
-    })?;
+    let size = deploy(ddi, bundles, nginx, "1", "v2.raucb")?;
+    let (steps, success) = v2_expectations(ddi, size, &manifest)?;
+    let (c, at_reboot) = v2_boots(m, pflash, ddi, success)?;
     // The install the power cut is redone from A (the cut left B marked bad, half written); a
     // cut that came just after RAUC finished finds B active, and B's PASS ends the action.
     let boots = boots_of(&c);
@@ -494,9 +568,10 @@ pub fn scenario(work: &Path, image: &Path, bundles: &Path) -> Result<()> {
         "v2 through the fleet after the cuts: boots {}, installed again: {reinstalled}",
         show(&boots)
     );
+    // No reboot to ask at only when the cut came after RAUC finished (B booted straight away).
     ensure!(
-        at_reboot == Some(0),
-        "a success feedback reached the server before B's verdict ({at_reboot:?} at the reboot)"
+        at_reboot == Some(0) || (!reinstalled && at_reboot.is_none()),
+        "{EARLY_SUCCESS} ({at_reboot:?} at the reboot)"
     );
     // Proceeding feedback is sent again after each cut: at least once each.
     for k in steps {
@@ -539,11 +614,111 @@ pub fn scenario(work: &Path, image: &Path, bundles: &Path) -> Result<()> {
         fetched.len(),
         t0.elapsed().as_secs_f64()
     );
+    Ok(())
+}
 
-    // 2. Signed by another key, to the board on B: refused by RAUC, A (where it would go)
-    // untouched.
+/// The feedback of action 1 (v2, `size` bytes, `manifest` its manifest's sha256) the server is
+/// told to expect: the three proceeding steps, and the success.
+fn v2_expectations(ddi: &mut StandIn, size: u64, manifest: &str) -> Result<([usize; 3], usize)> {
+    let s = strings;
+    let steps = [
+        ddi.expect(
+            "1",
+            "proceeding",
+            "none",
+            &s(&[&format!("downloading v2.raucb ({size} bytes)")]),
+        )?,
+        ddi.expect(
+            "1",
+            "proceeding",
+            "none",
+            &s(&["installing v2.raucb into slot B"]),
+        )?,
+        ddi.expect(
+            "1",
+            "proceeding",
+            "none",
+            &s(&["installed into slot B; rebooting into it: its self-check decides"]),
+        )?,
+    ];
+    let success = ddi.expect(
+        "1",
+        "closed",
+        "success",
+        &s(&[
+            "self-check PASS on slot B",
+            &format!("manifest sha256 {manifest}"),
+        ]),
+    )?;
+    Ok((steps, success))
+}
+
+/// The boots of action 1: the power cut during the download and during RAUC's write of B, then
+/// the boot that ends with the final feedback acknowledged. Its console, and how many successes
+/// the server had when the board said it reboots into B (none when it did not reboot).
+fn v2_boots(
+    m: &Machine,
+    pflash: &Path,
+    ddi: &mut StandIn,
+    success: usize,
+) -> Result<(String, Option<usize>)> {
+    // The power is cut twice on the way: during the download (the next boot resumes it with a
+    // Range request) and while RAUC writes B (the next boot, on A, installs again).
+    let no_failure = |c: &str| -> Result<()> {
+        ensure!(
+            !c.contains("kiln-fleet: action 1: failure"),
+            "the board reported action 1 as a failure"
+        );
+        Ok(())
+    };
+    boot(
+        m,
+        pflash,
+        "1a-cut-download",
+        Duration::from_secs(300),
+        |c| {
+            no_failure(c)?;
+            // The third progress line: at least 6 MiB, past the 4 MiB the client syncs at.
+            Ok(c.matches("kiln-fleet: downloaded ").count() >= 3)
+        },
+    )?;
+    boot(m, pflash, "1b-cut-install", Duration::from_secs(300), |c| {
+        no_failure(c)?;
+        Ok(c.contains("Copying image to boot.1"))
+    })?;
+    // B has not booted yet: no success may have come (a cut just after RAUC finished would
+    // leave no reboot in the next boot to ask at).
+    let early = ddi.calls(success)?;
+    ensure!(early == 0, "{EARLY_SUCCESS} ({early} before B ever booted)");
+    let mut at_reboot = None;
+    let c = boot(m, pflash, "1c-v2", Duration::from_secs(420), |c| {
+        if at_reboot.is_none() && c.contains("kiln-fleet: action 1: installed; rebooting into it") {
+            // Asked at the reboot, and judged at once (the boot ends on a success sent early).
+            at_reboot = Some(ddi.calls(success)?);
+            ensure!(
+                at_reboot == Some(0),
+                "{EARLY_SUCCESS} ({at_reboot:?} at the reboot)"
+            );
+        }
+        no_failure(c)?;
+        Ok(c.contains("kiln-fleet: action 1: final feedback acknowledged by the server"))
+    })?;
+    Ok((c, at_reboot))
+}
+
+/// Step 2 of [`scenario`]: a bundle signed by another key, to the board on B: refused by RAUC
+/// before any install, with `refused` (the host's RAUC's words) word for word, once; A (where it
+/// would go) untouched.
+fn other_key(
+    m: &Machine,
+    pflash: &Path,
+    ddi: &mut StandIn,
+    (nginx, bundles): (&Nginx, &Path),
+    refused: &[String],
+) -> Result<()> {
+    let s = strings;
     let before = m.part_sha("boot_a")?;
-    let size = deploy(&mut ddi, "2", "other-key.raucb")?;
+    let size = deploy(ddi, bundles, nginx, "2", "other-key.raucb")?;
     let downloading = ddi.expect(
         "2",
         "proceeding",
@@ -557,8 +732,16 @@ pub fn scenario(work: &Path, image: &Path, bundles: &Path) -> Result<()> {
         &s(&["installing other-key.raucb into slot A"]),
     )?;
     let t1 = Instant::now();
-    let (c, details) =
-        failure_of(&m, &pflash, &mut ddi, "2", "2-other-key", |details| {
+    // The server expects the host's words; the console (and this looser reading of it) is the
+    // second witness.
+    let (c, details) = final_as(
+        m,
+        pflash,
+        ddi,
+        "2",
+        ("failure", Some(refused)),
+        "2-other-key",
+        |details| {
             ensure!(
                 details.first().is_some_and(|d| d
                     .starts_with("RAUC refused other-key.raucb: signature verification failed"))
@@ -566,7 +749,8 @@ pub fn scenario(work: &Path, image: &Path, bundles: &Path) -> Result<()> {
                 "action 2's failure does not say RAUC refused it on slot B: {details:?}"
             );
             Ok(())
-        })?;
+        },
+    )?;
     let boots = boots_of(&c);
     ensure!(
         boots.len() == 1 && boots[0].slot == "B",
@@ -589,40 +773,17 @@ pub fn scenario(work: &Path, image: &Path, bundles: &Path) -> Result<()> {
         "a refused bundle changed slot A: {before} -> {after}"
     );
     println!(
-        "ab-test: fleet: a bundle signed by another key: failure {:?}; boot_a unchanged ({:.0} s)",
+        "ab-test: fleet: a bundle signed by another key: failure {:?}, word for word as the \
+         host's rauc info refuses it, once; boot_a unchanged ({:.0} s)",
         details[0],
         t1.elapsed().as_secs_f64()
     );
+    Ok(())
+}
 
-    // 3. v3: signed and installable, but its system FAILs its self-check. RAUC writes A, A
-    // boots and FAILs, is marked bad and falls back to B; B (the good slot) reports `failure`
-    // naming the check from A's report — never a success.
-    deploy(&mut ddi, "3", "v3-fails.raucb")?;
-    let t2 = Instant::now();
-    let (c, details) = failure_of(&m, &pflash, &mut ddi, "3", "3-v3-fails", |details| {
-        ensure!(
-            details
-                .first()
-                .is_some_and(|d| d.starts_with("self-check FAIL on slot A: ")
-                    && d.contains("image.manifest"))
-                && details.get(1).map(String::as_str) == Some("slot B runs"),
-            "action 3's failure does not name A's failed image.manifest, from B: {details:?}"
-        );
-        Ok(())
-    })?;
-    let boots = boots_of(&c);
-    ensure!(
-        show(&boots) == "B:PASS -> A:FAIL -> B:PASS",
-        "action 3: boots {}, want B:PASS -> A:FAIL -> B:PASS",
-        show(&boots)
-    );
-    println!(
-        "ab-test: fleet: v3 whose system FAILs: {}; failure {:?} sent from B, once ({:.0} s)",
-        show(&boots),
-        details[0],
-        t2.elapsed().as_secs_f64()
-    );
-    models(&m, &dir, &mut ddi, bundles, &nginx)
+/// Owned strings of `v`.
+fn strings(v: &[&str]) -> Vec<String> {
+    v.iter().map(|x| x.to_string()).collect()
 }
 
 /// Offer bundle `name` as action `id`: the DDI server gives its sha256 and size, nginx serves it.
@@ -700,7 +861,9 @@ fn models(m: &Machine, dir: &Path, ddi: &mut StandIn, bundles: &Path, nginx: &Ng
             &s(&["installed into models slot B; rebooting to map it: the self-check decides"]),
         )?,
     ];
-    let (c, details) = final_as(m, &pflash, ddi, "4", "success", "4-models", |_| Ok(()))?;
+    let (c, details) = final_as(m, &pflash, ddi, "4", ("success", None), "4-models", |_| {
+        Ok(())
+    })?;
     let boots = boots_of(&c);
     ensure!(
         show(&boots) == "B:PASS -> B:PASS",

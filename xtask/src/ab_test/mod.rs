@@ -72,6 +72,11 @@ pub struct Args {
     /// Only the fleet scenario (hawkBit DDI on the host, nginx serving the bundles).
     #[arg(long, conflicts_with = "cuts_only")]
     pub fleet_only: bool,
+    /// With `--fleet-only`: a fault of `kiln fleet`'s for the board (`kiln.inject=fleet-NAME`),
+    /// whose check must then fail the scenario: `early-success` (the success sent right after
+    /// `rauc install`) fails with [`EARLY_SUCCESS`]. The suite's `ab-fleet-faults` runs it.
+    #[arg(long, hide = true, requires = "fleet_only", value_parser = ["early-success"])]
+    pub fleet_fault: Option<String>,
     /// The image (default: target/images/kiln-qemu-virt.img, built first when missing).
     #[arg(long)]
     pub image: Option<PathBuf>,
@@ -80,6 +85,10 @@ pub struct Args {
     #[arg(long, conflicts_with_all = ["cuts_only", "fleet_only"])]
     pub boards: Option<usize>,
 }
+
+/// The fleet scenario's failure when a success reached the DDI server before B's verdict (what
+/// `--fleet-fault early-success` must give).
+pub const EARLY_SUCCESS: &str = "a success feedback reached the server before B's verdict";
 
 /// The boots a machine may take, in one chain, before it counts as a loop.
 const MAX_BOOTS: usize = 8;
@@ -605,13 +614,18 @@ pub fn run(args: Args) -> Result<()> {
         return Ok(());
     }
     if args.fleet_only {
-        fleet::scenario(&work, &image, &work.join("bundles"))?;
+        fleet::scenario(
+            &work,
+            &image,
+            &work.join("bundles"),
+            args.fleet_fault.as_deref(),
+        )?;
         println!("ab-test: done in {:.0} s", t.elapsed().as_secs_f64());
         return Ok(());
     }
     if !args.cuts_only && !args.models_cuts {
         scenarios(&m, &v2, &ub)?;
-        fleet::scenario(&work, &image, &work.join("bundles"))?;
+        fleet::scenario(&work, &image, &work.join("bundles"), None)?;
     }
     cuts(&args, &work, &image, &ub)?;
     println!("ab-test: done in {:.0} s", t.elapsed().as_secs_f64());
