@@ -316,6 +316,16 @@ pub(crate) const STAGES: &[Stage] = &[
         run: || stages::ab_long(stages::AbLong::Boards(3)),
     },
     Stage {
+        name: "ab-fleet-faults",
+        tier: Tier::Full,
+        guards: "the fleet scenario's check that no success reaches the server before B's \
+                 verdict fails on a board whose `kiln fleet` sends it early (an injected fault)",
+        run_when: "a change to fleet/, its injected faults or the fleet scenario",
+        secs: 400,
+        moved: None,
+        run: stages::ab_fleet_faults,
+    },
+    Stage {
         name: "llama-cpp-long",
         tier: Tier::Full,
         guards: "Gemma 3's real file with its sliding window off must miss llama.cpp by more \
@@ -648,7 +658,7 @@ fn stage_tools(stage: &str) -> (Vec<&'static doctor::Tool>, bool) {
         s if s.starts_with("aarch64-tests") => (vec![&QEMU_USER, &AARCH64_SYSROOT], true),
         // boot-qemu-ab's fleet scenario serves the bundles with nginx; labgrid --remote exports
         // the board's console through ser2net.
-        "boot-qemu-ab" | "ab-seeded-cuts" | "ab-models-cuts" | "ab-boards" => (
+        "boot-qemu-ab" | "ab-seeded-cuts" | "ab-models-cuts" | "ab-boards" | "ab-fleet-faults" => (
             [FOR_IMAGE, FOR_BOOT, &[&PYTHON_VENV, &NGINX, &SER2NET]].concat(),
             true,
         ),

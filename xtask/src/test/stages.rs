@@ -1776,6 +1776,7 @@ pub(super) fn boot_qemu_ab() -> Result<()> {
             cuts_only: false,
             models_cuts: false,
             fleet_only: false,
+            fleet_fault: None,
             boards: None,
             image: None,
         })
@@ -1807,6 +1808,7 @@ pub(super) fn ab_long(which: AbLong) -> Result<()> {
         cuts_only: true,
         models_cuts: false,
         fleet_only: false,
+        fleet_fault: None,
         boards: None,
         image: None,
     };
@@ -1819,6 +1821,38 @@ pub(super) fn ab_long(which: AbLong) -> Result<()> {
         }
     }
     crate::ab_test::run(args)
+}
+
+/// The fleet scenario's checks shown failing on a board given the fault each must catch
+/// (`cargo xtask ab-test --fleet-only --fleet-fault NAME`): `early-success`, a success sent
+/// right after `rauc install`, must end the scenario at action 1's reboot with
+/// [`crate::ab_test::EARLY_SUCCESS`], and nothing else.
+pub(super) fn ab_fleet_faults() -> Result<()> {
+    let r = crate::ab_test::run(crate::ab_test::Args {
+        seeds: 0,
+        first_seed: 1,
+        cuts_only: false,
+        models_cuts: false,
+        fleet_only: true,
+        fleet_fault: Some("early-success".into()),
+        boards: None,
+        image: None,
+    });
+    let e = match r {
+        Ok(()) => bail!(
+            "the fleet scenario passed with `kiln fleet`'s early-success fault injected: its \
+             check that no success comes before B's verdict cannot fail"
+        ),
+        Err(e) => e,
+    };
+    let said = format!("{e:#}");
+    ensure!(
+        said.contains(crate::ab_test::EARLY_SUCCESS),
+        "the fleet scenario with the early-success fault failed, but not by its check that no \
+         success comes before B's verdict: {said}"
+    );
+    println!("test: ab-fleet-faults: early-success injected, the fleet scenario failed as it must: {said}");
+    Ok(())
 }
 
 /// rock-5b's image booted under QEMU and the image checks; as a user they end in `NeedsRoot`
