@@ -321,7 +321,7 @@ pub(crate) const STAGES: &[Stage] = &[
         guards: "the fleet scenario's check that no success reaches the server before B's \
                  verdict fails on a board whose `kiln fleet` sends it early (an injected fault)",
         run_when: "a change to fleet/, its injected faults or the fleet scenario",
-        secs: 400,
+        secs: 210,
         moved: None,
         run: stages::ab_fleet_faults,
     },
