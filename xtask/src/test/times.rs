@@ -120,13 +120,17 @@ pub(crate) fn test_binary(line: &str) -> Option<String> {
 /// binary it runs (between cargo's `Running` lines) as a part of the running stage; the build
 /// before the first binary is the part `build`.
 pub(crate) fn cargo_test(cmd: xshell::Cmd<'_>) -> Result<()> {
+    cargo_test_to(cmd, &mut std::io::stderr())
+}
+
+/// [`cargo_test`] passing cargo's stderr on to `err`.
+fn cargo_test_to(cmd: xshell::Cmd<'_>, err: &mut dyn Write) -> Result<()> {
     let shown = cmd.to_string();
     let mut c: std::process::Command = cmd.into();
     c.stderr(Stdio::piped());
     let mut child = c.spawn().with_context(|| format!("starting {shown}"))?;
     let stderr = child.stderr.take().context("cargo's stderr")?;
     let mut current = ("build".to_string(), Instant::now());
-    let mut err = std::io::stderr();
     for line in BufReader::new(stderr).lines() {
         let line = line.with_context(|| format!("reading the output of {shown}"))?;
         let _ = writeln!(err, "{line}");
@@ -425,12 +429,16 @@ mod tests {
         begin_stage();
         let script = "echo '     Running tests/a.rs (x/a-1)' >&2; sleep 0.3; \
                       echo '     Running tests/b.rs (x/b-2)' >&2";
-        cargo_test(xshell::cmd!(sh, "sh -c {script}")).unwrap();
+        // Into a buffer: the test's own stderr is read by the suite's `cargo test`, which would
+        // take these lines for its own test binaries.
+        let mut out = Vec::new();
+        cargo_test_to(xshell::cmd!(sh, "sh -c {script}"), &mut out).unwrap();
+        assert!(String::from_utf8_lossy(&out).contains("Running tests/b.rs"));
         let p = end_stage();
         let names: Vec<&str> = p.iter().map(|p| p.name.as_str()).collect();
         assert_eq!(names.len(), 3, "{names:?}");
         assert_eq!(names[0], "tests/a.rs", "the slowest first: {p:?}");
-        assert!(cargo_test(xshell::cmd!(sh, "false")).is_err());
+        assert!(cargo_test_to(xshell::cmd!(sh, "false"), &mut Vec::new()).is_err());
     }
 
     #[test]
