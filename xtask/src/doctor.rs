@@ -532,32 +532,47 @@ impl CrossToolchain {
         let (root, home) = (crate::paths::project_root(), cargo_home());
         self.cargo_with(
             sh,
-            Some(format!(
+            format!(
                 "--remap-path-prefix={}=/kiln --remap-path-prefix={}=/cargo",
                 root.display(),
                 home.display()
-            )),
-            Some(format!(
+            ),
+            format!(
                 "-ffile-prefix-map={}=/kiln -ffile-prefix-map={}=/cargo",
                 root.display(),
                 home.display()
-            )),
+            ),
         )
         .env_remove("CARGO_BUILD_BUILD_DIR")
     }
 
     /// [`CrossToolchain::cargo`] for what no image holds (the tests under qemu-user, the NPU
-    /// stand-in): no path remapping, so the flags, and with them the dependencies' builds, are
-    /// the same for every checkout (the suite shares them: `test::share_build_dir`).
+    /// stand-in): the host's cross gcc ([`CROSS_GCC`]), which sees the test suite's shared build
+    /// directory (the tools root's linker runs inside the root, which binds the checkout, not
+    /// `~/.cache/kiln/cargo-build`), and no path remapping, so the flags, and with them the
+    /// dependencies' builds, are the same for every checkout (`test::share_build_dir`).
     pub fn cargo_for_tests<'a>(&self, sh: &'a xshell::Shell) -> xshell::Cmd<'a> {
-        self.cargo_with(sh, None, None)
+        let cargo = &self.cargo;
+        let mut c = cmd!(sh, "{cargo}")
+            .env(
+                "CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER",
+                "aarch64-linux-gnu-gcc",
+            )
+            .env("CC_aarch64_unknown_linux_gnu", "aarch64-linux-gnu-gcc")
+            .env_remove("CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUSTFLAGS")
+            .env_remove("CFLAGS_aarch64_unknown_linux_gnu")
+            .env_remove("AR_aarch64_unknown_linux_gnu");
+        if let Some(rustc) = &self.rustc {
+            c = c.env("RUSTC", rustc);
+        }
+        c
     }
 
     fn cargo_with<'a>(
         &self,
         sh: &'a xshell::Shell,
-        remap: Option<String>,
-        cflags: Option<String>,
+        remap: String,
+        cflags: String,
     ) -> xshell::Cmd<'a> {
         let cargo = &self.cargo;
         let root = CROSS_LINKER.lock().ok().and_then(|g| g.clone());
@@ -571,12 +586,9 @@ impl CrossToolchain {
             .env("CC_aarch64_unknown_linux_gnu", &linker);
         // With its paths mapped as rustc's are, so the objects do not depend on where the
         // checkout or cargo's home is.
-        if let Some(r) = remap {
-            c = c.env("CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUSTFLAGS", r);
-        }
-        if let Some(f) = cflags {
-            c = c.env("CFLAGS_aarch64_unknown_linux_gnu", f);
-        }
+        c = c
+            .env("CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUSTFLAGS", remap)
+            .env("CFLAGS_aarch64_unknown_linux_gnu", cflags);
         if let Some((_, ar)) = &root {
             c = c.env("AR_aarch64_unknown_linux_gnu", ar);
         }
