@@ -167,7 +167,7 @@ pub(crate) const STAGES: &[Stage] = &[
         guards: "the runtime's tests as aarch64 code under qemu-user on RK3588's big core \
                  (NEON, dotprod)",
         run_when: ALWAYS,
-        secs: 420,
+        secs: 315,
         moved: None,
         run: || stages::aarch64_tests("cortex-a76", true),
     },
@@ -176,7 +176,7 @@ pub(crate) const STAGES: &[Stage] = &[
         tier: Tier::Standard,
         guards: "the CPU backend's kernels without dotprod, and the architecture check",
         run_when: ALWAYS,
-        secs: 60,
+        secs: 3,
         moved: None,
         run: || stages::aarch64_tests("cortex-a72", false),
     },
