@@ -19,18 +19,20 @@
 pub mod fixture;
 pub mod hparams;
 pub mod kv;
+mod load;
 pub mod ops;
 pub mod sample;
+mod tensors;
 
-use crate::backend::{cpu, npu, run_checked, Backend, MatmulOp, PreparedWeight, Weight};
+use crate::backend::{run_checked, Backend, MatmulOp, PreparedWeight, Weight};
 use crate::gguf::{GgufFile, TensorView};
-use crate::ledger::{Arrival, Ledger};
-use crate::quant::{dequantize_row, GgmlType};
-use crate::sched;
+use crate::ledger::Ledger;
+use crate::quant::dequantize_row;
 use anyhow::{bail, ensure, Context, Result};
 pub use hparams::{Arch, HParams, RopeKind};
 pub use kv::{KvCache, KvType};
 use std::collections::BTreeMap;
+pub use tensors::IGNORED_TENSORS;
 
 /// Which backends may run the matmuls.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
@@ -110,21 +112,21 @@ struct Mat<'m> {
     prepared: Vec<Option<Box<dyn PreparedWeight + 'm>>>,
 }
 
+/// A matmul weight's place in [`Model::mats`] (the plan's order).
+#[derive(Clone, Copy, Debug)]
+struct MatId(usize);
+
 /// Q, K and V: three weights, or phi3's one `attn_qkv` whose output rows are [q | k | v].
-enum QkvIn<'m> {
-    Separate {
-        wq: Mat<'m>,
-        wk: Mat<'m>,
-        wv: Mat<'m>,
-    },
-    Fused(Mat<'m>),
+enum QkvIn {
+    Separate { wq: MatId, wk: MatId, wv: MatId },
+    Fused(MatId),
 }
 
 /// The FFN's gate and up projections: two weights, or phi3's one `ffn_up` whose output rows are
 /// [gate | up] (ggml's `swiglu` of the fused row: the first half through SiLU).
-enum GateUp<'m> {
-    Separate { gate: Mat<'m>, up: Mat<'m> },
-    Fused(Mat<'m>),
+enum GateUp {
+    Separate { gate: MatId, up: MatId },
+    Fused(MatId),
 }
 
 struct Layer<'m> {
@@ -134,27 +136,11 @@ struct Layer<'m> {
     /// gemma3's `post_attention_norm` and `post_ffw_norm`.
     post_attn_norm: Option<&'m [f32]>,
     post_ffn_norm: Option<&'m [f32]>,
-    qkv: QkvIn<'m>,
-    wo: Mat<'m>,
+    qkv: QkvIn,
+    wo: MatId,
     ffn_norm: &'m [f32],
-    gate_up: GateUp<'m>,
-    down: Mat<'m>,
-}
-
-impl<'m> Layer<'m> {
-    fn mats(&self) -> Vec<&Mat<'m>> {
-        let mut v = match &self.qkv {
-            QkvIn::Separate { wq, wk, wv } => vec![wq, wk, wv],
-            QkvIn::Fused(m) => vec![m],
-        };
-        v.push(&self.wo);
-        match &self.gate_up {
-            GateUp::Separate { gate, up } => v.extend([gate, up]),
-            GateUp::Fused(m) => v.push(m),
-        }
-        v.push(&self.down);
-        v
-    }
+    gate_up: GateUp,
+    down: MatId,
 }
 
 pub struct Model<'m> {
@@ -164,8 +150,10 @@ pub struct Model<'m> {
     file: &'m GgufFile,
     tok_embd: TensorView<'m>,
     layers: Vec<Layer<'m>>,
+    /// Every matmul weight, each layer's then the LM head's: the plan's order.
+    mats: Vec<Mat<'m>>,
     out_norm: &'m [f32],
-    output: Mat<'m>,
+    output: MatId,
     backends: Vec<Box<dyn Backend>>,
     pub plan_text: String,
     pub ledger: Ledger,
@@ -225,509 +213,14 @@ struct Scratch {
     cs: Vec<(f32, f32)>,
 }
 
-/// One layer's norm weights as the load reads them.
-struct LayerNorms<'m> {
-    /// phi3's fused `attn_qkv` and gate/up `ffn_up`.
-    fused: bool,
-    attn: &'m [f32],
-    q: Option<&'m [f32]>,
-    k: Option<&'m [f32]>,
-    ffn: &'m [f32],
-    post_attn: Option<&'m [f32]>,
-    post_ffn: Option<&'m [f32]>,
-}
-
-/// An F32 tensor's values, borrowed from the mapping (tensors are 32-byte aligned in the file
-/// and the mapping is page-aligned, so the cast is checked, not assumed).
-fn f32_view<'m>(t: &TensorView<'m>) -> Result<&'m [f32]> {
-    ensure!(
-        t.ty == GgmlType::F32,
-        "tensor {} is {}, kiln reads norms and biases as F32",
-        t.name,
-        t.ty
-    );
-    ensure!(
-        cfg!(target_endian = "little"),
-        "F32 views need a little-endian host"
-    );
-    // SAFETY: any bit pattern is a valid f32; align_to only yields the aligned middle part,
-    // and we require it to be the whole slice.
-    let (pre, mid, post) = unsafe { t.data.align_to::<f32>() };
-    ensure!(
-        pre.is_empty() && post.is_empty(),
-        "tensor {} is not 4-byte aligned in the mapping",
-        t.name
-    );
-    Ok(mid)
-}
-
-/// Tensors a file may carry that the forward pass does not read, because llama.cpp does not
-/// read them either: `(name pattern, reason)`, `blk.*.` standing for every layer.
-///
-/// Empty, as verified in the llama.cpp that kiln is tested against (llama-cpp-python 0.3.36's
-/// vendored `src/models/{llama,qwen2,qwen3}.cpp` and `llama-model-loader.cpp`): for these
-/// architectures every tensor its loader creates feeds the graph, and a file with any other
-/// tensor fails there (`done_getting_tensors`: "wrong number of tensors"). llama.cpp skips a
-/// tensor only when its `llm_tensor_info` op is `GGML_OP_NONE` (none of these architectures'
-/// tensors) or an architecture loads it with `TENSOR_SKIP` (multi-token-prediction layers of other
-/// architectures). An entry belongs here only with such a line of llama.cpp to point to.
-pub const IGNORED_TENSORS: &[(&str, &str)] = &[];
-
-/// Whether `name` matches an [`IGNORED_TENSORS`]-style pattern (`blk.*.` = any layer number).
-fn matches_pattern(pattern: &str, name: &str) -> bool {
-    match pattern.split_once("blk.*.") {
-        None => pattern == name,
-        Some((pre, post)) => name
-            .strip_prefix(pre)
-            .and_then(|r| r.strip_prefix("blk."))
-            .and_then(|r| r.split_once('.'))
-            .is_some_and(|(l, rest)| {
-                !l.is_empty() && l.bytes().all(|b| b.is_ascii_digit()) && rest == post
-            }),
-    }
-}
-
-/// The file's tensors that were not read and are not in `allowed`, sorted.
-fn unused_tensors<'a>(
-    all: impl Iterator<Item = &'a str>,
-    used: &std::collections::HashSet<String>,
-    allowed: &[(&str, &str)],
-) -> Vec<&'a str> {
-    let mut out: Vec<&str> = all
-        .filter(|n| !used.contains(*n) && !allowed.iter().any(|(p, _)| matches_pattern(p, n)))
-        .collect();
-    out.sort_unstable();
-    out
-}
-
-/// Reads tensors from the file and remembers every name it handed out, so that the load can
-/// refuse a file whose tensors the forward pass does not all use.
-struct Reader<'m> {
-    f: &'m GgufFile,
-    used: std::cell::RefCell<std::collections::HashSet<String>>,
-}
-
-impl<'m> Reader<'m> {
-    fn new(f: &'m GgufFile) -> Reader<'m> {
-        Reader {
-            f,
-            used: Default::default(),
-        }
-    }
-
-    fn path(&self) -> std::path::Display<'_> {
-        self.f.path().display()
-    }
-
-    fn tensor(&self, name: &str, dims: &[usize]) -> Result<TensorView<'m>> {
-        let t = self
-            .f
-            .tensor(name)
-            .with_context(|| format!("{}: tensor {name} is missing", self.path()))?;
-        let got: Vec<u64> = t.ne[..t.n_dims as usize].to_vec();
-        let want: Vec<u64> = dims.iter().map(|&d| d as u64).collect();
-        ensure!(
-            got == want,
-            "{}: tensor {name} has shape {got:?}, the metadata implies {want:?}",
-            self.path()
-        );
-        self.used.borrow_mut().insert(name.to_string());
-        Ok(t)
-    }
-
-    fn vector(&self, name: &str, n: usize) -> Result<&'m [f32]> {
-        f32_view(&self.tensor(name, &[n])?).with_context(|| self.path().to_string())
-    }
-
-    fn opt_vector(&self, name: &str, n: usize) -> Result<Option<&'m [f32]>> {
-        if self.f.tensor(name).is_none() {
-            return Ok(None);
-        }
-        self.vector(name, n).map(Some)
-    }
-
-    fn mark_used(&self, name: &str) {
-        self.used.borrow_mut().insert(name.to_string());
-    }
-
-    /// Every tensor of the file is read, or an error naming all the others (sorted).
-    fn check_all_used(&self) -> Result<()> {
-        let used = self.used.borrow();
-        let unused = unused_tensors(self.f.tensors().map(|t| t.name), &used, IGNORED_TENSORS);
-        if !unused.is_empty() {
-            bail!(
-                "{}: {} tensor(s) in the file are not used by kiln's forward pass for this \
-                 architecture (refused rather than ignored): {}",
-                self.path(),
-                unused.len(),
-                unused.join(", ")
-            );
-        }
-        Ok(())
-    }
-}
-
 impl<'m> Model<'m> {
-    pub fn load(f: &'m GgufFile, opt: &Options) -> Result<Model<'m>> {
-        let threads = resolve_threads(opt.threads);
-        let cpu_b = cpu::CpuBackend::new().with_threads(threads);
-        let backends: Vec<Box<dyn Backend>> = match opt.backend {
-            BackendSel::Cpu => vec![Box::new(cpu_b)],
-            BackendSel::CpuRef => vec![Box::new(cpu::CpuRefBackend)],
-            BackendSel::Auto => vec![
-                Box::new(npu::NpuBackend::open(npu::NpuConfig::default())?),
-                Box::new(cpu_b),
-            ],
-            BackendSel::Npu => {
-                let n = npu::NpuBackend::open(npu::NpuConfig::default())?;
-                if let Err(d) = n.probe() {
-                    bail!("--backend npu: the NPU is not available: {d}");
-                }
-                vec![Box::new(n), Box::new(cpu_b)]
-            }
-        };
-        Model::load_with(f, opt, backends)
-    }
-
-    /// [`Model::load`] with the given backends in board order (`opt.backend` is not read): the
-    /// self-check passes the board's NPU configuration, and tests a faulty backend.
-    pub fn load_with(
-        f: &'m GgufFile,
-        opt: &Options,
-        backends: Vec<Box<dyn Backend>>,
-    ) -> Result<Model<'m>> {
-        ensure!(!backends.is_empty(), "a model needs at least one backend");
-        let mut hp = HParams::from_gguf(f.gguf())
-            .with_context(|| format!("{}: model hyper-parameters", f.path().display()))?;
-        match opt.fault {
-            Some(Fault::RopeBase) => {
-                hp.freq_base = if hp.freq_base == 10000.0 {
-                    1e6
-                } else {
-                    10000.0
-                };
-            }
-            Some(Fault::NoEmbdScale) => hp.embd_scale = None,
-            Some(Fault::NoSoftcap) => hp.final_softcap = None,
-            Some(Fault::QScaleEmbd) => hp.q_scale = 1.0 / ((hp.n_embd / hp.n_head) as f32).sqrt(),
-            Some(Fault::WindowPlusOne) => {
-                if let Some(w) = &mut hp.swa {
-                    w.n_swa += 1;
-                }
-            }
-            _ => {}
-        }
-        let e = hp.n_embd;
-        let rd = Reader::new(f);
-        let tok_embd = f.tensor("token_embd.weight").with_context(|| {
-            format!(
-                "{}: tensor token_embd.weight is missing",
-                f.path().display()
-            )
-        })?;
-        rd.mark_used("token_embd.weight");
-        ensure!(
-            tok_embd.n_dims == 2 && tok_embd.ne[0] == e as u64,
-            "{}: token_embd.weight has shape {:?}, want [{e}, n_vocab]",
-            f.path().display(),
-            &tok_embd.ne[..tok_embd.n_dims as usize]
-        );
-        let n_vocab = tok_embd.ne[1] as usize;
-        let threads = resolve_threads(opt.threads);
-        let weight = |name: &str, k: usize, n: usize| -> Result<Weight<'m>> {
-            let t = rd.tensor(name, &[k, n])?;
-            t.as_weight().with_context(|| {
-                format!("{}: tensor {name} as a matmul weight", f.path().display())
-            })
-        };
-        let mut names: Vec<(Weight<'m>, Option<&'m [f32]>)> = Vec::new();
-        let mut norms = Vec::new();
-        let (qd, kvd, hd) = (hp.q_dim(), hp.kv_dim(), hp.head_dim);
-        for l in 0..hp.n_layer {
-            let p = |s: &str| format!("blk.{l}.{s}");
-            let bias = |s: &str, n: usize| -> Result<Option<&'m [f32]>> {
-                let b = rd.opt_vector(&p(s), n)?;
-                if b.is_none() && hp.arch.qkv_bias_required() {
-                    bail!(
-                        "{}: tensor {} is missing ({} has Q/K/V biases)",
-                        f.path().display(),
-                        p(s),
-                        hp.arch.name()
-                    );
-                }
-                Ok(b)
-            };
-            let fused = hp.arch == Arch::Phi3;
-            if fused {
-                // phi3 (as its converter writes it): one [q | k | v] projection, no biases.
-                names.push((weight(&p("attn_qkv.weight"), e, qd + 2 * kvd)?, None));
-            } else {
-                names.push((
-                    weight(&p("attn_q.weight"), e, qd)?,
-                    bias("attn_q.bias", qd)?,
-                ));
-                names.push((
-                    weight(&p("attn_k.weight"), e, kvd)?,
-                    bias("attn_k.bias", kvd)?,
-                ));
-                names.push((
-                    weight(&p("attn_v.weight"), e, kvd)?,
-                    bias("attn_v.bias", kvd)?,
-                ));
-            }
-            names.push((weight(&p("attn_output.weight"), qd, e)?, None));
-            if fused {
-                names.push((weight(&p("ffn_up.weight"), e, 2 * hp.n_ff)?, None));
-            } else {
-                names.push((weight(&p("ffn_gate.weight"), e, hp.n_ff)?, None));
-                names.push((weight(&p("ffn_up.weight"), e, hp.n_ff)?, None));
-            }
-            names.push((weight(&p("ffn_down.weight"), hp.n_ff, e)?, None));
-            let (qn, kn) = if hp.arch.qk_norm() {
-                (
-                    Some(rd.vector(&p("attn_q_norm.weight"), hd)?),
-                    Some(rd.vector(&p("attn_k_norm.weight"), hd)?),
-                )
-            } else {
-                (None, None)
-            };
-            let (pa, pf) = if hp.arch.gemma() {
-                (
-                    Some(rd.vector(&p("post_attention_norm.weight"), e)?),
-                    Some(rd.vector(&p("post_ffw_norm.weight"), e)?),
-                )
-            } else {
-                (None, None)
-            };
-            // The faults drop them after they were read: a deliberate fault, not a tensor the
-            // load forgot.
-            let (qn, kn) = if opt.fault == Some(Fault::NoQkNorm) {
-                (None, None)
-            } else {
-                (qn, kn)
-            };
-            let (pa, pf) = if opt.fault == Some(Fault::NoPostNorms) {
-                (None, None)
-            } else {
-                (pa, pf)
-            };
-            norms.push(LayerNorms {
-                fused,
-                attn: rd.vector(&p("attn_norm.weight"), e)?,
-                q: qn,
-                k: kn,
-                ffn: rd.vector(&p("ffn_norm.weight"), e)?,
-                post_attn: pa,
-                post_ffn: pf,
-            });
-        }
-        // Llama 3.x RoPE frequency factors (llama.cpp: llama only; one tensor shared by every
-        // layer). qwen2/qwen3 do not read it, in llama.cpp or here: such a file is refused below.
-        let rope_factors = if hp.arch == Arch::Llama {
-            let v = rd.opt_vector("rope_freqs.weight", hp.n_rot / 2)?;
-            if let Some(v) = v {
-                if let Some((i, x)) = v
-                    .iter()
-                    .enumerate()
-                    .find(|(_, x)| !(**x > 0.0 && x.is_finite()))
-                {
-                    bail!(
-                        "{}: tensor rope_freqs.weight[{i}] = {x}: a RoPE frequency factor must be \
-                         a positive number",
-                        f.path().display()
-                    );
-                }
-            }
-            v
-        } else {
-            None
-        };
-        // Phi-3's LongRoPE (long/short frequency factors chosen by context length, plus an
-        // attention factor): not implemented, refused by name rather than left unused.
-        let longrope: Vec<&str> = f
-            .tensors()
-            .map(|t| t.name)
-            .filter(|n| n.starts_with("rope_factors_") || n.contains(".rope_factors_"))
-            .collect();
-        if !longrope.is_empty() {
-            bail!(
-                "{}: LongRoPE frequency factors ({}) are not implemented by kiln",
-                f.path().display(),
-                longrope.join(", ")
-            );
-        }
-        let tied = f.tensor("output.weight").is_none();
-        let out_w = if tied {
-            tok_embd
-                .as_weight()
-                .context("token_embd.weight as the tied LM head")?
-        } else {
-            weight("output.weight", e, n_vocab)?
-        };
-        names.push((out_w, None));
-        let out_norm = rd.vector("output_norm.weight", e)?;
-        rd.check_all_used()?;
-
-        // The plan: ownership at the largest M, ops per M; the owners' prepared weights kept.
-        let weights: Vec<Weight<'m>> = names.iter().map(|(w, _)| *w).collect();
-        let refs: Vec<&dyn Backend> = backends.iter().map(|b| b.as_ref()).collect();
-        let ubatch = opt.ubatch.max(1);
-        let plan = sched::plan(&refs, &weights, &[1, ubatch], true);
-        let plan_text = plan.render();
-        let mut ledger = plan.ledger.clone();
-        let mut mats = Vec::with_capacity(names.len());
-        for (((w, bias), wp), owner_prep) in names.into_iter().zip(&plan.weights).zip(plan.prepared)
-        {
-            let mut owner_prep = owner_prep;
-            let mut prepared: Vec<Option<Box<dyn PreparedWeight + 'm>>> = Vec::new();
-            for b in &backends {
-                // A backend gets a prepared weight when the plan sends it any op of this weight.
-                let used = wp
-                    .at_m
-                    .iter()
-                    .any(|a| a.backend.as_deref() == Some(b.name()))
-                    || wp.owner.as_deref() == Some(b.name());
-                let p = if wp.owner.as_deref() == Some(b.name()) && owner_prep.is_some() {
-                    owner_prep.take()
-                } else if used || b.name().starts_with("cpu") {
-                    // CPU prepares borrow; a CPU slot is always filled so that a size of M the
-                    // plan did not list still has a backend.
-                    match b.prepare(&w) {
-                        Ok(p) => Some(p),
-                        Err(e) if used => return Err(e.context(format!("preparing {}", w.name))),
-                        Err(_) => None,
-                    }
-                } else {
-                    None
-                };
-                prepared.push(p);
-            }
-            if wp.owner.is_none() {
-                bail!(
-                    "{}: no backend can run {} ({} {}×{}): {}",
-                    f.path().display(),
-                    w.name,
-                    w.ty,
-                    w.k,
-                    w.n,
-                    wp.declined
-                        .iter()
-                        .map(|d| format!("{}: {}", d.backend, d.decline))
-                        .collect::<Vec<_>>()
-                        .join("; ")
-                );
-            }
-            mats.push(Mat { w, bias, prepared });
-        }
-        // Everything else the model reads (norms, biases, the embedding rows) is borrowed by the
-        // CPU; the matmul weights are in the plan's ledger already.
-        let in_plan: std::collections::HashSet<&str> = weights.iter().map(|w| w.name).collect();
-        let map = f.bytes().as_ptr_range();
-        for t in f.tensors() {
-            let r = t.data.as_ptr_range();
-            ensure!(
-                map.start <= r.start && r.end <= map.end,
-                "tensor {} does not lie inside the mapping",
-                t.name
-            );
-            if !in_plan.contains(t.name) {
-                // No prepare runs for these: the CPU reads the slice where it lies, and the
-                // ledger checks that address range against the registered mapping.
-                let ev = crate::ledger::Evidence {
-                    declared: Arrival::Borrowed,
-                    reads: Some(crate::ledger::address_range(t.data)),
-                    measured: crate::ledger::Measurement::default(),
-                };
-                ledger.record("CPU", t.name, t.data.len() as u64, &ev);
-            }
-        }
-        let output = mats.pop().context("no output weight")?;
-        let hp_gelu = hp.arch.gemma() && opt.fault != Some(Fault::SiluGate);
-        let rope = match (opt.fault, hp.arch.rope()) {
-            (Some(Fault::SwapRope), RopeKind::Norm) => RopeKind::Neox,
-            (Some(Fault::SwapRope), RopeKind::Neox) => RopeKind::Norm,
-            (_, r) => r,
-        };
-        if opt.fault == Some(Fault::NoBias) {
-            for m in &mut mats {
-                m.bias = None;
-            }
-        }
-        let mut it = mats.into_iter();
-        let mut layers = Vec::with_capacity(hp.n_layer);
-        for n in norms {
-            let mut next = || {
-                it.next()
-                    .context("internal: fewer matmul weights than layers")
-            };
-            let qkv = if n.fused {
-                QkvIn::Fused(next()?)
-            } else {
-                QkvIn::Separate {
-                    wq: next()?,
-                    wk: next()?,
-                    wv: next()?,
-                }
-            };
-            let wo = next()?;
-            let gate_up = if n.fused {
-                GateUp::Fused(next()?)
-            } else {
-                GateUp::Separate {
-                    gate: next()?,
-                    up: next()?,
-                }
-            };
-            layers.push(Layer {
-                attn_norm: n.attn,
-                q_norm: n.q,
-                k_norm: n.k,
-                post_attn_norm: n.post_attn,
-                post_ffn_norm: n.post_ffn,
-                qkv,
-                wo,
-                gate_up,
-                down: next()?,
-                ffn_norm: n.ffn,
-            });
-        }
-        Ok(Model {
-            hp,
-            n_vocab,
-            tied,
-            file: f,
-            tok_embd,
-            layers,
-            out_norm,
-            output,
-            backends,
-            plan_text,
-            ledger,
-            threads,
-            ubatch,
-            rope,
-            rope_factors,
-            ulp_nudge: opt.fault == Some(Fault::Ulp),
-            gelu: hp_gelu,
-            no_window: opt.fault == Some(Fault::NoWindow),
-            one_rope_base: opt.fault == Some(Fault::OneRopeBase),
-            swap_gate_up: opt.fault == Some(Fault::SwapGateUp),
-        })
-    }
-
     pub fn file(&self) -> &'m GgufFile {
         self.file
     }
 
     /// Bytes of matmul weights read per decoded token (every layer's and the LM head).
     pub fn weight_bytes_per_token(&self) -> u64 {
-        let mut b = self.output.w.data.len() as u64;
-        for l in &self.layers {
-            for m in l.mats() {
-                b += m.w.data.len() as u64;
-            }
-        }
-        b
+        self.mats.iter().map(|m| m.w.data.len() as u64).sum()
     }
 
     /// A session with a KV cache for `n_ctx` tokens (allocated now, once).
@@ -757,12 +250,13 @@ impl<'m> Model<'m> {
     /// `c = a·Wᵀ (+ bias)` for `m` rows on the first backend that accepts the op at this M.
     fn matmul(
         &self,
-        mat: &Mat<'m>,
+        id: MatId,
         a: &[f32],
         m: usize,
         c: &mut Vec<f32>,
         st: &mut RunStats,
     ) -> Result<()> {
+        let mat = &self.mats[id.0];
         c.resize(m * mat.w.n, 0.0);
         let op = MatmulOp::for_weight(&mat.w, m);
         let mut why = Vec::new();
@@ -934,14 +428,14 @@ impl<'m> Model<'m> {
                 }
                 match &l.qkv {
                     QkvIn::Separate { wq, wk, wv } => {
-                        self.matmul(wq, &xn, m, &mut q, &mut stats)?;
-                        self.matmul(wk, &xn, m, &mut k, &mut stats)?;
-                        self.matmul(wv, &xn, m, &mut v, &mut stats)?;
+                        self.matmul(*wq, &xn, m, &mut q, &mut stats)?;
+                        self.matmul(*wk, &xn, m, &mut k, &mut stats)?;
+                        self.matmul(*wv, &xn, m, &mut v, &mut stats)?;
                     }
                     QkvIn::Fused(w) => {
                         // Rows of [q | k | v], split as ggml's views of the fused output.
                         let (qd, kd) = (hp.q_dim(), hp.kv_dim());
-                        self.matmul(w, &xn, m, &mut u, &mut stats)?;
+                        self.matmul(*w, &xn, m, &mut u, &mut stats)?;
                         q.resize(m * qd, 0.0);
                         k.resize(m * kd, 0.0);
                         v.resize(m * kd, 0.0);
@@ -997,7 +491,7 @@ impl<'m> Model<'m> {
                         }
                     }
                 }
-                self.matmul(&l.wo, &att, m, &mut o, &mut stats)?;
+                self.matmul(l.wo, &att, m, &mut o, &mut stats)?;
                 if let Some(w) = l.post_attn_norm {
                     ops::rms_norm_rows_inplace(&mut o, w, hp.eps);
                 }
@@ -1009,13 +503,13 @@ impl<'m> Model<'m> {
                 }
                 match &l.gate_up {
                     GateUp::Separate { gate, up } => {
-                        self.matmul(gate, &xn, m, &mut g, &mut stats)?;
-                        self.matmul(up, &xn, m, &mut u, &mut stats)?;
+                        self.matmul(*gate, &xn, m, &mut g, &mut stats)?;
+                        self.matmul(*up, &xn, m, &mut u, &mut stats)?;
                     }
                     GateUp::Fused(w) => {
                         // Rows of [gate | up]: ggml's swiglu of the fused row.
                         let ff = hp.n_ff;
-                        self.matmul(w, &xn, m, &mut o, &mut stats)?;
+                        self.matmul(*w, &xn, m, &mut o, &mut stats)?;
                         g.resize(m * ff, 0.0);
                         u.resize(m * ff, 0.0);
                         let (gh, uh) = if self.swap_gate_up { (ff, 0) } else { (0, ff) };
@@ -1030,7 +524,7 @@ impl<'m> Model<'m> {
                 } else {
                     ops::swiglu_inplace(&mut g, &u);
                 }
-                self.matmul(&l.down, &g, m, &mut o, &mut stats)?;
+                self.matmul(l.down, &g, m, &mut o, &mut stats)?;
                 if let Some(w) = l.post_ffn_norm {
                     ops::rms_norm_rows_inplace(&mut o, w, hp.eps);
                 }
@@ -1051,7 +545,7 @@ impl<'m> Model<'m> {
                 ops::rms_norm(xr, self.out_norm, hp.eps, yr);
             }
             let mut logits = Vec::new();
-            self.matmul(&self.output, &xn[..r * e], r, &mut logits, &mut stats)?;
+            self.matmul(self.output, &xn[..r * e], r, &mut logits, &mut stats)?;
             if let Some(cap) = hp.final_softcap {
                 // ggml_scale(1/cap), ggml_tanh, ggml_scale(cap).
                 let inv = 1.0 / cap;
@@ -1153,17 +647,21 @@ impl<'m> Model<'m> {
     /// (each layer's, then the LM head): what `kiln plan` and the self-check's coverage must
     /// cover.
     pub fn matmul_weight_names(&self) -> Vec<&'m str> {
-        let mut out: Vec<&'m str> = Vec::new();
-        for l in &self.layers {
-            out.extend(l.mats().into_iter().map(|m| m.w.name));
-        }
-        out.push(self.output.w.name);
-        out
+        self.mats.iter().map(|m| m.w.name).collect()
     }
 
     /// Names of the backends in board order.
     pub fn backend_names(&self) -> Vec<&'static str> {
         self.backends.iter().map(|b| b.name()).collect()
+    }
+}
+
+/// The RoPE pairing: the architecture's, or the other one under [`Fault::SwapRope`].
+fn rope_kind(arch: Arch, fault: Option<Fault>) -> RopeKind {
+    match (fault, arch.rope()) {
+        (Some(Fault::SwapRope), RopeKind::Norm) => RopeKind::Neox,
+        (Some(Fault::SwapRope), RopeKind::Neox) => RopeKind::Norm,
+        (_, r) => r,
     }
 }
 
@@ -1300,7 +798,7 @@ mod tests {
             "c",
         ];
         assert_eq!(
-            unused_tensors(names.into_iter(), &used, &allow),
+            tensors::unused_tensors(names.into_iter(), &used, &allow),
             ["blk.1.attn_rot_embd.extra", "blk.x.attn_rot_embd", "c"]
         );
     }
