@@ -49,6 +49,7 @@ pub const LAYERS: &[(&str, &[&str])] = &[
             "bundle",
             "farm",
             "keys",
+            "docs",
         ],
     ),
     ("crate root", &["main"]),
