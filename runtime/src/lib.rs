@@ -2,6 +2,8 @@
 
 pub mod backend;
 pub mod civil;
+#[doc(hidden)]
+pub mod clidoc;
 pub mod contain;
 pub mod cpus;
 pub mod fleet;

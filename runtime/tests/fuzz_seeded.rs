@@ -2,7 +2,7 @@
 //! short seeded fuzz: each target's own body (`kiln_runtime::fuzzing`) over its seed corpus
 //! (`fuzz/seeds/<target>/`, with every crash the fuzzer found kept there as a regression case)
 //! and a fixed number of deterministic mutations of it (fixed seed, the target's dictionary).
-//! The long runs (10^7 inputs each) are cargo-fuzz's, outside CI: README, "Fuzzing".
+//! The long runs (10^7 inputs each) are cargo-fuzz's, outside CI: docs/testing.md, "Fuzzing".
 
 use kiln_runtime::fuzzing;
 use std::path::{Path, PathBuf};

@@ -42,8 +42,8 @@ pub struct Args {
     #[arg(long = "model")]
     pub models: Vec<PathBuf>,
     /// After the self-check, the board runs `kiln run` greedy for N tokens on the first model of
-    /// its models partition (prompt [`RUN_PROMPT`]; `kiln.run=N`): the text is on the console and
-    /// in `kiln/run.json` on the boot partition.
+    /// its models partition (the prompt "The capital of France is"; `kiln.run=N`): the text is on
+    /// the console and in `kiln/run.json` on the boot partition.
     #[arg(long, value_name = "N")]
     pub run: Option<usize>,
 }

@@ -38,7 +38,7 @@ pub struct Args {
     /// and its `kiln-models.json` carrying the self-check's known answers for them (the image's own
     /// steps; no system is built), that JSON signed by the bundle's key (detached CMS, checked
     /// against the board's keyring here), as the image `models.img` for the slot class `models`.
-    /// A board installs it into its models slot not in use and maps that slot at the next boot
+    /// A board installs it into its models slot not in use and maps that slot at the next boot.
     #[arg(long)]
     pub models_slot: bool,
     /// A models bundle of these GGUF files (and the self-check's fixtures), with the known

@@ -51,6 +51,7 @@ pub enum What {
         /// Where to write the new signing certificate and key.
         #[arg(long)]
         out: PathBuf,
+        /// The fleet's name, in the certificate's subject.
         #[arg(long, default_value = "kiln fleet")]
         name: String,
     },

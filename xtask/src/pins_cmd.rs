@@ -14,21 +14,27 @@ pub struct Args {
 
 #[derive(clap::Subcommand)]
 pub enum PinsCmd {
-    /// Resolve every pin of a board (download into the cache and verify) without building.
+    /// Resolve every pinned input of a board into the download cache and verify it, without
+    /// building.
     Check {
+        /// Board recipe under `images/`.
         #[arg(long, default_value = "qemu-virt")]
         board: String,
         /// Use the cache alone; list what is missing.
         #[arg(long)]
         offline: bool,
     },
-    /// Re-resolve the Debian packages to what the archive serves now and rewrite the pins.
+    /// Re-pin the Debian packages to what the archive serves now, showing the diff, and record with
+    /// each the snapshot.debian.org timestamp and path that serve it.
     Update,
-    /// Re-resolve the tools root's closure (images/tools-root.toml) to what the archive serves
-    /// now, download every package into the cache and rewrite the pin list whole.
+    /// Re-resolve the tools root's closure (a minimal bookworm amd64 root and the tools that shape
+    /// the image, images/tools-root.toml) to what the archive serves now, download every package
+    /// into the cache and rewrite the pin list whole.
     UpdateToolsRoot,
-    /// Check a file you supply against its declared identity, record its sha256 and cache it.
+    /// Check a file you supply (vendor kernel, U-Boot blobs, `librknnrt.so`) against its declared
+    /// identity, lock its sha256 in the pins and cache it.
     Lock {
+        /// Board recipe under `images/`.
         #[arg(long, default_value = "rock-5b-vendor")]
         board: String,
         /// `NAME=PATH`, e.g. `librknnrt=/tmp/librknnrt.so`.
@@ -36,8 +42,10 @@ pub enum PinsCmd {
         inputs: Vec<String>,
     },
     /// Put files fetched elsewhere into the download cache, each only if it is (by sha256) the
-    /// pinned file of one of the board's inputs: for a machine that cannot reach a url input.
+    /// pinned file of one of the board's inputs: for a machine that cannot reach a url input (the
+    /// rkbin DDR blob and rkbin's LICENSE, fetched from GitHub).
     Seed {
+        /// Board recipe under `images/`.
         #[arg(long, default_value = "rock-5b")]
         board: String,
         /// The files, e.g. the rkbin DDR blob.

@@ -1,6 +1,7 @@
 //! The layers of `xtask`, kept by a test (as rust-analyzer keeps its conventions in `tidy`
 //! tests): every `crate::…` path in a module's source must point to its own layer or one below,
-//! and the modules must not import each other in a circle. ARCHITECTURE.md lists the same table.
+//! and the modules must not import each other in a circle. ARCHITECTURE.md lists the same table
+//! (held equal to [`LAYERS`] here) and names every module of both crates (held here too).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -49,6 +50,7 @@ pub const LAYERS: &[(&str, &[&str])] = &[
             "bundle",
             "farm",
             "keys",
+            "docs",
         ],
     ),
     ("crate root", &["main"]),
@@ -282,6 +284,213 @@ pub fn sources(dir: &Path) -> std::io::Result<Vec<(PathBuf, String)>> {
     Ok(out)
 }
 
+/// The lines around ARCHITECTURE.md's copy of [`LAYERS`].
+pub const ARCH_LAYERS_BEGIN: &str = "<!-- layers: tidy::LAYERS, held equal by tidy's tests -->";
+pub const ARCH_LAYERS_END: &str = "<!-- end of layers -->";
+
+/// ARCHITECTURE.md's layer list: the lines between [`ARCH_LAYERS_BEGIN`] and
+/// [`ARCH_LAYERS_END`], each `N. name: `module`, `module`, …`, as (name, modules).
+pub fn arch_layers(doc: &str) -> Result<Vec<(String, Vec<String>)>, String> {
+    let (_, rest) = doc
+        .split_once(ARCH_LAYERS_BEGIN)
+        .ok_or_else(|| format!("ARCHITECTURE.md has no line {ARCH_LAYERS_BEGIN}"))?;
+    let (list, _) = rest
+        .split_once(ARCH_LAYERS_END)
+        .ok_or_else(|| format!("ARCHITECTURE.md has no line {ARCH_LAYERS_END}"))?;
+    let mut out = Vec::new();
+    for line in list.lines().map(str::trim).filter(|l| !l.is_empty()) {
+        let item = line
+            .split_once(". ")
+            .filter(|(n, _)| n.chars().all(|c| c.is_ascii_digit()))
+            .map(|(_, rest)| rest)
+            .ok_or_else(|| format!("ARCHITECTURE.md's layer list: `{line}` is not `N. name: …`"))?;
+        let (name, modules) = item
+            .split_once(':')
+            .ok_or_else(|| format!("ARCHITECTURE.md's layer list: `{line}` has no `:`"))?;
+        let modules = modules
+            .split(',')
+            .map(|m| m.trim().trim_matches('`').to_string())
+            .filter(|m| !m.is_empty())
+            .collect();
+        out.push((name.trim().to_string(), modules));
+    }
+    Ok(out)
+}
+
+/// [`LAYERS`] as [`arch_layers`] reads them, and as ARCHITECTURE.md must list them.
+pub fn layers_text() -> String {
+    LAYERS
+        .iter()
+        .enumerate()
+        .map(|(i, (name, ms))| {
+            let ms: Vec<String> = ms.iter().map(|m| format!("`{m}`")).collect();
+            format!("{}. {name}: {}\n", i + 1, ms.join(", "))
+        })
+        .collect()
+}
+
+/// A module of a crate's `src/`, as its path components and whether it is a folder (`disk/` with
+/// its `mod.rs`) or a file (`disk/gpt.rs`).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Module {
+    pub comps: Vec<String>,
+    pub folder: bool,
+}
+
+impl Module {
+    /// As ARCHITECTURE.md may name it: `disk/`, `disk/gpt.rs`.
+    pub fn path(&self) -> String {
+        let p = self.comps.join("/");
+        if self.folder {
+            format!("{p}/")
+        } else {
+            format!("{p}.rs")
+        }
+    }
+}
+
+/// Every module under `src` (paths relative to it, as [`sources`] gives them): each `.rs` file
+/// but the crate roots (`main.rs`, `lib.rs`) and `mod.rs` files, and each folder with a `mod.rs`
+/// (a folder beside `name.rs`, as `pins/`, holds that module's children: `pins.rs` is the module).
+pub fn modules(files: &[PathBuf]) -> Vec<Module> {
+    let mut out = BTreeSet::new();
+    for f in files {
+        let comps: Vec<String> = f
+            .components()
+            .map(|c| c.as_os_str().to_string_lossy().into_owned())
+            .collect();
+        let Some((last, dirs)) = comps.split_last() else {
+            continue;
+        };
+        let stem = last.trim_end_matches(".rs").to_string();
+        if dirs.is_empty() && (stem == "main" || stem == "lib") {
+            continue;
+        }
+        if stem == "mod" {
+            out.insert(Module {
+                comps: dirs.to_vec(),
+                folder: true,
+            });
+        } else {
+            let mut c = dirs.to_vec();
+            c.push(stem);
+            out.insert(Module {
+                comps: c,
+                folder: false,
+            });
+        }
+    }
+    out.into_iter().collect()
+}
+
+/// The modules a word of ARCHITECTURE.md names, of one crate's `all`: a path that ends a module's
+/// path at a component boundary (`gpt.rs`, `disk/gpt.rs`, `xtask/src/disk/gpt.rs`, `disk/`,
+/// `disk/mod.rs`), a Rust path through one (`disk::gpt`, `kiln_runtime::disk::gpt::assemble`;
+/// one component only for a top-level module), or a top-level module's bare name (`disk`). A
+/// word that fits several modules of the crate names none of them.
+fn named_by(word: &str, crate_src: &str, all: &[Module]) -> Vec<Module> {
+    let ends_with = |m: &Module, c: &[String]| m.comps.len() >= c.len() && m.comps.ends_with(c);
+    let unique = |found: Vec<&Module>| -> Vec<Module> {
+        if found.len() == 1 {
+            vec![found[0].clone()]
+        } else {
+            Vec::new()
+        }
+    };
+    let word = word
+        .strip_prefix(crate_src)
+        .or_else(|| word.strip_prefix("src/"))
+        .unwrap_or(word);
+    if word.ends_with(".rs") || word.ends_with('/') {
+        let mut folder = word.ends_with('/');
+        let mut comps: Vec<String> = word
+            .split('/')
+            .filter(|c| !c.is_empty())
+            .map(str::to_string)
+            .collect();
+        if let Some(stem) = comps.last().and_then(|l| l.strip_suffix(".rs")) {
+            let stem = stem.to_string();
+            comps.pop();
+            if stem == "mod" {
+                folder = true;
+            } else {
+                comps.push(stem);
+            }
+        }
+        if comps.is_empty() {
+            return Vec::new();
+        }
+        return unique(
+            all.iter()
+                .filter(|m| m.folder == folder && ends_with(m, &comps))
+                .collect(),
+        );
+    }
+    let ident = |s: &str| !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+    if word.contains("::") {
+        let path = ["crate::", "kiln_runtime::", "super::"]
+            .iter()
+            .find_map(|p| word.strip_prefix(p))
+            .unwrap_or(word);
+        let comps: Vec<String> = path.split("::").map(str::to_string).collect();
+        if !comps.iter().all(|c| ident(c)) {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        for n in 1..=comps.len() {
+            let c = &comps[..n];
+            out.extend(unique(
+                all.iter()
+                    .filter(|m| ends_with(m, c) && (c.len() >= 2 || m.comps.len() == 1))
+                    .collect(),
+            ));
+        }
+        return out;
+    }
+    if ident(word) {
+        return unique(
+            all.iter()
+                .filter(|m| m.comps.len() == 1 && m.comps[0] == word)
+                .collect(),
+        );
+    }
+    Vec::new()
+}
+
+/// The modules of `all` (one crate's, under `crate_src`, e.g. `runtime/src/`) that no backticked
+/// word of `text` names (see [`named_by`]).
+pub fn unnamed(text: &str, crate_src: &str, all: &[Module]) -> Vec<Module> {
+    let mut named = BTreeSet::new();
+    for (i, span) in text.split('`').enumerate() {
+        if i % 2 == 0 {
+            continue;
+        }
+        for word in span.split(|c: char| c.is_whitespace() || ",;()[]{}'\"".contains(c)) {
+            named.extend(named_by(word, crate_src, all));
+        }
+    }
+    all.iter()
+        .filter(|m| !named.contains(*m))
+        .cloned()
+        .collect()
+}
+
+/// ARCHITECTURE.md's section under `heading` (a `### ` line), up to the next `## ` or `### `.
+pub fn section<'d>(doc: &'d str, heading: &str) -> Result<&'d str, String> {
+    let start = doc
+        .lines()
+        .position(|l| l.trim() == heading)
+        .ok_or_else(|| format!("ARCHITECTURE.md has no heading `{heading}`"))?;
+    let lines: Vec<&str> = doc.lines().collect();
+    let end = lines[start + 1..]
+        .iter()
+        .position(|l| l.starts_with("## ") || l.starts_with("### "))
+        .map_or(lines.len(), |e| start + 1 + e);
+    let from = lines[..start].iter().map(|l| l.len() + 1).sum::<usize>();
+    let to = lines[..end].iter().map(|l| l.len() + 1).sum::<usize>();
+    Ok(&doc[from..to.min(doc.len())])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -289,6 +498,133 @@ mod tests {
     fn src() -> Vec<(PathBuf, String)> {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
         sources(&dir).expect("reading xtask/src")
+    }
+
+    fn architecture_md() -> String {
+        let p = crate::paths::project_root().join("ARCHITECTURE.md");
+        std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("reading {}: {e}", p.display()))
+    }
+
+    /// ARCHITECTURE.md's layer list is [`LAYERS`], layer by layer, module by module, in order.
+    #[test]
+    fn architecture_md_lists_the_layers() {
+        let doc = architecture_md();
+        let listed = arch_layers(&doc).unwrap();
+        let want: Vec<(String, Vec<String>)> = LAYERS
+            .iter()
+            .map(|(n, ms)| (n.to_string(), ms.iter().map(|m| m.to_string()).collect()))
+            .collect();
+        assert!(
+            listed == want,
+            "ARCHITECTURE.md's layer list (between {ARCH_LAYERS_BEGIN} and {ARCH_LAYERS_END}) is \
+             not tidy::LAYERS; it should read:\n{}",
+            layers_text()
+        );
+    }
+
+    /// ARCHITECTURE.md names every module of both crates, each in its crate's section: a file or
+    /// folder added under `xtask/src` or `runtime/src` is a failing test until the code map
+    /// says what it is.
+    #[test]
+    fn architecture_md_names_every_module() {
+        let doc = architecture_md();
+        let root = crate::paths::project_root();
+        let mut missing = Vec::new();
+        for (krate, heading) in [
+            ("xtask", "### `xtask/`: the host tool"),
+            (
+                "runtime",
+                "### `runtime/`: `kiln`, on the board and the host",
+            ),
+        ] {
+            let src = root.join(krate).join("src");
+            let files: Vec<PathBuf> = sources(&src).unwrap().into_iter().map(|(p, _)| p).collect();
+            let all = modules(&files);
+            assert!(all.len() > 20, "{krate}: only {} modules", all.len());
+            let text = section(&doc, heading).unwrap();
+            for m in unnamed(text, &format!("{krate}/src/"), &all) {
+                missing.push(format!("{krate}/src/{}", m.path()));
+            }
+        }
+        assert!(
+            missing.is_empty(),
+            "ARCHITECTURE.md's code map does not name these modules (name each in its crate's \
+             section, in backticks: `gpt.rs`, `disk/gpt.rs`, `disk/`, or `disk::gpt`):\n  {}",
+            missing.join("\n  ")
+        );
+    }
+
+    /// How a module is named: by a path or Rust path that ends it, unambiguously; a folder only as
+    /// a folder; a nested module never by its bare name. Injected: a list that drops a module.
+    #[test]
+    fn how_modules_are_named() {
+        let files: Vec<PathBuf> = [
+            "main.rs",
+            "disk/mod.rs",
+            "disk/gpt.rs",
+            "disk/tests.rs",
+            "quant/tests.rs",
+            "quant/mod.rs",
+            "pins.rs",
+            "pins/identity.rs",
+            "serve/mod.rs",
+            "cli/serve.rs",
+        ]
+        .iter()
+        .map(PathBuf::from)
+        .collect();
+        let all = modules(&files);
+        let paths: Vec<String> = all.iter().map(Module::path).collect();
+        assert_eq!(
+            paths,
+            [
+                "cli/serve.rs",
+                "disk/",
+                "disk/gpt.rs",
+                "disk/tests.rs",
+                "pins.rs",
+                "pins/identity.rs",
+                "quant/",
+                "quant/tests.rs",
+                "serve/"
+            ]
+        );
+        let left = |text: &str| -> Vec<String> {
+            unnamed(text, "x/src/", &all)
+                .iter()
+                .map(Module::path)
+                .collect()
+        };
+        let full = "`disk/` (`gpt.rs`, `disk/tests.rs`), `quant` with `quant/tests.rs`, \
+                    `pins` and `pins::identity::check`, `serve/`, `x/src/cli/serve.rs`";
+        assert!(left(full).is_empty(), "{:?}", left(full));
+        // `tests.rs` is two modules' name, `gpt` is not a top-level module, `serve.rs` is not
+        // the folder `serve/`, `identity` alone is a nested module's bare name.
+        assert_eq!(
+            left("`disk` `tests.rs` `gpt` `quant/` `pins.rs` `identity` `serve.rs`"),
+            [
+                "disk/gpt.rs",
+                "disk/tests.rs",
+                "pins/identity.rs",
+                "quant/tests.rs",
+                "serve/"
+            ]
+        );
+    }
+
+    /// The layer list is read line by line; a layer or module out of place is seen.
+    #[test]
+    fn the_layer_list_is_read() {
+        let doc = format!(
+            "x\n{ARCH_LAYERS_BEGIN}\n{}{ARCH_LAYERS_END}\ny\n",
+            layers_text()
+        );
+        let got = arch_layers(&doc).unwrap();
+        assert_eq!(got.len(), LAYERS.len());
+        assert_eq!(got[1], ("inputs".to_string(), vec!["pins".to_string()]));
+        let moved = doc.replace("`kernel_modules`, ", "");
+        assert_ne!(arch_layers(&moved).unwrap()[2].1, got[2].1);
+        assert!(arch_layers("no list").is_err());
     }
 
     /// The real tree keeps its layers.

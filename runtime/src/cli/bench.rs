@@ -17,6 +17,7 @@ pub struct Args {
     /// Tokens to decode.
     #[arg(short = 'n', default_value_t = 64)]
     pub n: usize,
+    /// One JSON object instead of the lines.
     #[arg(long)]
     pub json: bool,
 }

@@ -6,8 +6,11 @@ use std::path::{Path, PathBuf};
 
 #[derive(clap::Args)]
 pub struct Args {
+    /// The GGUF file.
     file: PathBuf,
+    /// The tensor's name, as `kiln inspect` lists it.
     tensor: String,
+    /// Where to write its values (raw little-endian f32).
     #[arg(short = 'o', long = "output")]
     output: PathBuf,
 }

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 
 #[derive(clap::Args)]
 pub struct Args {
+    /// The GGUF file.
     file: PathBuf,
     /// Machine-readable output, with every metadata value in full.
     #[arg(long)]

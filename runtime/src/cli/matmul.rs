@@ -7,12 +7,17 @@ use std::path::{Path, PathBuf};
 
 #[derive(clap::Args)]
 pub struct Args {
+    /// The GGUF file.
     file: PathBuf,
+    /// The weight W, by its tensor name.
     tensor: String,
+    /// A: M rows of K raw little-endian f32.
     #[arg(long)]
     input: PathBuf,
+    /// M, the rows of A.
     #[arg(long)]
     m: usize,
+    /// Where to write C: M rows of N raw little-endian f32.
     #[arg(short = 'o', long = "output")]
     output: PathBuf,
     /// Run on this backend only (default: board order, npu then cpu).

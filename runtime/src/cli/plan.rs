@@ -5,10 +5,12 @@ use std::path::PathBuf;
 
 #[derive(clap::Args)]
 pub struct Args {
+    /// The GGUF model.
     file: PathBuf,
     /// Row counts (M) to plan for, e.g. 1 for decode and 512 for prefill.
     #[arg(long, value_delimiter = ',', default_value = "1,8,512")]
     m: Vec<usize>,
+    /// Machine-readable output.
     #[arg(long)]
     json: bool,
     /// NPU memory for converted weights, in MiB (default: `KILN_NPU_BUDGET_MIB`, else 1024;

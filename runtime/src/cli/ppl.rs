@@ -8,6 +8,10 @@ use kiln_runtime::model::nll_windows;
 use std::path::PathBuf;
 
 #[derive(clap::Args)]
+#[command(mut_arg("ctx", |a| a.help(
+    "Window length in tokens, the cache cleared between windows (default: the whole text if it \
+     fits the model's context, else 512)"
+)))]
 pub struct Args {
     #[command(flatten)]
     pub m: ModelArgs,
@@ -20,6 +24,7 @@ pub struct Args {
     /// The tokens to score, as comma-separated ids (models without a tokenizer).
     #[arg(long)]
     pub ids: Option<String>,
+    /// One JSON object instead of the line.
     #[arg(long)]
     pub json: bool,
 }

@@ -13,7 +13,7 @@ use std::time::Instant;
 /// What every model command takes.
 #[derive(clap::Args, Clone, Debug)]
 pub struct ModelArgs {
-    /// The GGUF model (llama, qwen2 or qwen3).
+    /// The GGUF model (llama, qwen2, qwen3, gemma3 or phi3).
     #[arg(required = true)]
     pub model: Option<PathBuf>,
     /// Context length: the KV cache is allocated for this many tokens (default: the model's

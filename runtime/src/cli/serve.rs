@@ -20,6 +20,7 @@ pub struct Args {
     /// (DNS rebinding: a web page's script reaching a server on the user's own machine).
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
+    /// TCP port to listen on.
     #[arg(long, default_value_t = 8080)]
     pub port: u16,
     /// Sequences decoded at once (each with its own KV cache from one pool allocated at start).

@@ -43,8 +43,10 @@ impl From<ClassArg> for Class {
 
 #[derive(clap::Subcommand)]
 enum Cmd {
-    /// The booted slot, BOOT_ORDER, the primary slot and each slot's tries left and good/bad;
-    /// a damaged file (bad CRC: U-Boot uses its defaults) is reported as such.
+    /// The booted slot (`rauc.slot=`), BOOT_ORDER, the primary (the first listed slot with tries
+    /// left), each slot's tries left and good/bad, and "no good slot"; a damaged file (bad CRC:
+    /// U-Boot uses its defaults) and a stray `abstate.env.new` are reported as such. With `--class
+    /// models` the models slots' pair, likewise.
     Status {
         /// One JSON object instead of the human form.
         #[arg(long)]

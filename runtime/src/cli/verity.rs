@@ -19,11 +19,13 @@ struct Mapping {
     /// The models partition (a block device).
     #[arg(long)]
     device: PathBuf,
+    /// The booted system's manifest (its factory models slot and `models_verity`).
     #[arg(long, default_value = "/boot/kiln/manifest.json")]
     manifest: PathBuf,
     /// The update keyring a models bundle's signature must verify against (RAUC's).
     #[arg(long, default_value = kiln_runtime::models_slot::trust::KEYRING)]
     keyring: PathBuf,
+    /// The device-mapper control node.
     #[arg(long, default_value = verity::CONTROL)]
     control: PathBuf,
 }
@@ -38,16 +40,20 @@ enum What {
     /// without openssl), 1 when believing it needs its signature checked (init then mounts the
     /// updates tree, which holds openssl, first).
     IsFactory {
+        /// The models partition (a block device).
         #[arg(long)]
         device: PathBuf,
+        /// The booted system's manifest.
         #[arg(long, default_value = "/boot/kiln/manifest.json")]
         manifest: PathBuf,
     },
-    /// Compare the live mapping with the manifest (table, root hash, status V/C).
+    /// Read the live table back from the kernel and compare it with the slot's own (root hash,
+    /// salt, sizes, the device beneath, status V/C), once the slot on `--device` is believed.
     Status(Mapping),
     /// The models slot in use (beneath the live mapping), as a system bundle's hook reads it:
     /// `device=… sha256=… format=… signed=yes|no`, its `kiln-models.json` read, not believed.
     Active {
+        /// The device-mapper control node.
         #[arg(long, default_value = verity::CONTROL)]
         control: PathBuf,
     },
@@ -55,6 +61,7 @@ enum What {
     Format,
     /// Print the live mapping's root hash (from the kernel's table, not from a file).
     Root {
+        /// The device-mapper control node.
         #[arg(long, default_value = verity::CONTROL)]
         control: PathBuf,
     },

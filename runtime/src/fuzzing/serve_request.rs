@@ -34,7 +34,7 @@ pub const KEY: &str = "kiln-fuzz-key";
 const N_CTX: usize = 128;
 const TEMPLATE: &str = include_str!("../../tests/phi3_5_mini_chat_template.jinja");
 
-/// The statuses `kiln serve` answers with (README, `kiln serve`'s doors), hyper's own (400 for
+/// The statuses `kiln serve` answers with (docs/serving.md, "Its doors"), hyper's own (400 for
 /// a malformed head, 414, 431) and axum's 405 for a route asked with another method. Never 500
 /// or 503 here: the model is loaded and the report passes.
 pub const STATUSES: &[u16] = &[100, 200, 400, 401, 403, 404, 405, 408, 413, 414, 429, 431];

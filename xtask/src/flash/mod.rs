@@ -49,14 +49,17 @@ pub struct Args {
     /// Refuse unless the device reports this serial number (for scripts that use `--yes`).
     #[arg(long)]
     pub expect_serial: Option<String>,
-    /// The board's own API key (one line): written after the image, and verified, to the data
-    /// partition as `/data/kiln/api-key` (mode 0600), where `kiln serve` looks for it. The image
-    /// stays the same for every board; to rotate a key, flash again or write the file by hand.
+    /// The board's own API key (one line, 16–4096 visible characters, checked before a byte is
+    /// written): written after the image, and verified, to the data partition as
+    /// `/data/kiln/api-key` (mode 0600), where `kiln serve` looks for it; a board serves beyond
+    /// loopback only with it (or where its recipe says `insecure = true`). The image stays the same
+    /// for every board; to rotate a key, flash again or write the file by hand.
     #[arg(long, value_name = "FILE")]
     pub api_key: Option<PathBuf>,
     /// The board's hawkBit target token (one line): written after the image, and verified, to
     /// the data partition as `/data/kiln/fleet-token` (mode 0600), where `kiln fleet` looks for it
-    /// (the recipe's `[fleet] token_file` default). Never in the image.
+    /// (the recipe's `[fleet] token_file` default); without it the client says so and stops.
+    /// Never in the image.
     #[arg(long, value_name = "FILE")]
     pub fleet_token: Option<PathBuf>,
     /// Test hook: flip the byte at this offset on the target between write and verify.

@@ -456,7 +456,7 @@ fn system(run: &mut Runner, ctx: &steps::Ctx) -> Result<System> {
 
 /// The loader as written: RKNS at LBA 64, the FIT's U-Boot and BL31, before the GPT's first
 /// partition (the `u-boot` stage shows each of these failing on a broken image); and U-Boot for
-/// the board's SPI NOR beside the image (README: "Writing U-Boot to the SPI flash").
+/// the board's SPI NOR beside the image (docs/rock-5b.md, "U-Boot in the SPI flash").
 fn loader_outputs(
     run: &mut Runner,
     ctx: &steps::Ctx,

@@ -30,6 +30,26 @@ pub enum What {
     /// `kiln serve` (host release build, SmolLM2, an API key) under a seeded mix of valid,
     /// invalid, streaming, slow and vanishing clients; RSS, descriptors, threads and latency
     /// percentiles per window; a verdict (exit 1 naming what failed). Samples under target/soak/.
+    ///
+    /// Not in CI: it takes minutes; run it by hand before a release (`nice` on a shared machine).
+    /// The host release `kiln serve` on SmolLM2 (pinned, as the serve stage gets it) listens on a
+    /// free loopback port with an API key and is driven for N minutes by C seeded clients (default
+    /// twice `--parallel`): valid completions and chat completions (short `max_tokens`, some
+    /// streamed as SSE, some written or read slowly), invalid ones (an unknown parameter → 400
+    /// naming it, a wrong key → 401, a body announced over 1 MiB → 413, broken JSON → 400, a
+    /// foreign `Host` → 403, a stalled body → 408) and vanishing ones (half a head, half a body, a
+    /// stream dropped after its first event, connect-and-close); every answer is checked.
+    ///
+    /// Every window: kiln's VmRSS/RssAnon, open descriptors and threads (`/proc/PID`), `/metrics`'
+    /// active sequences, queue and cancellations, and the valid requests' time to first byte and
+    /// total time (p50/p95/p99) with counts per outcome, one line each. At the end the table over
+    /// time and a verdict: after the warm-up (the first 20 %) VmRSS grows at most max(5 %, 4 MiB)
+    /// (`--rss-slack-pct`, `--rss-slack-mib`), descriptors stay under idle + 2C + 16, and once the
+    /// clients are gone descriptors, threads, active sequences and queue are back to the idle
+    /// baseline (taken after one completion); every valid request is answered 200 and well-formed
+    /// (429 counted apart, and a failure unless C > `--parallel` + `--queue`), every invalid one
+    /// its status, and the server is alive. Samples in `target/soak/serve.csv` and `serve.json`
+    /// (atomic); exit 1 naming the failed checks.
     Serve(ServeArgs),
 }
 
