@@ -197,6 +197,13 @@ pub struct Session {
     scratch: Scratch,
 }
 
+/// One group's rows in a forward pass: its first row, how many, and the position of the first.
+struct Span {
+    row: usize,
+    rows: usize,
+    pos: usize,
+}
+
 /// A forward pass's buffers, kept between calls so a step allocates nothing.
 #[derive(Default)]
 struct Scratch {
@@ -364,15 +371,17 @@ impl<'m> Model<'m> {
         groups: &mut [(&mut Session, &[u32])],
         want: Want,
     ) -> Result<Vec<f32>> {
-        let hp = &self.hp;
-        let e = hp.n_embd;
         let m: usize = groups.iter().map(|(_, t)| t.len()).sum();
         ensure!(m > 0, "internal: a forward pass over no tokens");
         // (first row, rows, position of the first row) of each group.
-        let spans: Vec<(usize, usize, usize)> = groups
+        let spans: Vec<Span> = groups
             .iter()
             .scan(0, |r, (s, t)| {
-                let span = (*r, t.len(), s.kv.len);
+                let span = Span {
+                    row: *r,
+                    rows: t.len(),
+                    pos: s.kv.len,
+                };
                 *r += t.len();
                 Some(span)
             })
@@ -380,202 +389,278 @@ impl<'m> Model<'m> {
         let tokens: Vec<u32> = groups.iter().flat_map(|(_, t)| t.iter().copied()).collect();
         let s0 = &mut *groups[0].0;
         let mut stats = std::mem::take(&mut s0.stats);
-        let Scratch {
-            mut x,
-            mut xn,
-            mut q,
-            mut k,
-            mut v,
-            mut att,
-            mut att_h,
-            mut o,
-            mut g,
-            mut u,
-            mut cs,
-        } = std::mem::take(&mut s0.scratch);
-        x.resize(m * e, 0.0);
-        let row_bytes = self.tok_embd.data.len() / self.n_vocab;
-        xn.resize(m * e, 0.0);
-        let (hd, nh) = (hp.head_dim, hp.n_head);
+        let mut sc = std::mem::take(&mut s0.scratch);
         let result = (|| -> Result<Vec<f32>> {
-            for (i, &t) in tokens.iter().enumerate() {
-                let t = t as usize;
-                ensure!(
-                    t < self.n_vocab,
-                    "token id {t} is outside the vocabulary ({})",
-                    self.n_vocab
-                );
-                dequantize_row(
-                    self.tok_embd.ty,
-                    &self.tok_embd.data[t * row_bytes..(t + 1) * row_bytes],
-                    &mut x[i * e..(i + 1) * e],
-                )
-                .context("token_embd.weight row")?;
-            }
-            if let Some(sc) = hp.embd_scale {
-                for v in x.iter_mut() {
-                    *v *= sc;
-                }
-            }
-            if self.ulp_nudge {
-                for v in x.iter_mut() {
-                    *v = f32::from_bits(v.to_bits() ^ 1);
-                }
-            }
+            self.embed(&tokens, &mut sc)?;
             for (li, l) in self.layers.iter().enumerate() {
-                for (xr, yr) in x.chunks_exact(e).zip(xn.chunks_exact_mut(e)) {
-                    ops::rms_norm(xr, l.attn_norm, hp.eps, yr);
-                }
-                match &l.qkv {
-                    QkvIn::Separate { wq, wk, wv } => {
-                        self.matmul(*wq, &xn, m, &mut q, &mut stats)?;
-                        self.matmul(*wk, &xn, m, &mut k, &mut stats)?;
-                        self.matmul(*wv, &xn, m, &mut v, &mut stats)?;
-                    }
-                    QkvIn::Fused(w) => {
-                        // Rows of [q | k | v], split as ggml's views of the fused output.
-                        let (qd, kd) = (hp.q_dim(), hp.kv_dim());
-                        self.matmul(*w, &xn, m, &mut u, &mut stats)?;
-                        q.resize(m * qd, 0.0);
-                        k.resize(m * kd, 0.0);
-                        v.resize(m * kd, 0.0);
-                        for (i, row) in u.chunks_exact(qd + 2 * kd).enumerate() {
-                            q[i * qd..(i + 1) * qd].copy_from_slice(&row[..qd]);
-                            k[i * kd..(i + 1) * kd].copy_from_slice(&row[qd..qd + kd]);
-                            v[i * kd..(i + 1) * kd].copy_from_slice(&row[qd + kd..]);
-                        }
-                    }
-                }
-                if let (Some(qn), Some(kn)) = (l.q_norm, l.k_norm) {
-                    ops::rms_norm_rows_inplace(&mut q, qn, hp.eps);
-                    ops::rms_norm_rows_inplace(&mut k, kn, hp.eps);
-                }
-                let (qd, kd) = (hp.q_dim(), hp.kv_dim());
-                att.resize(m * nh * hd, 0.0);
-                // Windowed layers: their own base, never the file's scaling (llama.cpp's
-                // `get_rope_freq_base` / `get_rope_freq_scale`).
-                let (freq_base, freq_scale) = if hp.is_swa(li) && !self.one_rope_base {
-                    (hp.freq_base_swa, 1.0)
-                } else {
-                    (hp.freq_base, hp.freq_scale)
-                };
-                let freqs = ops::RopeFreqs {
-                    n_rot: hp.n_rot,
-                    freq_base,
-                    freq_scale,
-                    factors: self.rope_factors,
-                };
-                for ((s, _), &(r0, n, pos0)) in groups.iter_mut().zip(&spans) {
-                    for i in r0..r0 + n {
-                        ops::rope_cache(pos0 + i - r0, &freqs, &mut cs);
-                        ops::rope_heads(&mut q[i * qd..(i + 1) * qd], hd, hp.n_rot, self.rope, &cs);
-                        ops::rope_heads(&mut k[i * kd..(i + 1) * kd], hd, hp.n_rot, self.rope, &cs);
-                        if hp.q_scale != 1.0 {
-                            for v in &mut q[i * qd..(i + 1) * qd] {
-                                *v *= hp.q_scale;
-                            }
-                        }
-                        s.kv.write(
-                            li,
-                            pos0 + i - r0,
-                            &k[i * kd..(i + 1) * kd],
-                            &v[i * kd..(i + 1) * kd],
-                        );
-                    }
-                    self.attention(&s.kv, li, pos0, n, &q[r0 * qd..(r0 + n) * qd], &mut att_h);
-                    for h in 0..nh {
-                        for i in 0..n {
-                            let row = (r0 + i) * nh * hd;
-                            att[row + h * hd..row + (h + 1) * hd]
-                                .copy_from_slice(&att_h[(h * n + i) * hd..(h * n + i + 1) * hd]);
-                        }
-                    }
-                }
-                self.matmul(l.wo, &att, m, &mut o, &mut stats)?;
-                if let Some(w) = l.post_attn_norm {
-                    ops::rms_norm_rows_inplace(&mut o, w, hp.eps);
-                }
-                for (a, &b) in x.iter_mut().zip(&o) {
-                    *a += b;
-                }
-                for (xr, yr) in x.chunks_exact(e).zip(xn.chunks_exact_mut(e)) {
-                    ops::rms_norm(xr, l.ffn_norm, hp.eps, yr);
-                }
-                match &l.gate_up {
-                    GateUp::Separate { gate, up } => {
-                        self.matmul(*gate, &xn, m, &mut g, &mut stats)?;
-                        self.matmul(*up, &xn, m, &mut u, &mut stats)?;
-                    }
-                    GateUp::Fused(w) => {
-                        // Rows of [gate | up]: ggml's swiglu of the fused row.
-                        let ff = hp.n_ff;
-                        self.matmul(*w, &xn, m, &mut o, &mut stats)?;
-                        g.resize(m * ff, 0.0);
-                        u.resize(m * ff, 0.0);
-                        let (gh, uh) = if self.swap_gate_up { (ff, 0) } else { (0, ff) };
-                        for (i, row) in o.chunks_exact(2 * ff).enumerate() {
-                            g[i * ff..(i + 1) * ff].copy_from_slice(&row[gh..gh + ff]);
-                            u[i * ff..(i + 1) * ff].copy_from_slice(&row[uh..uh + ff]);
-                        }
-                    }
-                }
-                if self.gelu {
-                    ops::geglu_inplace(&mut g, &u);
-                } else {
-                    ops::swiglu_inplace(&mut g, &u);
-                }
-                self.matmul(l.down, &g, m, &mut o, &mut stats)?;
-                if let Some(w) = l.post_ffn_norm {
-                    ops::rms_norm_rows_inplace(&mut o, w, hp.eps);
-                }
-                for (a, &b) in x.iter_mut().zip(&o) {
-                    *a += b;
-                }
+                self.attention_block(li, l, groups, &spans, &mut sc, &mut stats)?;
+                self.ffn_block(l, m, &mut sc, &mut stats)?;
             }
-            let rows: std::ops::Range<usize> = match want {
-                Want::None => return Ok(Vec::new()),
-                Want::Last => m - 1..m,
-                Want::All => 0..m,
-            };
-            let r = rows.len();
-            for (xr, yr) in x[rows.start * e..rows.end * e]
-                .chunks_exact(e)
-                .zip(xn.chunks_exact_mut(e))
-            {
-                ops::rms_norm(xr, self.out_norm, hp.eps, yr);
-            }
-            let mut logits = Vec::new();
-            self.matmul(self.output, &xn[..r * e], r, &mut logits, &mut stats)?;
-            if let Some(cap) = hp.final_softcap {
-                // ggml_scale(1/cap), ggml_tanh, ggml_scale(cap).
-                let inv = 1.0 / cap;
-                for v in logits.iter_mut() {
-                    *v = (*v * inv).tanh() * cap;
-                }
-            }
-            Ok(logits)
+            self.logits(want, m, &mut sc, &mut stats)
         })();
         let s0 = &mut *groups[0].0;
         s0.stats = stats;
-        s0.scratch = Scratch {
-            x,
-            xn,
-            q,
-            k,
-            v,
-            att,
-            att_h,
-            o,
-            g,
-            u,
-            cs,
-        };
+        s0.scratch = sc;
         if result.is_ok() {
             for ((s, t), _) in groups.iter_mut().zip(&spans) {
                 s.kv.len += t.len();
             }
         }
         result
+    }
+
+    /// The embedding rows of `tokens` into `sc.x` (scaled where the architecture scales them).
+    fn embed(&self, tokens: &[u32], sc: &mut Scratch) -> Result<()> {
+        let e = self.hp.n_embd;
+        let m = tokens.len();
+        sc.x.resize(m * e, 0.0);
+        sc.xn.resize(m * e, 0.0);
+        let row_bytes = self.tok_embd.data.len() / self.n_vocab;
+        for (i, &t) in tokens.iter().enumerate() {
+            let t = t as usize;
+            ensure!(
+                t < self.n_vocab,
+                "token id {t} is outside the vocabulary ({})",
+                self.n_vocab
+            );
+            dequantize_row(
+                self.tok_embd.ty,
+                &self.tok_embd.data[t * row_bytes..(t + 1) * row_bytes],
+                &mut sc.x[i * e..(i + 1) * e],
+            )
+            .context("token_embd.weight row")?;
+        }
+        if let Some(f) = self.hp.embd_scale {
+            for v in sc.x.iter_mut() {
+                *v *= f;
+            }
+        }
+        if self.ulp_nudge {
+            for v in sc.x.iter_mut() {
+                *v = f32::from_bits(v.to_bits() ^ 1);
+            }
+        }
+        Ok(())
+    }
+
+    /// Q, K and V of every row from the normed input `sc.xn` (three matmuls, or phi3's fused one
+    /// split as ggml's views of its output), with the per-head Q/K norms where the layer has them.
+    fn qkv(&self, l: &Layer<'m>, m: usize, sc: &mut Scratch, st: &mut RunStats) -> Result<()> {
+        let hp = &self.hp;
+        match &l.qkv {
+            QkvIn::Separate { wq, wk, wv } => {
+                self.matmul(*wq, &sc.xn, m, &mut sc.q, st)?;
+                self.matmul(*wk, &sc.xn, m, &mut sc.k, st)?;
+                self.matmul(*wv, &sc.xn, m, &mut sc.v, st)?;
+            }
+            QkvIn::Fused(w) => {
+                // Rows of [q | k | v], split as ggml's views of the fused output.
+                let (qd, kd) = (hp.q_dim(), hp.kv_dim());
+                self.matmul(*w, &sc.xn, m, &mut sc.u, st)?;
+                sc.q.resize(m * qd, 0.0);
+                sc.k.resize(m * kd, 0.0);
+                sc.v.resize(m * kd, 0.0);
+                for (i, row) in sc.u.chunks_exact(qd + 2 * kd).enumerate() {
+                    sc.q[i * qd..(i + 1) * qd].copy_from_slice(&row[..qd]);
+                    sc.k[i * kd..(i + 1) * kd].copy_from_slice(&row[qd..qd + kd]);
+                    sc.v[i * kd..(i + 1) * kd].copy_from_slice(&row[qd + kd..]);
+                }
+            }
+        }
+        if let (Some(qn), Some(kn)) = (l.q_norm, l.k_norm) {
+            ops::rms_norm_rows_inplace(&mut sc.q, qn, hp.eps);
+            ops::rms_norm_rows_inplace(&mut sc.k, kn, hp.eps);
+        }
+        Ok(())
+    }
+
+    /// Layer `li`'s attention half: norm, Q/K/V, then per group RoPE, the KV writes and the
+    /// attention against that group's cache, the output projection (and post-norm), added to
+    /// the residual `sc.x`.
+    fn attention_block(
+        &self,
+        li: usize,
+        l: &Layer<'m>,
+        groups: &mut [(&mut Session, &[u32])],
+        spans: &[Span],
+        sc: &mut Scratch,
+        st: &mut RunStats,
+    ) -> Result<()> {
+        let hp = &self.hp;
+        let e = hp.n_embd;
+        let m = sc.x.len() / e;
+        for (xr, yr) in sc.x.chunks_exact(e).zip(sc.xn.chunks_exact_mut(e)) {
+            ops::rms_norm(xr, l.attn_norm, hp.eps, yr);
+        }
+        self.qkv(l, m, sc, st)?;
+        let (hd, nh) = (hp.head_dim, hp.n_head);
+        sc.att.resize(m * nh * hd, 0.0);
+        let freqs = self.rope_freqs(li);
+        for ((s, _), span) in groups.iter_mut().zip(spans) {
+            self.rope_and_cache(li, &mut s.kv, span, &freqs, sc);
+            let (r0, n) = (span.row, span.rows);
+            let qd = hp.q_dim();
+            self.attention(
+                &s.kv,
+                li,
+                span.pos,
+                n,
+                &sc.q[r0 * qd..(r0 + n) * qd],
+                &mut sc.att_h,
+            );
+            for h in 0..nh {
+                for i in 0..n {
+                    let row = (r0 + i) * nh * hd;
+                    sc.att[row + h * hd..row + (h + 1) * hd]
+                        .copy_from_slice(&sc.att_h[(h * n + i) * hd..(h * n + i + 1) * hd]);
+                }
+            }
+        }
+        self.matmul(l.wo, &sc.att, m, &mut sc.o, st)?;
+        if let Some(w) = l.post_attn_norm {
+            ops::rms_norm_rows_inplace(&mut sc.o, w, hp.eps);
+        }
+        for (a, &b) in sc.x.iter_mut().zip(&sc.o) {
+            *a += b;
+        }
+        Ok(())
+    }
+
+    /// Layer `li`'s RoPE: windowed layers take their own base and never the file's scaling
+    /// (llama.cpp's `get_rope_freq_base` / `get_rope_freq_scale`).
+    fn rope_freqs(&self, li: usize) -> ops::RopeFreqs<'m> {
+        let hp = &self.hp;
+        let (freq_base, freq_scale) = if hp.is_swa(li) && !self.one_rope_base {
+            (hp.freq_base_swa, 1.0)
+        } else {
+            (hp.freq_base, hp.freq_scale)
+        };
+        ops::RopeFreqs {
+            n_rot: hp.n_rot,
+            freq_base,
+            freq_scale,
+            factors: self.rope_factors,
+        }
+    }
+
+    /// One group's rows: RoPE on Q and K at their positions, Q's pre-scale, K and V into the
+    /// group's cache.
+    fn rope_and_cache(
+        &self,
+        li: usize,
+        kv: &mut KvCache,
+        span: &Span,
+        freqs: &ops::RopeFreqs<'m>,
+        sc: &mut Scratch,
+    ) {
+        let hp = &self.hp;
+        let (hd, qd, kd) = (hp.head_dim, hp.q_dim(), hp.kv_dim());
+        for i in span.row..span.row + span.rows {
+            let pos = span.pos + i - span.row;
+            ops::rope_cache(pos, freqs, &mut sc.cs);
+            let q = &mut sc.q[i * qd..(i + 1) * qd];
+            ops::rope_heads(q, hd, hp.n_rot, self.rope, &sc.cs);
+            ops::rope_heads(
+                &mut sc.k[i * kd..(i + 1) * kd],
+                hd,
+                hp.n_rot,
+                self.rope,
+                &sc.cs,
+            );
+            if hp.q_scale != 1.0 {
+                for v in q.iter_mut() {
+                    *v *= hp.q_scale;
+                }
+            }
+            kv.write(
+                li,
+                pos,
+                &sc.k[i * kd..(i + 1) * kd],
+                &sc.v[i * kd..(i + 1) * kd],
+            );
+        }
+    }
+
+    /// The FFN half: norm, gate and up (or phi3's fused pair), the GELU(tanh) or SiLU gate, down
+    /// (and post-norm), added to the residual `sc.x`.
+    fn ffn_block(
+        &self,
+        l: &Layer<'m>,
+        m: usize,
+        sc: &mut Scratch,
+        st: &mut RunStats,
+    ) -> Result<()> {
+        let hp = &self.hp;
+        let e = hp.n_embd;
+        for (xr, yr) in sc.x.chunks_exact(e).zip(sc.xn.chunks_exact_mut(e)) {
+            ops::rms_norm(xr, l.ffn_norm, hp.eps, yr);
+        }
+        match &l.gate_up {
+            GateUp::Separate { gate, up } => {
+                self.matmul(*gate, &sc.xn, m, &mut sc.g, st)?;
+                self.matmul(*up, &sc.xn, m, &mut sc.u, st)?;
+            }
+            GateUp::Fused(w) => {
+                // Rows of [gate | up]: ggml's swiglu of the fused row.
+                let ff = hp.n_ff;
+                self.matmul(*w, &sc.xn, m, &mut sc.o, st)?;
+                sc.g.resize(m * ff, 0.0);
+                sc.u.resize(m * ff, 0.0);
+                let (gh, uh) = if self.swap_gate_up { (ff, 0) } else { (0, ff) };
+                for (i, row) in sc.o.chunks_exact(2 * ff).enumerate() {
+                    sc.g[i * ff..(i + 1) * ff].copy_from_slice(&row[gh..gh + ff]);
+                    sc.u[i * ff..(i + 1) * ff].copy_from_slice(&row[uh..uh + ff]);
+                }
+            }
+        }
+        if self.gelu {
+            ops::geglu_inplace(&mut sc.g, &sc.u);
+        } else {
+            ops::swiglu_inplace(&mut sc.g, &sc.u);
+        }
+        self.matmul(l.down, &sc.g, m, &mut sc.o, st)?;
+        if let Some(w) = l.post_ffn_norm {
+            ops::rms_norm_rows_inplace(&mut sc.o, w, hp.eps);
+        }
+        for (a, &b) in sc.x.iter_mut().zip(&sc.o) {
+            *a += b;
+        }
+        Ok(())
+    }
+
+    /// The logits `want` asks for: the output norm and the LM head over those rows (and Gemma's
+    /// final soft-cap).
+    fn logits(
+        &self,
+        want: Want,
+        m: usize,
+        sc: &mut Scratch,
+        st: &mut RunStats,
+    ) -> Result<Vec<f32>> {
+        let hp = &self.hp;
+        let e = hp.n_embd;
+        let rows: std::ops::Range<usize> = match want {
+            Want::None => return Ok(Vec::new()),
+            Want::Last => m - 1..m,
+            Want::All => 0..m,
+        };
+        let r = rows.len();
+        for (xr, yr) in sc.x[rows.start * e..rows.end * e]
+            .chunks_exact(e)
+            .zip(sc.xn.chunks_exact_mut(e))
+        {
+            ops::rms_norm(xr, self.out_norm, hp.eps, yr);
+        }
+        let mut logits = Vec::new();
+        self.matmul(self.output, &sc.xn[..r * e], r, &mut logits, st)?;
+        if let Some(cap) = hp.final_softcap {
+            // ggml_scale(1/cap), ggml_tanh, ggml_scale(cap).
+            let inv = 1.0 / cap;
+            for v in logits.iter_mut() {
+                *v = (*v * inv).tanh() * cap;
+            }
+        }
+        Ok(logits)
     }
 
     /// Causal GQA attention for rows at positions pos0..pos0+m (already in the cache), into
