@@ -401,6 +401,112 @@ fn pattern_layers(n: usize, n_layer: usize) -> Vec<bool> {
     (0..n_layer).map(|l| n == 0 || l % n < n - 1).collect()
 }
 
+/// An architecture's metadata keys: `{arch}.{name}`.
+struct Keys(&'static str);
+
+impl Keys {
+    fn k(&self, s: &str) -> String {
+        format!("{}.{s}", self.0)
+    }
+}
+
+/// `(n_head, n_head_kv, head_dim)`: llama.cpp's defaults where a key is absent (as many KV heads
+/// as query heads; head_dim = n_embd/n_head), refused where they cannot hold.
+fn read_heads(g: &Gguf, k: &Keys, n_embd: usize) -> Result<(usize, usize, usize)> {
+    let n_head = req_int(g, &k.k("attention.head_count"))?;
+    let n_head_kv = match int(g, &k.k("attention.head_count_kv"))? {
+        Some(0) => bail!("metadata key {} is 0", k.k("attention.head_count_kv")),
+        Some(v) => v,
+        None => n_head,
+    };
+    if n_head % n_head_kv != 0 {
+        bail!(
+            "{} = {n_head} is not a multiple of {} = {n_head_kv} (GQA shares each KV head \
+             by a whole number of query heads)",
+            k.k("attention.head_count"),
+            k.k("attention.head_count_kv")
+        );
+    }
+    let head_dim = match int(g, &k.k("attention.key_length"))? {
+        Some(0) => bail!("metadata key {} is 0", k.k("attention.key_length")),
+        Some(v) => v,
+        None => {
+            if n_embd % n_head != 0 {
+                bail!(
+                    "{} is absent and {} = {n_embd} is not a multiple of {} = {n_head}",
+                    k.k("attention.key_length"),
+                    k.k("embedding_length"),
+                    k.k("attention.head_count")
+                );
+            }
+            n_embd / n_head
+        }
+    };
+    if let Some(vl) = int(g, &k.k("attention.value_length"))? {
+        if vl != head_dim {
+            bail!(
+                "{} = {vl} differs from the key length {head_dim}; kiln needs them equal",
+                k.k("attention.value_length")
+            );
+        }
+    }
+    Ok((n_head, n_head_kv, head_dim))
+}
+
+/// A float key that must be a positive number when present.
+fn positive(g: &Gguf, key: &str) -> Result<Option<f32>> {
+    match float(g, key)? {
+        Some(v) if !(v > 0.0 && v.is_finite()) => {
+            bail!("metadata key {key} = {v} is not a positive number")
+        }
+        v => Ok(v),
+    }
+}
+
+/// `(n_rot, freq_base, freq_scale)`. RoPE scaling as llama.cpp reads it: the type defaults to
+/// "linear", the factor to `rope.scaling.factor`, else the old `rope.scale_linear`; freq_scale =
+/// 1/factor (a factor of 0 or none means 1), and "none" never scales.
+fn read_rope(g: &Gguf, k: &Keys, head_dim: usize) -> Result<(usize, f32, f32)> {
+    let n_rot = int(g, &k.k("rope.dimension_count"))?.unwrap_or(head_dim);
+    if n_rot == 0 || n_rot > head_dim || n_rot % 2 != 0 {
+        bail!(
+            "{} = {n_rot} must be even and in 1..={head_dim} (the head dimension)",
+            k.k("rope.dimension_count")
+        );
+    }
+    let freq_base = positive(g, &k.k("rope.freq_base"))?.unwrap_or(10000.0);
+    let type_key = k.k("rope.scaling.type");
+    let scaling = match g.get(&type_key) {
+        None => "linear",
+        Some(v) => v
+            .as_str()
+            .with_context(|| format!("metadata key {type_key} is not a string"))?,
+    };
+    let factor_key = if g.get(&k.k("rope.scaling.factor")).is_some() {
+        k.k("rope.scaling.factor")
+    } else {
+        k.k("rope.scale_linear")
+    };
+    let factor = float(g, &factor_key)?.unwrap_or(0.0);
+    if !(factor >= 0.0 && factor.is_finite()) {
+        bail!("metadata key {factor_key} = {factor} is not a non-negative number");
+    }
+    let freq_scale = match scaling {
+        "none" => 1.0,
+        "linear" if factor == 0.0 => 1.0,
+        "linear" => 1.0 / factor,
+        "yarn" | "longrope" => bail!(
+            "metadata key {type_key} = {scaling:?}: {scaling} RoPE scaling is not \
+             implemented by kiln (it applies none, linear and rope_freqs factors)"
+        ),
+        other => bail!(
+            "metadata key {type_key} = {other:?}: unknown RoPE scaling type (llama.cpp \
+             knows none, linear, yarn, longrope)"
+        ),
+    };
+    Ok((n_rot, freq_base, freq_scale))
+}
+
 impl HParams {
     pub fn from_gguf(g: &Gguf) -> Result<HParams> {
         let arch_v = g
@@ -410,143 +516,22 @@ impl HParams {
             .as_str()
             .context("metadata key general.architecture is not a string")?;
         let arch = Arch::parse(arch_name)?;
-        let a = arch.name();
-        let k = |s: &str| format!("{a}.{s}");
-        let n_layer = req_int(g, &k("block_count"))?;
-        let n_embd = req_int(g, &k("embedding_length"))?;
-        let n_ff = req_int(g, &k("feed_forward_length"))?;
-        let n_head = req_int(g, &k("attention.head_count"))?;
-        // llama.cpp's default when the key is absent: as many KV heads as query heads.
-        let n_head_kv = match int(g, &k("attention.head_count_kv"))? {
-            Some(0) => bail!("metadata key {} is 0", k("attention.head_count_kv")),
-            Some(v) => v,
-            None => n_head,
-        };
-        if n_head % n_head_kv != 0 {
-            bail!(
-                "{} = {n_head} is not a multiple of {} = {n_head_kv} (GQA shares each KV head \
-                 by a whole number of query heads)",
-                k("attention.head_count"),
-                k("attention.head_count_kv")
-            );
-        }
-        let head_dim = match int(g, &k("attention.key_length"))? {
-            Some(0) => bail!("metadata key {} is 0", k("attention.key_length")),
-            Some(v) => v,
-            None => {
-                if n_embd % n_head != 0 {
-                    bail!(
-                        "{} is absent and {} = {n_embd} is not a multiple of {} = {n_head}",
-                        k("attention.key_length"),
-                        k("embedding_length"),
-                        k("attention.head_count")
-                    );
-                }
-                n_embd / n_head
-            }
-        };
-        if let Some(vl) = int(g, &k("attention.value_length"))? {
-            if vl != head_dim {
-                bail!(
-                    "{} = {vl} differs from the key length {head_dim}; kiln needs them equal",
-                    k("attention.value_length")
-                );
-            }
-        }
-        let n_rot = int(g, &k("rope.dimension_count"))?.unwrap_or(head_dim);
-        if n_rot == 0 || n_rot > head_dim || n_rot % 2 != 0 {
-            bail!(
-                "{} = {n_rot} must be even and in 1..={head_dim} (the head dimension)",
-                k("rope.dimension_count")
-            );
-        }
-        let eps_key = k("attention.layer_norm_rms_epsilon");
+        let k = Keys(arch.name());
+        let n_layer = req_int(g, &k.k("block_count"))?;
+        let n_embd = req_int(g, &k.k("embedding_length"))?;
+        let n_ff = req_int(g, &k.k("feed_forward_length"))?;
+        let (n_head, n_head_kv, head_dim) = read_heads(g, &k, n_embd)?;
+        let (n_rot, freq_base, freq_scale) = read_rope(g, &k, head_dim)?;
+        let eps_key = k.k("attention.layer_norm_rms_epsilon");
         let eps =
-            float(g, &eps_key)?.with_context(|| format!("metadata key {eps_key} is missing"))?;
-        if !(eps > 0.0 && eps.is_finite()) {
-            bail!("metadata key {eps_key} = {eps} is not a positive number");
-        }
-        let freq_base = float(g, &k("rope.freq_base"))?.unwrap_or(10000.0);
-        if !(freq_base > 0.0 && freq_base.is_finite()) {
-            bail!(
-                "metadata key {} = {freq_base} is not a positive number",
-                k("rope.freq_base")
-            );
-        }
-        // RoPE scaling as llama.cpp reads it: the type defaults to "linear", the factor to
-        // `rope.scaling.factor`, else the old `rope.scale_linear`; freq_scale = 1/factor (a factor
-        // of 0 or none means 1), and "none" never scales.
-        let type_key = k("rope.scaling.type");
-        let scaling = match g.get(&type_key) {
-            None => "linear",
-            Some(v) => v
-                .as_str()
-                .with_context(|| format!("metadata key {type_key} is not a string"))?,
-        };
-        let factor_key = if g.get(&k("rope.scaling.factor")).is_some() {
-            k("rope.scaling.factor")
-        } else {
-            k("rope.scale_linear")
-        };
-        let factor = float(g, &factor_key)?.unwrap_or(0.0);
-        if !(factor >= 0.0 && factor.is_finite()) {
-            bail!("metadata key {factor_key} = {factor} is not a non-negative number");
-        }
-        let freq_scale = match scaling {
-            "none" => 1.0,
-            "linear" if factor == 0.0 => 1.0,
-            "linear" => 1.0 / factor,
-            "yarn" | "longrope" => bail!(
-                "metadata key {type_key} = {scaling:?}: {scaling} RoPE scaling is not \
-                 implemented by kiln (it applies none, linear and rope_freqs factors)"
-            ),
-            other => bail!(
-                "metadata key {type_key} = {other:?}: unknown RoPE scaling type (llama.cpp \
-                 knows none, linear, yarn, longrope)"
-            ),
-        };
-        let n_ctx_train = req_int(g, &k("context_length"))?;
-        let mut kq_scale = match float(g, &k("attention.scale"))? {
+            positive(g, &eps_key)?.with_context(|| format!("metadata key {eps_key} is missing"))?;
+        let n_ctx_train = req_int(g, &k.k("context_length"))?;
+        let kq_scale = match float(g, &k.k("attention.scale"))? {
             Some(s) if s != 0.0 => s,
             _ => 1.0 / (head_dim as f32).sqrt(),
         };
         audit_arch_keys(g, arch)?;
-        let (mut q_scale, mut swa, mut freq_base_swa) = (1.0, None, 10000.0);
-        let (mut final_softcap, mut embd_scale) = (None, None);
-        if arch == Arch::Gemma3 {
-            // llama.cpp: 1/sqrt(n_embd/n_head) for LLM_TYPE_27B (62 layers), else
-            // 1/sqrt(n_embd_head_k); applied to Q, the softmax scale is 1.
-            q_scale = if n_layer == 62 {
-                1.0 / ((n_embd / n_head) as f32).sqrt()
-            } else {
-                1.0 / (head_dim as f32).sqrt()
-            };
-            kq_scale = 1.0;
-            embd_scale = Some((n_embd as f32).sqrt());
-            swa = read_swa(g, a, n_layer)?;
-            if swa.is_some() {
-                let key = k("rope.freq_base_swa");
-                if let Some(b) = float(g, &key)? {
-                    if !(b > 0.0 && b.is_finite()) {
-                        bail!("metadata key {key} = {b} is not a positive number");
-                    }
-                    freq_base_swa = b;
-                }
-            }
-            let key = k("final_logit_softcapping");
-            final_softcap = match float(g, &key)? {
-                None => None,
-                Some(0.0) => None,
-                Some(c) if c > 0.0 && c.is_finite() => Some(c),
-                Some(c) => bail!("metadata key {key} = {c} is not a positive number"),
-            };
-        }
-        if arch == Arch::Phi3 {
-            // llama.cpp: Qcur × 1/sqrtf(n_embd_head), then the softmax at scale 1.
-            q_scale = 1.0 / (head_dim as f32).sqrt();
-            kq_scale = 1.0;
-        }
-        Ok(HParams {
+        let mut hp = HParams {
             arch,
             n_layer,
             n_embd,
@@ -560,12 +545,50 @@ impl HParams {
             freq_scale,
             n_ctx_train,
             kq_scale,
-            q_scale,
-            swa,
-            freq_base_swa,
-            final_softcap,
-            embd_scale,
-        })
+            q_scale: 1.0,
+            swa: None,
+            freq_base_swa: 10000.0,
+            final_softcap: None,
+            embd_scale: None,
+        };
+        match arch {
+            Arch::Gemma3 => hp.read_gemma3(g, &k)?,
+            Arch::Phi3 => {
+                // llama.cpp: Qcur × 1/sqrtf(n_embd_head), then the softmax at scale 1.
+                hp.q_scale = 1.0 / (head_dim as f32).sqrt();
+                hp.kq_scale = 1.0;
+            }
+            _ => {}
+        }
+        Ok(hp)
+    }
+
+    /// Gemma 3's pieces: Q's pre-scale, the embedding scale, the sliding window and its RoPE
+    /// base, the final logit soft-cap.
+    fn read_gemma3(&mut self, g: &Gguf, k: &Keys) -> Result<()> {
+        // llama.cpp: 1/sqrt(n_embd/n_head) for LLM_TYPE_27B (62 layers), else
+        // 1/sqrt(n_embd_head_k); applied to Q, the softmax scale is 1.
+        self.q_scale = if self.n_layer == 62 {
+            1.0 / ((self.n_embd / self.n_head) as f32).sqrt()
+        } else {
+            1.0 / (self.head_dim as f32).sqrt()
+        };
+        self.kq_scale = 1.0;
+        self.embd_scale = Some((self.n_embd as f32).sqrt());
+        self.swa = read_swa(g, k.0, self.n_layer)?;
+        if self.swa.is_some() {
+            if let Some(b) = positive(g, &k.k("rope.freq_base_swa"))? {
+                self.freq_base_swa = b;
+            }
+        }
+        let key = k.k("final_logit_softcapping");
+        self.final_softcap = match float(g, &key)? {
+            None => None,
+            Some(0.0) => None,
+            Some(c) if c > 0.0 && c.is_finite() => Some(c),
+            Some(c) => bail!("metadata key {key} = {c} is not a positive number"),
+        };
+        Ok(())
     }
 
     pub fn q_dim(&self) -> usize {
