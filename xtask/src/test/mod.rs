@@ -341,7 +341,7 @@ pub(crate) const STAGES: &[Stage] = &[
         guards: "`kiln serve` for 30 minutes under a seeded mix of clients: RSS, descriptors, \
                  threads and latency flat",
         run_when: "a change to serve/, the scheduler or the batch path",
-        secs: 1900,
+        secs: 1988,
         moved: None,
         run: stages::soak_serve,
     },
