@@ -131,90 +131,90 @@ const fn bias(role: Role, name: &'static str, shape: &'static [Dim], need: Need)
 use Dim::{Embd, Ff, Head, Kv, Qkv, TwoFf, Q};
 use Need::{Optional, Required};
 
+// The rows the tables share.
+const ATTN_NORM: LayerTensor = t(Role::AttnNorm, "attn_norm.weight", &[Embd], Required);
+const WQ: LayerTensor = t(Role::Wq, "attn_q.weight", &[Embd, Q], Required);
+const WK: LayerTensor = t(Role::Wk, "attn_k.weight", &[Embd, Kv], Required);
+const WV: LayerTensor = t(Role::Wv, "attn_v.weight", &[Embd, Kv], Required);
+const BQ: LayerTensor = bias(Role::BiasQ, "attn_q.bias", &[Q], Optional);
+const BK: LayerTensor = bias(Role::BiasK, "attn_k.bias", &[Kv], Optional);
+const BV: LayerTensor = bias(Role::BiasV, "attn_v.bias", &[Kv], Optional);
+const Q_NORM: LayerTensor = t(Role::QNorm, "attn_q_norm.weight", &[Head], Required);
+const K_NORM: LayerTensor = t(Role::KNorm, "attn_k_norm.weight", &[Head], Required);
+const WO: LayerTensor = t(Role::Wo, "attn_output.weight", &[Q, Embd], Required);
+const FFN_NORM: LayerTensor = t(Role::FfnNorm, "ffn_norm.weight", &[Embd], Required);
+const GATE: LayerTensor = t(Role::Gate, "ffn_gate.weight", &[Embd, Ff], Required);
+const UP: LayerTensor = t(Role::Up, "ffn_up.weight", &[Embd, Ff], Required);
+const DOWN: LayerTensor = t(Role::Down, "ffn_down.weight", &[Ff, Embd], Required);
+
+/// `row`, required.
+const fn required(row: LayerTensor) -> LayerTensor {
+    LayerTensor {
+        need: Required,
+        ..row
+    }
+}
+
 /// llama (biases optional: llama.cpp's llama reads them when present).
 const LLAMA: &[LayerTensor] = &[
-    t(Role::AttnNorm, "attn_norm.weight", &[Embd], Required),
-    t(Role::Wq, "attn_q.weight", &[Embd, Q], Required),
-    bias(Role::BiasQ, "attn_q.bias", &[Q], Optional),
-    t(Role::Wk, "attn_k.weight", &[Embd, Kv], Required),
-    bias(Role::BiasK, "attn_k.bias", &[Kv], Optional),
-    t(Role::Wv, "attn_v.weight", &[Embd, Kv], Required),
-    bias(Role::BiasV, "attn_v.bias", &[Kv], Optional),
-    t(Role::Wo, "attn_output.weight", &[Q, Embd], Required),
-    t(Role::FfnNorm, "ffn_norm.weight", &[Embd], Required),
-    t(Role::Gate, "ffn_gate.weight", &[Embd, Ff], Required),
-    t(Role::Up, "ffn_up.weight", &[Embd, Ff], Required),
-    t(Role::Down, "ffn_down.weight", &[Ff, Embd], Required),
+    ATTN_NORM, WQ, BQ, WK, BK, WV, BV, WO, FFN_NORM, GATE, UP, DOWN,
 ];
 
 /// qwen2: llama's layer with the Q/K/V biases required.
 const QWEN2: &[LayerTensor] = &[
-    t(Role::AttnNorm, "attn_norm.weight", &[Embd], Required),
-    t(Role::Wq, "attn_q.weight", &[Embd, Q], Required),
-    bias(Role::BiasQ, "attn_q.bias", &[Q], Required),
-    t(Role::Wk, "attn_k.weight", &[Embd, Kv], Required),
-    bias(Role::BiasK, "attn_k.bias", &[Kv], Required),
-    t(Role::Wv, "attn_v.weight", &[Embd, Kv], Required),
-    bias(Role::BiasV, "attn_v.bias", &[Kv], Required),
-    t(Role::Wo, "attn_output.weight", &[Q, Embd], Required),
-    t(Role::FfnNorm, "ffn_norm.weight", &[Embd], Required),
-    t(Role::Gate, "ffn_gate.weight", &[Embd, Ff], Required),
-    t(Role::Up, "ffn_up.weight", &[Embd, Ff], Required),
-    t(Role::Down, "ffn_down.weight", &[Ff, Embd], Required),
+    ATTN_NORM,
+    WQ,
+    required(BQ),
+    WK,
+    required(BK),
+    WV,
+    required(BV),
+    WO,
+    FFN_NORM,
+    GATE,
+    UP,
+    DOWN,
 ];
 
 /// qwen3: llama's layer and a per-head RMSNorm of Q and K.
 const QWEN3: &[LayerTensor] = &[
-    t(Role::AttnNorm, "attn_norm.weight", &[Embd], Required),
-    t(Role::Wq, "attn_q.weight", &[Embd, Q], Required),
-    bias(Role::BiasQ, "attn_q.bias", &[Q], Optional),
-    t(Role::Wk, "attn_k.weight", &[Embd, Kv], Required),
-    bias(Role::BiasK, "attn_k.bias", &[Kv], Optional),
-    t(Role::Wv, "attn_v.weight", &[Embd, Kv], Required),
-    bias(Role::BiasV, "attn_v.bias", &[Kv], Optional),
-    t(Role::QNorm, "attn_q_norm.weight", &[Head], Required),
-    t(Role::KNorm, "attn_k_norm.weight", &[Head], Required),
-    t(Role::Wo, "attn_output.weight", &[Q, Embd], Required),
-    t(Role::FfnNorm, "ffn_norm.weight", &[Embd], Required),
-    t(Role::Gate, "ffn_gate.weight", &[Embd, Ff], Required),
-    t(Role::Up, "ffn_up.weight", &[Embd, Ff], Required),
-    t(Role::Down, "ffn_down.weight", &[Ff, Embd], Required),
+    ATTN_NORM, WQ, BQ, WK, BK, WV, BV, Q_NORM, K_NORM, WO, FFN_NORM, GATE, UP, DOWN,
 ];
 
 /// gemma3: qwen3's layer and the post-attention and post-FFN norms.
 const GEMMA3: &[LayerTensor] = &[
-    t(Role::AttnNorm, "attn_norm.weight", &[Embd], Required),
-    t(Role::Wq, "attn_q.weight", &[Embd, Q], Required),
-    bias(Role::BiasQ, "attn_q.bias", &[Q], Optional),
-    t(Role::Wk, "attn_k.weight", &[Embd, Kv], Required),
-    bias(Role::BiasK, "attn_k.bias", &[Kv], Optional),
-    t(Role::Wv, "attn_v.weight", &[Embd, Kv], Required),
-    bias(Role::BiasV, "attn_v.bias", &[Kv], Optional),
-    t(Role::QNorm, "attn_q_norm.weight", &[Head], Required),
-    t(Role::KNorm, "attn_k_norm.weight", &[Head], Required),
-    t(Role::Wo, "attn_output.weight", &[Q, Embd], Required),
+    ATTN_NORM,
+    WQ,
+    BQ,
+    WK,
+    BK,
+    WV,
+    BV,
+    Q_NORM,
+    K_NORM,
+    WO,
     t(
         Role::PostAttnNorm,
         "post_attention_norm.weight",
         &[Embd],
         Required,
     ),
-    t(Role::FfnNorm, "ffn_norm.weight", &[Embd], Required),
-    t(Role::Gate, "ffn_gate.weight", &[Embd, Ff], Required),
-    t(Role::Up, "ffn_up.weight", &[Embd, Ff], Required),
-    t(Role::Down, "ffn_down.weight", &[Ff, Embd], Required),
+    FFN_NORM,
+    GATE,
+    UP,
+    DOWN,
     t(Role::PostFfnNorm, "post_ffw_norm.weight", &[Embd], Required),
 ];
 
 /// phi3 (as its converter writes it): one [q | k | v] projection and one [gate | up]
 /// projection, no biases.
 const PHI3: &[LayerTensor] = &[
-    t(Role::AttnNorm, "attn_norm.weight", &[Embd], Required),
+    ATTN_NORM,
     t(Role::Wqkv, "attn_qkv.weight", &[Embd, Qkv], Required),
-    t(Role::Wo, "attn_output.weight", &[Q, Embd], Required),
-    t(Role::FfnNorm, "ffn_norm.weight", &[Embd], Required),
+    WO,
+    FFN_NORM,
     t(Role::GateUp, "ffn_up.weight", &[Embd, TwoFf], Required),
-    t(Role::Down, "ffn_down.weight", &[Ff, Embd], Required),
+    DOWN,
 ];
 
 /// An architecture's tensors beside the layers' (`token_embd.weight`, `output_norm.weight`
