@@ -526,24 +526,38 @@ impl CrossToolchain {
     /// directory (`test::share_build_dir`), so where its build writes (OUT_DIR) and so the
     /// image's bytes stay what they were.
     pub fn cargo<'a>(&self, sh: &'a xshell::Shell) -> xshell::Cmd<'a> {
+        let root = CROSS_LINKER.lock().ok().and_then(|g| g.clone());
+        let linker = root
+            .as_ref()
+            .map(|r| r.0.clone())
+            .unwrap_or_else(|| PathBuf::from(CROSS_GCC.name));
         // Paths that end up in the binary (panic locations, debug info) must not depend on where
         // the checkout or the user's cargo home is: the checkout becomes /kiln, the crates'
-        // sources /cargo.
-        let (root, home) = (crate::paths::project_root(), cargo_home());
-        self.cargo_with(
-            sh,
-            format!(
-                "--remap-path-prefix={}=/kiln --remap-path-prefix={}=/cargo",
-                root.display(),
-                home.display()
-            ),
-            format!(
-                "-ffile-prefix-map={}=/kiln -ffile-prefix-map={}=/cargo",
-                root.display(),
-                home.display()
-            ),
-        )
-        .env_remove("CARGO_BUILD_BUILD_DIR")
+        // sources /cargo, in rustc's objects and in the C compiled for the board alike.
+        let (root_dir, home) = (crate::paths::project_root(), cargo_home());
+        let mut c = self
+            .cargo_linked_by(sh, &linker)
+            .env(
+                "CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUSTFLAGS",
+                format!(
+                    "--remap-path-prefix={}=/kiln --remap-path-prefix={}=/cargo",
+                    root_dir.display(),
+                    home.display()
+                ),
+            )
+            .env(
+                "CFLAGS_aarch64_unknown_linux_gnu",
+                format!(
+                    "-ffile-prefix-map={}=/kiln -ffile-prefix-map={}=/cargo",
+                    root_dir.display(),
+                    home.display()
+                ),
+            )
+            .env_remove("CARGO_BUILD_BUILD_DIR");
+        if let Some((_, ar)) = &root {
+            c = c.env("AR_aarch64_unknown_linux_gnu", ar);
+        }
+        c
     }
 
     /// [`CrossToolchain::cargo`] for what no image holds (the tests under qemu-user, the NPU
@@ -552,46 +566,19 @@ impl CrossToolchain {
     /// `~/.cache/kiln/cargo-build`), and no path remapping, so the flags, and with them the
     /// dependencies' builds, are the same for every checkout (`test::share_build_dir`).
     pub fn cargo_for_tests<'a>(&self, sh: &'a xshell::Shell) -> xshell::Cmd<'a> {
-        let cargo = &self.cargo;
-        let mut c = cmd!(sh, "{cargo}")
-            .env(
-                "CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER",
-                "aarch64-linux-gnu-gcc",
-            )
-            .env("CC_aarch64_unknown_linux_gnu", "aarch64-linux-gnu-gcc")
+        self.cargo_linked_by(sh, Path::new(CROSS_GCC.name))
             .env_remove("CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUSTFLAGS")
             .env_remove("CFLAGS_aarch64_unknown_linux_gnu")
-            .env_remove("AR_aarch64_unknown_linux_gnu");
-        if let Some(rustc) = &self.rustc {
-            c = c.env("RUSTC", rustc);
-        }
-        c
+            .env_remove("AR_aarch64_unknown_linux_gnu")
     }
 
-    fn cargo_with<'a>(
-        &self,
-        sh: &'a xshell::Shell,
-        remap: String,
-        cflags: String,
-    ) -> xshell::Cmd<'a> {
+    /// The pinned cargo (and rustc) with `linker` as the aarch64 linker and as the C compiler
+    /// for the board (ring): the same compiler as the link.
+    fn cargo_linked_by<'a>(&self, sh: &'a xshell::Shell, linker: &Path) -> xshell::Cmd<'a> {
         let cargo = &self.cargo;
-        let root = CROSS_LINKER.lock().ok().and_then(|g| g.clone());
-        let linker = root
-            .as_ref()
-            .map(|r| r.0.clone())
-            .unwrap_or_else(|| PathBuf::from("aarch64-linux-gnu-gcc"));
         let mut c = cmd!(sh, "{cargo}")
-            .env("CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER", &linker)
-            // C compiled for the board (ring): the same compiler as the link.
-            .env("CC_aarch64_unknown_linux_gnu", &linker);
-        // With its paths mapped as rustc's are, so the objects do not depend on where the
-        // checkout or cargo's home is.
-        c = c
-            .env("CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUSTFLAGS", remap)
-            .env("CFLAGS_aarch64_unknown_linux_gnu", cflags);
-        if let Some((_, ar)) = &root {
-            c = c.env("AR_aarch64_unknown_linux_gnu", ar);
-        }
+            .env("CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER", linker)
+            .env("CC_aarch64_unknown_linux_gnu", linker);
         if let Some(rustc) = &self.rustc {
             c = c.env("RUSTC", rustc);
         }

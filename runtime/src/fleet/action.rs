@@ -263,6 +263,15 @@ pub fn next(a: &Action, running: Slot, boot_id: &str) -> Option<Next> {
     }
 }
 
+/// The details of a success: the words the server gets for a new slot that passed, whose report
+/// names `manifest`.
+pub(crate) fn pass_details(target: Slot, manifest: Option<&str>) -> Vec<String> {
+    vec![
+        format!("self-check PASS on slot {}", target.name()),
+        format!("manifest sha256 {}", manifest.unwrap_or("unknown")),
+    ]
+}
+
 /// The final feedback once the new system's report (`v`, or none) is read.
 /// `on_new`: the board runs the new slot; else it fell back to `running`.
 pub fn judge(
@@ -281,13 +290,7 @@ pub fn judge(
         _ => false,
     };
     match v {
-        Some(v) if of_new(v) && v.pass && on_new => (
-            true,
-            vec![
-                format!("self-check PASS on slot {t}"),
-                format!("manifest sha256 {}", v.manifest.as_deref().unwrap_or("unknown")),
-            ],
-        ),
+        Some(v) if of_new(v) && v.pass && on_new => (true, pass_details(target, v.manifest.as_deref())),
         Some(v) if of_new(v) && !v.pass => (
             false,
             vec![

@@ -497,13 +497,10 @@ impl<B: Board> Client<B> {
     /// (before the reboot and its verdict); the action goes on as if it had not been sent.
     fn early_success(&self, a: &Action, target: Slot) {
         let written = match &a.phase {
-            Phase::Installed { written, .. } => written.as_deref().unwrap_or("unknown"),
-            _ => "unknown",
+            Phase::Installed { written, .. } => written.as_deref(),
+            _ => None,
         };
-        let details = [
-            format!("self-check PASS on slot {}", target.name()),
-            format!("manifest sha256 {written}"),
-        ];
+        let details = action::pass_details(target, written);
         log(&format!(
             "injected fault early-success: action {}: success {} before slot {}'s verdict",
             a.id,

@@ -1767,19 +1767,10 @@ mod tests {
 /// the four milestone power cuts (`ab_test`), then labgrid's suite updating with the run's own
 /// `v2.raucb`, then a fleet's own keys against the board's RAUC.
 pub(super) fn boot_qemu_ab() -> Result<()> {
+    // The four milestone cuts (each a boot chain, ~45 s; labgrid's suite below cuts the power
+    // once more), no seeded moments: those are the long proof `ab-seeded-cuts`.
     super::times::part("ab-test (scenarios, fleet, milestone cuts)", || {
-        crate::ab_test::run(crate::ab_test::Args {
-            // The four milestone cuts (each a boot chain, ~45 s; labgrid's suite below cuts the
-            // power once more), no seeded moments: those are the long proof `ab-seeded-cuts`.
-            seeds: 0,
-            first_seed: 1,
-            cuts_only: false,
-            models_cuts: false,
-            fleet_only: false,
-            fleet_fault: None,
-            boards: None,
-            image: None,
-        })
+        crate::ab_test::run(ab_args())
     })?;
     super::times::part("labgrid suite", || {
         crate::farm::labgrid::stage(
@@ -1788,6 +1779,21 @@ pub(super) fn boot_qemu_ab() -> Result<()> {
         )
     })?;
     super::times::part("a fleet's own keys", crate::keys::stage)
+}
+
+/// `cargo xtask ab-test` as the standard tier runs it: the scenarios, the fleet and the
+/// milestone cuts, no seeded moments, the built image; the other stages change from there.
+fn ab_args() -> crate::ab_test::Args {
+    crate::ab_test::Args {
+        seeds: 0,
+        first_seed: 1,
+        cuts_only: false,
+        models_cuts: false,
+        fleet_only: false,
+        fleet_fault: None,
+        boards: None,
+        image: None,
+    }
 }
 
 /// The long proofs of the A/B area, each a mode of `cargo xtask ab-test`.
@@ -1803,14 +1809,8 @@ pub(super) enum AbLong {
 
 pub(super) fn ab_long(which: AbLong) -> Result<()> {
     let mut args = crate::ab_test::Args {
-        seeds: 0,
-        first_seed: 1,
         cuts_only: true,
-        models_cuts: false,
-        fleet_only: false,
-        fleet_fault: None,
-        boards: None,
-        image: None,
+        ..ab_args()
     };
     match which {
         AbLong::SeededCuts => args.seeds = 12,
@@ -1829,14 +1829,9 @@ pub(super) fn ab_long(which: AbLong) -> Result<()> {
 /// [`crate::ab_test::EARLY_SUCCESS`], and nothing else.
 pub(super) fn ab_fleet_faults() -> Result<()> {
     let r = crate::ab_test::run(crate::ab_test::Args {
-        seeds: 0,
-        first_seed: 1,
-        cuts_only: false,
-        models_cuts: false,
         fleet_only: true,
         fleet_fault: Some("early-success".into()),
-        boards: None,
-        image: None,
+        ..ab_args()
     });
     let e = match r {
         Ok(()) => bail!(
