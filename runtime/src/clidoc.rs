@@ -30,13 +30,41 @@ pub fn markdown(root: &Command) -> String {
 /// `doc` with `program`'s part replaced by `part`, or an error naming the missing marker.
 pub fn with_part(doc: &str, program: &str, part: &str) -> Result<String, String> {
     let (begin, end) = markers(program);
+    replace_between(
+        doc,
+        "docs/commands.md",
+        (&begin, &end),
+        &format!("\n{part}"),
+    )
+}
+
+/// A generated part of a page: `doc` split at the lines `begin` and `end` into what comes
+/// before `begin`, what lies between, and what follows `end`; `file` names the page in the
+/// error when a marker is missing. Every generated page of the project (docs/commands.md,
+/// docs/testing.md's stage table, ARCHITECTURE.md's layer list) is read through it.
+pub fn between<'a>(
+    doc: &'a str,
+    file: &str,
+    (begin, end): (&str, &str),
+) -> Result<(&'a str, &'a str, &'a str), String> {
     let (head, rest) = doc
-        .split_once(&begin)
-        .ok_or_else(|| format!("docs/commands.md has no line {begin}"))?;
-    let (_, tail) = rest
-        .split_once(&end)
-        .ok_or_else(|| format!("docs/commands.md has no line {end}"))?;
-    Ok(format!("{head}{begin}\n\n{part}{end}{tail}"))
+        .split_once(begin)
+        .ok_or_else(|| format!("{file} has no line {begin}"))?;
+    let (inner, tail) = rest
+        .split_once(end)
+        .ok_or_else(|| format!("{file} has no line {end}"))?;
+    Ok((head, inner, tail))
+}
+
+/// `doc` with what lies between `begin` and `end` replaced by a newline and `body`.
+pub fn replace_between(
+    doc: &str,
+    file: &str,
+    (begin, end): (&str, &str),
+    body: &str,
+) -> Result<String, String> {
+    let (head, _, tail) = between(doc, file, (begin, end))?;
+    Ok(format!("{head}{begin}\n{body}{end}{tail}"))
 }
 
 fn visible(c: &Command) -> impl Iterator<Item = &Command> {

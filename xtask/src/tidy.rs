@@ -291,12 +291,11 @@ pub const ARCH_LAYERS_END: &str = "<!-- end of layers -->";
 /// ARCHITECTURE.md's layer list: the lines between [`ARCH_LAYERS_BEGIN`] and
 /// [`ARCH_LAYERS_END`], each `N. name: `module`, `module`, …`, as (name, modules).
 pub fn arch_layers(doc: &str) -> Result<Vec<(String, Vec<String>)>, String> {
-    let (_, rest) = doc
-        .split_once(ARCH_LAYERS_BEGIN)
-        .ok_or_else(|| format!("ARCHITECTURE.md has no line {ARCH_LAYERS_BEGIN}"))?;
-    let (list, _) = rest
-        .split_once(ARCH_LAYERS_END)
-        .ok_or_else(|| format!("ARCHITECTURE.md has no line {ARCH_LAYERS_END}"))?;
+    let (_, list, _) = kiln_runtime::clidoc::between(
+        doc,
+        "ARCHITECTURE.md",
+        (ARCH_LAYERS_BEGIN, ARCH_LAYERS_END),
+    )?;
     let mut out = Vec::new();
     for line in list.lines().map(str::trim).filter(|l| !l.is_empty()) {
         let item = line

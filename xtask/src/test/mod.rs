@@ -528,13 +528,8 @@ pub(crate) fn table_markdown() -> String {
 
 /// docs/testing.md with its table replaced by `table`, or an error naming what is missing.
 pub(crate) fn with_table(doc: &str, table: &str) -> Result<String> {
-    let (head, rest) = doc
-        .split_once(TABLE_BEGIN)
-        .with_context(|| format!("docs/testing.md has no line {TABLE_BEGIN}"))?;
-    let (_, tail) = rest
-        .split_once(TABLE_END)
-        .with_context(|| format!("docs/testing.md has no line {TABLE_END}"))?;
-    Ok(format!("{head}{TABLE_BEGIN}\n{table}{TABLE_END}{tail}"))
+    kiln_runtime::clidoc::replace_between(doc, "docs/testing.md", (TABLE_BEGIN, TABLE_END), table)
+        .map_err(anyhow::Error::msg)
 }
 
 fn table(write: bool) -> Result<()> {
