@@ -644,83 +644,96 @@ fn cores() -> String {
         .to_string()
 }
 
-/// A virtualenv under `target/` with `LLAMA_CPP_PINS`; returns its python. On a CPU with AMX,
-/// llama.cpp is built without it ([`ggml_x86_without_amx`]): pip's wheel cache keys a wheel by
-/// its source only, not by `CMAKE_ARGS`, so that wheel is built here, once, into
-/// `~/.cache/kiln/wheels/<key of pin and options>/`, and installed from there.
-pub(crate) fn llama_cpp_venv() -> Result<std::path::PathBuf> {
-    let dir = crate::paths::target_dir().join("kiln/llama-cpp-venv");
-    let python = dir.join("bin/python");
-    let stamp = dir.join("kiln-pins.txt");
-    let cmake = if cfg!(target_arch = "x86_64") {
+/// llama.cpp's CMake options for the reference wheel. `LLAVA_BUILD=OFF`: llama-cpp-python
+/// builds the multimodal library (mtmd, about a sixth of what it compiles) unless told, and only
+/// imports it for image chats, which no test makes. On an x86 CPU with AMX, its options without
+/// AMX ([`ggml_x86_without_amx`]).
+fn llama_cpp_cmake_args() -> String {
+    let amx = if cfg!(target_arch = "x86_64") {
         std::fs::read_to_string("/proc/cpuinfo")
             .ok()
             .and_then(|c| ggml_x86_without_amx(&c))
     } else {
         None
     };
-    let pins = match &cmake {
-        Some(a) => format!("{} CMAKE_ARGS={a}", LLAMA_CPP_PINS.join(" ")),
-        None => LLAMA_CPP_PINS.join(" "),
-    };
+    match amx {
+        Some(a) => format!("-DLLAVA_BUILD=OFF {a}"),
+        None => "-DLLAVA_BUILD=OFF".to_string(),
+    }
+}
+
+/// A virtualenv under `target/` with `LLAMA_CPP_PINS`; returns its python. llama-cpp-python is
+/// published as source only: its wheel is compiled here, once, with [`llama_cpp_cmake_args`]
+/// into `~/.cache/kiln/wheels/<key of pin and options>/` (pip's own wheel cache keys a wheel by
+/// its source only, not by `CMAKE_ARGS`), and installed from there.
+pub(crate) fn llama_cpp_venv() -> Result<std::path::PathBuf> {
+    let dir = crate::paths::target_dir().join("kiln/llama-cpp-venv");
+    let python = dir.join("bin/python");
+    let stamp = dir.join("kiln-pins.txt");
+    let args = llama_cpp_cmake_args();
+    let pins = format!("{} CMAKE_ARGS={args}", LLAMA_CPP_PINS.join(" "));
     if std::fs::read_to_string(&stamp).ok().as_deref() == Some(pins.as_str()) && python.exists() {
         return Ok(python);
     }
     let sh = crate::paths::shell()?;
-    println!(
-        "llama-cpp: installing {pins} into {}\n\
-         llama-cpp: the first install compiles llama.cpp from source (about 15 min on 2 cores, \
-         needs g++); later installs reuse the wheel and take seconds",
-        dir.display()
-    );
+    println!("llama-cpp: installing {pins} into {}", dir.display());
     cmd!(sh, "python3 -m venv --clear {dir}")
         .run()
         .context("creating the llama-cpp virtualenv")?;
     let mut install: Vec<String> = LLAMA_CPP_PINS.iter().map(|p| p.to_string()).collect();
-    if let Some(args) = &cmake {
-        let llama = LLAMA_CPP_PINS[0];
-        let key = crate::pins::Sha256::of_bytes(format!("{llama} {args}").as_bytes()).short();
-        let cache = download_cache()?
-            .parent()
-            .context("the download cache has no parent")?
-            .join("wheels")
-            .join(&key);
-        let wheel = |d: &std::path::Path| -> Option<std::path::PathBuf> {
-            std::fs::read_dir(d)
-                .ok()?
-                .flatten()
-                .map(|e| e.path())
-                .find(|p| p.extension().is_some_and(|x| x == "whl"))
-        };
-        if wheel(&cache).is_none() {
-            println!("llama-cpp: this CPU has AMX: building {llama} with CMAKE_ARGS=\"{args}\"");
-            let tmp = cache.with_extension(format!("tmp{}", std::process::id()));
-            let _ = std::fs::remove_dir_all(&tmp);
-            cmd!(
-                sh,
-                "{python} -m pip wheel --no-deps --no-cache-dir --disable-pip-version-check --progress-bar off -w {tmp} {llama}"
-            )
-            .env("CMAKE_ARGS", args)
-            // Every core: CMake's make generator builds one file at a time unless told.
-            .env("CMAKE_BUILD_PARALLEL_LEVEL", cores())
-            .run()
-            .with_context(|| format!("building the {llama} wheel (is g++ installed?)"))?;
-            let _ = std::fs::remove_dir_all(&cache);
-            std::fs::rename(&tmp, &cache)
-                .with_context(|| format!("renaming {} to {}", tmp.display(), cache.display()))?;
-        }
-        let w = wheel(&cache).with_context(|| format!("no wheel in {}", cache.display()))?;
-        install[0] = w.to_string_lossy().into_owned();
-    }
+    install[0] = llama_cpp_wheel(&python, &args)?
+        .to_string_lossy()
+        .into_owned();
     cmd!(
         sh,
         "{python} -m pip install --disable-pip-version-check --progress-bar off {install...}"
     )
-    .env("CMAKE_BUILD_PARALLEL_LEVEL", cores())
     .run()
-    .with_context(|| format!("pip install {pins} (a compiler error here: is g++ installed?)"))?;
+    .with_context(|| format!("pip install {pins}"))?;
     std::fs::write(&stamp, &pins).with_context(|| format!("writing {}", stamp.display()))?;
     Ok(python)
+}
+
+/// The llama-cpp-python wheel built with CMake options `args`, from the cache or compiled now
+/// (with `python`'s pip, on every core) and cached by the key of pin and options.
+fn llama_cpp_wheel(python: &std::path::Path, args: &str) -> Result<std::path::PathBuf> {
+    let llama = LLAMA_CPP_PINS[0];
+    let key = crate::pins::Sha256::of_bytes(format!("{llama} {args}").as_bytes()).short();
+    let cache = download_cache()?
+        .parent()
+        .context("the download cache has no parent")?
+        .join("wheels")
+        .join(&key);
+    let wheel = |d: &std::path::Path| -> Option<std::path::PathBuf> {
+        std::fs::read_dir(d)
+            .ok()?
+            .flatten()
+            .map(|e| e.path())
+            .find(|p| p.extension().is_some_and(|x| x == "whl"))
+    };
+    if let Some(w) = wheel(&cache) {
+        return Ok(w);
+    }
+    println!(
+        "llama-cpp: compiling {llama} with CMAKE_ARGS=\"{args}\" (once per pin and options: \
+         about 10 min on 2 cores, needs g++ and cmake; later runs reuse the wheel)"
+    );
+    let sh = crate::paths::shell()?;
+    let tmp = cache.with_extension(format!("tmp{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    cmd!(
+        sh,
+        "{python} -m pip wheel --no-deps --no-cache-dir --disable-pip-version-check --progress-bar off -w {tmp} {llama}"
+    )
+    .env("CMAKE_ARGS", args)
+    // Every core: CMake's make generator builds one file at a time unless told.
+    .env("CMAKE_BUILD_PARALLEL_LEVEL", cores())
+    .run()
+    .with_context(|| format!("building the {llama} wheel (is g++ installed?)"))?;
+    let _ = std::fs::remove_dir_all(&cache);
+    std::fs::rename(&tmp, &cache)
+        .with_context(|| format!("renaming {} to {}", tmp.display(), cache.display()))?;
+    wheel(&cache).with_context(|| format!("no wheel in {}", cache.display()))
 }
 
 /// `kiln plan` on the SmolLM2 model with rknn-standin as the NPU: the `#[ignore]`d test of
