@@ -6,7 +6,14 @@ pub mod civil;
 pub mod clidoc;
 pub mod contain;
 pub mod cpus;
+#[cfg(feature = "net")]
 pub mod fleet;
+/// Without the `net` feature (the host tool's build), only the fleet's configuration, which
+/// `cargo xtask image` checks in a recipe's `[fleet]`.
+#[cfg(not(feature = "net"))]
+pub mod fleet {
+    pub mod config;
+}
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod gguf;
@@ -18,6 +25,7 @@ pub mod pool;
 pub mod quant;
 pub mod sched;
 pub mod selftest;
+#[cfg(feature = "net")]
 pub mod serve;
 pub mod slot;
 pub mod tokenizer;

@@ -3,6 +3,7 @@
 //! which panics when one of the target's invariants breaks. Not an API.
 
 pub mod chat_template;
+#[cfg(feature = "net")]
 pub mod serve_request;
 
 /// A deterministic mutation of `seed` (byte flips, deletions, insertions of `dict` tokens and of
