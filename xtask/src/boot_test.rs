@@ -7,6 +7,7 @@
 //! copy's boot partition (read in-process, GPT + FAT), and it names this image's manifest.
 
 use crate::disk::fat;
+pub use crate::tools_root::machine::{Disk, Machine, Start};
 use anyhow::{bail, ensure, Context, Result};
 pub use kiln_runtime::selftest::report::Verdict;
 use kiln_runtime::selftest::report::{Report, VERDICT_PREFIX};
@@ -192,48 +193,48 @@ pub fn ensure_image(
     Ok(path)
 }
 
-/// The qemu-system-aarch64 command line of a qemu-virt boot through U-Boot from `disk` alone
-/// (no `-kernel`), the serial console on stdio (`-nographic`: `mon:stdio`, Ctrl-A X quits),
-/// `nic` the network (`-nic none` or user networking). Shared by `boot-test` and `qemu`.
-pub fn qemu_command(pflash: &Path, disk: &Path, nic: &str, extra: &[&str]) -> Result<Vec<String>> {
+/// The qemu-system-aarch64 command line of a qemu-virt boot through U-Boot from `disks` alone
+/// (the image first; no `-kernel`), U-Boot's environment on `pflash`, the serial console on
+/// stdio (`-nographic`: `mon:stdio`, Ctrl-A X quits); `nic` `None` for no network or user
+/// networking's options after the model (e.g. ",hostfwd=tcp::8080-:8080"). The machine is the
+/// recipe's `[qemu]` ([`crate::tools_root::machine`]). Shared by `boot-test`, `qemu`, the A/B and
+/// fleet scenarios and the farm.
+pub fn qemu_command(
+    m: &Machine,
+    pflash: &Path,
+    disks: &[Disk],
+    nic: Option<&str>,
+    extra: &[&str],
+) -> Result<Vec<String>> {
     let q = crate::tools_root::qemu_virt()?;
-    let mut a: Vec<String> = vec![q.qemu.display().to_string()];
-    a.extend(
-        [
-            "-M",
-            "virt",
-            "-cpu",
-            "cortex-a76",
-            "-m",
-            "2048",
-            "-smp",
-            "2",
-            "-nographic",
-            "-nic",
-            nic,
-            // No PXE option ROM for a virtio NIC: U-Boot boots from the disk, and the ROM file
-            // (efi-virtio.rom) is in a package (ipxe-qemu) that nothing else needs.
-            "-global",
-            "virtio-net-pci.romfile=",
-        ]
-        .iter()
-        .map(|s| s.to_string()),
-    );
-    a.extend(extra.iter().map(|s| s.to_string()));
-    a.extend([
-        "-bios".into(),
-        q.uboot.display().to_string(),
-        "-drive".into(),
+    Ok(q.command(
+        m,
+        Start::UBoot {
+            pflash: Some(pflash),
+        },
+        disks,
+        nic,
+        extra,
+    ))
+}
+
+/// The machine QEMU emulates for `board` (its recipe's `[qemu]`), or why it cannot.
+pub fn emulated(board: &str) -> Result<Machine> {
+    let b = crate::image::board::Board::load(board)?;
+    b.qemu.with_context(|| {
         format!(
-            "if=pflash,unit=1,format=raw,file={},readonly=on",
-            pflash.display()
-        ),
-        "-drive".into(),
-        format!("if=none,id=d0,file={},format=raw", disk.display()),
-        "-device".into(),
-        "virtio-blk-pci,drive=d0".into(),
-    ]);
-    Ok(a)
+            "{} has no [qemu] table: QEMU does not emulate {board} (the emulated board is qemu-virt)",
+            b.path.display()
+        )
+    })
+}
+
+/// The image `disk` as the machine's only disk.
+pub fn only(disk: &Path) -> [Disk<'_>; 1] {
+    [Disk {
+        path: disk,
+        options: "",
+    }]
 }
 
 pub use crate::disk::copy_image;
@@ -403,11 +404,7 @@ pub fn run_probe(
 /// report was synced to the card before serve started) and require `/kiln/report`'s bytes to be
 /// the card's `kiln/report.json`.
 pub fn boot_with(args: &Args, probe: Option<&Probe>) -> Result<Boot> {
-    ensure!(
-        args.board == "qemu-virt",
-        "boot-test can only emulate qemu-virt (asked for {})",
-        args.board
-    );
+    let machine = emulated(&args.board)?;
     let image = ensure_image(
         &args.board,
         args.image.as_deref(),
@@ -439,13 +436,14 @@ pub fn boot_with(args: &Args, probe: Option<&Probe>) -> Result<Boot> {
         Some(_) => Some((free_port()?, serve_port(&args.board)?)),
         None => None,
     };
-    let nic = match port {
-        Some((host, guest)) => {
-            format!("user,model=virtio-net-pci,hostfwd=tcp:127.0.0.1:{host}-:{guest}")
-        }
-        None => "none".into(),
-    };
-    let argv = qemu_command(&pflash, &copy, &nic, &["-no-reboot"])?;
+    let nic = port.map(|(host, guest)| format!(",hostfwd=tcp:127.0.0.1:{host}-:{guest}"));
+    let argv = qemu_command(
+        &machine,
+        &pflash,
+        &only(&copy),
+        nic.as_deref(),
+        &["-no-reboot"],
+    )?;
     println!("boot-test: {}", argv.join(" "));
     println!(
         "boot-test: kernel command line gets `{}`",

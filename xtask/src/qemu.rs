@@ -37,12 +37,12 @@ pub struct Args {
     pub no_build: bool,
 }
 
-/// The `-nic` value: none, or user networking with a virtio-net NIC and every forward.
-pub fn nic(port_forwards: &[String]) -> Result<String> {
+/// User networking's options after the NIC model: none (no network), or every forward.
+pub fn nic(port_forwards: &[String]) -> Result<Option<String>> {
     if port_forwards.is_empty() {
-        return Ok("none".into());
+        return Ok(None);
     }
-    let mut nic = "user,model=virtio-net-pci".to_string();
+    let mut nic = String::new();
     for pf in port_forwards {
         let (h, g) = pf
             .split_once(':')
@@ -55,18 +55,14 @@ pub fn nic(port_forwards: &[String]) -> Result<String> {
         };
         nic.push_str(&format!(",hostfwd=tcp::{}-:{}", port(h)?, port(g)?));
     }
-    Ok(nic)
+    Ok(Some(nic))
 }
 
 /// The qemu command line of an interactive boot, ready to run: the image built or found, the
 /// copy made (unless `--persist`), U-Boot's environment written. Returned as argv so that the
 /// terminal (`run`) and a test over pipes run the same command.
 pub fn command(args: &Args) -> Result<Vec<String>> {
-    ensure!(
-        args.board == "qemu-virt",
-        "qemu can only emulate qemu-virt (asked for {})",
-        args.board
-    );
+    let machine = boot_test::emulated(&args.board)?;
     let nic = nic(&args.port_forwards)?;
     let image = boot_test::ensure_image(
         &args.board,
@@ -85,7 +81,13 @@ pub fn command(args: &Args) -> Result<Vec<String>> {
         boot_test::copy_image(&image, &copy)?;
         copy
     };
-    boot_test::qemu_command(&pflash, &disk, &nic, &[])
+    boot_test::qemu_command(
+        &machine,
+        &pflash,
+        &boot_test::only(&disk),
+        nic.as_deref(),
+        &[],
+    )
 }
 
 /// A `std::process::Command` of an argv.
@@ -285,10 +287,12 @@ mod tests {
 
     #[test]
     fn port_forwards_become_hostfwd() {
-        assert_eq!(nic(&[]).unwrap(), "none");
+        assert_eq!(nic(&[]).unwrap(), None);
         assert_eq!(
-            nic(&["8080:80".into(), "2222:22".into()]).unwrap(),
-            "user,model=virtio-net-pci,hostfwd=tcp::8080-:80,hostfwd=tcp::2222-:22"
+            nic(&["8080:80".into(), "2222:22".into()])
+                .unwrap()
+                .as_deref(),
+            Some(",hostfwd=tcp::8080-:80,hostfwd=tcp::2222-:22")
         );
         for bad in ["8080", "x:80", "0:80", "8080:70000", ":"] {
             assert!(nic(&[bad.into()]).is_err(), "{bad}");

@@ -30,7 +30,7 @@
 //!    `closed`/`failure` naming the checks from the FAIL report kept beside its own.
 
 use super::{boots_of, part_of, show, Machine, EARLY_SUCCESS};
-use crate::boot_test::{console_reader, pflash_with, qemu_command};
+use crate::boot_test::{console_reader, only, pflash_with, qemu_command};
 use anyhow::{ensure, Context, Result};
 use kiln_runtime::slot::Slot;
 use std::io::{BufRead, BufReader, Write};
@@ -393,10 +393,10 @@ fn boot(
     limit: Duration,
     watch: impl FnMut(&str) -> Result<bool>,
 ) -> Result<String> {
-    boot_nic(m, pflash, "user", what, limit, watch)
+    boot_nic(m, pflash, "", what, limit, watch)
 }
 
-/// [`boot`] with the network `nic` (`-nic`).
+/// [`boot`] with user networking, `nic` its options after the model (e.g. ",mac=…").
 fn boot_nic(
     m: &Machine,
     pflash: &Path,
@@ -405,7 +405,7 @@ fn boot_nic(
     limit: Duration,
     mut watch: impl FnMut(&str) -> Result<bool>,
 ) -> Result<String> {
-    let argv = qemu_command(pflash, &m.disk, nic, &[])?;
+    let argv = qemu_command(&m.qemu, pflash, &only(&m.disk), Some(nic), &[])?;
     let mut child = Command::new(&argv[0])
         .args(&argv[1..])
         .stdin(Stdio::null())
@@ -1169,7 +1169,7 @@ pub fn boards(work: &Path, image: &Path, bundles: &Path, n: usize) -> Result<()>
         let c = boot_nic(
             &m,
             &pflash,
-            &format!("user,mac={}", b.mac),
+            &format!(",mac={}", b.mac),
             "boards",
             Duration::from_secs(900 + 300 * n as u64),
             |c| {

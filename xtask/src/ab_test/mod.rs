@@ -39,7 +39,8 @@
 mod fleet;
 
 use crate::boot_test::{
-    console_reader, copy_image, edit_ab_state, ensure_image, pflash_with, qemu_command,
+    console_reader, copy_image, edit_ab_state, emulated, ensure_image, only, pflash_with,
+    qemu_command, Disk,
 };
 use crate::disk::{fat, gpt};
 use anyhow::{bail, ensure, Context, Result};
@@ -244,6 +245,8 @@ struct Machine {
     dir: PathBuf,
     disk: PathBuf,
     pflash: PathBuf,
+    /// What QEMU emulates (qemu-virt's `[qemu]`).
+    qemu: crate::tools_root::machine::Machine,
 }
 
 impl Machine {
@@ -256,6 +259,7 @@ impl Machine {
             dir: dir.to_path_buf(),
             disk,
             pflash,
+            qemu: emulated("qemu-virt")?,
         })
     }
 
@@ -291,19 +295,19 @@ impl Machine {
                 &d,
                 format!("kiln.mode=test kiln.update=vdb:/{file} {words}").trim_end(),
             )?;
-            let mut a = qemu_command(&pflash, &self.disk, "none", &[])?;
-            a.extend([
-                "-drive".to_string(),
-                format!(
-                    "if=none,id=d1,file={},format=raw,readonly=on",
-                    disk.display()
-                ),
-                "-device".into(),
-                "virtio-blk-pci,drive=d1".into(),
-            ]);
-            a
+            let disks = [
+                Disk {
+                    path: &self.disk,
+                    options: "",
+                },
+                Disk {
+                    path: disk,
+                    options: "readonly=on",
+                },
+            ];
+            qemu_command(&self.qemu, &pflash, &disks, None, &[])?
         } else {
-            qemu_command(&pflash, &self.disk, "none", &[])?
+            qemu_command(&self.qemu, &pflash, &only(&self.disk), None, &[])?
         };
         let argv = std::mem::take(&mut argv);
         let log_path = self.dir.join(format!("{what}.serial.log"));

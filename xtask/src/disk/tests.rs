@@ -1031,19 +1031,19 @@ fn uboot_distro_boot_follows_the_bootable_attribute_into_our_fat() {
     let parts = [(p_decoy, decoy), (p_boot, boot)];
     assemble(&img, DISK_SIZE, guid_from_seed(SEED, "disk"), &parts, &[]).unwrap();
 
-    let sh = Shell::new().unwrap();
-    let drive = format!(
-        "if=none,id=d0,file={},format=raw,snapshot=on",
-        img.display()
+    let machine = crate::tools_root::machine::qemu_virt_machine().unwrap();
+    let argv = q.command(
+        &machine,
+        crate::tools_root::machine::Start::UBoot { pflash: None },
+        &[crate::tools_root::machine::Disk {
+            path: &img,
+            options: "snapshot=on",
+        }],
+        None,
+        &["-no-reboot"],
     );
-    let bios = &q.uboot;
-    let qemu_bin = &q.qemu;
-    let mut qemu: std::process::Command = cmd!(
-        sh,
-        "{qemu_bin} -M virt -cpu cortex-a76 -m 512 -nographic -no-reboot -nic none
-         -bios {bios} -drive {drive} -device virtio-blk-pci,drive=d0"
-    )
-    .into();
+    let mut qemu = std::process::Command::new(&argv[0]);
+    qemu.args(&argv[1..]);
     let mut child = qemu
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::piped())

@@ -334,6 +334,45 @@ pub fn check_rack_env() -> Result<()> {
 mod tests {
     use super::*;
 
+    /// labgrid's QEMUDriver runs the machine of qemu-virt's `[qemu]`: the same machine, CPU,
+    /// memory, cores and NIC model as every other caller's command line.
+    #[test]
+    fn labgrid_runs_the_recipes_machine() {
+        let m = crate::tools_root::machine::qemu_virt_machine().unwrap();
+        for env in ["qemu-virt.yaml", "qemu-virt-remote.yaml"] {
+            let path = dir().join(env);
+            let y = std::fs::read_to_string(&path).unwrap();
+            let field = |k: &str| {
+                y.lines()
+                    .find_map(|l| l.trim().strip_prefix(&format!("{k}: ")))
+                    .map(|v| v.trim().to_string())
+            };
+            if env == "qemu-virt-remote.yaml" && field("machine").is_none() {
+                // The remote environment's power is a command: it runs `boot_test::qemu_command`.
+                continue;
+            }
+            assert_eq!(
+                field("machine").as_deref(),
+                Some(m.machine.as_str()),
+                "{env}"
+            );
+            assert_eq!(field("cpu").as_deref(), Some(m.cpu.as_str()), "{env}");
+            assert_eq!(
+                field("memory"),
+                Some(format!("{}G", m.memory_mib / 1024)),
+                "{env}"
+            );
+            assert_eq!(field("nic"), Some(format!("user,model={}", m.nic)), "{env}");
+            let extra = field("extra_args").unwrap_or_default();
+            for want in [
+                format!("-smp {}", m.smp),
+                format!("-global {}.romfile=", m.nic),
+            ] {
+                assert!(extra.contains(&want), "{env}: extra_args lacks {want}");
+            }
+        }
+    }
+
     #[test]
     fn junit_outcomes_are_read_per_test() {
         let x = r#"<?xml version="1.0"?><testsuites><testsuite name="pytest" tests="4">

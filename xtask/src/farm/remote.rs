@@ -153,15 +153,13 @@ impl Farm {
 
         // The power switch: QEMU's command line for qemu_pdu.py.
         let serve = crate::boot_test::serve_port("qemu-virt")?;
-        let nic = format!(
-            "user,model=virtio-net-pci,hostfwd=tcp:127.0.0.1:{}-:{serve}",
-            farm.http_port
-        );
+        let nic = format!(",hostfwd=tcp:127.0.0.1:{}-:{serve}", farm.http_port);
         let chardev = format!("socket,id=console,path={}", sock.display());
         let argv = crate::boot_test::qemu_command(
+            &crate::boot_test::emulated("qemu-virt")?,
             b.pflash,
-            b.disk,
-            &nic,
+            &crate::boot_test::only(b.disk),
+            Some(&nic),
             &[
                 "-monitor",
                 "none",

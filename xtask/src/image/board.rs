@@ -25,6 +25,9 @@ struct RawBoard {
     fleet: Option<toml::Table>,
     #[serde(default)]
     modules: Modules,
+    /// `[qemu]`: the machine the image boots on under emulation (only a board QEMU can boot
+    /// whole: U-Boot, the disk, the NIC).
+    qemu: Option<crate::tools_root::machine::Machine>,
     /// Supplied inputs (read by `pins`).
     #[serde(default)]
     #[allow(dead_code)]
@@ -236,6 +239,8 @@ pub struct Board {
     pub modules: Vec<String>,
     /// `[modules] firmware_input` and `firmware`: files below `/lib/firmware` for the modules.
     pub firmware: Option<(String, Vec<String>)>,
+    /// The machine QEMU emulates for this board (`[qemu]`); `None`: the board is not emulated.
+    pub qemu: Option<crate::tools_root::machine::Machine>,
 }
 
 /// `[fleet]` as the board gets it.
@@ -394,6 +399,7 @@ impl Board {
             network: raw.network,
             update: raw.update,
             fleet,
+            qemu: raw.qemu,
         })
         .and_then(|b| {
             b.serve_env()

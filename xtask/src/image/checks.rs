@@ -686,35 +686,29 @@ fn emulated_boot(
     extra_append: &str,
 ) -> Result<(String, kiln_runtime::selftest::report::Report, String)> {
     use kiln_runtime::selftest::report::Report;
-    let drive = format!("if=none,id=d0,file={},format=raw", disk.display());
     let append = format!("console=ttyAMA0 panic=-1 {extra_append} rauc.slot=A kiln.mode=test")
         .split_whitespace()
         .collect::<Vec<_>>()
         .join(" ");
     let started = std::time::Instant::now();
-    let mut child = std::process::Command::new(crate::tools_root::qemu_virt()?.qemu)
-        .args([
-            "-M",
-            "virt",
-            "-cpu",
-            "cortex-a76",
-            "-smp",
-            "2",
-            "-m",
-            "2048",
-        ])
-        .args(["-nographic", "-nic", "none", "-no-reboot", "-kernel"])
-        .arg(kernel)
-        .arg("-initrd")
-        .arg(initrd)
-        .args([
-            "-append",
-            &append,
-            "-drive",
-            &drive,
-            "-device",
-            "virtio-blk-pci,drive=d0",
-        ])
+    // rock-5b has no [qemu]: its kernel runs on the QEMU board's machine (virtio is built in).
+    let machine = crate::tools_root::machine::qemu_virt_machine()?;
+    let argv = crate::tools_root::qemu_virt()?.command(
+        &machine,
+        crate::tools_root::machine::Start::Kernel {
+            kernel,
+            initrd,
+            append: &append,
+        },
+        &[crate::tools_root::machine::Disk {
+            path: disk,
+            options: "",
+        }],
+        None,
+        &[],
+    );
+    let mut child = std::process::Command::new(&argv[0])
+        .args(&argv[1..])
         .stdin(std::process::Stdio::null())
         .stdout(std::fs::File::create(log)?)
         .stderr(std::process::Stdio::inherit())

@@ -18,6 +18,7 @@
 //!   whose host cannot map it is refused by name, with what to enable.
 
 pub mod enter;
+pub mod machine;
 pub mod make;
 
 use crate::apt::Apt;
