@@ -150,6 +150,116 @@ fn without_strings(line: &str) -> String {
     out
 }
 
+/// The circles between sibling files of one directory module: file `a.rs` naming `super::b`
+/// where `b.rs` (or `b/`) is its sibling, and back, directly or around. `files` as for
+/// [`imports`]; comments and strings skipped, `mod.rs` (the parent) left out. Each circle once,
+/// as `dir: a -> b -> a`.
+pub fn sibling_cycles(files: &[(PathBuf, String)]) -> Vec<String> {
+    let mut dirs: BTreeMap<PathBuf, BTreeMap<String, BTreeSet<String>>> = BTreeMap::new();
+    for (rel, _) in files {
+        let (Some(dir), Some(stem)) = (rel.parent(), rel.file_stem()) else {
+            continue;
+        };
+        let stem = stem.to_string_lossy().into_owned();
+        if stem == "mod" {
+            if let (Some(up), Some(name)) = (dir.parent(), dir.file_name()) {
+                let name = name.to_string_lossy().into_owned();
+                dirs.entry(up.to_path_buf())
+                    .or_default()
+                    .entry(name)
+                    .or_default();
+            }
+        } else {
+            dirs.entry(dir.to_path_buf())
+                .or_default()
+                .entry(stem)
+                .or_default();
+        }
+    }
+    for (rel, text) in files {
+        let (Some(dir), Some(stem)) = (rel.parent(), rel.file_stem()) else {
+            continue;
+        };
+        let (dir, stem) = if stem == "mod" {
+            match (dir.parent(), dir.file_name()) {
+                (Some(up), Some(n)) => (up, n.to_string_lossy().into_owned()),
+                _ => continue,
+            }
+        } else {
+            (dir, stem.to_string_lossy().into_owned())
+        };
+        // A directory module's own files name their parent `mod.rs` `super`; only a plain file's
+        // `super::` is its directory.
+        if rel.file_stem().is_some_and(|s| s == "mod") {
+            continue;
+        }
+        let Some(siblings) = dirs.get(dir) else {
+            continue;
+        };
+        let names: BTreeSet<String> = siblings.keys().cloned().collect();
+        let mut found = BTreeSet::new();
+        for line in text.lines() {
+            let code = without_strings(line.split("//").next().unwrap_or(""));
+            for (i, _) in code.match_indices("super::") {
+                if code[..i].ends_with("super::") {
+                    continue; // super::super:: reaches past the directory
+                }
+                let rest = &code[i + "super::".len()..];
+                let mut targets: Vec<String> = Vec::new();
+                if let Some(group) = rest.strip_prefix('{') {
+                    let group = group.split('}').next().unwrap_or("");
+                    targets.extend(
+                        group
+                            .split(',')
+                            .map(|t| t.trim().split("::").next().unwrap_or("").trim().to_string()),
+                    );
+                } else {
+                    let name: String = rest
+                        .chars()
+                        .take_while(|c| c.is_alphanumeric() || *c == '_')
+                        .collect();
+                    targets.push(name);
+                }
+                for t in targets {
+                    if t != stem && names.contains(&t) {
+                        found.insert(t);
+                    }
+                }
+            }
+        }
+        if let Some(e) = dirs.get_mut(dir).and_then(|m| m.get_mut(&stem)) {
+            e.extend(found);
+        }
+    }
+    let mut out = BTreeSet::new();
+    for (dir, graph) in &dirs {
+        for start in graph.keys() {
+            // Every path from `start` back to it, shortest first (breadth first).
+            let mut queue = std::collections::VecDeque::from([vec![start.clone()]]);
+            while let Some(path) = queue.pop_front() {
+                let last = path.last().cloned().unwrap_or_default();
+                for next in graph.get(&last).into_iter().flatten() {
+                    if next == start {
+                        // Named once, from its smallest member.
+                        if path.iter().all(|p| p >= start) {
+                            let mut ring = path.clone();
+                            ring.push(start.clone());
+                            let d = dir.display().to_string();
+                            let d = if d.is_empty() { "src".into() } else { d };
+                            out.insert(format!("{d}: {}", ring.join(" -> ")));
+                        }
+                    } else if !path.contains(next) && path.len() < 8 {
+                        let mut p = path.clone();
+                        p.push(next.clone());
+                        queue.push_back(p);
+                    }
+                }
+            }
+        }
+    }
+    out.into_iter().collect()
+}
+
 /// Every `crate::` reference in `files` (path relative to `src/`, text), comments skipped. A
 /// name that is not a top-level module is an item of the crate root (`crate::shell`).
 pub fn imports(files: &[(PathBuf, String)]) -> Vec<Import> {
@@ -645,6 +755,68 @@ mod tests {
         for (a, b) in [("kernel", "pins"), ("image", "kernel"), ("pins", "archive")] {
             assert!(seen.contains(&(a.into(), b.into())), "{a} -> {b} not seen");
         }
+    }
+
+    /// No two sibling files import each other, directly or around, in either crate; the
+    /// runtime's `backend/cpu` circle is the one left (issue 60: the backend cut by instruction
+    /// set removes it, and this list with it).
+    #[test]
+    fn sibling_files_import_one_way() {
+        let runtime = sources(&crate::paths::project_root().join("runtime/src"))
+            .expect("reading runtime/src");
+        let mut found = sibling_cycles(&src());
+        found.extend(
+            sibling_cycles(&runtime)
+                .into_iter()
+                .map(|c| format!("runtime/{c}")),
+        );
+        let known = |c: &String| c.starts_with("runtime/backend/cpu: ");
+        assert!(
+            found.iter().any(known),
+            "runtime/backend/cpu has no circle any more: take it out of this test's list"
+        );
+        let new: Vec<&String> = found.iter().filter(|c| !known(c)).collect();
+        assert!(
+            new.is_empty(),
+            "sibling files import each other in a circle (move what both need into a module of \
+             its own):\n  {}",
+            new.iter()
+                .map(|s| s.as_str())
+                .collect::<Vec<_>>()
+                .join("\n  ")
+        );
+    }
+
+    /// Injected: `image/updates.rs` takes `Ctx` from `steps.rs` again, which imports it back.
+    #[test]
+    fn a_sibling_circle_is_named() {
+        let mut files = src();
+        let updates = files
+            .iter_mut()
+            .find(|(p, _)| p == Path::new("image/updates.rs"))
+            .expect("image/updates.rs");
+        updates
+            .1
+            .push_str("\nfn f() { let _ = super::steps::models_key; }\n");
+        let found = sibling_cycles(&files);
+        assert!(
+            found
+                .iter()
+                .any(|c| c == "image: steps -> updates -> steps"),
+            "{found:?}"
+        );
+        // Grouped and nested paths count; strings, comments and `super::super::` do not.
+        let t = |s: &str| (PathBuf::from(format!("m/{s}.rs")), String::new());
+        let mut files = vec![t("a"), t("b"), t("c")];
+        files[0].1 = "use super::{b::X, other};".into();
+        files[1].1 = "// super::a\nlet s = \"super::a\"; super::super::a::f();".into();
+        assert!(sibling_cycles(&files).is_empty());
+        files[1].1 = "fn f() { super::c::g() }".into();
+        files[2].1 = "use super::a;".into();
+        assert_eq!(
+            sibling_cycles(&files),
+            vec!["m: a -> b -> c -> a".to_string()]
+        );
     }
 
     /// Injected: `pins` takes `Board` from `image` again (what it did before the layers).

@@ -75,7 +75,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             keyring,
             control,
         }) => {
-            let m = verity::map(&manifest, &device, &keyring, &control).map_err(|e| anyhow!(e))?;
+            let m = kiln_runtime::models_slot::trust::map(&manifest, &device, &keyring, &control)
+                .map_err(|e| anyhow!(e))?;
             eprintln!("kiln verity: {}", m.line);
             println!("{}", m.dev.display());
         }
@@ -85,7 +86,8 @@ pub fn run(a: Args) -> anyhow::Result<()> {
             keyring,
             control,
         }) => {
-            let t = verity::trusted_slot(&manifest, &device, &keyring).map_err(|e| anyhow!(e))?;
+            let t = kiln_runtime::models_slot::trust::trusted_slot(&manifest, &device, &keyring)
+                .map_err(|e| anyhow!(e))?;
             println!("{}: {}", device.display(), t.describe());
             let p = t.slot.meta.verity;
             let devno = verity::devno(&device).map_err(|e| anyhow!(e))?;

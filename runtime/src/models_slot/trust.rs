@@ -10,6 +10,7 @@
 //! Either way the slot's models format must be one this system reads (decision 6).
 
 use super::{verify_signature, Slot, FORMAT};
+use crate::verity::Mapped;
 use anyhow::{bail, Context, Result};
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
@@ -162,4 +163,70 @@ pub fn view(dev: &Path, factory: Option<&str>, keyring: &Path) -> Result<View, S
     trust(slot, factory, keyring, &what)
         .map(|t| View::Trusted(Box::new(t)))
         .map_err(|e| format!("{e:#}"))
+}
+
+// The one rule of `kiln verity map` and the self-check: which verity parameters a believed slot
+// is mapped with.
+
+fn manifest_json(manifest: &Path) -> Result<serde_json::Value, String> {
+    std::fs::read(manifest)
+        .map_err(|e| format!("{}: {e}", manifest.display()))
+        .and_then(|b| {
+            serde_json::from_slice(&b).map_err(|e| format!("{}: not JSON: {e}", manifest.display()))
+        })
+}
+
+/// A believed slot's verity parameters are what kiln maps, and the factory slot's are the
+/// manifest's too (the self-check holds them equal).
+pub fn checked(manifest: &Path, t: &Trusted, what: &str) -> Result<(), String> {
+    let v = &t.slot.meta.verity;
+    v.valid(&format!("{what}: kiln-models.json's verity"))?;
+    if t.basis == Basis::Factory {
+        let want = crate::verity::Params::from_manifest(manifest)?;
+        if &want != v {
+            return Err(format!(
+                "{what}: its kiln-models.json gives other verity parameters than the manifest's \
+                 models_verity (root {} vs {})",
+                v.root_hash, want.root_hash
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The slot on `part`, believed by the system whose manifest is `manifest` and whose update
+/// keyring is `keyring`, with its verity parameters checked.
+pub fn trusted_slot(manifest: &Path, part: &Path, keyring: &Path) -> Result<Trusted, String> {
+    let m = manifest_json(manifest)?;
+    match view(part, factory_sha(&m), keyring)? {
+        View::Trusted(t) => {
+            checked(manifest, &t, &part.display().to_string())?;
+            Ok(*t)
+        }
+        View::Damaged(e) => Err(e),
+    }
+}
+
+/// Map `part` through dm-verity as [`crate::verity::NAME`] with the verity parameters of the models slot on it,
+/// once it is believed ([`view`]). A slot whose own description
+/// (footer, `kiln-models.json`) is damaged is mapped with the manifest's `models_verity`: the
+/// factory data the measured manifest proves by itself (any other data then reads as I/O
+/// errors), so the self-check still names what it reads, and FAILs naming the damage. A slot
+/// that is readable but not believed is not mapped.
+pub fn map(manifest: &Path, part: &Path, keyring: &Path, control: &Path) -> Result<Mapped, String> {
+    let m = manifest_json(manifest)?;
+    let (params, why) = match view(part, factory_sha(&m), keyring)? {
+        View::Damaged(e) => (
+            crate::verity::Params::from_manifest(manifest)?,
+            format!(
+                "its own description is damaged ({e}): mapped with the manifest's \
+                 models_verity, the factory data it proves; the self-check FAILs on the damage"
+            ),
+        ),
+        View::Trusted(t) => {
+            checked(manifest, &t, &part.display().to_string())?;
+            (t.slot.meta.verity.clone(), t.describe())
+        }
+    };
+    crate::verity::map_with(part, &params, &why, control)
 }

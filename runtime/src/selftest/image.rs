@@ -478,7 +478,7 @@ fn verity_mapping(ctx: &Ctx, manifest: &Path, models_dir: &Path) -> Result<Mappi
     };
     let want = match known::view(ctx, &m, &slot.part)? {
         View::Trusted(t) => {
-            crate::verity::checked(manifest, &t, &format!("/dev/{}", slot.part))?;
+            crate::models_slot::trust::checked(manifest, &t, &format!("/dev/{}", slot.part))?;
             out.ok.push(format!(
                 "/dev/{} describes itself: {}",
                 slot.part,

@@ -1,6 +1,7 @@
 //! The models slot through dm-verity: init maps it with the verity parameters of the slot's own
-//! `kiln-models.json` once that is believed (`kiln verity map`; `crate::models_slot::trust`: the
-//! factory slot the manifest names, or a slot signed by a key the update keyring trusts) and
+//! `kiln-models.json` once that is believed (`kiln verity map`; `crate::models_slot::trust`
+//! decides: the factory slot the manifest names, or a slot signed by a key the update keyring
+//! trusts, and calls [`map_with`]; this module knows nothing of trust) and
 //! mounts the mapping on `/models`; the kernel then checks every block against the root hash as
 //! it is read, so a model is proved by one root hash at boot instead of by hashing every byte of
 //! it. A block that does not match is an I/O error on read (never the wrong bytes);
@@ -115,7 +116,7 @@ pub fn devno(path: &Path) -> Result<String, String> {
     Ok(format!("{}:{}", libc::major(r), libc::minor(r)))
 }
 
-/// What [`map`] made.
+/// What [`map_with`] made.
 pub struct Mapped {
     /// `/dev/dm-N`.
     pub dev: PathBuf,
@@ -123,76 +124,9 @@ pub struct Mapped {
     pub line: String,
 }
 
-fn manifest_json(manifest: &Path) -> Result<serde_json::Value, String> {
-    std::fs::read(manifest)
-        .map_err(|e| format!("{}: {e}", manifest.display()))
-        .and_then(|b| {
-            serde_json::from_slice(&b).map_err(|e| format!("{}: not JSON: {e}", manifest.display()))
-        })
-}
-
-/// A believed slot's verity parameters are what kiln maps, and the factory slot's are the
-/// manifest's too (the self-check holds them equal).
-pub fn checked(
-    manifest: &Path,
-    t: &crate::models_slot::trust::Trusted,
-    what: &str,
-) -> Result<(), String> {
-    let v = &t.slot.meta.verity;
-    v.valid(&format!("{what}: kiln-models.json's verity"))?;
-    if t.basis == crate::models_slot::trust::Basis::Factory {
-        let want = Params::from_manifest(manifest)?;
-        if &want != v {
-            return Err(format!(
-                "{what}: its kiln-models.json gives other verity parameters than the manifest's \
-                 models_verity (root {} vs {})",
-                v.root_hash, want.root_hash
-            ));
-        }
-    }
-    Ok(())
-}
-
-/// The slot on `part`, believed by the system whose manifest is `manifest` and whose update
-/// keyring is `keyring` (`crate::models_slot::trust`), with its verity parameters checked.
-pub fn trusted_slot(
-    manifest: &Path,
-    part: &Path,
-    keyring: &Path,
-) -> Result<crate::models_slot::trust::Trusted, String> {
-    use crate::models_slot::trust::{self, View};
-    let m = manifest_json(manifest)?;
-    match trust::view(part, trust::factory_sha(&m), keyring)? {
-        View::Trusted(t) => {
-            checked(manifest, &t, &part.display().to_string())?;
-            Ok(*t)
-        }
-        View::Damaged(e) => Err(e),
-    }
-}
-
-/// Map `part` through dm-verity as [`NAME`] with the verity parameters of the models slot on it,
-/// once it is believed ([`crate::models_slot::trust::view`]). A slot whose own description
-/// (footer, `kiln-models.json`) is damaged is mapped with the manifest's `models_verity`: the
-/// factory data the measured manifest proves by itself (any other data then reads as I/O
-/// errors), so the self-check still names what it reads, and FAILs naming the damage. A slot
-/// that is readable but not believed is not mapped.
-pub fn map(manifest: &Path, part: &Path, keyring: &Path, control: &Path) -> Result<Mapped, String> {
-    use crate::models_slot::trust::{self, View};
-    let m = manifest_json(manifest)?;
-    let (params, why) = match trust::view(part, trust::factory_sha(&m), keyring)? {
-        View::Damaged(e) => (
-            Params::from_manifest(manifest)?,
-            format!(
-                "its own description is damaged ({e}): mapped with the manifest's \
-                 models_verity, the factory data it proves; the self-check FAILs on the damage"
-            ),
-        ),
-        View::Trusted(t) => {
-            checked(manifest, &t, &part.display().to_string())?;
-            (t.slot.meta.verity.clone(), t.describe())
-        }
-    };
+/// Map `part` through dm-verity as [`NAME`] with `params`; `why` ends the positive line (how the
+/// parameters came to be believed: `crate::models_slot::trust::map` decides, this only maps).
+pub fn map_with(part: &Path, params: &Params, why: &str, control: &Path) -> Result<Mapped, String> {
     let p = &params;
     let devno = devno(part)?;
     let size = std::fs::File::open(part)

@@ -4,8 +4,9 @@
 //! The values go into the manifest under `known_answers.matmul`; at boot `model.matmul.<backend>`
 //! recomputes them from the mapped models and compares.
 
+use super::context::Ctx;
 use super::runner::{key_of, Product, Step};
-use super::steps::{Ctx, Model};
+use super::steps::Model;
 use crate::atomic::write_atomic;
 use crate::pins::Sha256;
 use anyhow::{Context, Result};

@@ -7,6 +7,7 @@ pub mod bench;
 pub mod board;
 pub mod bootscr;
 pub mod checks;
+mod context;
 pub mod fixture;
 mod known;
 pub mod layout;
@@ -271,13 +272,13 @@ pub fn models_slot(args: &Args) -> Result<ModelsBuilt> {
 
 /// The board, its keys, the commit, every pinned input and the tools root, checked before any
 /// work; the models named; the context every step reads.
-fn prepare(args: &Args) -> Result<(Runner, steps::Ctx, Vec<steps::Model>)> {
+fn prepare(args: &Args) -> Result<(Runner, context::Ctx, Vec<steps::Model>)> {
     prepare_in(args, None)
 }
 
 /// [`prepare`] with the steps' products under `sub` of the board's work folder (a models
 /// bundle's, so that it does not replace the image's own products of the same steps).
-fn prepare_in(args: &Args, sub: Option<&str>) -> Result<(Runner, steps::Ctx, Vec<steps::Model>)> {
+fn prepare_in(args: &Args, sub: Option<&str>) -> Result<(Runner, context::Ctx, Vec<steps::Model>)> {
     let board = Board::load(&args.board)?;
     updates::check_keys(&board, args.dev_keys)?;
     let commit = commit_info(&board)?;
@@ -315,7 +316,7 @@ fn prepare_in(args: &Args, sub: Option<&str>) -> Result<(Runner, steps::Ctx, Vec
     ));
     tools.link_cross_builds()?;
     let models = steps::models(&args.models)?;
-    let ctx = steps::Ctx {
+    let ctx = context::Ctx {
         tools,
         seed: format!("{}:{}", board.name, commit.hash),
         epoch: commit.epoch,
@@ -339,7 +340,7 @@ struct DataSide {
     data_part: runner::Product,
 }
 
-fn data_side(run: &mut Runner, ctx: &steps::Ctx, models: &[steps::Model]) -> Result<DataSide> {
+fn data_side(run: &mut Runner, ctx: &context::Ctx, models: &[steps::Model]) -> Result<DataSide> {
     let fixture = fixture::gguf().context("writing the self-check fixture")?;
     let llama = kiln_runtime::model::fixture::gguf().context("writing the llama fixture")?;
     let models_part = run.run(steps::models_partition(ctx, models, &fixture, &llama))?;
@@ -361,7 +362,7 @@ fn data_side(run: &mut Runner, ctx: &steps::Ctx, models: &[steps::Model]) -> Res
 /// be completed with the disk) and the partition.
 fn boot_slot(
     run: &mut Runner,
-    ctx: &steps::Ctx,
+    ctx: &context::Ctx,
     models: &[steps::Model],
     sys: &System,
     data: &DataSide,
@@ -421,7 +422,7 @@ struct System {
 }
 
 /// The kernel, the boot loader, the runtime, the updates tree and the initramfs.
-fn system(run: &mut Runner, ctx: &steps::Ctx) -> Result<System> {
+fn system(run: &mut Runner, ctx: &context::Ctx) -> Result<System> {
     let kernel = steps::kernel(run, ctx)?;
     let uboot = steps::bootloader(run, ctx)?;
     let runtime = steps::runtime(run, ctx)?;
@@ -459,7 +460,7 @@ fn system(run: &mut Runner, ctx: &steps::Ctx) -> Result<System> {
 /// the board's SPI NOR beside the image (docs/rock-5b.md, "U-Boot in the SPI flash").
 fn loader_outputs(
     run: &mut Runner,
-    ctx: &steps::Ctx,
+    ctx: &context::Ctx,
     b: &crate::bootloader::BootloaderOut,
     layout: &layout::Layout,
     disk: &std::path::Path,

@@ -9,8 +9,8 @@
 //! (`/etc/kiln/updates.sha256`), which init checks before it mounts the tree: the self-check
 //! does not read 16 MiB it does not run before its verdict.
 
+use super::context::Ctx;
 use super::runner::{key_of, Step};
-use super::steps::Ctx;
 use super::Inputs;
 use crate::pins::Sha256;
 use crate::rootfs::{self, NodeKind, Tree};
@@ -248,7 +248,7 @@ pub fn add_to_initramfs(
 /// The updates tree: the programs and their shared-object closure from the pinned packages,
 /// less what the initramfs has.
 pub fn tree(inputs: &Inputs) -> Result<Tree> {
-    let libs = super::steps::rootfs_libs(inputs, &[])?;
+    let libs = super::context::rootfs_libs(inputs, &[])?;
     let mut t = Tree::default();
     for (program, package) in PROGRAMS {
         let node = libs.nodes.get(*program).with_context(|| {
@@ -271,7 +271,7 @@ pub fn step(ctx: &Ctx) -> Step<'_> {
         &ctx.tools.key.to_string(),
         &ctx.epoch.to_string(),
         &uuid.to_string(),
-        &super::steps::rootfs_debs_key(ctx),
+        &super::context::rootfs_debs_key(ctx),
     ]);
     Step {
         name: "updates tree",

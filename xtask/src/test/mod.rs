@@ -632,6 +632,10 @@ fn stage_tools(stage: &str) -> (Vec<&'static doctor::Tool>, bool) {
                 &VERITYSETUP,
                 &RAUC,
                 &UBOOT_TOOLS,
+                // pins::identity's test builds an aarch64 librknnrt with the cross gcc, and
+                // doctor_path's wrong-rustc test needs every other tool present to reach the
+                // rustc check (a new machine lacked the cross gcc at this stage).
+                &CROSS_GCC,
             ]);
             (t, false)
         }
