@@ -199,6 +199,13 @@ pub const KMOD: Tool = Tool {
     apt: &["kmod"],
 };
 
+pub const XZ: Tool = Tool {
+    name: "xz",
+    why: "`xz -dc` of Debian's modules: image-checks' independent reference for the initramfs's decompressed modules",
+    probe: || version_of("xz", &["--version"]),
+    apt: &["xz-utils"],
+};
+
 pub const APT_DOWNLOAD: Tool = Tool {
     name: "apt-get",
     why: "downloads the pinned Debian packages (kernel source, busybox, glibc)",
@@ -351,6 +358,8 @@ pub fn all_tools() -> Vec<&'static Tool> {
         &CMAKE,
         &MAKE,
         &GXX,
+        &XZ,
+        &KMOD,
     ]
 }
 

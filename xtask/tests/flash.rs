@@ -295,7 +295,10 @@ fn a_user_without_write_access_is_refused_naming_the_group() {
             .arg(&img2)
             .args(["--device", &lo.dev, "--yes", "--allow-loop"])
             .args(extra)
-            .env("HOME", &pubdir))
+            .env("HOME", &pubdir)
+            // nobody's own folder: the checkout's may be out of its reach (a root's clone in
+            // /root, mode 0700, on a fresh machine), and xtask runs its tools from its cwd.
+            .current_dir(&pubdir))
     };
     // A dry run says what a real run would hit, and still shows its plan.
     let dry = as_nobody(&["--dry-run"]);

@@ -188,8 +188,16 @@ impl Nginx {
             .local_addr()?
             .port();
         let d = dir.display();
+        // As root, nginx's workers would drop to `nobody`, which cannot read a checkout under a
+        // 0700 home (a root's clone in /root on a fresh machine: every bundle a 403): they stay
+        // the invoking user, as they do anyway when it is not root. Loopback only.
+        let user = if crate::doctor::is_root() {
+            "user root root;\n"
+        } else {
+            ""
+        };
         let conf = format!(
-            "worker_processes 1;\ndaemon off;\npid {d}/nginx.pid;\nerror_log {d}/error.log;\n\
+            "{user}worker_processes 1;\ndaemon off;\npid {d}/nginx.pid;\nerror_log {d}/error.log;\n\
              events {{ worker_connections 64; }}\nhttp {{\n  access_log {d}/access.log;\n  \
              client_body_temp_path {d}/tmp;\n  proxy_temp_path {d}/tmp;\n  fastcgi_temp_path {d}/tmp;\n  \
              uwsgi_temp_path {d}/tmp;\n  scgi_temp_path {d}/tmp;\n  \

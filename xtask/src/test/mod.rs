@@ -663,7 +663,8 @@ fn stage_tools(stage: &str) -> (Vec<&'static doctor::Tool>, bool) {
         ),
         s if s.starts_with("boot-qemu") => ([FOR_IMAGE, FOR_BOOT, &[&PYTHON_VENV]].concat(), true),
         "flash" => (vec![&BMAPTOOL, &LSBLK, &LOSETUP, &MKE2FS, &SFDISK], false),
-        "image-checks" => ([FOR_IMAGE, judges].concat(), true),
+        // xz and depmod: the references for rock-5b's initramfs modules (a new machine lacked xz).
+        "image-checks" => ([FOR_IMAGE, judges, &[&XZ, &KMOD]].concat(), true),
         "u-boot" | "u-boot-twice" => ([FOR_IMAGE, &[&SFDISK, &BMAPTOOL, &LSBLK]].concat(), false),
         "pins-archive" => (FOR_PINS.to_vec(), false),
         "fresh-machine" => ([FOR_IMAGE, FOR_BOOT, &[&DEBOOTSTRAP]].concat(), true),
