@@ -231,8 +231,13 @@ pub fn sibling_cycles(files: &[(PathBuf, String)]) -> Vec<String> {
             e.extend(found);
         }
     }
+    rings(&dirs)
+}
+
+/// Each circle of the per-directory import graphs `dirs` once, as `dir: a -> b -> a`.
+fn rings(dirs: &BTreeMap<PathBuf, BTreeMap<String, BTreeSet<String>>>) -> Vec<String> {
     let mut out = BTreeSet::new();
-    for (dir, graph) in &dirs {
+    for (dir, graph) in dirs {
         for start in graph.keys() {
             // Every path from `start` back to it, shortest first (breadth first).
             let mut queue = std::collections::VecDeque::from([vec![start.clone()]]);
